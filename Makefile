@@ -1,0 +1,42 @@
+# The two set-up commands are `make run` and `make test`: each creates .venv if missing,
+# installs the project into it, generates the protos, then does its job.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PROTOS := $(wildcard protos/tandem/v1/*.proto)
+PB_STAMP := clients/python/tandem_client/pb/store_pb2.py
+
+.PHONY: run test bench protos lint check clean
+
+$(STAMP): pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+$(PB_STAMP): $(STAMP) $(PROTOS) scripts/gen_protos.py
+	$(PY) scripts/gen_protos.py
+
+protos: $(STAMP)
+	$(PY) scripts/gen_protos.py
+
+run: $(PB_STAMP)
+	$(PY) -m store_service --data-dir .tandem/store --listen 127.0.0.1:50061
+
+test: $(PB_STAMP)
+	$(PY) -m pytest -q
+
+bench: $(PB_STAMP)
+	$(PY) bench/store_bench.py
+
+lint: $(PB_STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check store_service clients/python/tandem_client tests bench scripts
+
+check: lint
+	$(PY) -m mypy store_service clients/python/tandem_client
+	$(MAKE) test
+
+clean:
+	rm -rf $(VENV) clients/python/tandem_client/pb/*_pb2* .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,37 @@
+"""Python client for Tandem: the store and engine clients, prompt identity, the `tandem` CLI."""
+
+from tandem_client.errors import (
+    AlreadyExists,
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    TandemError,
+    Unavailable,
+)
+from tandem_client.store_client import (
+    Checkpoint,
+    LookupResult,
+    PutResult,
+    RecordSummary,
+    StoreClient,
+    Tensor,
+)
+
+__all__ = [
+    "AlreadyExists",
+    "Checkpoint",
+    "DataLoss",
+    "FailedPrecondition",
+    "InvalidArgument",
+    "LookupResult",
+    "NotFound",
+    "PutResult",
+    "RecordSummary",
+    "ResourceExhausted",
+    "StoreClient",
+    "TandemError",
+    "Tensor",
+    "Unavailable",
+]

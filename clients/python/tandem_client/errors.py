@@ -1,0 +1,55 @@
+"""Errors raised by the clients: one class per status a caller acts on; each keeps its code."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class TandemError(Exception):
+    code = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class InvalidArgument(TandemError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(TandemError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(TandemError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(TandemError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(TandemError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DataLoss(TandemError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class Unavailable(TandemError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+_BY_CODE = {cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists,
+                                      FailedPrecondition, ResourceExhausted, DataLoss,
+                                      Unavailable)}
+
+
+def from_rpc_error(exc: grpc.RpcError) -> TandemError:
+    """The client-side exception for a failed call."""
+    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    cls = _BY_CODE.get(code, TandemError)
+    return cls(f"{code.name}: {details}", code)

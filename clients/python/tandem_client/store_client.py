@@ -1,0 +1,355 @@
+"""StoreClient: put, get and look up checkpoints, and administer the store, with typed results."""
+
+from __future__ import annotations
+
+import mmap
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import grpc
+
+from tandem_client.errors import DataLoss, from_rpc_error
+from tandem_client.pb import store_pb2, store_pb2_grpc, tensors_pb2
+
+Kind = Literal["prefix", "generation", "object"]
+_KINDS: dict[str, int] = {
+    "prefix": tensors_pb2.RECORD_KIND_PREFIX,
+    "generation": tensors_pb2.RECORD_KIND_GENERATION,
+    "object": tensors_pb2.RECORD_KIND_OBJECT,
+}
+_KIND_NAMES = {v: k for k, v in _KINDS.items()}
+MiB = 1 << 20
+DEFAULT_CHUNK_BYTES = 1 * MiB
+MAX_MESSAGE_BYTES = 8 * MiB
+T = TypeVar("T")
+
+
+def kind_to_pb(kind: str) -> int:
+    if not kind:
+        return tensors_pb2.RECORD_KIND_UNSPECIFIED
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {sorted(_KINDS)}, got {kind!r}")
+    return _KINDS[kind]
+
+
+def kind_name(value: int) -> str:
+    return _KIND_NAMES.get(value, "unspecified")
+
+
+@dataclass
+class Tensor:
+    """A named tensor as bytes; `data` is any buffer (bytes, memoryview, numpy array...)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: Any = b""
+    crc32: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return memoryview(self.data).nbytes
+
+    def to_pb(self) -> tensors_pb2.TensorSpec:
+        view = memoryview(self.data).cast("B")
+        crc = zlib.crc32(view) if self.crc32 is None else self.crc32
+        return tensors_pb2.TensorSpec(name=self.name, dtype=self.dtype, shape=list(self.shape),
+                                      nbytes=view.nbytes, crc32=crc)
+
+
+@dataclass
+class Attachment:
+    schema: str
+    tensors: list[Tensor] = field(default_factory=list)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Checkpoint:
+    key: bytes
+    kind: str = "prefix"
+    namespace: str = ""
+    model_id: str = ""
+    layout: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    token_count: int = 0
+    tensors: list[Tensor] = field(default_factory=list)
+    metadata: dict[str, str] = field(default_factory=dict)
+    attachments: list[Attachment] = field(default_factory=list)
+    trimmable: bool = True
+    block_size: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def all_tensors(self) -> list[Tensor]:
+        return [*self.tensors, *(t for a in self.attachments for t in a.tensors)]
+
+    def header_pb(self) -> tensors_pb2.CheckpointHeader:
+        return tensors_pb2.CheckpointHeader(
+            key=self.key, kind=kind_to_pb(self.kind), namespace=self.namespace,
+            model_id=self.model_id, layout=self.layout, token_ids=self.token_ids,
+            token_count=self.token_count or len(self.token_ids),
+            tensors=[t.to_pb() for t in self.tensors], metadata=self.metadata,
+            attachments=[tensors_pb2.Attachment(schema=a.schema, metadata=a.metadata,
+                                                tensors=[t.to_pb() for t in a.tensors])
+                         for a in self.attachments],
+            trimmable=self.trimmable, block_size=self.block_size, block_hashes=self.block_hashes,
+        )
+
+    @classmethod
+    def from_header(cls, h: tensors_pb2.CheckpointHeader) -> Checkpoint:
+        def tensor(s: tensors_pb2.TensorSpec) -> Tensor:
+            return Tensor(s.name, s.dtype, tuple(s.shape), b"", s.crc32)
+
+        return cls(
+            key=h.key, kind=kind_name(h.kind), namespace=h.namespace, model_id=h.model_id,
+            layout=list(h.layout), token_ids=list(h.token_ids), token_count=h.token_count,
+            tensors=[tensor(s) for s in h.tensors], metadata=dict(h.metadata),
+            attachments=[Attachment(a.schema, [tensor(s) for s in a.tensors], dict(a.metadata))
+                         for a in h.attachments],
+            trimmable=h.trimmable, block_size=h.block_size, block_hashes=list(h.block_hashes),
+        )
+
+
+@dataclass(frozen=True)
+class PutResult:
+    key: bytes
+    payload_bytes: int
+    replaced: bool
+    lease_id: str
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    found: bool
+    key: bytes
+    matched_tokens: int
+    record_tokens: int
+    trimmable: bool
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: str
+    holder: str
+    expires_at_unix_ms: int
+
+
+@dataclass(frozen=True)
+class RecordSummary:
+    namespace: str
+    key: bytes
+    kind: str
+    model_id: str
+    token_count: int
+    payload_bytes: int
+    tensor_count: int
+    attachment_count: int
+    created_at_unix_ms: int
+    last_access_unix_ms: int
+    pinned: bool
+    trimmable: bool
+    quarantined: bool
+
+    @classmethod
+    def from_pb(cls, s: store_pb2.RecordSummary) -> RecordSummary:
+        return cls(s.namespace, s.key, kind_name(s.kind), s.model_id, s.token_count,
+                   s.payload_bytes, s.tensor_count, s.attachment_count, s.created_at_unix_ms,
+                   s.last_access_unix_ms, s.pinned, s.trimmable, s.quarantined)
+
+
+@dataclass(frozen=True)
+class Inspection:
+    summary: RecordSummary
+    checkpoint: Checkpoint
+    leases: list[Lease]
+    chunk_count: int
+    chunk_bytes: int
+
+
+def _filter(namespace: str, model_id: str, kind: str, older_than_s: int,
+            idle_for_s: int) -> store_pb2.RecordFilter:
+    return store_pb2.RecordFilter(namespace=namespace, model_id=model_id, kind=kind_to_pb(kind),
+                                  older_than_seconds=older_than_s, idle_for_seconds=idle_for_s)
+
+
+def payload_chunks(tensors: Sequence[Tensor], chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """The concatenated tensor bytes as (offset, chunk) slices of chunk_bytes."""
+    offset, pending = 0, bytearray()
+    for tensor in tensors:
+        view = memoryview(tensor.data).cast("B")
+        pos = 0
+        while pos < len(view):
+            if not pending and len(view) - pos >= chunk_bytes:
+                yield offset, bytes(view[pos:pos + chunk_bytes])
+                offset += chunk_bytes
+                pos += chunk_bytes
+                continue
+            take = min(chunk_bytes - len(pending), len(view) - pos)
+            pending += view[pos:pos + take]
+            pos += take
+            if len(pending) == chunk_bytes:
+                yield offset, bytes(pending)
+                offset += chunk_bytes
+                pending = bytearray()
+    if pending:
+        yield offset, bytes(pending)
+
+
+class StoreClient:
+    """Synchronous client of `tandem.v1.Store` and `tandem.v1.StoreAdmin`."""
+
+    def __init__(self, address: str, *, timeout: float | None = 60.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        self.address = address
+        self.timeout = timeout
+        self._channel = (grpc.secure_channel(address, credentials, options) if credentials
+                         else grpc.insecure_channel(address, options))
+        self._store = store_pb2_grpc.StoreStub(self._channel)
+        self._admin = store_pb2_grpc.StoreAdminStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    # -- data plane --------------------------------------------------------------------------
+
+    def put(self, checkpoint: Checkpoint, *, if_absent: bool = False, pin_ttl_s: int = 0,
+            pin_holder: str = "", chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> PutResult:
+        header = store_pb2.PutHeader(checkpoint=checkpoint.header_pb(), if_absent=if_absent,
+                                     pin_ttl_seconds=pin_ttl_s, pin_holder=pin_holder)
+
+        def requests() -> Iterator[store_pb2.PutRequest]:
+            yield store_pb2.PutRequest(header=header)
+            for offset, data in payload_chunks(checkpoint.all_tensors(), chunk_bytes):
+                yield store_pb2.PutRequest(chunk=tensors_pb2.Chunk(offset=offset, data=data))
+
+        r = self._call(lambda: self._store.Put(requests(), timeout=self.timeout))
+        return PutResult(r.key, r.payload_bytes, r.replaced, r.lease_id)
+
+    def put_raw(self, requests: Iterator[store_pb2.PutRequest]) -> store_pb2.PutResponse:
+        """Sends hand-built Put messages (tests of the protocol itself)."""
+        return self._call(lambda: self._store.Put(requests, timeout=self.timeout))
+
+    def get(self, key: bytes, namespace: str = "", *, max_chunk_bytes: int = 0) -> Checkpoint:
+        """The checkpoint with its tensors' bytes, each tensor's CRC checked end to end."""
+        stream = self._store.Get(store_pb2.GetRequest(namespace=namespace, key=key,
+                                                      max_chunk_bytes=max_chunk_bytes),
+                                 timeout=self.timeout)
+        return self._call(lambda: _receive(stream))
+
+    def get_header(self, key: bytes, namespace: str = "") -> Checkpoint:
+        stream = self._store.Get(store_pb2.GetRequest(namespace=namespace, key=key,
+                                                      header_only=True), timeout=self.timeout)
+        return self._call(lambda: Checkpoint.from_header(next(iter(stream)).header))
+
+    def lookup(self, *, namespace: str, model_id: str, layout: Sequence[str], block_size: int,
+               block_hashes: Sequence[bytes], token_count: int, kind: str = "") -> LookupResult:
+        r = self._call(lambda: self._store.Lookup(store_pb2.LookupRequest(
+            namespace=namespace, model_id=model_id, layout=list(layout), block_size=block_size,
+            block_hashes=list(block_hashes), token_count=token_count, kind=kind_to_pb(kind)),
+            timeout=self.timeout))
+        return LookupResult(r.found, r.key, r.matched_tokens, r.record_tokens, r.trimmable)
+
+    def pin(self, key: bytes, namespace: str = "", *, ttl_s: int = 0, holder: str = "",
+            lease_id: str = "") -> Lease:
+        r = self._call(lambda: self._store.Pin(store_pb2.PinRequest(
+            namespace=namespace, key=key, ttl_seconds=ttl_s, holder=holder, lease_id=lease_id),
+            timeout=self.timeout))
+        return Lease(r.lease_id, holder, r.expires_at_unix_ms)
+
+    def unpin(self, key: bytes, lease_id: str, namespace: str = "") -> None:
+        self._call(lambda: self._store.Unpin(store_pb2.UnpinRequest(
+            namespace=namespace, key=key, lease_id=lease_id), timeout=self.timeout))
+
+    # -- admin -------------------------------------------------------------------------------
+
+    def list(self, *, namespace: str = "", model_id: str = "", kind: str = "",
+             older_than_s: int = 0, idle_for_s: int = 0, page_size: int = 0,
+             page_token: str = "") -> tuple[list[RecordSummary], str]:
+        r = self._call(lambda: self._admin.List(store_pb2.ListRequest(
+            filter=_filter(namespace, model_id, kind, older_than_s, idle_for_s),
+            page_size=page_size, page_token=page_token), timeout=self.timeout))
+        return [RecordSummary.from_pb(s) for s in r.records], r.next_page_token
+
+    def list_all(self, **filters: Any) -> list[RecordSummary]:
+        records, token = self.list(**filters)
+        while token:
+            more, token = self.list(page_token=token, **filters)
+            records.extend(more)
+        return records
+
+    def inspect(self, key: bytes, namespace: str = "") -> Inspection:
+        r = self._call(lambda: self._admin.Inspect(
+            store_pb2.InspectRequest(namespace=namespace, key=key), timeout=self.timeout))
+        return Inspection(RecordSummary.from_pb(r.summary), Checkpoint.from_header(r.header),
+                          [Lease(x.lease_id, x.holder, x.expires_at_unix_ms) for x in r.leases],
+                          r.chunk_count, r.chunk_bytes)
+
+    def delete(self, key: bytes, namespace: str = "", *, force: bool = False) -> int:
+        r = self._call(lambda: self._admin.Delete(
+            store_pb2.DeleteRequest(namespace=namespace, key=key, force=force),
+            timeout=self.timeout))
+        return r.freed_bytes
+
+    def purge(self, *, namespace: str = "", model_id: str = "", kind: str = "",
+              older_than_s: int = 0, idle_for_s: int = 0, include_pinned: bool = False,
+              dry_run: bool = False) -> list[RecordSummary]:
+        r = self._call(lambda: self._admin.Purge(store_pb2.PurgeRequest(
+            filter=_filter(namespace, model_id, kind, older_than_s, idle_for_s),
+            include_pinned=include_pinned, dry_run=dry_run), timeout=self.timeout))
+        return [RecordSummary.from_pb(s) for s in r.removed]
+
+    def stats(self) -> store_pb2.StatsResponse:
+        return self._call(lambda: self._admin.Stats(store_pb2.StatsRequest(),
+                                                    timeout=self.timeout))
+
+    def flush(self) -> bool:
+        return self._call(lambda: self._admin.Flush(store_pb2.FlushRequest(),
+                                                    timeout=self.timeout)).durable
+
+    def compact(self) -> tuple[int, int]:
+        r = self._call(lambda: self._admin.Compact(store_pb2.CompactRequest(), timeout=None))
+        return r.file_bytes_before, r.file_bytes_after
+
+
+def _receive(stream: Iterator[store_pb2.GetResponse]) -> Checkpoint:
+    messages = iter(stream)
+    first = next(messages)
+    checkpoint = Checkpoint.from_header(first.header)
+    tensors = checkpoint.all_tensors()
+    specs = [*first.header.tensors, *(s for a in first.header.attachments for s in a.tensors)]
+    sizes = [s.nbytes for s in specs]
+    # An anonymous mapping, not bytearray: no zero-filling pass over a buffer we overwrite.
+    payload = mmap.mmap(-1, max(sum(sizes), 1))
+    view = memoryview(payload)[:sum(sizes)]
+    received = 0
+    for message in messages:
+        chunk = message.chunk
+        if chunk.offset != received or received + len(chunk.data) > len(view):
+            raise DataLoss(f"store sent bytes at {chunk.offset}, expected {received}")
+        view[received:received + len(chunk.data)] = chunk.data
+        received += len(chunk.data)
+    if received != len(view):
+        raise DataLoss(f"stream ended at {received} of {len(view)} bytes")
+    offset = 0
+    for tensor, spec, size in zip(tensors, specs, sizes, strict=True):
+        tensor.data = view[offset:offset + size]
+        if zlib.crc32(tensor.data) != spec.crc32:
+            raise DataLoss(f"tensor {spec.name!r} failed its checksum after transfer")
+        offset += size
+    return checkpoint

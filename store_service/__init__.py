@@ -1,0 +1,1 @@
+"""The Tandem checkpoint store: LMDB-backed, served over gRPC. Never imports mlx."""

@@ -1,0 +1,3 @@
+from store_service.server import main
+
+main()

@@ -1,0 +1,86 @@
+"""Store settings: flags, with TANDEM_STORE_* environment variables as defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+
+class SyncMode(str, Enum):
+    # fsync once per committed checkpoint, before it is acknowledged.
+    COMMIT = "commit"
+    # fsync every sync_interval seconds: up to that much acknowledged work can be lost.
+    PERIODIC = "periodic"
+    # Only on Flush and shutdown (benchmarks, scratch stores).
+    NONE = "none"
+
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    data_dir: Path
+    listen: str = "127.0.0.1:50061"
+    capacity_bytes: int = 8 * GiB
+    sync_mode: SyncMode = SyncMode.COMMIT
+    sync_interval_s: float = 1.0
+    # Payload bytes per stored LMDB value (1-4 MiB values write fastest, see docs/performance.md).
+    chunk_bytes: int = 1 * MiB
+    max_workers: int = 32
+    default_lease_s: int = 300
+    max_lease_s: int = 24 * 3600
+    grace_s: float = 10.0
+    # Initial LMDB map size; 0 = sized from the capacity. It grows on demand either way.
+    map_size_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0:
+            raise ValueError("--capacity-bytes must be positive")
+        if not 4096 <= self.chunk_bytes <= 4 * MiB:
+            raise ValueError("--chunk-bytes must be between 4 KiB and 4 MiB")
+        if self.sync_interval_s <= 0:
+            raise ValueError("--sync-interval must be positive")
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"TANDEM_STORE_{name}", default)
+
+
+def parse_args(argv: list[str] | None = None) -> StoreConfig:
+    parser = argparse.ArgumentParser(prog="tandem-store", description=__doc__)
+    parser.add_argument("--data-dir", default=_env("DATA_DIR", ".tandem/store"))
+    parser.add_argument("--listen", default=_env("LISTEN", "127.0.0.1:50061"),
+                        help="HOST:PORT; port 0 picks a free one (printed on start)")
+    parser.add_argument("--capacity-bytes", type=int,
+                        default=int(_env("CAPACITY_BYTES", str(8 * GiB))))
+    parser.add_argument("--sync-mode", choices=[m.value for m in SyncMode],
+                        default=_env("SYNC_MODE", SyncMode.COMMIT.value))
+    parser.add_argument("--sync-interval", type=float,
+                        default=float(_env("SYNC_INTERVAL", "1.0")),
+                        help="seconds between syncs in periodic mode (the loss window)")
+    parser.add_argument("--chunk-bytes", type=int, default=int(_env("CHUNK_BYTES", str(MiB))))
+    parser.add_argument("--max-workers", type=int, default=int(_env("MAX_WORKERS", "32")))
+    parser.add_argument("--grace", type=float, default=float(_env("GRACE", "10")),
+                        help="seconds SIGTERM waits for in-flight calls")
+    parser.add_argument("--map-size", type=int, default=int(_env("MAP_SIZE", "0")),
+                        help="initial LMDB map size in bytes (grows on demand); 0 = from capacity")
+    args = parser.parse_args(argv)
+    try:
+        return StoreConfig(
+            data_dir=Path(args.data_dir),
+            listen=args.listen,
+            capacity_bytes=args.capacity_bytes,
+            sync_mode=SyncMode(args.sync_mode),
+            sync_interval_s=args.sync_interval,
+            chunk_bytes=args.chunk_bytes,
+            max_workers=args.max_workers,
+            grace_s=args.grace,
+            map_size_bytes=args.map_size,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))

@@ -1,0 +1,130 @@
+"""One Put in progress: checks chunks as they arrive and writes them under a pending record id.
+
+The header only becomes visible when the store commits the session (store.py); until
+then the chunks are unreachable, and a crash leaves them as orphans that start-up collects.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from store_service.errors import InvalidRequest
+from store_service.records import PutSpec, chunk_key, chunk_layout
+
+# Chunks handed to the writer per LMDB transaction, and the most bytes one Put may have
+# queued at the writer before it waits (bounds memory; keeps the gRPC receive and the
+# LMDB write overlapping). Chosen by bench/store_bench.py.
+GROUP_BYTES = 8 << 20
+MAX_INFLIGHT_BYTES = 32 << 20
+
+WriteChunks = Callable[[list[tuple[bytes, bytes]]], "Future[Any]"]
+
+
+class PutSession:
+    def __init__(self, spec: PutSpec, record_id: int, chunk_bytes: int,
+                 write_chunks: WriteChunks) -> None:
+        self.spec = spec
+        self.record_id = record_id
+        self.chunk_bytes = chunk_bytes
+        self.total = spec.payload_bytes
+        self.received = 0
+        self.chunk_crcs: list[int] = []
+        self.wrote_any = False
+        self._write_chunks = write_chunks
+        self._slots = chunk_layout(spec.sizes, chunk_bytes)
+        self._specs = [*spec.header.tensors, *(t for a in spec.header.attachments for t in a.tensors)]
+        ends, offset = [], 0
+        for size in spec.sizes:
+            offset += size
+            ends.append(offset)
+        self._tensor_ends = ends
+        self._slot = 0
+        self._fill = bytearray()
+        self._crc = 0
+        self._group: list[tuple[bytes, bytes]] = []
+        self._group_bytes = 0
+        self._inflight: deque[tuple[Future[Any], int]] = deque()
+        self._inflight_bytes = 0
+        for spec_ in self._specs:
+            if spec_.nbytes == 0 and spec_.crc32 != 0:
+                raise InvalidRequest(f"checksum mismatch for empty tensor {spec_.name!r}")
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Accepts the next slice of the payload."""
+        if offset != self.received:
+            raise InvalidRequest(
+                f"chunk at offset {offset}, expected {self.received} (a chunk is missing "
+                "or out of order)"
+            )
+        if self.received + len(data) > self.total:
+            raise InvalidRequest(
+                f"more bytes than declared: {self.received + len(data)} > {self.total}"
+            )
+        view = memoryview(data)
+        pos = 0
+        while pos < len(view):
+            slot = self._slots[self._slot]
+            piece = view[pos:pos + slot.length - len(self._fill)]
+            first_piece = not self._fill
+            self._crc = zlib.crc32(piece, 0 if slot.starts_tensor and first_piece else self._crc)
+            if first_piece and len(piece) == slot.length:
+                # A whole stored chunk in one slice: keep the received bytes, no copy.
+                self._complete(data if len(piece) == len(data) else bytes(piece))
+            else:
+                self._fill += piece
+                if len(self._fill) == slot.length:
+                    self._complete(bytes(self._fill))
+                    self._fill = bytearray()
+            pos += len(piece)
+        self.received += len(data)
+
+    def _complete(self, value: bytes) -> None:
+        slot = self._slots[self._slot]
+        self.chunk_crcs.append(self._crc)
+        if slot.offset + slot.length == self._tensor_ends[slot.tensor]:
+            spec = self._specs[slot.tensor]
+            if self._crc != spec.crc32:
+                raise InvalidRequest(
+                    f"checksum mismatch for tensor {spec.name!r}: "
+                    f"got {self._crc:#010x}, header says {spec.crc32:#010x}"
+                )
+        self._group.append((chunk_key(self.record_id, slot.index), value))
+        self._group_bytes += len(value)
+        self._slot += 1
+        if self._group_bytes >= GROUP_BYTES:
+            self._flush_group()
+
+    def _flush_group(self) -> None:
+        if not self._group:
+            return
+        self._inflight.append((self._write_chunks(self._group), self._group_bytes))
+        self.wrote_any = True
+        self._inflight_bytes += self._group_bytes
+        self._group, self._group_bytes = [], 0
+        while self._inflight_bytes > MAX_INFLIGHT_BYTES:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        future, nbytes = self._inflight.popleft()
+        self._inflight_bytes -= nbytes
+        future.result()  # a write error surfaces here
+
+    def finish(self) -> None:
+        """Checks the payload is complete and waits until every chunk is written."""
+        if self.received != self.total:
+            raise InvalidRequest(f"payload ended at {self.received} of {self.total} bytes")
+        self._flush_group()
+        while self._inflight:
+            self._wait_oldest()
+
+    def drain(self) -> None:
+        """Waits for queued writes, ignoring their errors (before cleaning up)."""
+        while self._inflight:
+            try:
+                self._wait_oldest()
+            except Exception:  # noqa: BLE001 - the put is being abandoned anyway
+                pass

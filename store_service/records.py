@@ -1,0 +1,285 @@
+"""Record types: the on-disk record format, the validated put header, summaries and to_pb.
+
+Keys in LMDB are fixed-width where it matters:
+- a record's key is `namespace tag (8 bytes) + client key`, so tenants can never
+  read or overwrite each other's records, even with a guessed key;
+- a chunk's key is `record id (8 bytes, big-endian) + chunk index (4 bytes)`, so a
+  record's chunks are contiguous and a replaced record's chunks never collide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from tandem_client.pb import store_pb2, tensors_pb2
+
+from store_service.errors import InvalidRequest
+
+DEFAULT_NAMESPACE = "default"
+NS_TAG_BYTES = 8
+MAX_KEY_BYTES = 64
+MAX_NAMESPACE_CHARS = 128
+# Widths of the element types we can check nbytes against; others stay opaque.
+DTYPE_BYTES = {
+    "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
+    "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8,
+    "complex64": 8,
+}
+
+RecordKind = int  # tensors_pb2.RecordKind values
+
+
+def normalize_namespace(namespace: str) -> str:
+    if len(namespace) > MAX_NAMESPACE_CHARS or not namespace.isprintable():
+        raise InvalidRequest(f"namespace must be up to {MAX_NAMESPACE_CHARS} printable characters")
+    return namespace or DEFAULT_NAMESPACE
+
+
+def record_key(namespace: str, key: bytes) -> bytes:
+    """The LMDB key of a record: namespace tag + client key."""
+    if not 1 <= len(key) <= MAX_KEY_BYTES:
+        raise InvalidRequest(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+    tag = hashlib.blake2b(namespace.encode(), digest_size=NS_TAG_BYTES).digest()
+    return tag + key
+
+
+def chunk_key(record_id: int, index: int) -> bytes:
+    return struct.pack(">QI", record_id, index)
+
+
+def record_id_prefix(record_id: int) -> bytes:
+    return struct.pack(">Q", record_id)
+
+
+def prefix_scope(namespace: str, model_id: str, layout: list[str], block_size: int) -> bytes:
+    """Digest of everything two records must share for one to serve the other's prefix."""
+    text = "\0".join([namespace, model_id, "|".join(layout), str(block_size)])
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def all_tensors(header: tensors_pb2.CheckpointHeader) -> list[tensors_pb2.TensorSpec]:
+    """Tensors in payload order: the checkpoint's, then each attachment's."""
+    specs = list(header.tensors)
+    for attachment in header.attachments:
+        specs.extend(attachment.tensors)
+    return specs
+
+
+@dataclass(frozen=True)
+class ChunkSlot:
+    """Where one stored chunk sits: which tensor, and its span in the payload."""
+
+    index: int
+    tensor: int
+    offset: int
+    length: int
+    starts_tensor: bool
+
+
+def chunk_layout(sizes: list[int], chunk_bytes: int) -> list[ChunkSlot]:
+    """Splits each tensor into stored chunks; a chunk never spans two tensors, so its
+    stored CRC can be the tensor's running CRC (one checksum pass on put and on get)."""
+    slots: list[ChunkSlot] = []
+    offset = 0
+    for tensor, size in enumerate(sizes):
+        for start in range(0, size, chunk_bytes):
+            length = min(chunk_bytes, size - start)
+            slots.append(ChunkSlot(len(slots), tensor, offset + start, length, start == 0))
+        offset += size
+    return slots
+
+
+@dataclass
+class PutSpec:
+    """A validated Put header."""
+
+    namespace: str
+    key: bytes
+    ikey: bytes
+    header: tensors_pb2.CheckpointHeader
+    if_absent: bool
+    pin_ttl_s: int
+    pin_holder: str
+    sizes: list[int]
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(self.sizes)
+
+    @classmethod
+    def from_pb(cls, put: store_pb2.PutHeader) -> PutSpec:
+        header = tensors_pb2.CheckpointHeader()
+        header.CopyFrom(put.checkpoint)
+        header.namespace = normalize_namespace(header.namespace)
+        ikey = record_key(header.namespace, header.key)
+        if header.kind == tensors_pb2.RECORD_KIND_UNSPECIFIED:
+            raise InvalidRequest("header.kind is required")
+        if header.token_ids:
+            if header.token_count not in (0, len(header.token_ids)):
+                raise InvalidRequest("token_count disagrees with token_ids")
+            header.token_count = len(header.token_ids)
+        _check_block_chain(header.block_size, list(header.block_hashes), header.token_count)
+        specs = all_tensors(header)
+        names: set[str] = set()
+        for spec in specs:
+            _check_tensor(spec)
+            names.add(spec.name)
+        if len(names) != len(header.tensors) + sum(len(a.tensors) for a in header.attachments):
+            raise InvalidRequest("tensor names must be unique within a checkpoint")
+        return cls(
+            namespace=header.namespace, key=bytes(header.key), ikey=ikey, header=header,
+            if_absent=put.if_absent, pin_ttl_s=put.pin_ttl_seconds, pin_holder=put.pin_holder,
+            sizes=[spec.nbytes for spec in specs],
+        )
+
+
+def _check_tensor(spec: tensors_pb2.TensorSpec) -> None:
+    if not spec.name:
+        raise InvalidRequest("every tensor needs a name")
+    if any(dim < 0 for dim in spec.shape):
+        raise InvalidRequest(f"tensor {spec.name!r} has a negative dimension")
+    width = DTYPE_BYTES.get(spec.dtype)
+    if width is not None and math.prod(spec.shape) * width != spec.nbytes:
+        raise InvalidRequest(
+            f"tensor {spec.name!r}: {spec.dtype}{list(spec.shape)} is "
+            f"{math.prod(spec.shape) * width} bytes, header says {spec.nbytes}"
+        )
+
+
+def _check_block_chain(block_size: int, hashes: list[bytes], token_count: int) -> None:
+    if not hashes:
+        return
+    if block_size <= 0:
+        raise InvalidRequest("block_hashes need a positive block_size")
+    if len(hashes) != math.ceil(token_count / block_size):
+        raise InvalidRequest(
+            f"{len(hashes)} block hashes for {token_count} tokens of block size {block_size}"
+        )
+    if any(not 8 <= len(h) <= 64 for h in hashes):
+        raise InvalidRequest("block hashes must be 8..64 bytes")
+
+
+def chain_lengths(block_size: int, token_count: int, count: int) -> list[int]:
+    """Token length covered by each entry of a block-hash chain."""
+    return [min((i + 1) * block_size, token_count) for i in range(count)]
+
+
+_META = struct.Struct(">BBQqQII")  # version, flags, record id, created ms, bytes, chunk, n
+_FORMAT_VERSION = 1
+_QUARANTINED = 1
+
+
+@dataclass
+class StoredRecord:
+    """A record's header as kept in the `headers` (or `quarantine`) table."""
+
+    record_id: int
+    created_ms: int
+    payload_bytes: int
+    chunk_bytes: int
+    chunk_crcs: list[int]
+    header: tensors_pb2.CheckpointHeader
+    quarantined: bool = False
+    last_access_ms: int = 0
+
+    def encode(self) -> bytes:
+        flags = _QUARANTINED if self.quarantined else 0
+        head = _META.pack(_FORMAT_VERSION, flags, self.record_id, self.created_ms,
+                          self.payload_bytes, self.chunk_bytes, len(self.chunk_crcs))
+        crcs = struct.pack(f">{len(self.chunk_crcs)}I", *self.chunk_crcs)
+        return head + crcs + self.header.SerializeToString()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> StoredRecord:
+        version, flags, record_id, created, nbytes, chunk, n = _META.unpack_from(raw)
+        if version != _FORMAT_VERSION:
+            raise ValueError(f"unknown record format {version}")
+        start = _META.size
+        crcs = list(struct.unpack_from(f">{n}I", raw, start))
+        header = tensors_pb2.CheckpointHeader.FromString(bytes(raw[start + 4 * n:]))
+        return cls(record_id, created, nbytes, chunk, crcs, header, bool(flags & _QUARANTINED),
+                   created)
+
+    @cached_property
+    def slots(self) -> list[ChunkSlot]:
+        return chunk_layout([s.nbytes for s in all_tensors(self.header)], self.chunk_bytes)
+
+    @property
+    def ikey(self) -> bytes:
+        return record_key(self.header.namespace, self.header.key)
+
+    def index_keys(self) -> list[bytes]:
+        """Prefix-index entries: every block boundary if trimmable, else the exact length."""
+        h = self.header
+        if not h.block_hashes or h.kind != tensors_pb2.RECORD_KIND_PREFIX:
+            return []
+        scope = prefix_scope(h.namespace, h.model_id, list(h.layout), h.block_size)
+        hashes = list(h.block_hashes) if h.trimmable else [h.block_hashes[-1]]
+        return [scope + bytes(x) for x in hashes]
+
+
+@dataclass
+class RecordInfo:
+    """What the in-memory index keeps per record (no tensor descriptions)."""
+
+    ikey: bytes
+    namespace: str
+    key: bytes
+    kind: int
+    model_id: str
+    token_count: int
+    payload_bytes: int
+    tensor_count: int
+    attachment_count: int
+    created_ms: int
+    last_access_ms: int
+    trimmable: bool
+    quarantined: bool = False
+    pinned: bool = field(default=False, compare=False)
+
+    @classmethod
+    def of(cls, record: StoredRecord) -> RecordInfo:
+        h = record.header
+        return cls(
+            ikey=record.ikey, namespace=h.namespace, key=bytes(h.key), kind=h.kind,
+            model_id=h.model_id, token_count=h.token_count,
+            payload_bytes=0 if record.quarantined else record.payload_bytes,
+            tensor_count=len(h.tensors), attachment_count=len(h.attachments),
+            created_ms=record.created_ms, last_access_ms=record.last_access_ms,
+            trimmable=h.trimmable, quarantined=record.quarantined,
+        )
+
+    def to_pb(self) -> store_pb2.RecordSummary:
+        return store_pb2.RecordSummary(
+            namespace=self.namespace, key=self.key, kind=self.kind, model_id=self.model_id,
+            token_count=self.token_count, payload_bytes=self.payload_bytes,
+            tensor_count=self.tensor_count, attachment_count=self.attachment_count,
+            created_at_unix_ms=self.created_ms, last_access_unix_ms=self.last_access_ms,
+            pinned=self.pinned, trimmable=self.trimmable, quarantined=self.quarantined,
+        )
+
+
+@dataclass(frozen=True)
+class RecordFilter:
+    namespace: str = ""
+    model_id: str = ""
+    kind: int = 0
+    older_than_s: int = 0
+    idle_for_s: int = 0
+
+    @classmethod
+    def from_pb(cls, f: store_pb2.RecordFilter) -> RecordFilter:
+        return cls(f.namespace, f.model_id, f.kind, f.older_than_seconds, f.idle_for_seconds)
+
+    def matches(self, info: RecordInfo, now: int) -> bool:
+        return (
+            (not self.namespace or info.namespace == self.namespace)
+            and (not self.model_id or info.model_id == self.model_id)
+            and (not self.kind or info.kind == self.kind)
+            and now - info.created_ms >= self.older_than_s * 1000
+            and now - info.last_access_ms >= self.idle_for_s * 1000
+        )

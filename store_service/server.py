@@ -1,0 +1,85 @@
+"""The store process: ports, health, reflection, signals."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from tandem_client.pb import store_pb2, store_pb2_grpc
+
+from store_service.config import StoreConfig, parse_args
+from store_service.servicer import StoreAdminServicer, StoreServicer
+from store_service.storage import StorageError
+from store_service.store import CheckpointStore
+
+log = logging.getLogger("tandem.store")
+
+SERVICE_NAMES = [
+    store_pb2.DESCRIPTOR.services_by_name["Store"].full_name,
+    store_pb2.DESCRIPTOR.services_by_name["StoreAdmin"].full_name,
+]
+# Chunks are at most 4 MiB of payload; leave room for the envelope.
+MAX_MESSAGE_BYTES = 8 << 20
+
+
+def create_server(store: CheckpointStore, listen: str,
+                  max_workers: int = 32) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Builds (not starts) a server for `store`; returns it, its bound port and its health."""
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="store-rpc"),
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    store_pb2_grpc.add_StoreServicer_to_server(StoreServicer(store), server)
+    store_pb2_grpc.add_StoreAdminServicer_to_server(StoreAdminServicer(store), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ["", *SERVICE_NAMES]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([*SERVICE_NAMES, health.SERVICE_NAME,
+                                         reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    return server, port, health_servicer
+
+
+def serve(config: StoreConfig) -> None:
+    store = CheckpointStore(config)
+    server, port, health_servicer = create_server(store, config.listen, config.max_workers)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    server.start()
+    host = config.listen.rsplit(":", 1)[0]
+    # One parseable line: tests and `tandem up` read the port from it.
+    print(f"tandem-store listening on {host}:{port}", flush=True)
+    stop.wait()
+    log.info("draining (grace %.0fs)", config.grace_s)
+    health_servicer.enter_graceful_shutdown()
+    server.stop(config.grace_s).wait()
+    store.close()
+    log.info("stopped cleanly")
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = parse_args(argv)
+    try:
+        serve(config)
+    except (StorageError, OSError) as exc:
+        print(f"tandem-store: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Real service processes for tests: started on port 0, found through their first line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ServiceProcess:
+    """A service run as `python -m MODULE ARGS`, listening on a free loopback port."""
+
+    def __init__(self, module: str, args: list[str], banner: str, log_path: Path) -> None:
+        self.module = module
+        self.args = args
+        self.banner = banner
+        self.log_path = log_path
+        self.proc: subprocess.Popen[str] | None = None
+        self.address = ""
+
+    def start(self, timeout: float = 60.0) -> ServiceProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", self.module, "--listen", "127.0.0.1:0", *self.args],
+                stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT, env=env,
+            )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        # Only the banner is read from stdout; the rest goes to the log file.
+        self.proc.stdout.close()
+        if self.banner not in line:
+            self.proc.kill()
+            raise RuntimeError(f"{self.module} did not start: {line!r}; log: "
+                               f"{self.log_path.read_text()[-2000:]}")
+        self.address = line.strip().rsplit(" ", 1)[-1]
+        self._wait_serving(timeout)
+        return self
+
+    def _wait_serving(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                try:
+                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.module} not serving after {timeout}s")
+                time.sleep(0.05)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL: no chance to clean up."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait; returns the exit status."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.terminate(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_store(data_dir: Path, *extra: str, log_dir: Path | None = None) -> ServiceProcess:
+    log_path = (log_dir or data_dir.parent) / f"store-{data_dir.name}.log"
+    return ServiceProcess("store_service", ["--data-dir", str(data_dir), *extra],
+                          "tandem-store listening on", log_path).start()
