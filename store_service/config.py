@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 
-class SyncMode(str, Enum):
+class SyncMode(StrEnum):
     # fsync once per committed checkpoint, before it is acknowledged.
     COMMIT = "commit"
     # fsync every sync_interval seconds: up to that much acknowledged work can be lost.
@@ -54,21 +54,39 @@ def _env(name: str, default: str) -> str:
 def parse_args(argv: list[str] | None = None) -> StoreConfig:
     parser = argparse.ArgumentParser(prog="tandem-store", description=__doc__)
     parser.add_argument("--data-dir", default=_env("DATA_DIR", ".tandem/store"))
-    parser.add_argument("--listen", default=_env("LISTEN", "127.0.0.1:50061"),
-                        help="HOST:PORT; port 0 picks a free one (printed on start)")
-    parser.add_argument("--capacity-bytes", type=int,
-                        default=int(_env("CAPACITY_BYTES", str(8 * GiB))))
-    parser.add_argument("--sync-mode", choices=[m.value for m in SyncMode],
-                        default=_env("SYNC_MODE", SyncMode.COMMIT.value))
-    parser.add_argument("--sync-interval", type=float,
-                        default=float(_env("SYNC_INTERVAL", "1.0")),
-                        help="seconds between syncs in periodic mode (the loss window)")
+    parser.add_argument(
+        "--listen",
+        default=_env("LISTEN", "127.0.0.1:50061"),
+        help="HOST:PORT; port 0 picks a free one (printed on start)",
+    )
+    parser.add_argument(
+        "--capacity-bytes", type=int, default=int(_env("CAPACITY_BYTES", str(8 * GiB)))
+    )
+    parser.add_argument(
+        "--sync-mode",
+        choices=[m.value for m in SyncMode],
+        default=_env("SYNC_MODE", SyncMode.COMMIT.value),
+    )
+    parser.add_argument(
+        "--sync-interval",
+        type=float,
+        default=float(_env("SYNC_INTERVAL", "1.0")),
+        help="seconds between syncs in periodic mode (the loss window)",
+    )
     parser.add_argument("--chunk-bytes", type=int, default=int(_env("CHUNK_BYTES", str(MiB))))
     parser.add_argument("--max-workers", type=int, default=int(_env("MAX_WORKERS", "32")))
-    parser.add_argument("--grace", type=float, default=float(_env("GRACE", "10")),
-                        help="seconds SIGTERM waits for in-flight calls")
-    parser.add_argument("--map-size", type=int, default=int(_env("MAP_SIZE", "0")),
-                        help="initial LMDB map size in bytes (grows on demand); 0 = from capacity")
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=float(_env("GRACE", "10")),
+        help="seconds SIGTERM waits for in-flight calls",
+    )
+    parser.add_argument(
+        "--map-size",
+        type=int,
+        default=int(_env("MAP_SIZE", "0")),
+        help="initial LMDB map size in bytes (grows on demand); 0 = from capacity",
+    )
     args = parser.parse_args(argv)
     try:
         return StoreConfig(

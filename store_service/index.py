@@ -22,14 +22,15 @@ class Lease:
     expires_ms: int
 
     def encode(self) -> bytes:
-        return struct.pack(">qB", self.expires_ms, len(self.ikey)) + self.ikey + self.holder.encode()
+        head = struct.pack(">qB", self.expires_ms, len(self.ikey))
+        return head + self.ikey + self.holder.encode()
 
     @classmethod
     def decode(cls, lease_id: bytes, raw: bytes) -> Lease:
         expires, klen = struct.unpack_from(">qB", raw)
         start = struct.calcsize(">qB")
-        ikey = bytes(raw[start:start + klen])
-        return cls(lease_id.decode(), ikey, bytes(raw[start + klen:]).decode(), expires)
+        ikey = bytes(raw[start : start + klen])
+        return cls(lease_id.decode(), ikey, bytes(raw[start + klen :]).decode(), expires)
 
 
 class RecordIndex:
@@ -94,12 +95,16 @@ class RecordIndex:
 
     def expired_leases(self, now_ms: int) -> list[Lease]:
         return [
-            lease for leases in self._leases.values() for lease in leases.values()
+            lease
+            for leases in self._leases.values()
+            for lease in leases.values()
             if lease.expires_ms <= now_ms
         ]
 
     def pinned_count(self, now_ms: int) -> int:
-        return sum(1 for ikey in self._leases if ikey in self._records and self.is_pinned(ikey, now_ms))
+        return sum(
+            1 for ikey in self._leases if ikey in self._records and self.is_pinned(ikey, now_ms)
+        )
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -107,14 +112,16 @@ class RecordIndex:
         """Records eviction may take, least recently used first."""
         skip = set(exclude)
         return [
-            info for ikey, info in self._records.items()
+            info
+            for ikey, info in self._records.items()
             if ikey not in skip and not info.quarantined and not self.is_pinned(ikey, now_ms)
         ]
 
     def matching(self, flt: RecordFilter, now_ms: int, after: bytes = b"") -> list[RecordInfo]:
         """Records matching a filter in key order, starting after `after`."""
         found = [
-            info for ikey, info in self._records.items()
+            info
+            for ikey, info in self._records.items()
             if ikey > after and flt.matches(info, now_ms)
         ]
         found.sort(key=lambda info: info.ikey)

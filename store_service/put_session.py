@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from store_service.errors import InvalidRequest
-from store_service.records import PutSpec, chunk_key, chunk_layout
+from store_service.records import PutSpec, all_tensors, chunk_key, chunk_layout
 
 # Chunks handed to the writer per LMDB transaction, and the most bytes one Put may have
 # queued at the writer before it waits (bounds memory; keeps the gRPC receive and the
@@ -25,8 +25,9 @@ WriteChunks = Callable[[list[tuple[bytes, bytes]]], "Future[Any]"]
 
 
 class PutSession:
-    def __init__(self, spec: PutSpec, record_id: int, chunk_bytes: int,
-                 write_chunks: WriteChunks) -> None:
+    def __init__(
+        self, spec: PutSpec, record_id: int, chunk_bytes: int, write_chunks: WriteChunks
+    ) -> None:
         self.spec = spec
         self.record_id = record_id
         self.chunk_bytes = chunk_bytes
@@ -36,7 +37,7 @@ class PutSession:
         self.wrote_any = False
         self._write_chunks = write_chunks
         self._slots = chunk_layout(spec.sizes, chunk_bytes)
-        self._specs = [*spec.header.tensors, *(t for a in spec.header.attachments for t in a.tensors)]
+        self._specs = all_tensors(spec.header)
         ends, offset = [], 0
         for size in spec.sizes:
             offset += size
@@ -68,7 +69,7 @@ class PutSession:
         pos = 0
         while pos < len(view):
             slot = self._slots[self._slot]
-            piece = view[pos:pos + slot.length - len(self._fill)]
+            piece = view[pos : pos + slot.length - len(self._fill)]
             first_piece = not self._fill
             self._crc = zlib.crc32(piece, 0 if slot.starts_tensor and first_piece else self._crc)
             if first_piece and len(piece) == slot.length:

@@ -15,9 +15,8 @@ import struct
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from tandem_client.pb import store_pb2, tensors_pb2
-
 from store_service.errors import InvalidRequest
+from tandem_client.pb import store_pb2, tensors_pb2
 
 DEFAULT_NAMESPACE = "default"
 NS_TAG_BYTES = 8
@@ -25,8 +24,19 @@ MAX_KEY_BYTES = 64
 MAX_NAMESPACE_CHARS = 128
 # Widths of the element types we can check nbytes against; others stay opaque.
 DTYPE_BYTES = {
-    "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
-    "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8,
+    "bool": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
     "complex64": 8,
 }
 
@@ -131,8 +141,13 @@ class PutSpec:
         if len(names) != len(header.tensors) + sum(len(a.tensors) for a in header.attachments):
             raise InvalidRequest("tensor names must be unique within a checkpoint")
         return cls(
-            namespace=header.namespace, key=bytes(header.key), ikey=ikey, header=header,
-            if_absent=put.if_absent, pin_ttl_s=put.pin_ttl_seconds, pin_holder=put.pin_holder,
+            namespace=header.namespace,
+            key=bytes(header.key),
+            ikey=ikey,
+            header=header,
+            if_absent=put.if_absent,
+            pin_ttl_s=put.pin_ttl_seconds,
+            pin_holder=put.pin_holder,
             sizes=[spec.nbytes for spec in specs],
         )
 
@@ -188,8 +203,15 @@ class StoredRecord:
 
     def encode(self) -> bytes:
         flags = _QUARANTINED if self.quarantined else 0
-        head = _META.pack(_FORMAT_VERSION, flags, self.record_id, self.created_ms,
-                          self.payload_bytes, self.chunk_bytes, len(self.chunk_crcs))
+        head = _META.pack(
+            _FORMAT_VERSION,
+            flags,
+            self.record_id,
+            self.created_ms,
+            self.payload_bytes,
+            self.chunk_bytes,
+            len(self.chunk_crcs),
+        )
         crcs = struct.pack(f">{len(self.chunk_crcs)}I", *self.chunk_crcs)
         return head + crcs + self.header.SerializeToString()
 
@@ -200,9 +222,10 @@ class StoredRecord:
             raise ValueError(f"unknown record format {version}")
         start = _META.size
         crcs = list(struct.unpack_from(f">{n}I", raw, start))
-        header = tensors_pb2.CheckpointHeader.FromString(bytes(raw[start + 4 * n:]))
-        return cls(record_id, created, nbytes, chunk, crcs, header, bool(flags & _QUARANTINED),
-                   created)
+        header = tensors_pb2.CheckpointHeader.FromString(bytes(raw[start + 4 * n :]))
+        return cls(
+            record_id, created, nbytes, chunk, crcs, header, bool(flags & _QUARANTINED), created
+        )
 
     @cached_property
     def slots(self) -> list[ChunkSlot]:
@@ -245,21 +268,36 @@ class RecordInfo:
     def of(cls, record: StoredRecord) -> RecordInfo:
         h = record.header
         return cls(
-            ikey=record.ikey, namespace=h.namespace, key=bytes(h.key), kind=h.kind,
-            model_id=h.model_id, token_count=h.token_count,
+            ikey=record.ikey,
+            namespace=h.namespace,
+            key=bytes(h.key),
+            kind=h.kind,
+            model_id=h.model_id,
+            token_count=h.token_count,
             payload_bytes=0 if record.quarantined else record.payload_bytes,
-            tensor_count=len(h.tensors), attachment_count=len(h.attachments),
-            created_ms=record.created_ms, last_access_ms=record.last_access_ms,
-            trimmable=h.trimmable, quarantined=record.quarantined,
+            tensor_count=len(h.tensors),
+            attachment_count=len(h.attachments),
+            created_ms=record.created_ms,
+            last_access_ms=record.last_access_ms,
+            trimmable=h.trimmable,
+            quarantined=record.quarantined,
         )
 
     def to_pb(self) -> store_pb2.RecordSummary:
         return store_pb2.RecordSummary(
-            namespace=self.namespace, key=self.key, kind=self.kind, model_id=self.model_id,
-            token_count=self.token_count, payload_bytes=self.payload_bytes,
-            tensor_count=self.tensor_count, attachment_count=self.attachment_count,
-            created_at_unix_ms=self.created_ms, last_access_unix_ms=self.last_access_ms,
-            pinned=self.pinned, trimmable=self.trimmable, quarantined=self.quarantined,
+            namespace=self.namespace,
+            key=self.key,
+            kind=tensors_pb2.RecordKind.ValueType(self.kind),
+            model_id=self.model_id,
+            token_count=self.token_count,
+            payload_bytes=self.payload_bytes,
+            tensor_count=self.tensor_count,
+            attachment_count=self.attachment_count,
+            created_at_unix_ms=self.created_ms,
+            last_access_unix_ms=self.last_access_ms,
+            pinned=self.pinned,
+            trimmable=self.trimmable,
+            quarantined=self.quarantined,
         )
 
 

@@ -11,12 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from tandem_client.pb import store_pb2, store_pb2_grpc
 
 from store_service.config import StoreConfig, parse_args
-from store_service.servicer import StoreAdminServicer, StoreServicer
+from store_service.servicer import StoreAdminServicer, StoreServicer, store_handler
 from store_service.storage import StorageError
 from store_service.store import CheckpointStore
+from tandem_client.pb import store_pb2, store_pb2_grpc
 
 log = logging.getLogger("tandem.store")
 
@@ -28,8 +28,9 @@ SERVICE_NAMES = [
 MAX_MESSAGE_BYTES = 8 << 20
 
 
-def create_server(store: CheckpointStore, listen: str,
-                  max_workers: int = 32) -> tuple[grpc.Server, int, health.HealthServicer]:
+def create_server(
+    store: CheckpointStore, listen: str, max_workers: int = 32
+) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Builds (not starts) a server for `store`; returns it, its bound port and its health."""
     server = grpc.server(
         ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="store-rpc"),
@@ -38,14 +39,15 @@ def create_server(store: CheckpointStore, listen: str,
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    store_pb2_grpc.add_StoreServicer_to_server(StoreServicer(store), server)
+    server.add_generic_rpc_handlers((store_handler(StoreServicer(store)),))
     store_pb2_grpc.add_StoreAdminServicer_to_server(StoreAdminServicer(store), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ["", *SERVICE_NAMES]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection([*SERVICE_NAMES, health.SERVICE_NAME,
-                                         reflection.SERVICE_NAME], server)
+    reflection.enable_server_reflection(
+        [*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
     port = server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
@@ -71,8 +73,11 @@ def serve(config: StoreConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     config = parse_args(argv)
     try:
         serve(config)

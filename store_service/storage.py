@@ -89,8 +89,13 @@ class LmdbStorage:
             # sync=False: commits don't fsync; we sync explicitly per the store's sync mode,
             # once per checkpoint rather than once per chunk transaction.
             self.env = lmdb.open(
-                str(self.data_dir), map_size=self._map_size, max_dbs=len(TABLES) + 1,
-                sync=False, metasync=False, readahead=False, max_readers=512,
+                str(self.data_dir),
+                map_size=self._map_size,
+                max_dbs=len(TABLES) + 1,
+                sync=False,
+                metasync=False,
+                readahead=False,
+                max_readers=512,
             )
             self.db = {
                 name: self.env.open_db(name.encode(), dupsort=(name == "prefix_index"))
@@ -123,7 +128,8 @@ class LmdbStorage:
         """Runs fn(txn) in a read transaction; keep it short (no network waits inside)."""
         with self._lock.shared():
             try:
-                with self.env.begin(buffers=buffers) as txn:
+                txn = self.env.begin(buffers=True) if buffers else self.env.begin()
+                with txn:
                     return fn(txn)
             except lmdb.Error as exc:
                 raise StorageError(f"LMDB read failed: {exc}") from exc
@@ -136,24 +142,37 @@ class LmdbStorage:
         *,
         sync: bool = False,
         on_commit: Callable[[T], None] | None = None,
-        in_txn: bool = True,
     ) -> Future[T]:
         """Queues fn(txn) for the writer thread; the future resolves after commit (and sync).
 
         fn may run more than once (a full map is grown and the transaction retried), so it
         must only touch LMDB; in-memory effects go in on_commit, which runs on the writer
-        thread right after the commit, in commit order. With in_txn=False, fn() is called
-        with no argument and no transaction open (maintenance that must exclude writers).
+        thread right after the commit, in commit order.
         """
         future: Future[T] = Future()
         if self._closed:
             future.set_exception(Unavailable("store is shutting down"))
             return future
-        self._queue.put(_WriteOp(fn, on_commit, sync, future, in_txn))
+        self._queue.put(_WriteOp(fn, on_commit, sync, future))
         return future
 
-    def write(self, fn: Callable[[Any], T], *, sync: bool = False,
-              on_commit: Callable[[T], None] | None = None) -> T:
+    def run_on_writer(self, fn: Callable[[], T]) -> Future[T]:
+        """Calls fn() on the writer thread with no transaction open: maintenance that must
+        exclude every write (compaction)."""
+        future: Future[T] = Future()
+        if self._closed:
+            future.set_exception(Unavailable("store is shutting down"))
+        else:
+            self._queue.put(_WriteOp(lambda _: fn(), None, False, future, in_txn=False))
+        return future
+
+    def write(
+        self,
+        fn: Callable[[Any], T],
+        *,
+        sync: bool = False,
+        on_commit: Callable[[T], None] | None = None,
+    ) -> T:
         return self.submit(fn, sync=sync, on_commit=on_commit).result()
 
     def sync(self) -> None:
@@ -191,7 +210,7 @@ class LmdbStorage:
 
     def _apply(self, op: _WriteOp) -> Any:
         if not op.in_txn:
-            return op.fn()  # type: ignore[call-arg]
+            return op.fn(None)
         for _ in range(32):
             try:
                 with self._lock.shared(), self.env.begin(write=True) as txn:
@@ -223,7 +242,7 @@ class LmdbStorage:
 
         Runs on the writer thread, so no write can slip in between the copy and the swap.
         """
-        return self.submit(self._compact_on_writer, in_txn=False).result()
+        return self.run_on_writer(self._compact_on_writer).result()
 
     def _compact_on_writer(self) -> tuple[int, int]:
         before = self.file_bytes()

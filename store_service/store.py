@@ -13,11 +13,9 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
-
-from tandem_client.pb import store_pb2, tensors_pb2
 
 from store_service.config import StoreConfig, SyncMode
 from store_service.errors import (
@@ -32,6 +30,7 @@ from store_service.errors import (
 from store_service.index import Lease, RecordIndex
 from store_service.put_session import PutSession
 from store_service.records import (
+    ChunkSlot,
     PutSpec,
     RecordFilter,
     RecordInfo,
@@ -44,10 +43,18 @@ from store_service.records import (
     record_key,
 )
 from store_service.storage import LmdbStorage, now_ms
+from tandem_client.pb import store_pb2, tensors_pb2
 
 log = logging.getLogger(__name__)
 
 _ACCESS = struct.Struct(">q")
+Encoder = Callable[[int, memoryview], Any]
+
+
+def _copy(offset: int, view: memoryview) -> tuple[int, bytes]:
+    return offset, bytes(view)
+
+
 MAINTENANCE_PERIOD_S = 1.0
 
 
@@ -94,8 +101,9 @@ class CheckpointStore:
         self._recover()
         self._stop = threading.Event()
         self._last_sync = time.monotonic()
-        self._maintenance = threading.Thread(target=self._maintain, name="store-maintenance",
-                                             daemon=True)
+        self._maintenance = threading.Thread(
+            target=self._maintain, name="store-maintenance", daemon=True
+        )
         self._maintenance.start()
 
     # -- start-up ----------------------------------------------------------------------------
@@ -120,20 +128,28 @@ class CheckpointStore:
             record.last_access_ms = access.get(record.ikey, record.created_ms)
             self.index.put(RecordInfo.of(record))
             live_ids.add(record.record_id)
-        for info in sorted(self.index.matching(RecordFilter(), now_ms()),
-                           key=lambda i: i.last_access_ms):
+        for info in sorted(
+            self.index.matching(RecordFilter(), now_ms()), key=lambda i: i.last_access_ms
+        ):
             self.index.touch(info.ikey, info.last_access_ms)  # restore LRU order
         self.index.take_dirty_access()
         now = now_ms()
+        stale = []
         for lease in leases:
             if lease.expires_ms > now and self.index.get(lease.ikey) is not None:
                 self.index.add_lease(lease)
             else:
-                self.storage.submit(lambda txn, k=lease.lease_id: txn.delete(
-                    k.encode(), db=db["leases"]))
+                stale.append(lease.lease_id.encode())
+
+        def drop_stale(txn: Any) -> None:
+            for lease_id in stale:
+                txn.delete(lease_id, db=db["leases"])
+
+        self.storage.submit(drop_stale)
         self._next_id = max([last_chunk_id, *live_ids]) + 1
         self.counters.orphans_collected = self.storage.write(
-            lambda txn: _collect_orphans(txn, db["chunks"], live_ids), sync=True)
+            lambda txn: _collect_orphans(txn, db["chunks"], live_ids), sync=True
+        )
         if self.counters.orphans_collected:
             log.warning("collected chunks of %d interrupted puts", self.counters.orphans_collected)
         log.info("store opened: %d records, %d bytes", len(self.index), self.index.used_bytes)
@@ -144,8 +160,10 @@ class CheckpointStore:
         spec = PutSpec.from_pb(header)
         capacity = self.config.capacity_bytes
         if spec.payload_bytes > capacity:
-            raise Overloaded(f"checkpoint of {spec.payload_bytes} bytes exceeds the store's "
-                             f"capacity of {capacity} bytes")
+            raise Overloaded(
+                f"checkpoint of {spec.payload_bytes} bytes exceeds the store's "
+                f"capacity of {capacity} bytes"
+            )
         with self._mutex:
             existing = self.index.get(spec.ikey)
             if spec.if_absent and existing is not None:
@@ -180,25 +198,44 @@ class CheckpointStore:
             victims.append(info)
             excess -= info.payload_bytes
         if excess > 0:
-            raise Overloaded(f"no room for {nbytes} bytes: the rest of the store is pinned or "
-                             "being written")
+            raise Overloaded(
+                f"no room for {nbytes} bytes: the rest of the store is pinned or being written"
+            )
         for info in victims:
             self.index.remove(info.ikey)
             self.counters.evictions += 1
             self.counters.evicted_bytes += info.payload_bytes
-            self.storage.submit(lambda txn, k=info.ikey: self._delete_in_txn(txn, k))
-            log.info("evicted %s/%s (%d bytes)", info.namespace, info.key.hex(), info.payload_bytes)
+            log.info(
+                "evicting %s/%s (%d bytes)", info.namespace, info.key.hex(), info.payload_bytes
+            )
+
+        def evict(txn: Any) -> None:
+            for info in victims:
+                self._delete_in_txn(txn, info.ikey)
+
+        self.storage.submit(evict)
 
     def commit_put(self, session: PutSession) -> PutResult:
         session.finish()
         spec = session.spec
         now = now_ms()
-        record = StoredRecord(session.record_id, now, spec.payload_bytes, session.chunk_bytes,
-                              session.chunk_crcs, spec.header, last_access_ms=now)
+        record = StoredRecord(
+            session.record_id,
+            now,
+            spec.payload_bytes,
+            session.chunk_bytes,
+            session.chunk_crcs,
+            spec.header,
+            last_access_ms=now,
+        )
         lease = None
         if spec.pin_ttl_s:
-            lease = Lease(secrets.token_hex(8), spec.ikey, spec.pin_holder,
-                          now + 1000 * min(spec.pin_ttl_s, self.config.max_lease_s))
+            lease = Lease(
+                secrets.token_hex(8),
+                spec.ikey,
+                spec.pin_holder,
+                now + 1000 * min(spec.pin_ttl_s, self.config.max_lease_s),
+            )
         db = self.storage.db
 
         def commit(txn: Any) -> StoredRecord | None:
@@ -222,12 +259,14 @@ class CheckpointStore:
                 self.counters.puts += 1
 
         try:
-            old = self.storage.write(commit, sync=self.config.sync_mode == SyncMode.COMMIT,
-                                     on_commit=publish)
+            old = self.storage.write(
+                commit, sync=self.config.sync_mode == SyncMode.COMMIT, on_commit=publish
+            )
         finally:
             self._release(session)
-        return PutResult(spec.key, spec.payload_bytes, old is not None, 0,
-                         lease.lease_id if lease else "")
+        return PutResult(
+            spec.key, spec.payload_bytes, old is not None, 0, lease.lease_id if lease else ""
+        )
 
     def abort_put(self, session: PutSession) -> None:
         """Forgets a put that failed or was cancelled; its chunks are deleted."""
@@ -268,34 +307,47 @@ class CheckpointStore:
             self.index.touch(ikey, now_ms())
         return StoredRecord.decode(raw)
 
-    def read_payload(self, record: StoredRecord, max_chunk: int = 0) -> Iterator[tuple[int, bytes]]:
-        """Yields (offset, bytes) of the payload, each stored chunk verified before it leaves."""
+    def read_payload(
+        self, record: StoredRecord, max_chunk: int = 0, encode: Encoder = _copy
+    ) -> Iterator[Any]:
+        """Yields the payload as encode(offset, bytes) pieces, each stored chunk verified
+        before anything of it leaves. encode runs inside the read transaction on a view of
+        LMDB's own pages, so the one copy it makes is the only one."""
         chunks = self.storage.db["chunks"]
         crc = 0
         for slot, expected in zip(record.slots, record.chunk_crcs, strict=True):
             key = chunk_key(record.record_id, slot.index)
             prev = 0 if slot.starts_tensor else crc
+            step = max_chunk or slot.length
 
-            def read(txn: Any, key: bytes = key, prev: int = prev) -> tuple[bytes, int] | None:
+            def read(
+                txn: Any,
+                key: bytes = key,
+                prev: int = prev,
+                expected: int = expected,
+                slot: ChunkSlot = slot,
+                step: int = step,
+            ) -> list[Any] | None | int:
                 buf = txn.get(key, db=chunks)
                 if buf is None:
                     return None
-                return bytes(buf), zlib.crc32(buf, prev)
+                if len(buf) != slot.length or zlib.crc32(buf, prev) != expected:
+                    return -1
+                return [
+                    encode(slot.offset + i, buf[i : i + step]) for i in range(0, slot.length, step)
+                ]
 
-            got = self.storage.read(read, buffers=True)
-            if got is None:
+            pieces = self.storage.read(read, buffers=True)
+            if pieces is None:
                 raise Aborted("the record was replaced or removed while it was being read")
-            data, crc = got
-            if len(data) != slot.length or crc != expected:
+            if pieces == -1:
                 self.quarantine(record, f"chunk {slot.index} failed its checksum")
-                raise Corrupt(f"stored chunk {slot.index} of {record.header.key.hex()} failed "
-                              "its checksum; the record is quarantined")
-            if max_chunk and len(data) > max_chunk:
-                view = memoryview(data)
-                for start in range(0, len(data), max_chunk):
-                    yield slot.offset + start, bytes(view[start:start + max_chunk])
-            else:
-                yield slot.offset, data
+                raise Corrupt(
+                    f"stored chunk {slot.index} of {record.header.key.hex()} failed "
+                    "its checksum; the record is quarantined"
+                )
+            crc = expected
+            yield from pieces  # type: ignore[misc]
 
     def quarantine(self, record: StoredRecord, reason: str) -> None:
         db = self.storage.db
@@ -349,8 +401,9 @@ class CheckpointStore:
                         continue
                     self.counters.hits += 1
                     self.index.touch(ikey, now_ms())
-                    return LookupResult(True, info.key, lengths[i], info.token_count,
-                                        info.trimmable)
+                    return LookupResult(
+                        True, info.key, lengths[i], info.token_count, info.trimmable
+                    )
         with self._mutex:
             self.counters.misses += 1
         return LookupResult(False)
@@ -383,7 +436,9 @@ class CheckpointStore:
 
     # -- admin -------------------------------------------------------------------------------
 
-    def list(self, flt: RecordFilter, page_size: int, page_token: str) -> tuple[list[RecordInfo], str]:
+    def list_records(
+        self, flt: RecordFilter, page_size: int, page_token: str
+    ) -> tuple[list[RecordInfo], str]:
         if page_size < 0:
             raise InvalidRequest("page_size must not be negative")
         page_size = min(page_size or 100, 1000)
@@ -401,8 +456,9 @@ class CheckpointStore:
         namespace = normalize_namespace(namespace)
         ikey = record_key(namespace, key)
         db = self.storage.db
-        raw = self.storage.read(lambda txn: txn.get(ikey, db=db["headers"])
-                                or txn.get(ikey, db=db["quarantine"]))
+        raw = self.storage.read(
+            lambda txn: txn.get(ikey, db=db["headers"]) or txn.get(ikey, db=db["quarantine"])
+        )
         with self._mutex:
             info = self.index.get(ikey)
             if raw is None or info is None:
@@ -420,15 +476,20 @@ class CheckpointStore:
             if not force and self.index.is_pinned(ikey, now_ms()):
                 raise Precondition("record is pinned by a lease; use force to delete it anyway")
             self.index.remove(ikey)
-        self.storage.write(lambda txn: self._delete_in_txn(txn, ikey),
-                           sync=self.config.sync_mode == SyncMode.COMMIT)
+        self.storage.write(
+            lambda txn: self._delete_in_txn(txn, ikey),
+            sync=self.config.sync_mode == SyncMode.COMMIT,
+        )
         return info.payload_bytes
 
     def purge(self, flt: RecordFilter, include_pinned: bool, dry_run: bool) -> list[RecordInfo]:
         now = now_ms()
         with self._mutex:
-            gone = [info for info in self.index.matching(flt, now)
-                    if include_pinned or not self.index.is_pinned(info.ikey, now)]
+            gone = [
+                info
+                for info in self.index.matching(flt, now)
+                if include_pinned or not self.index.is_pinned(info.ikey, now)
+            ]
             if dry_run:
                 return gone
             for info in gone:
@@ -446,18 +507,28 @@ class CheckpointStore:
         with self._mutex:
             c = self.counters
             return store_pb2.StatsResponse(
-                records=sum(1 for _ in self.index.matching(RecordFilter(), now_ms())
-                            if not _.quarantined),
+                records=sum(
+                    1 for _ in self.index.matching(RecordFilter(), now_ms()) if not _.quarantined
+                ),
                 payload_bytes=self.index.used_bytes,
                 capacity_bytes=self.config.capacity_bytes,
-                map_size_bytes=self.storage.map_size, file_bytes=self.storage.file_bytes(),
-                hits=c.hits, misses=c.misses, evictions=c.evictions,
-                evicted_bytes=c.evicted_bytes, quarantined=self.index.quarantined_count(),
+                map_size_bytes=self.storage.map_size,
+                file_bytes=self.storage.file_bytes(),
+                hits=c.hits,
+                misses=c.misses,
+                evictions=c.evictions,
+                evicted_bytes=c.evicted_bytes,
+                quarantined=self.index.quarantined_count(),
                 pinned_records=self.index.pinned_count(now_ms()),
-                pending_puts=len(self._pending), pending_bytes=sum(self._pending.values()),
-                chunk_entries=chunk_entries, orphans_collected=c.orphans_collected,
-                puts=c.puts, gets=c.gets, sync_mode=self.config.sync_mode.value,
-                chunk_bytes=self.config.chunk_bytes, map_resizes=self.storage.map_resizes,
+                pending_puts=len(self._pending),
+                pending_bytes=sum(self._pending.values()),
+                chunk_entries=chunk_entries,
+                orphans_collected=c.orphans_collected,
+                puts=c.puts,
+                gets=c.gets,
+                sync_mode=self.config.sync_mode.value,
+                chunk_bytes=self.config.chunk_bytes,
+                map_resizes=self.storage.map_resizes,
             )
 
     def flush(self) -> float:
@@ -471,7 +542,9 @@ class CheckpointStore:
 
     # -- shared helpers ----------------------------------------------------------------------
 
-    def _delete_in_txn(self, txn: Any, ikey: bytes, keep_leases: bool = False) -> StoredRecord | None:
+    def _delete_in_txn(
+        self, txn: Any, ikey: bytes, keep_leases: bool = False
+    ) -> StoredRecord | None:
         """Removes a record, its chunks and index entries in one transaction."""
         db = self.storage.db
         table = "headers"
@@ -517,8 +590,10 @@ class CheckpointStore:
         while not self._stop.wait(MAINTENANCE_PERIOD_S):
             try:
                 self._persist_access()
-                if (self.config.sync_mode == SyncMode.PERIODIC
-                        and time.monotonic() - self._last_sync >= self.config.sync_interval_s):
+                if (
+                    self.config.sync_mode == SyncMode.PERIODIC
+                    and time.monotonic() - self._last_sync >= self.config.sync_interval_s
+                ):
                     self.storage.sync()
                     self._last_sync = time.monotonic()
             except Exception:  # keep maintaining; the next round retries

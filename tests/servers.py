@@ -31,7 +31,11 @@ class ServiceProcess:
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-u", "-m", self.module, "--listen", "127.0.0.1:0", *self.args],
-                stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT, env=env,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                cwd=ROOT,
+                env=env,
             )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -39,8 +43,9 @@ class ServiceProcess:
         self.proc.stdout.close()
         if self.banner not in line:
             self.proc.kill()
-            raise RuntimeError(f"{self.module} did not start: {line!r}; log: "
-                               f"{self.log_path.read_text()[-2000:]}")
+            raise RuntimeError(
+                f"{self.module} did not start: {line!r}; log: {self.log_path.read_text()[-2000:]}"
+            )
         self.address = line.strip().rsplit(" ", 1)[-1]
         self._wait_serving(timeout)
         return self
@@ -87,6 +92,12 @@ class ServiceProcess:
 
 
 def start_store(data_dir: Path, *extra: str, log_dir: Path | None = None) -> ServiceProcess:
-    log_path = (log_dir or data_dir.parent) / f"store-{data_dir.name}.log"
-    return ServiceProcess("store_service", ["--data-dir", str(data_dir), *extra],
-                          "tandem-store listening on", log_path).start()
+    log_dir = log_dir or data_dir.parent
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"store-{data_dir.name}.log"
+    return ServiceProcess(
+        "store_service",
+        ["--data-dir", str(data_dir), *extra],
+        "tandem-store listening on",
+        log_path,
+    ).start()

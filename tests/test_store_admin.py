@@ -15,10 +15,15 @@ from tests.servers import ServiceProcess, start_store
 
 def test_list_filters_and_pages(client: StoreClient) -> None:
     for i in range(25):
-        client.put(make_checkpoint(b"p%02d" % i, {"kv_int8": 1000 + i},
-                                   kind="prefix" if i % 2 else "generation",
-                                   namespace="a" if i < 20 else "b",
-                                   model_id="m1" if i < 10 else "m2"))
+        client.put(
+            make_checkpoint(
+                b"p%02d" % i,
+                {"kv_int8": 1000 + i},
+                kind="prefix" if i % 2 else "generation",
+                namespace="a" if i < 20 else "b",
+                model_id="m1" if i < 10 else "m2",
+            )
+        )
     first, token = client.list(page_size=10)
     assert len(first) == 10 and token
     everything = client.list_all(page_size=7)
@@ -44,8 +49,9 @@ def test_purge_reports_what_went_and_spares_pinned(client: StoreClient) -> None:
 
 
 def test_inspect_shows_leases_and_header(client: StoreClient) -> None:
-    ckpt = make_checkpoint(b"i", {"k_bf16": 64, "v_int8": 9}, token_ids=[5, 6, 7],
-                           metadata={"seed": "42"})
+    ckpt = make_checkpoint(
+        b"i", {"k_bf16": 64, "v_int8": 9}, token_ids=[5, 6, 7], metadata={"seed": "42"}
+    )
     client.put(ckpt, pin_ttl_s=30, pin_holder="engine-a")
     seen = client.inspect(b"i")
     assert [lease.holder for lease in seen.leases] == ["engine-a"]
@@ -63,10 +69,16 @@ def test_health_and_reflection(store: ServiceProcess) -> None:
             reply = health.Check(health_pb2.HealthCheckRequest(service=service))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        replies = stub.ServerReflectionInfo(iter([
-            reflection_pb2.ServerReflectionRequest(list_services=""),
-            reflection_pb2.ServerReflectionRequest(file_containing_symbol="tandem.v1.Store"),
-        ]))
+        replies = stub.ServerReflectionInfo(
+            iter(
+                [
+                    reflection_pb2.ServerReflectionRequest(list_services=""),
+                    reflection_pb2.ServerReflectionRequest(
+                        file_containing_symbol="tandem.v1.Store"
+                    ),
+                ]
+            )
+        )
         listed, described = list(replies)
         names = {s.name for s in listed.list_services_response.service}
         assert {"tandem.v1.Store", "tandem.v1.StoreAdmin", "grpc.health.v1.Health"} <= names
@@ -89,8 +101,9 @@ def test_periodic_sync_mode_survives_restart_after_flush(tmp_path: Path) -> None
         proc.stop()
 
 
-def test_a_second_store_on_the_same_directory_is_refused(store: ServiceProcess,
-                                                         store_dir: Path) -> None:
+def test_a_second_store_on_the_same_directory_is_refused(
+    store: ServiceProcess, store_dir: Path
+) -> None:
     try:
         start_store(store_dir)
     except RuntimeError as exc:

@@ -17,8 +17,9 @@ MiB = 1 << 20
 
 @pytest.fixture
 def small_store(tmp_path: Path) -> Iterator[StoreClient]:
-    proc: ServiceProcess = start_store(tmp_path / "small", "--capacity-bytes", str(10 * MiB),
-                                       "--chunk-bytes", str(256 << 10))
+    proc: ServiceProcess = start_store(
+        tmp_path / "small", "--capacity-bytes", str(10 * MiB), "--chunk-bytes", str(256 << 10)
+    )
     try:
         with StoreClient(proc.address) as c:
             yield c
@@ -31,7 +32,8 @@ def _keys(client: StoreClient) -> set[bytes]:
 
 
 def test_eviction_keeps_bytes_under_budget_least_recently_used_first(
-        small_store: StoreClient) -> None:
+    small_store: StoreClient,
+) -> None:
     client = small_store
     for i in range(8):  # 8 x 1 MiB
         client.put(make_checkpoint(b"r%d" % i, {"kv_int8": MiB}))
@@ -52,8 +54,11 @@ def test_eviction_keeps_bytes_under_budget_least_recently_used_first(
 
 def test_pinned_records_are_never_evicted(small_store: StoreClient) -> None:
     client = small_store
-    client.put(make_checkpoint(b"pinned-by-put", {"kv_int8": 3 * MiB}), pin_ttl_s=60,
-               pin_holder="engine-1/req-7")
+    client.put(
+        make_checkpoint(b"pinned-by-put", {"kv_int8": 3 * MiB}),
+        pin_ttl_s=60,
+        pin_holder="engine-1/req-7",
+    )
     client.put(make_checkpoint(b"pinned-later", {"kv_int8": 3 * MiB}))
     lease = client.pin(b"pinned-later", ttl_s=60, holder="engine-1/req-8")
     for i in range(6):

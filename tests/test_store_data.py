@@ -15,10 +15,21 @@ MiB = 1 << 20
 
 
 def test_64mib_checkpoint_round_trips_byte_exact(client: StoreClient) -> None:
-    sizes = {"k_bf16": 24 * MiB, "v_bf16": 24 * MiB, "q_int8": 12 * MiB, "scales_bf16": 4 * MiB,
-             "odd_int8": 12345, "empty_int8": 0}
-    ckpt = make_checkpoint(b"\x01" * 32, sizes, token_ids=list(range(3000)),
-                           metadata={"codec": "kv:plain"}, kind="generation")
+    sizes = {
+        "k_bf16": 24 * MiB,
+        "v_bf16": 24 * MiB,
+        "q_int8": 12 * MiB,
+        "scales_bf16": 4 * MiB,
+        "odd_int8": 12345,
+        "empty_int8": 0,
+    }
+    ckpt = make_checkpoint(
+        b"\x01" * 32,
+        sizes,
+        token_ids=list(range(3000)),
+        metadata={"codec": "kv:plain"},
+        kind="generation",
+    )
     result = client.put(ckpt)
     total = sum(sizes.values())
     assert (result.payload_bytes, result.replaced) == (total, False)
@@ -55,12 +66,12 @@ def test_replacing_a_key_is_atomic_and_reported(client: StoreClient) -> None:
     assert client.stats().chunk_entries == 2  # the old record's chunks are gone
 
 
-def test_eight_concurrent_clients_put_and_get_byte_exact(client: StoreClient,
-                                                         store) -> None:  # noqa: ANN001
+def test_eight_concurrent_clients_put_and_get_byte_exact(client: StoreClient, store) -> None:  # noqa: ANN001
     def worker(i: int) -> bool:
         with StoreClient(store.address) as own:
-            ckpt = make_checkpoint(bytes([i]) * 16, {"k_bf16": (3 + i) * MiB + 2 * i,
-                                                    "v_int8": 2 * MiB - i})
+            ckpt = make_checkpoint(
+                bytes([i]) * 16, {"k_bf16": (3 + i) * MiB + 2 * i, "v_int8": 2 * MiB - i}
+            )
             own.put(ckpt)
             for _ in range(2):
                 got = own.get(ckpt.key)
@@ -73,23 +84,48 @@ def test_eight_concurrent_clients_put_and_get_byte_exact(client: StoreClient,
     assert client.stats().records == 8
 
 
-def _put_prefix(client: StoreClient, tokens: list[int], *, trimmable: bool = True,
-                namespace: str = "", model: str = "m@1", block: int = 16) -> bytes:
+def _put_prefix(
+    client: StoreClient,
+    tokens: list[int],
+    *,
+    trimmable: bool = True,
+    namespace: str = "",
+    model: str = "m@1",
+    block: int = 16,
+) -> bytes:
     scope = scope_digest(model, ["kv:plain"], namespace)
     key = bytes([len(tokens) % 251, int(trimmable)]) + scope[:14]
-    ckpt = make_checkpoint(key, {"kv_bf16": 4 * len(tokens)}, token_ids=tokens,
-                           model_id=model, namespace=namespace, trimmable=trimmable,
-                           block_size=block, block_hashes=block_hashes(tokens, block, scope))
+    ckpt = make_checkpoint(
+        key,
+        {"kv_bf16": 4 * len(tokens)},
+        token_ids=tokens,
+        model_id=model,
+        namespace=namespace,
+        trimmable=trimmable,
+        block_size=block,
+        block_hashes=block_hashes(tokens, block, scope),
+    )
     client.put(ckpt)
     return key
 
 
-def _lookup(client: StoreClient, tokens: list[int], *, namespace: str = "",
-            model: str = "m@1", block: int = 16):  # noqa: ANN202
+def _lookup(
+    client: StoreClient,
+    tokens: list[int],
+    *,
+    namespace: str = "",
+    model: str = "m@1",
+    block: int = 16,
+):  # noqa: ANN202
     scope = scope_digest(model, ["kv:plain"], namespace)
-    return client.lookup(namespace=namespace, model_id=model, layout=["kv:plain"],
-                         block_size=block, block_hashes=block_hashes(tokens, block, scope),
-                         token_count=len(tokens))
+    return client.lookup(
+        namespace=namespace,
+        model_id=model,
+        layout=["kv:plain"],
+        block_size=block,
+        block_hashes=block_hashes(tokens, block, scope),
+        token_count=len(tokens),
+    )
 
 
 def test_lookup_returns_the_longest_stored_prefix(client: StoreClient) -> None:
@@ -117,12 +153,12 @@ def test_lookup_returns_the_longest_stored_prefix(client: StoreClient) -> None:
 def test_non_trimmable_record_serves_only_its_exact_length(client: StoreClient) -> None:
     prompt = list(range(500, 600))
     key = _put_prefix(client, prompt[:64], trimmable=False)
-    assert not _lookup(client, prompt[:40]).found   # would need trimming to 32
-    hit = _lookup(client, prompt)                    # exact boundary 64 inside the query
+    assert not _lookup(client, prompt[:40]).found  # would need trimming to 32
+    hit = _lookup(client, prompt)  # exact boundary 64 inside the query
     assert (hit.found, hit.key, hit.matched_tokens, hit.trimmable) == (True, key, 64, False)
     odd = _put_prefix(client, prompt[:70], trimmable=False)
     assert _lookup(client, prompt[:70]).key == odd
-    assert _lookup(client, prompt).key == key        # 70 is not a block boundary of the query
+    assert _lookup(client, prompt).key == key  # 70 is not a block boundary of the query
 
 
 def test_namespaces_isolate_records_with_the_same_key(client: StoreClient) -> None:

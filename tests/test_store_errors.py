@@ -40,7 +40,11 @@ def _unchanged(client: StoreClient, before: store_pb2.StatsResponse) -> None:
     client.flush()  # aborted puts clean up on the writer thread; wait for it
     after = client.stats()
     assert (after.records, after.payload_bytes, after.chunk_entries, after.pending_puts) == (
-        before.records, before.payload_bytes, before.chunk_entries, 0)
+        before.records,
+        before.payload_bytes,
+        before.chunk_entries,
+        0,
+    )
 
 
 def test_bad_puts_are_rejected_and_change_nothing(seeded: StoreClient) -> None:
@@ -48,7 +52,7 @@ def test_bad_puts_are_rejected_and_change_nothing(seeded: StoreClient) -> None:
     before = client.stats()
     ckpt = make_checkpoint(b"new", {"a_int8": 3 * MiB, "b_int8": MiB})
     data = b"".join(bytes(t.data) for t in ckpt.tensors)
-    chunk = [(i, data[i:i + MiB]) for i in range(0, len(data), MiB)]
+    chunk = [(i, data[i : i + MiB]) for i in range(0, len(data), MiB)]
     bad = tensors_pb2.Chunk(offset=0, data=b"x")
 
     cases = {
@@ -57,8 +61,9 @@ def test_bad_puts_are_rejected_and_change_nothing(seeded: StoreClient) -> None:
         "missing chunk": _messages(ckpt, chunk[:1] + chunk[2:]),
         "more bytes than declared": _messages(ckpt, [*chunk, (len(data), b"extra")]),
         "short payload": _messages(ckpt, chunk[:-1]),
-        "two headers": iter([*_messages(ckpt, chunk[:1]),
-                             store_pb2.PutRequest(header=store_pb2.PutHeader())]),
+        "two headers": iter(
+            [*_messages(ckpt, chunk[:1]), store_pb2.PutRequest(header=store_pb2.PutHeader())]
+        ),
     }
     for name, requests in cases.items():
         assert _status(client, requests) == grpc.StatusCode.INVALID_ARGUMENT, name
@@ -66,14 +71,16 @@ def test_bad_puts_are_rejected_and_change_nothing(seeded: StoreClient) -> None:
 
     corrupt = bytearray(data)
     corrupt[5] ^= 1
-    flipped = [(i, bytes(corrupt[i:i + MiB])) for i in range(0, len(data), MiB)]
+    flipped = [(i, bytes(corrupt[i : i + MiB])) for i in range(0, len(data), MiB)]
     assert _status(client, _messages(ckpt, flipped)) == grpc.StatusCode.INVALID_ARGUMENT
     _unchanged(client, before)
 
     lying = make_checkpoint(b"new", {"a_int8": 100})
     lying.tensors[0].crc32 = zlib.crc32(b"something else")
-    assert _status(client, _messages(lying, [(0, bytes(lying.tensors[0].data))])) == \
-        grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        _status(client, _messages(lying, [(0, bytes(lying.tensors[0].data))]))
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
     _unchanged(client, before)
 
 
@@ -85,8 +92,9 @@ def test_bad_headers_are_invalid_argument(seeded: StoreClient) -> None:
     wrong_size = make_checkpoint(b"w", {"a_bf16": 10})
     wrong_size.tensors[0].shape = (7,)
     no_kind = make_checkpoint(b"n", {"a_int8": 10}, kind="")
-    bad_chain = make_checkpoint(b"c", {"a_int8": 10}, token_ids=[1, 2, 3], block_size=2,
-                                block_hashes=[b"h" * 32])
+    bad_chain = make_checkpoint(
+        b"c", {"a_int8": 10}, token_ids=[1, 2, 3], block_size=2, block_hashes=[b"h" * 32]
+    )
     for ckpt in (empty_key, long_key, wrong_size, no_kind, bad_chain):
         assert _status(client, _messages(ckpt, [])) == grpc.StatusCode.INVALID_ARGUMENT
     _unchanged(client, before)
@@ -104,9 +112,13 @@ def test_if_absent_answers_already_exists(seeded: StoreClient) -> None:
 def test_unknown_keys_and_bad_queries(seeded: StoreClient) -> None:
     client = seeded
     unknown = b"no-such-key"
-    for call in (lambda: client.get(unknown), lambda: client.inspect(unknown),
-                 lambda: client.delete(unknown), lambda: client.pin(unknown),
-                 lambda: client.get_header(unknown)):
+    for call in (
+        lambda: client.get(unknown),
+        lambda: client.inspect(unknown),
+        lambda: client.delete(unknown),
+        lambda: client.pin(unknown),
+        lambda: client.get_header(unknown),
+    ):
         with pytest.raises(Exception) as failure:
             call()
         assert failure.value.code == grpc.StatusCode.NOT_FOUND
@@ -114,10 +126,17 @@ def test_unknown_keys_and_bad_queries(seeded: StoreClient) -> None:
         lambda: client.get(b""),
         lambda: client.list(page_size=-1),
         lambda: client.list(page_token="not-hex"),
-        lambda: client.lookup(namespace="", model_id="m", layout=[], block_size=0,
-                              block_hashes=[b"x" * 32], token_count=3),
-        lambda: client.lookup(namespace="", model_id="m", layout=[], block_size=16,
-                              block_hashes=[], token_count=0),
+        lambda: client.lookup(
+            namespace="",
+            model_id="m",
+            layout=[],
+            block_size=0,
+            block_hashes=[b"x" * 32],
+            token_count=3,
+        ),
+        lambda: client.lookup(
+            namespace="", model_id="m", layout=[], block_size=16, block_hashes=[], token_count=0
+        ),
         lambda: client.get(b"k", namespace="bad\nnamespace"),
     )
     for call in invalid:

@@ -20,8 +20,9 @@ from tests.servers import start_store
 MiB = 1 << 20
 
 
-def _slow_put(address: str, key: bytes, nbytes: int, release: threading.Event,
-              first_bytes: int) -> tuple[threading.Thread, dict[str, object]]:
+def _slow_put(
+    address: str, key: bytes, nbytes: int, release: threading.Event, first_bytes: int
+) -> tuple[threading.Thread, dict[str, object]]:
     """Streams a put, pausing after `first_bytes` until `release` is set."""
     ckpt = make_checkpoint(key, {"kv_int8": nbytes})
     outcome: dict[str, object] = {}
@@ -31,7 +32,7 @@ def _slow_put(address: str, key: bytes, nbytes: int, release: threading.Event,
         for offset, data in payload_chunks(ckpt.tensors, MiB):
             if offset == first_bytes:
                 release.wait(30)
-            yield store_pb2.PutRequest(chunk=tensors_pb2.Chunk(offset=offset, data=data))
+            yield store_pb2.PutRequest(chunk=tensors_pb2.Chunk(offset=offset, data=bytes(data)))
 
     def run() -> None:
         with grpc.insecure_channel(address) as channel:
@@ -112,13 +113,14 @@ def test_corrupted_chunk_answers_data_loss_and_quarantines(store_dir: Path) -> N
             received = bytearray()
             with pytest.raises(grpc.RpcError) as failure:
                 for message in store_pb2_grpc.StoreStub(channel).Get(
-                        store_pb2.GetRequest(key=b"victim")):
+                    store_pb2.GetRequest(key=b"victim")
+                ):
                     if message.HasField("chunk"):
                         received += message.chunk.data
             channel.close()
             assert failure.value.code() == grpc.StatusCode.DATA_LOSS
             original = b"".join(bytes(t.data) for t in victim.tensors)
-            assert bytes(received) == original[:len(received)]
+            assert bytes(received) == original[: len(received)]
             assert len(received) < 3 * client.stats().chunk_bytes
 
             with pytest.raises(DataLoss, match="quarantined"):
@@ -188,6 +190,7 @@ def test_compact_shrinks_the_file_and_keeps_records(store_dir: Path) -> None:
             extra = make_checkpoint(b"after-compact", {"kv_int8": MiB})
             client.put(extra)
             assert bytes(client.get(b"after-compact").tensors[0].data) == bytes(
-                extra.tensors[0].data)
+                extra.tensors[0].data
+            )
     finally:
         proc.stop()

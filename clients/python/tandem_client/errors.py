@@ -42,9 +42,18 @@ class Unavailable(TandemError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-_BY_CODE = {cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists,
-                                      FailedPrecondition, ResourceExhausted, DataLoss,
-                                      Unavailable)}
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        AlreadyExists,
+        FailedPrecondition,
+        ResourceExhausted,
+        DataLoss,
+        Unavailable,
+    )
+}
 
 
 def from_rpc_error(exc: grpc.RpcError) -> TandemError:

@@ -25,8 +25,9 @@ def _digest(*parts: bytes) -> bytes:
 
 
 def scope_digest(model_id: str, layout: Sequence[str], namespace: str) -> bytes:
-    return _digest(b"tandem.scope.v1", model_id.encode(), "|".join(layout).encode(),
-                   namespace.encode())
+    return _digest(
+        b"tandem.scope.v1", model_id.encode(), "|".join(layout).encode(), namespace.encode()
+    )
 
 
 def _tokens(tokens: Sequence[int]) -> bytes:
@@ -39,7 +40,7 @@ def block_hashes(tokens: Sequence[int], block_size: int, scope: bytes) -> list[b
         raise ValueError("block_size must be positive")
     chain, prev = [], scope
     for start in range(0, len(tokens), block_size):
-        prev = _digest(b"block", prev, _tokens(tokens[start:start + block_size]))
+        prev = _digest(b"block", prev, _tokens(tokens[start : start + block_size]))
         chain.append(prev)
     return chain
 
@@ -49,8 +50,10 @@ def prefix_key(scope: bytes, tokens: Sequence[int]) -> bytes:
     return _digest(b"tandem.prefix.v1", scope, _tokens(tokens))
 
 
-def generation_key(scope: bytes, prompt: Sequence[int], options_digest: bytes,
-                   request_id: str) -> bytes:
+def generation_key(
+    scope: bytes, prompt: Sequence[int], options_digest: bytes, request_id: str
+) -> bytes:
     """Key of a generation checkpoint: scope, prompt, sampling options and request id."""
-    return _digest(b"tandem.generation.v1", scope, _tokens(prompt), options_digest,
-                   request_id.encode())
+    return _digest(
+        b"tandem.generation.v1", scope, _tokens(prompt), options_digest, request_id.encode()
+    )

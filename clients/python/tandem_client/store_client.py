@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import mmap
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -12,6 +13,7 @@ import grpc
 
 from tandem_client.errors import DataLoss, from_rpc_error
 from tandem_client.pb import store_pb2, store_pb2_grpc, tensors_pb2
+from tandem_client.wire import decode_chunk, encode_chunk
 
 Kind = Literal["prefix", "generation", "object"]
 _KINDS: dict[str, int] = {
@@ -26,12 +28,12 @@ MAX_MESSAGE_BYTES = 8 * MiB
 T = TypeVar("T")
 
 
-def kind_to_pb(kind: str) -> int:
+def kind_to_pb(kind: str) -> tensors_pb2.RecordKind.ValueType:
     if not kind:
         return tensors_pb2.RECORD_KIND_UNSPECIFIED
     if kind not in _KINDS:
         raise ValueError(f"kind must be one of {sorted(_KINDS)}, got {kind!r}")
-    return _KINDS[kind]
+    return tensors_pb2.RecordKind.ValueType(_KINDS[kind])
 
 
 def kind_name(value: int) -> str:
@@ -55,8 +57,9 @@ class Tensor:
     def to_pb(self) -> tensors_pb2.TensorSpec:
         view = memoryview(self.data).cast("B")
         crc = zlib.crc32(view) if self.crc32 is None else self.crc32
-        return tensors_pb2.TensorSpec(name=self.name, dtype=self.dtype, shape=list(self.shape),
-                                      nbytes=view.nbytes, crc32=crc)
+        return tensors_pb2.TensorSpec(
+            name=self.name, dtype=self.dtype, shape=list(self.shape), nbytes=view.nbytes, crc32=crc
+        )
 
 
 @dataclass
@@ -87,14 +90,24 @@ class Checkpoint:
 
     def header_pb(self) -> tensors_pb2.CheckpointHeader:
         return tensors_pb2.CheckpointHeader(
-            key=self.key, kind=kind_to_pb(self.kind), namespace=self.namespace,
-            model_id=self.model_id, layout=self.layout, token_ids=self.token_ids,
+            key=self.key,
+            kind=kind_to_pb(self.kind),
+            namespace=self.namespace,
+            model_id=self.model_id,
+            layout=self.layout,
+            token_ids=self.token_ids,
             token_count=self.token_count or len(self.token_ids),
-            tensors=[t.to_pb() for t in self.tensors], metadata=self.metadata,
-            attachments=[tensors_pb2.Attachment(schema=a.schema, metadata=a.metadata,
-                                                tensors=[t.to_pb() for t in a.tensors])
-                         for a in self.attachments],
-            trimmable=self.trimmable, block_size=self.block_size, block_hashes=self.block_hashes,
+            tensors=[t.to_pb() for t in self.tensors],
+            metadata=self.metadata,
+            attachments=[
+                tensors_pb2.Attachment(
+                    schema=a.schema, metadata=a.metadata, tensors=[t.to_pb() for t in a.tensors]
+                )
+                for a in self.attachments
+            ],
+            trimmable=self.trimmable,
+            block_size=self.block_size,
+            block_hashes=self.block_hashes,
         )
 
     @classmethod
@@ -103,12 +116,22 @@ class Checkpoint:
             return Tensor(s.name, s.dtype, tuple(s.shape), b"", s.crc32)
 
         return cls(
-            key=h.key, kind=kind_name(h.kind), namespace=h.namespace, model_id=h.model_id,
-            layout=list(h.layout), token_ids=list(h.token_ids), token_count=h.token_count,
-            tensors=[tensor(s) for s in h.tensors], metadata=dict(h.metadata),
-            attachments=[Attachment(a.schema, [tensor(s) for s in a.tensors], dict(a.metadata))
-                         for a in h.attachments],
-            trimmable=h.trimmable, block_size=h.block_size, block_hashes=list(h.block_hashes),
+            key=h.key,
+            kind=kind_name(h.kind),
+            namespace=h.namespace,
+            model_id=h.model_id,
+            layout=list(h.layout),
+            token_ids=list(h.token_ids),
+            token_count=h.token_count,
+            tensors=[tensor(s) for s in h.tensors],
+            metadata=dict(h.metadata),
+            attachments=[
+                Attachment(a.schema, [tensor(s) for s in a.tensors], dict(a.metadata))
+                for a in h.attachments
+            ],
+            trimmable=h.trimmable,
+            block_size=h.block_size,
+            block_hashes=list(h.block_hashes),
         )
 
 
@@ -154,9 +177,21 @@ class RecordSummary:
 
     @classmethod
     def from_pb(cls, s: store_pb2.RecordSummary) -> RecordSummary:
-        return cls(s.namespace, s.key, kind_name(s.kind), s.model_id, s.token_count,
-                   s.payload_bytes, s.tensor_count, s.attachment_count, s.created_at_unix_ms,
-                   s.last_access_unix_ms, s.pinned, s.trimmable, s.quarantined)
+        return cls(
+            s.namespace,
+            s.key,
+            kind_name(s.kind),
+            s.model_id,
+            s.token_count,
+            s.payload_bytes,
+            s.tensor_count,
+            s.attachment_count,
+            s.created_at_unix_ms,
+            s.last_access_unix_ms,
+            s.pinned,
+            s.trimmable,
+            s.quarantined,
+        )
 
 
 @dataclass(frozen=True)
@@ -168,26 +203,33 @@ class Inspection:
     chunk_bytes: int
 
 
-def _filter(namespace: str, model_id: str, kind: str, older_than_s: int,
-            idle_for_s: int) -> store_pb2.RecordFilter:
-    return store_pb2.RecordFilter(namespace=namespace, model_id=model_id, kind=kind_to_pb(kind),
-                                  older_than_seconds=older_than_s, idle_for_seconds=idle_for_s)
+def _filter(
+    namespace: str, model_id: str, kind: str, older_than_s: int, idle_for_s: int
+) -> store_pb2.RecordFilter:
+    return store_pb2.RecordFilter(
+        namespace=namespace,
+        model_id=model_id,
+        kind=kind_to_pb(kind),
+        older_than_seconds=older_than_s,
+        idle_for_seconds=idle_for_s,
+    )
 
 
-def payload_chunks(tensors: Sequence[Tensor], chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
-    """The concatenated tensor bytes as (offset, chunk) slices of chunk_bytes."""
+def payload_chunks(tensors: Sequence[Tensor], chunk_bytes: int) -> Iterator[tuple[int, Any]]:
+    """The concatenated tensor bytes as (offset, buffer) slices of chunk_bytes; slices
+    inside one tensor are views (no copy), slices across tensors are joined."""
     offset, pending = 0, bytearray()
     for tensor in tensors:
         view = memoryview(tensor.data).cast("B")
         pos = 0
         while pos < len(view):
             if not pending and len(view) - pos >= chunk_bytes:
-                yield offset, bytes(view[pos:pos + chunk_bytes])
+                yield offset, view[pos : pos + chunk_bytes]
                 offset += chunk_bytes
                 pos += chunk_bytes
                 continue
             take = min(chunk_bytes - len(pending), len(view) - pos)
-            pending += view[pos:pos + take]
+            pending += view[pos : pos + take]
             pos += take
             if len(pending) == chunk_bytes:
                 yield offset, bytes(pending)
@@ -200,15 +242,36 @@ def payload_chunks(tensors: Sequence[Tensor], chunk_bytes: int) -> Iterator[tupl
 class StoreClient:
     """Synchronous client of `tandem.v1.Store` and `tandem.v1.StoreAdmin`."""
 
-    def __init__(self, address: str, *, timeout: float | None = 60.0,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
-        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = 60.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
         self.address = address
         self.timeout = timeout
-        self._channel = (grpc.secure_channel(address, credentials, options) if credentials
-                         else grpc.insecure_channel(address, options))
+        self._channel = (
+            grpc.secure_channel(address, credentials, options)
+            if credentials
+            else grpc.insecure_channel(address, options)
+        )
         self._store = store_pb2_grpc.StoreStub(self._channel)
+        # Bulk paths with hand-encoded chunks (see wire.py).
+        self._put = self._channel.stream_unary(
+            "/tandem.v1.Store/Put",
+            request_serializer=_serialize,
+            response_deserializer=store_pb2.PutResponse.FromString,
+        )
+        self._get = self._channel.unary_stream(
+            "/tandem.v1.Store/Get",
+            request_serializer=store_pb2.GetRequest.SerializeToString,
+            response_deserializer=_raw,
+        )
         self._admin = store_pb2_grpc.StoreAdminStub(self._channel)
 
     def close(self) -> None:
@@ -228,65 +291,129 @@ class StoreClient:
 
     # -- data plane --------------------------------------------------------------------------
 
-    def put(self, checkpoint: Checkpoint, *, if_absent: bool = False, pin_ttl_s: int = 0,
-            pin_holder: str = "", chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> PutResult:
-        header = store_pb2.PutHeader(checkpoint=checkpoint.header_pb(), if_absent=if_absent,
-                                     pin_ttl_seconds=pin_ttl_s, pin_holder=pin_holder)
+    def put(
+        self,
+        checkpoint: Checkpoint,
+        *,
+        if_absent: bool = False,
+        pin_ttl_s: int = 0,
+        pin_holder: str = "",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> PutResult:
+        header = store_pb2.PutHeader(
+            checkpoint=checkpoint.header_pb(),
+            if_absent=if_absent,
+            pin_ttl_seconds=pin_ttl_s,
+            pin_holder=pin_holder,
+        )
 
-        def requests() -> Iterator[store_pb2.PutRequest]:
+        def requests() -> Iterator[store_pb2.PutRequest | bytes]:
             yield store_pb2.PutRequest(header=header)
             for offset, data in payload_chunks(checkpoint.all_tensors(), chunk_bytes):
-                yield store_pb2.PutRequest(chunk=tensors_pb2.Chunk(offset=offset, data=data))
+                yield encode_chunk(offset, data)
 
-        r = self._call(lambda: self._store.Put(requests(), timeout=self.timeout))
+        r: store_pb2.PutResponse = self._call(lambda: self._put(requests(), timeout=self.timeout))
         return PutResult(r.key, r.payload_bytes, r.replaced, r.lease_id)
-
-    def put_raw(self, requests: Iterator[store_pb2.PutRequest]) -> store_pb2.PutResponse:
-        """Sends hand-built Put messages (tests of the protocol itself)."""
-        return self._call(lambda: self._store.Put(requests, timeout=self.timeout))
 
     def get(self, key: bytes, namespace: str = "", *, max_chunk_bytes: int = 0) -> Checkpoint:
         """The checkpoint with its tensors' bytes, each tensor's CRC checked end to end."""
-        stream = self._store.Get(store_pb2.GetRequest(namespace=namespace, key=key,
-                                                      max_chunk_bytes=max_chunk_bytes),
-                                 timeout=self.timeout)
+        stream = self._get(
+            store_pb2.GetRequest(namespace=namespace, key=key, max_chunk_bytes=max_chunk_bytes),
+            timeout=self.timeout,
+        )
         return self._call(lambda: _receive(stream))
 
     def get_header(self, key: bytes, namespace: str = "") -> Checkpoint:
-        stream = self._store.Get(store_pb2.GetRequest(namespace=namespace, key=key,
-                                                      header_only=True), timeout=self.timeout)
+        stream = self._store.Get(
+            store_pb2.GetRequest(namespace=namespace, key=key, header_only=True),
+            timeout=self.timeout,
+        )
         return self._call(lambda: Checkpoint.from_header(next(iter(stream)).header))
 
-    def lookup(self, *, namespace: str, model_id: str, layout: Sequence[str], block_size: int,
-               block_hashes: Sequence[bytes], token_count: int, kind: str = "") -> LookupResult:
-        r = self._call(lambda: self._store.Lookup(store_pb2.LookupRequest(
-            namespace=namespace, model_id=model_id, layout=list(layout), block_size=block_size,
-            block_hashes=list(block_hashes), token_count=token_count, kind=kind_to_pb(kind)),
-            timeout=self.timeout))
+    def lookup(
+        self,
+        *,
+        namespace: str,
+        model_id: str,
+        layout: Sequence[str],
+        block_size: int,
+        block_hashes: Sequence[bytes],
+        token_count: int,
+        kind: str = "",
+    ) -> LookupResult:
+        r = self._call(
+            lambda: self._store.Lookup(
+                store_pb2.LookupRequest(
+                    namespace=namespace,
+                    model_id=model_id,
+                    layout=list(layout),
+                    block_size=block_size,
+                    block_hashes=list(block_hashes),
+                    token_count=token_count,
+                    kind=kind_to_pb(kind),
+                ),
+                timeout=self.timeout,
+            )
+        )
         return LookupResult(r.found, r.key, r.matched_tokens, r.record_tokens, r.trimmable)
 
-    def pin(self, key: bytes, namespace: str = "", *, ttl_s: int = 0, holder: str = "",
-            lease_id: str = "") -> Lease:
-        r = self._call(lambda: self._store.Pin(store_pb2.PinRequest(
-            namespace=namespace, key=key, ttl_seconds=ttl_s, holder=holder, lease_id=lease_id),
-            timeout=self.timeout))
+    def pin(
+        self,
+        key: bytes,
+        namespace: str = "",
+        *,
+        ttl_s: int = 0,
+        holder: str = "",
+        lease_id: str = "",
+    ) -> Lease:
+        r = self._call(
+            lambda: self._store.Pin(
+                store_pb2.PinRequest(
+                    namespace=namespace,
+                    key=key,
+                    ttl_seconds=ttl_s,
+                    holder=holder,
+                    lease_id=lease_id,
+                ),
+                timeout=self.timeout,
+            )
+        )
         return Lease(r.lease_id, holder, r.expires_at_unix_ms)
 
     def unpin(self, key: bytes, lease_id: str, namespace: str = "") -> None:
-        self._call(lambda: self._store.Unpin(store_pb2.UnpinRequest(
-            namespace=namespace, key=key, lease_id=lease_id), timeout=self.timeout))
+        self._call(
+            lambda: self._store.Unpin(
+                store_pb2.UnpinRequest(namespace=namespace, key=key, lease_id=lease_id),
+                timeout=self.timeout,
+            )
+        )
 
     # -- admin -------------------------------------------------------------------------------
 
-    def list(self, *, namespace: str = "", model_id: str = "", kind: str = "",
-             older_than_s: int = 0, idle_for_s: int = 0, page_size: int = 0,
-             page_token: str = "") -> tuple[list[RecordSummary], str]:
-        r = self._call(lambda: self._admin.List(store_pb2.ListRequest(
-            filter=_filter(namespace, model_id, kind, older_than_s, idle_for_s),
-            page_size=page_size, page_token=page_token), timeout=self.timeout))
+    def list(
+        self,
+        *,
+        namespace: str = "",
+        model_id: str = "",
+        kind: str = "",
+        older_than_s: int = 0,
+        idle_for_s: int = 0,
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> tuple[builtins.list[RecordSummary], str]:
+        r = self._call(
+            lambda: self._admin.List(
+                store_pb2.ListRequest(
+                    filter=_filter(namespace, model_id, kind, older_than_s, idle_for_s),
+                    page_size=page_size,
+                    page_token=page_token,
+                ),
+                timeout=self.timeout,
+            )
+        )
         return [RecordSummary.from_pb(s) for s in r.records], r.next_page_token
 
-    def list_all(self, **filters: Any) -> list[RecordSummary]:
+    def list_all(self, **filters: Any) -> builtins.list[RecordSummary]:
         records, token = self.list(**filters)
         while token:
             more, token = self.list(page_token=token, **filters)
@@ -294,62 +421,138 @@ class StoreClient:
         return records
 
     def inspect(self, key: bytes, namespace: str = "") -> Inspection:
-        r = self._call(lambda: self._admin.Inspect(
-            store_pb2.InspectRequest(namespace=namespace, key=key), timeout=self.timeout))
-        return Inspection(RecordSummary.from_pb(r.summary), Checkpoint.from_header(r.header),
-                          [Lease(x.lease_id, x.holder, x.expires_at_unix_ms) for x in r.leases],
-                          r.chunk_count, r.chunk_bytes)
+        r = self._call(
+            lambda: self._admin.Inspect(
+                store_pb2.InspectRequest(namespace=namespace, key=key), timeout=self.timeout
+            )
+        )
+        return Inspection(
+            RecordSummary.from_pb(r.summary),
+            Checkpoint.from_header(r.header),
+            [Lease(x.lease_id, x.holder, x.expires_at_unix_ms) for x in r.leases],
+            r.chunk_count,
+            r.chunk_bytes,
+        )
 
     def delete(self, key: bytes, namespace: str = "", *, force: bool = False) -> int:
-        r = self._call(lambda: self._admin.Delete(
-            store_pb2.DeleteRequest(namespace=namespace, key=key, force=force),
-            timeout=self.timeout))
+        r: store_pb2.DeleteResponse = self._call(
+            lambda: self._admin.Delete(
+                store_pb2.DeleteRequest(namespace=namespace, key=key, force=force),
+                timeout=self.timeout,
+            )
+        )
         return r.freed_bytes
 
-    def purge(self, *, namespace: str = "", model_id: str = "", kind: str = "",
-              older_than_s: int = 0, idle_for_s: int = 0, include_pinned: bool = False,
-              dry_run: bool = False) -> list[RecordSummary]:
-        r = self._call(lambda: self._admin.Purge(store_pb2.PurgeRequest(
-            filter=_filter(namespace, model_id, kind, older_than_s, idle_for_s),
-            include_pinned=include_pinned, dry_run=dry_run), timeout=self.timeout))
+    def purge(
+        self,
+        *,
+        namespace: str = "",
+        model_id: str = "",
+        kind: str = "",
+        older_than_s: int = 0,
+        idle_for_s: int = 0,
+        include_pinned: bool = False,
+        dry_run: bool = False,
+    ) -> builtins.list[RecordSummary]:
+        r = self._call(
+            lambda: self._admin.Purge(
+                store_pb2.PurgeRequest(
+                    filter=_filter(namespace, model_id, kind, older_than_s, idle_for_s),
+                    include_pinned=include_pinned,
+                    dry_run=dry_run,
+                ),
+                timeout=self.timeout,
+            )
+        )
         return [RecordSummary.from_pb(s) for s in r.removed]
 
     def stats(self) -> store_pb2.StatsResponse:
-        return self._call(lambda: self._admin.Stats(store_pb2.StatsRequest(),
-                                                    timeout=self.timeout))
+        r: store_pb2.StatsResponse = self._call(
+            lambda: self._admin.Stats(store_pb2.StatsRequest(), timeout=self.timeout)
+        )
+        return r
 
     def flush(self) -> bool:
-        return self._call(lambda: self._admin.Flush(store_pb2.FlushRequest(),
-                                                    timeout=self.timeout)).durable
+        """The store's durability barrier: True once everything acknowledged is on disk."""
+        r: store_pb2.FlushResponse = self._call(
+            lambda: self._admin.Flush(store_pb2.FlushRequest(), timeout=self.timeout)
+        )
+        return r.durable
 
     def compact(self) -> tuple[int, int]:
         r = self._call(lambda: self._admin.Compact(store_pb2.CompactRequest(), timeout=None))
         return r.file_bytes_before, r.file_bytes_after
 
 
-def _receive(stream: Iterator[store_pb2.GetResponse]) -> Checkpoint:
+def _serialize(message: Any) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def _raw(data: bytes) -> bytes:
+    return data
+
+
+def _alloc(nbytes: int) -> memoryview:
+    """A writable buffer for a payload: an anonymous mapping, not a bytearray, which would
+    be zero-filled first; its pages fault in as chunks are copied, overlapping the
+    transfer (measured as fast as MAP_POPULATE, and it works on macOS too)."""
+    return memoryview(mmap.mmap(-1, max(nbytes, 1)))[:nbytes]
+
+
+class _TensorChecker:
+    """Checks each tensor's CRC as its bytes arrive (while they are still in cache)."""
+
+    def __init__(self, specs: Sequence[tensors_pb2.TensorSpec]) -> None:
+        self._specs = [s for s in specs if s.nbytes]
+        for spec in specs:
+            if not spec.nbytes and spec.crc32:
+                raise DataLoss(f"tensor {spec.name!r} failed its checksum after transfer")
+        self._index = 0
+        self._left = self._specs[0].nbytes if self._specs else 0
+        self._crc = 0
+
+    def feed(self, data: memoryview) -> None:
+        pos = 0
+        while pos < len(data):
+            take = min(self._left, len(data) - pos)
+            self._crc = zlib.crc32(data[pos : pos + take], self._crc)
+            pos += take
+            self._left -= take
+            if self._left == 0:
+                spec = self._specs[self._index]
+                if self._crc != spec.crc32:
+                    raise DataLoss(f"tensor {spec.name!r} failed its checksum after transfer")
+                self._index += 1
+                self._crc = 0
+                self._left = (
+                    self._specs[self._index].nbytes if self._index < len(self._specs) else 0
+                )
+
+
+def _receive(stream: Iterator[bytes]) -> Checkpoint:
     messages = iter(stream)
-    first = next(messages)
+    first = store_pb2.GetResponse.FromString(next(messages))
     checkpoint = Checkpoint.from_header(first.header)
-    tensors = checkpoint.all_tensors()
     specs = [*first.header.tensors, *(s for a in first.header.attachments for s in a.tensors)]
-    sizes = [s.nbytes for s in specs]
-    # An anonymous mapping, not bytearray: no zero-filling pass over a buffer we overwrite.
-    payload = mmap.mmap(-1, max(sum(sizes), 1))
-    view = memoryview(payload)[:sum(sizes)]
+    view = _alloc(sum(s.nbytes for s in specs))
+    checker = _TensorChecker(specs)
     received = 0
-    for message in messages:
-        chunk = message.chunk
-        if chunk.offset != received or received + len(chunk.data) > len(view):
-            raise DataLoss(f"store sent bytes at {chunk.offset}, expected {received}")
-        view[received:received + len(chunk.data)] = chunk.data
-        received += len(chunk.data)
+    for raw in messages:
+        chunk = decode_chunk(raw)
+        if chunk is None:
+            parsed = store_pb2.GetResponse.FromString(raw).chunk
+            chunk = parsed.offset, memoryview(parsed.data)
+        offset, data = chunk
+        if offset != received or received + len(data) > len(view):
+            raise DataLoss(f"store sent bytes at {offset}, expected {received}")
+        target = view[received : received + len(data)]
+        target[:] = data
+        checker.feed(target)
+        received += len(data)
     if received != len(view):
         raise DataLoss(f"stream ended at {received} of {len(view)} bytes")
     offset = 0
-    for tensor, spec, size in zip(tensors, specs, sizes, strict=True):
-        tensor.data = view[offset:offset + size]
-        if zlib.crc32(tensor.data) != spec.crc32:
-            raise DataLoss(f"tensor {spec.name!r} failed its checksum after transfer")
-        offset += size
+    for tensor, spec in zip(checkpoint.all_tensors(), specs, strict=True):
+        tensor.data = view[offset : offset + spec.nbytes]
+        offset += spec.nbytes
     return checkpoint
