@@ -1,0 +1,3 @@
+from engine_service.server import main
+
+main()

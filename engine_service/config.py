@@ -1,0 +1,68 @@
+"""Engine settings: flags, with TANDEM_ENGINE_* environment variables as defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = ""
+    listen: str = "127.0.0.1:50051"
+    store: str = ""
+    data_dir: Path = Path(".tandem")
+    dtype: str = "auto"
+    # Admission: rows decoding at once (the BatchGenerator's batch), and requests waiting.
+    max_running: int = 32
+    max_queued: int = 256
+    # 0 = the model's context length.
+    max_context: int = 0
+    prefill_step_size: int = 2048
+    prefill_batch_size: int = 8
+    default_max_tokens: int = 256
+    grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1 or self.max_queued < 0:
+            raise ValueError("--max-running must be >= 1 and --max-queued >= 0")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError("--dtype must be auto, float32, bfloat16 or float16")
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"TANDEM_ENGINE_{name}", default)
+
+
+def parse_args(argv: list[str] | None = None) -> EngineConfig:
+    p = argparse.ArgumentParser(prog="tandem-engine",
+                                description="Serve an mlx-lm model over gRPC.")
+    p.add_argument("--model", default=_env("MODEL", ""),
+                   help="model directory or hub id; empty = the embedded default (tandem-tiny)")
+    p.add_argument("--listen", default=_env("LISTEN", "127.0.0.1:50051"),
+                   help="HOST:PORT; port 0 picks a free one (printed on start)")
+    p.add_argument("--store", default=_env("STORE", ""), help="store address (HOST:PORT)")
+    p.add_argument("--data-dir", default=_env("DATA_DIR", ".tandem"),
+                   help="where embedded models are built and cached")
+    p.add_argument("--dtype", default=_env("DTYPE", "auto"),
+                   help="auto (float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--max-running", type=int, default=int(_env("MAX_RUNNING", "32")))
+    p.add_argument("--max-queued", type=int, default=int(_env("MAX_QUEUED", "256")))
+    p.add_argument("--max-context", type=int, default=int(_env("MAX_CONTEXT", "0")))
+    p.add_argument("--prefill-step-size", type=int, default=int(_env("PREFILL_STEP", "2048")))
+    p.add_argument("--default-max-tokens", type=int,
+                   default=int(_env("DEFAULT_MAX_TOKENS", "256")))
+    p.add_argument("--grace", type=float, default=float(_env("GRACE", "10")))
+    a = p.parse_args(argv)
+    try:
+        return EngineConfig(
+            model=a.model, listen=a.listen, store=a.store, data_dir=Path(a.data_dir),
+            dtype=a.dtype, max_running=a.max_running, max_queued=a.max_queued,
+            max_context=a.max_context, prefill_step_size=a.prefill_step_size,
+            prefill_batch_size=min(8, a.max_running), default_max_tokens=a.default_max_tokens,
+            grace_s=a.grace,
+        )
+    except ValueError as exc:
+        p.error(str(exc))

@@ -1,0 +1,129 @@
+"""Loading a model through mlx-lm's loader, and what identifies it and its cache layout."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import cache as cache_lib
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import _download, load
+
+from engine_service.default_model import DEFAULT_MODEL, ensure_model, is_embedded
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    name: str
+    path: Path
+    digest: str
+    config: dict[str, Any]
+    context_length: int
+    vocab_size: int  # token ids the tokenizer knows: valid inputs are [0, vocab_size)
+    layout: list[str]
+    eos_token_ids: list[int]
+    dtype: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_id(self) -> str:
+        return f"{self.name}@{self.digest}"
+
+
+def layout_codec(cache: Any) -> str:
+    """The codec id of one layer's cache, as DESIGN.md's layout signature names them."""
+    if isinstance(cache, cache_lib.QuantizedKVCache):
+        return f"kv:quant:{cache.bits}:{cache.group_size}"
+    if isinstance(cache, cache_lib.RotatingKVCache):
+        return f"kv:rotating:{cache.max_size}:{cache.keep}"
+    if isinstance(cache, cache_lib.ChunkedKVCache):
+        return f"kv:chunked:{cache.chunk_size}"
+    if isinstance(cache, cache_lib.KVCache):
+        return "kv:plain"
+    if isinstance(cache, cache_lib.ArraysCache):
+        return f"ssm:arrays:{len(cache.state)}"
+    if isinstance(cache, cache_lib.CacheList):
+        return "list(" + ",".join(layout_codec(c) for c in cache.caches) + ")"
+    return f"other:{type(cache).__name__}"
+
+
+def _digest(path: Path) -> str:
+    """sha256 over config and weight files (name, size, bytes), cached beside nothing:
+    weights are read once per start; for multi-GB models this is seconds of I/O."""
+    files = sorted(
+        [path / "config.json", *path.glob("*.safetensors"), *path.glob("tokenizer.json")]
+    )
+    h = hashlib.sha256()
+    for file in files:
+        if not file.exists():
+            continue
+        h.update(file.name.encode())
+        h.update(str(file.stat().st_size).encode())
+        with open(file, "rb") as f:
+            while block := f.read(8 << 20):
+                h.update(block)
+    return "sha256:" + h.hexdigest()[:16]
+
+
+def resolve(spec: str, data_dir: Path) -> tuple[str, Path]:
+    """A model name and its local directory: embedded, a local path, or a hub id."""
+    spec = spec or DEFAULT_MODEL
+    if is_embedded(spec):
+        return spec, ensure_model(spec, data_dir / "models")
+    path = Path(spec)
+    if path.exists():
+        return path.resolve().name, path
+    return spec, _download(spec)
+
+
+def load_model(spec: str, data_dir: Path, dtype: str = "auto") -> LoadedModel:
+    name, path = resolve(spec, data_dir)
+    model, tokenizer, config = load(str(path), return_config=True)
+    if dtype == "auto":
+        # CPU matmuls in bf16/fp16 do not use BLAS and run far slower than fp32.
+        dtype = "float32" if mx.default_device() == mx.cpu else ""
+    if dtype:
+        target = getattr(mx, dtype)
+        model.set_dtype(target, lambda t: mx.issubdtype(t, mx.floating))
+    params_dtype = _param_dtype(model)
+    make = getattr(model, "make_cache", None)
+    caches = make() if make else cache_lib.make_prompt_cache(model)
+    context = int(
+        config.get("max_position_embeddings")
+        or config.get("max_sequence_length")
+        or getattr(tokenizer, "model_max_length", 0)
+        or 4096
+    )
+    vocab = min(len(tokenizer), int(config.get("vocab_size", len(tokenizer))))
+    eos = sorted(int(t) for t in tokenizer.eos_token_ids)
+    loaded = LoadedModel(
+        model=model, tokenizer=tokenizer, name=name, path=path, digest=_digest(path),
+        config=config, context_length=context, vocab_size=vocab,
+        layout=[layout_codec(c) for c in caches], eos_token_ids=eos, dtype=params_dtype,
+    )
+    log.info("loaded %s (%s) from %s: %s, context %d, layout %s", loaded.model_id,
+             config.get("model_type"), path, params_dtype, context, ",".join(loaded.layout))
+    return loaded
+
+
+def _param_dtype(model: nn.Module) -> str:
+    from mlx.utils import tree_flatten
+
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return str(value.dtype).removeprefix("mlx.core.")
+    return "unknown"
+
+
+def config_json(loaded: LoadedModel) -> str:
+    return json.dumps(loaded.config, sort_keys=True)

@@ -1,0 +1,120 @@
+"""A generation request as the engine sees it, validated from its wire form."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from engine_service.errors import InvalidRequest, Precondition
+from engine_service.model import LoadedModel
+from engine_service.sampling import SamplingOptions
+from tandem_client.pb import engine_pb2
+
+MAX_STOPS = 16
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingOptions
+    namespace: str
+    # Absolute time.monotonic() by which the client stops waiting, or None.
+    deadline: float | None = None
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return list(self.sampling.stop_token_ids)
+
+
+def _check_ids(ids: Any, vocab: int, what: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequest(f"{what} has unknown token ids {bad[:5]} (vocabulary is 0..{vocab - 1})")
+
+
+def sampling_from_pb(p: engine_pb2.SamplingParams, vocab: int) -> SamplingOptions:
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        raise InvalidRequest(f"temperature must be >= 0, got {p.temperature}")
+    top_p = p.top_p if p.HasField("top_p") else 1.0
+    if not (0.0 < top_p <= 1.0):
+        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
+    if p.top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0, got {p.top_k}")
+    if not (0.0 <= p.min_p < 1.0):
+        raise InvalidRequest(f"min_p must be in [0, 1), got {p.min_p}")
+    if not math.isfinite(p.repetition_penalty) or p.repetition_penalty < 0:
+        raise InvalidRequest(f"repetition_penalty must be >= 0, got {p.repetition_penalty}")
+    if p.repetition_context_size < 0:
+        raise InvalidRequest("repetition_context_size must be >= 0")
+    logprobs = p.logprobs if p.HasField("logprobs") else -1
+    if not -1 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"logprobs must be in 0..{MAX_LOGPROBS} (or unset), got {logprobs}")
+    if len(p.stop) > MAX_STOPS or any(not s for s in p.stop):
+        raise InvalidRequest(f"stop takes at most {MAX_STOPS} non-empty strings")
+    _check_ids(p.stop_token_ids, vocab, "stop_token_ids")
+    return SamplingOptions(
+        temperature=p.temperature, top_p=top_p, top_k=p.top_k, min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        repetition_context_size=p.repetition_context_size or 20, seed=p.seed,
+        stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), logprobs=logprobs,
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def prompt_tokens(request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest,
+                  loaded: LoadedModel) -> list[int]:
+    """The prompt as token ids: given ids, or encoded text, or rendered chat messages.
+
+    Runs the tokenizer (and the chat template), so call it off the event loop.
+    """
+    tokenizer = loaded.tokenizer
+    ids = list(getattr(request, "token_ids", []))
+    given = [bool(request.text), bool(ids), bool(request.messages)]
+    if sum(given) > 1:
+        raise InvalidRequest("give exactly one of text, token_ids or messages")
+    if request.messages:
+        if not tokenizer.has_chat_template:
+            raise Precondition("this model has no chat template; send text or token_ids")
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        if any(not m["role"] for m in messages):
+            raise InvalidRequest("every chat message needs a role")
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True)
+        return list(rendered["input_ids"] if isinstance(rendered, dict) else rendered)
+    if request.text:
+        add_special = getattr(request, "add_special_tokens", True)
+        return list(tokenizer.encode(request.text, add_special_tokens=add_special))
+    return ids
+
+
+def request_from_pb(request: engine_pb2.GenerateRequest, loaded: LoadedModel,
+                    context: int, default_max_tokens: int,
+                    deadline: float | None) -> GenerationRequest:
+    if request.resume or request.tokens_held:
+        raise Precondition("resume needs an engine started with --store")
+    if request.checkpoint_interval < 0:
+        raise InvalidRequest("checkpoint_interval must be >= 0")
+    if request.max_tokens < 0 or (request.max_tokens == 0 and request.HasField("max_tokens")):
+        raise InvalidRequest(f"max_tokens must be > 0, got {request.max_tokens}")
+    if len(request.request_id) > 128 or not request.request_id.isprintable():
+        raise InvalidRequest("request_id must be up to 128 printable characters")
+    sampling = sampling_from_pb(request.sampling, loaded.vocab_size)
+    prompt = prompt_tokens(request, loaded)
+    if not prompt:
+        raise InvalidRequest("the prompt is empty")
+    _check_ids(prompt, loaded.vocab_size, "the prompt")
+    if len(prompt) >= context:
+        raise InvalidRequest(
+            f"the prompt has {len(prompt)} tokens; the context is {context} (limit: --max-context)"
+        )
+    max_tokens = min(request.max_tokens or default_max_tokens, context - len(prompt))
+    return GenerationRequest(
+        request_id=request.request_id or uuid.uuid4().hex, prompt=prompt,
+        max_tokens=max_tokens, sampling=sampling, namespace=request.namespace or "default",
+        deadline=deadline,
+    )

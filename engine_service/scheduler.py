@@ -1,0 +1,332 @@
+"""The engine loop: one thread owns every MLX call and drives mlx-lm's BatchGenerator.
+
+gRPC handlers never touch MLX. They submit a request with a `sink` (a thread-safe callable
+that takes a list of events) and may cancel it; the loop admits requests between decode
+steps, steps the batch, and pushes each request's events to its sink: Started, Token per
+generated token, and exactly one Finished. The loop never waits on the network.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from engine_service.errors import AlreadyExists, Overloaded, Unavailable
+from engine_service.model import LoadedModel
+from engine_service.requests import GenerationRequest
+from engine_service.sampling import make_processors, make_sampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Started:
+    prompt_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Token:
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    # "length", "stop" (a stop token; stop strings are found by the handler), "cancelled",
+    # "error"
+    reason: str
+    error: str = ""
+    stop_token: int | None = None
+
+
+Event = Started | Token | Finished
+Sink = Callable[[list[Event]], None]
+
+
+@dataclass
+class Limits:
+    max_running: int = 32
+    max_queued: int = 256
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 2048
+
+
+@dataclass
+class _Job:
+    request: GenerationRequest
+    sink: Sink
+    uid: int = -1
+    generated: int = 0
+    stop_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    queued: int = 0
+    requests_total: int = 0
+    generated_tokens_total: int = 0
+    prompt_tokens_total: int = 0
+    decode_tokens_per_second: float = 0.0
+    batch_size: int = 0
+    max_batch_size_seen: int = 0
+    mean_batch_size: float = 0.0
+    cancelled_total: int = 0
+    rejected_total: int = 0
+    steps_total: int = 0
+    recent: collections.deque[tuple[float, int]] = field(
+        default_factory=lambda: collections.deque(maxlen=256))
+
+
+class Scheduler:
+    def __init__(self, loaded: LoadedModel, limits: Limits) -> None:
+        self.loaded = loaded
+        self.limits = limits
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards admission counters and stats
+        self._ids: set[str] = set()
+        self._pending = 0  # submitted, not yet finished
+        self._stats = EngineStats()
+        self._waiting: collections.deque[_Job] = collections.deque()
+        self._rows: dict[int, _Job] = {}
+        self._by_id: dict[str, _Job] = {}
+        self._stopping = False
+        self._accepting = True
+        self._bg = self._new_batch_generator()
+        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+
+    def _new_batch_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.loaded.model,
+            completion_batch_size=self.limits.max_running,
+            prefill_batch_size=min(self.limits.prefill_batch_size, self.limits.max_running),
+            prefill_step_size=self.limits.prefill_step_size,
+        )
+
+    # -- called from other threads -----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> None:
+        """Admits a request or raises Overloaded / AlreadyExists / Unavailable."""
+        with self._lock:
+            if not self._accepting:
+                raise Unavailable("the engine is shutting down")
+            if request.request_id in self._ids:
+                raise AlreadyExists(f"request {request.request_id!r} is already running")
+            limit = self.limits.max_running + self.limits.max_queued
+            if self._pending >= limit:
+                self._stats.rejected_total += 1
+                raise Overloaded(
+                    f"engine full: {self._pending} requests running or queued "
+                    f"(--max-running {self.limits.max_running}, "
+                    f"--max-queued {self.limits.max_queued})"
+                )
+            self._ids.add(request.request_id)
+            self._pending += 1
+            self._stats.requests_total += 1
+        self._inbox.put(("submit", _Job(request, sink)))
+
+    def cancel(self, request_id: str) -> bool:
+        """Asks the loop to stop a request; False if it is not known (already finished)."""
+        with self._lock:
+            known = request_id in self._ids
+        if known:
+            self._inbox.put(("cancel", request_id))
+        return known
+
+    def stop_accepting(self) -> None:
+        with self._lock:
+            self._accepting = False
+
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def shutdown(self) -> None:
+        """Cancels whatever is left and stops the loop."""
+        self.stop_accepting()
+        self._inbox.put(("stop", None))
+        self._thread.join(30)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s = self._stats
+            now = time.monotonic()
+            window = [(t, n) for t, n in s.recent if now - t <= 5.0]
+            tps = 0.0
+            if len(window) >= 2:
+                span = window[-1][0] - window[0][0]
+                tps = sum(n for _, n in window[1:]) / span if span > 0 else 0.0
+            return EngineStats(
+                running=s.running, queued=s.queued, requests_total=s.requests_total,
+                generated_tokens_total=s.generated_tokens_total,
+                prompt_tokens_total=s.prompt_tokens_total, decode_tokens_per_second=tps,
+                batch_size=s.batch_size, max_batch_size_seen=s.max_batch_size_seen,
+                mean_batch_size=s.generated_tokens_total / s.steps_total if s.steps_total else 0,
+                cancelled_total=s.cancelled_total, rejected_total=s.rejected_total,
+                steps_total=s.steps_total,
+            )
+
+    # -- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            idle = not self._rows and not self._waiting
+            if not self._drain_inbox(block=idle):
+                break
+            self._admit()
+            self._expire_deadlines()
+            if self._rows:
+                self._step()
+            self._publish_counts()
+        self._cancel_all("the engine is shutting down")
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Applies queued commands; False when asked to stop."""
+        while True:
+            try:
+                kind, arg = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "submit":
+                self._waiting.append(arg)
+                self._by_id[arg.request.request_id] = arg
+            elif kind == "cancel":
+                self._cancel(arg)
+            elif kind == "stop":
+                return False
+
+    def _admit(self) -> None:
+        free = self.limits.max_running - len(self._rows)
+        batch = []
+        while free > 0 and self._waiting:
+            batch.append(self._waiting.popleft())
+            free -= 1
+        if not batch:
+            return
+        eos = self.loaded.eos_token_ids
+        prompts, max_tokens, samplers, processors, stops = [], [], [], [], []
+        for job in batch:
+            r = job.request
+            stop_ids = set(r.sampling.stop_token_ids)
+            if not r.sampling.ignore_eos:
+                stop_ids.update(eos)
+            job.stop_ids = frozenset(stop_ids)
+            prompts.append(r.prompt)
+            max_tokens.append(r.max_tokens)
+            samplers.append(make_sampler(r.sampling))
+            processors.append(make_processors(r.sampling))
+            stops.append(StopSequences([[t] for t in sorted(stop_ids)]))
+        uids = self._bg.insert(prompts, max_tokens=max_tokens, samplers=samplers,
+                               logits_processors=processors, stop_sequences=stops)
+        for job, uid in zip(batch, uids, strict=True):
+            job.uid = uid
+            self._rows[uid] = job
+            job.sink([Started(len(job.request.prompt), 0)])
+        with self._lock:
+            self._stats.prompt_tokens_total += sum(len(p) for p in prompts)
+
+    def _step(self) -> None:
+        try:
+            _, responses = self._bg.next()
+        except Exception as exc:  # a model failure must not take the engine down silently
+            log.exception("batch step failed; failing its requests")
+            self._fail_all(f"generation failed: {exc}")
+            return
+        if not responses:
+            return
+        want = [(r, self._rows.get(r.uid)) for r in responses]
+        logprob_rows = [(r, job) for r, job in want if job and job.request.sampling.logprobs >= 0]
+        extras = self._logprobs(logprob_rows) if logprob_rows else {}
+        for r, job in want:
+            if job is None:
+                continue  # removed (cancelled) while its token was in flight
+            job.generated += 1
+            lp, top = extras.get(r.uid, (None, None))
+            events: list[Event] = [Token(r.token, lp, top)]
+            if r.finish_reason is not None:
+                stop = r.token if r.finish_reason == "stop" else None
+                events.append(Finished("stop" if stop is not None else "length",
+                                       stop_token=stop))
+                self._forget(job)
+            job.sink(events)
+        with self._lock:
+            s = self._stats
+            s.generated_tokens_total += len(responses)
+            s.steps_total += 1
+            s.batch_size = len(responses)
+            s.max_batch_size_seen = max(s.max_batch_size_seen, len(responses))
+            s.recent.append((time.monotonic(), len(responses)))
+
+    def _logprobs(self, rows: list[tuple[Any, _Job]]) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+        """The sampled token's logprob and the top-n alternatives, per row that asked."""
+        out = {}
+        for r, job in rows:
+            n = job.request.sampling.logprobs
+            lp = r.logprobs
+            if n > 0:
+                top_ids = mx.argpartition(-lp, kth=n - 1)[:n]
+                top_vals = lp[top_ids]
+                order = mx.argsort(-top_vals)
+                ids, vals = top_ids[order].tolist(), top_vals[order].tolist()
+                top = list(zip(ids, vals, strict=True))
+            else:
+                top = []
+            out[r.uid] = (lp[r.token].item(), top)
+        return out
+
+    def _cancel(self, request_id: str, reason: str = "cancelled", error: str = "") -> None:
+        job = self._by_id.get(request_id)
+        if job is None:
+            return
+        if job.uid >= 0:
+            self._bg.remove([job.uid])
+        else:
+            self._waiting.remove(job)
+        self._forget(job)
+        with self._lock:
+            self._stats.cancelled_total += 1
+        job.sink([Finished(reason, error=error)])
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for job in list(self._by_id.values()):
+            if job.request.deadline is not None and now > job.request.deadline:
+                self._cancel(job.request.request_id, "cancelled", "deadline exceeded")
+
+    def _forget(self, job: _Job) -> None:
+        self._rows.pop(job.uid, None)
+        self._by_id.pop(job.request.request_id, None)
+        with self._lock:
+            self._ids.discard(job.request.request_id)
+            self._pending -= 1
+
+    def _fail_all(self, message: str) -> None:
+        for job in list(self._by_id.values()):
+            self._forget(job)
+            job.sink([Finished("error", error=message)])
+        self._waiting.clear()
+        self._bg = self._new_batch_generator()
+
+    def _cancel_all(self, message: str) -> None:
+        for request_id in list(self._by_id):
+            self._cancel(request_id, "cancelled", message)
+
+    def _publish_counts(self) -> None:
+        with self._lock:
+            self._stats.running = len(self._rows)
+            self._stats.queued = len(self._waiting)

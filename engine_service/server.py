@@ -1,0 +1,82 @@
+"""The engine process: model, MLX thread, gRPC (aio) server, health, reflection, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine_service import blas
+from engine_service.config import EngineConfig, parse_args
+from engine_service.model import load_model
+from engine_service.scheduler import Limits, Scheduler
+from engine_service.servicer import EngineServicer
+from tandem_client.pb import engine_pb2, engine_pb2_grpc
+
+log = logging.getLogger("tandem.engine")
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+
+
+async def serve(config: EngineConfig) -> None:
+    log.info("BLAS: %s", blas.in_use())
+    loaded = load_model(config.model, config.data_dir, config.dtype)
+    context = min(config.max_context or loaded.context_length, loaded.context_length)
+    scheduler = Scheduler(loaded, Limits(config.max_running, config.max_queued,
+                                         config.prefill_batch_size, config.prefill_step_size))
+    scheduler.start()
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServicer_to_server(
+        EngineServicer(loaded, scheduler, context, config.default_max_tokens), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {config.listen}")
+    await server.start()
+    host = config.listen.rsplit(":", 1)[0]
+    print(f"tandem-engine listening on {host}:{port}", flush=True)
+    log.info("serving %s on %s:%d (BLAS: %s)", loaded.model_id, host, port, blas.in_use())
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+
+    # Stop admitting, let in-flight generations finish within the grace period, then
+    # cancel what is left (their streams end with finish reason CANCELLED).
+    log.info("draining: %d requests in flight (grace %.0fs)", scheduler.pending(),
+             config.grace_s)
+    scheduler.stop_accepting()
+    await health_servicer.enter_graceful_shutdown()
+    deadline = time.monotonic() + config.grace_s
+    while scheduler.pending() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    scheduler.shutdown()
+    await server.stop(2.0)
+    log.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = parse_args(argv)
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        print(f"tandem-engine: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

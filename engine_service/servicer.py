@@ -1,0 +1,224 @@
+"""The gRPC face of the engine (grpc.aio): requests in, scheduler calls, streams out.
+
+Text work (tokenizing, chat templates, streaming detokenization, stop strings) happens
+here, per request, so the MLX thread only moves token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from engine_service import blas
+from engine_service.errors import EngineError, InvalidRequest, NotFound
+from engine_service.model import LoadedModel
+from engine_service.requests import GenerationRequest, prompt_tokens, request_from_pb
+from engine_service.scheduler import Event, Finished, Scheduler, Started, Token
+from engine_service.text import TextStream
+from tandem_client.pb import engine_pb2, engine_pb2_grpc
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+_FINISH = {
+    "length": engine_pb2.FINISH_REASON_LENGTH,
+    "stop": engine_pb2.FINISH_REASON_STOP,
+    "cancelled": engine_pb2.FINISH_REASON_CANCELLED,
+    "error": engine_pb2.FINISH_REASON_ERROR,
+}
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, name: str) -> None:
+    if isinstance(exc, EngineError):
+        await context.abort(exc.code, str(exc))
+    log.exception("%s failed", name)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}: {exc}")
+
+
+def rpc_errors(method: F) -> F:
+    """Maps engine errors to status codes; anything unknown is logged and becomes INTERNAL."""
+
+    @functools.wraps(method)
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            await _abort(context, exc, method.__name__)
+
+    return unary  # type: ignore[return-value]
+
+
+class RequestStream:
+    """A request's events, pushed from the MLX thread, read by its handler."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+
+    def push(self, events: list[Event]) -> None:  # called on the MLX thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, events)
+
+    async def next(self) -> list[Event]:
+        return await self._queue.get()
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(self, loaded: LoadedModel, scheduler: Scheduler, context: int,
+                 default_max_tokens: int) -> None:
+        self.loaded = loaded
+        self.scheduler = scheduler
+        self.context = context
+        self.default_max_tokens = default_max_tokens
+
+    async def Generate(self, request: engine_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        arrival = time.monotonic()
+        try:
+            remaining = context.time_remaining()
+            deadline = arrival + remaining if remaining is not None else None
+            req = await asyncio.to_thread(request_from_pb, request, self.loaded, self.context,
+                                          self.default_max_tokens, deadline)
+            stream = RequestStream(asyncio.get_running_loop())
+            self.scheduler.submit(req, stream.push)
+        except EngineError as exc:
+            await context.abort(exc.code, str(exc))
+        finished = False
+        try:
+            async for message in self._responses(req, stream, arrival):
+                yield message
+            finished = True
+        finally:
+            if not finished:  # the client went away or the deadline passed: free the row
+                self.scheduler.cancel(req.request_id)
+
+    async def _responses(self, req: GenerationRequest, stream: RequestStream,
+                         arrival: float) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        text = TextStream(self.loaded.tokenizer, req.sampling.stop)
+        usage = engine_pb2.Usage(prompt_tokens=len(req.prompt))
+        first_token_at = last_token_at = 0.0
+        generated = 0
+        while True:
+            for event in await stream.next():
+                if isinstance(event, Started):
+                    usage.cached_prompt_tokens = event.cached_prompt_tokens
+                elif isinstance(event, Token):
+                    last_token_at = time.monotonic()
+                    if not generated:
+                        first_token_at = last_token_at
+                    generated += 1
+                    message = engine_pb2.GenerateResponse(token_ids=[event.token_id])
+                    if event.logprob is not None:
+                        message.logprobs.append(self._logprob(event))
+                    stopped = False
+                    if event.token_id not in self.scheduler_stop_ids(req):
+                        message.text = text.add(event.token_id)
+                        stopped = bool(text.stopped_by)
+                    if stopped:
+                        # A stop string: the text is cut exactly; tell the loop to drop the row.
+                        self.scheduler.cancel(req.request_id)
+                        message.finish_reason = engine_pb2.FINISH_REASON_STOP
+                        message.matched_stop = text.stopped_by
+                        self._finish_usage(usage, generated, arrival, first_token_at,
+                                           last_token_at)
+                        message.usage.CopyFrom(usage)
+                        message.request_id = req.request_id
+                        yield message
+                        return
+                    yield message
+                elif isinstance(event, Finished):
+                    final = engine_pb2.GenerateResponse(
+                        finish_reason=_FINISH[event.reason], error=event.error,
+                        request_id=req.request_id,
+                    )
+                    if event.reason in ("length", "stop"):
+                        final.text = text.finish()
+                    if event.stop_token is not None:
+                        final.matched_stop = self.loaded.tokenizer.decode([event.stop_token])
+                    self._finish_usage(usage, generated, arrival, first_token_at, last_token_at)
+                    final.usage.CopyFrom(usage)
+                    yield final
+                    return
+
+    def scheduler_stop_ids(self, req: GenerationRequest) -> set[int]:
+        ids = set(req.sampling.stop_token_ids)
+        if not req.sampling.ignore_eos:
+            ids.update(self.loaded.eos_token_ids)
+        return ids
+
+    def _logprob(self, event: Token) -> engine_pb2.TokenLogprob:
+        decode = self.loaded.tokenizer.decode
+        return engine_pb2.TokenLogprob(
+            token_id=event.token_id, logprob=event.logprob or 0.0,
+            top=[engine_pb2.TopLogprob(token_id=t, logprob=v, text=decode([t]))
+                 for t, v in (event.top or [])],
+        )
+
+    @staticmethod
+    def _finish_usage(usage: engine_pb2.Usage, generated: int, arrival: float,
+                      first: float, last: float) -> None:
+        usage.generated_tokens = generated
+        if generated:
+            usage.ttft_seconds = first - arrival
+        if generated > 1 and last > first:
+            usage.decode_tokens_per_second = (generated - 1) / (last - first)
+
+    @rpc_errors
+    async def Tokenize(self, request: engine_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> engine_pb2.TokenizeResponse:
+        ids = await asyncio.to_thread(prompt_tokens, request, self.loaded)
+        return engine_pb2.TokenizeResponse(token_ids=ids)
+
+    @rpc_errors
+    async def Detokenize(self, request: engine_pb2.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> engine_pb2.DetokenizeResponse:
+        bad = [t for t in request.token_ids if not 0 <= t < self.loaded.vocab_size]
+        if bad:
+            raise InvalidRequest(f"unknown token ids {bad[:5]}")
+        text = self.loaded.tokenizer.decode(list(request.token_ids))
+        return engine_pb2.DetokenizeResponse(text=text)
+
+    @rpc_errors
+    async def ModelInfo(self, request: engine_pb2.ModelInfoRequest,
+                        context: grpc.aio.ServicerContext) -> engine_pb2.ModelInfoResponse:
+        m = self.loaded
+        return engine_pb2.ModelInfoResponse(
+            model_id=m.model_id, name=m.name, digest=m.digest, context_length=self.context,
+            vocab_size=m.vocab_size, layout=m.layout,
+            model_type=str(m.config.get("model_type", "")), dtype=m.dtype,
+            eos_token_ids=m.eos_token_ids, blas=blas.in_use(),
+        )
+
+    @rpc_errors
+    async def Cancel(self, request: engine_pb2.CancelRequest,
+                     context: grpc.aio.ServicerContext) -> engine_pb2.CancelResponse:
+        if not self.scheduler.cancel(request.request_id):
+            raise NotFound(f"no running or queued request {request.request_id!r}")
+        return engine_pb2.CancelResponse()
+
+    @rpc_errors
+    async def Stats(self, request: engine_pb2.EngineStatsRequest,
+                    context: grpc.aio.ServicerContext) -> engine_pb2.EngineStatsResponse:
+        s = self.scheduler.stats()
+        return engine_pb2.EngineStatsResponse(
+            running=s.running, queued=s.queued, requests_total=s.requests_total,
+            generated_tokens_total=s.generated_tokens_total,
+            prompt_tokens_total=s.prompt_tokens_total,
+            decode_tokens_per_second=s.decode_tokens_per_second, batch_size=s.batch_size,
+            max_batch_size_seen=s.max_batch_size_seen, mean_batch_size=s.mean_batch_size,
+            cancelled_total=s.cancelled_total, rejected_total=s.rejected_total,
+            steps_total=s.steps_total,
+        )
+
+    @rpc_errors
+    async def Flush(self, request: engine_pb2.EngineFlushRequest,
+                    context: grpc.aio.ServicerContext) -> engine_pb2.EngineFlushResponse:
+        # No checkpoints without a store: nothing is durable, nothing is pending.
+        return engine_pb2.EngineFlushResponse(durable=False)
