@@ -32,10 +32,10 @@ bench: $(PB_STAMP)
 
 lint: $(PB_STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check store_service clients/python/tandem_client tests bench scripts
+	$(PY) -m ruff format --check store_service engine_service clients/python/tandem_client tests bench scripts
 
 check: lint
-	$(PY) -m mypy store_service clients/python/tandem_client
+	$(PY) -m mypy store_service engine_service clients/python/tandem_client
 	$(MAKE) test
 
 clean:

@@ -37,31 +37,50 @@ def _env(name: str, default: str) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
-    p = argparse.ArgumentParser(prog="tandem-engine",
-                                description="Serve an mlx-lm model over gRPC.")
-    p.add_argument("--model", default=_env("MODEL", ""),
-                   help="model directory or hub id; empty = the embedded default (tandem-tiny)")
-    p.add_argument("--listen", default=_env("LISTEN", "127.0.0.1:50051"),
-                   help="HOST:PORT; port 0 picks a free one (printed on start)")
+    p = argparse.ArgumentParser(
+        prog="tandem-engine", description="Serve an mlx-lm model over gRPC."
+    )
+    p.add_argument(
+        "--model",
+        default=_env("MODEL", ""),
+        help="model directory or hub id; empty = the embedded default (tandem-tiny)",
+    )
+    p.add_argument(
+        "--listen",
+        default=_env("LISTEN", "127.0.0.1:50051"),
+        help="HOST:PORT; port 0 picks a free one (printed on start)",
+    )
     p.add_argument("--store", default=_env("STORE", ""), help="store address (HOST:PORT)")
-    p.add_argument("--data-dir", default=_env("DATA_DIR", ".tandem"),
-                   help="where embedded models are built and cached")
-    p.add_argument("--dtype", default=_env("DTYPE", "auto"),
-                   help="auto (float32 on CPU), float32, bfloat16, float16")
+    p.add_argument(
+        "--data-dir",
+        default=_env("DATA_DIR", ".tandem"),
+        help="where embedded models are built and cached",
+    )
+    p.add_argument(
+        "--dtype",
+        default=_env("DTYPE", "auto"),
+        help="auto (float32 on CPU), float32, bfloat16, float16",
+    )
     p.add_argument("--max-running", type=int, default=int(_env("MAX_RUNNING", "32")))
     p.add_argument("--max-queued", type=int, default=int(_env("MAX_QUEUED", "256")))
     p.add_argument("--max-context", type=int, default=int(_env("MAX_CONTEXT", "0")))
     p.add_argument("--prefill-step-size", type=int, default=int(_env("PREFILL_STEP", "2048")))
-    p.add_argument("--default-max-tokens", type=int,
-                   default=int(_env("DEFAULT_MAX_TOKENS", "256")))
+    p.add_argument("--default-max-tokens", type=int, default=int(_env("DEFAULT_MAX_TOKENS", "256")))
     p.add_argument("--grace", type=float, default=float(_env("GRACE", "10")))
     a = p.parse_args(argv)
     try:
         return EngineConfig(
-            model=a.model, listen=a.listen, store=a.store, data_dir=Path(a.data_dir),
-            dtype=a.dtype, max_running=a.max_running, max_queued=a.max_queued,
-            max_context=a.max_context, prefill_step_size=a.prefill_step_size,
-            prefill_batch_size=min(8, a.max_running), default_max_tokens=a.default_max_tokens,
+            model=a.model,
+            listen=a.listen,
+            store=a.store,
+            data_dir=Path(a.data_dir),
+            dtype=a.dtype,
+            max_running=a.max_running,
+            max_queued=a.max_queued,
+            max_context=a.max_context,
+            prefill_step_size=a.prefill_step_size,
+            prefill_batch_size=min(8, a.max_running),
+            default_max_tokens=a.default_max_tokens,
             grace_s=a.grace,
         )
     except ValueError as exc:

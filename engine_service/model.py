@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models import cache as cache_lib
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _download, load
@@ -22,7 +21,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
-    model: nn.Module
+    model: Any  # an mlx.nn.Module
     tokenizer: TokenizerWrapper
     name: str
     path: Path
@@ -51,7 +50,7 @@ def layout_codec(cache: Any) -> str:
     if isinstance(cache, cache_lib.KVCache):
         return "kv:plain"
     if isinstance(cache, cache_lib.ArraysCache):
-        return f"ssm:arrays:{len(cache.state)}"
+        return f"ssm:arrays:{len(cache.cache)}"
     if isinstance(cache, cache_lib.CacheList):
         return "list(" + ",".join(layout_codec(c) for c in cache.caches) + ")"
     return f"other:{type(cache).__name__}"
@@ -88,13 +87,16 @@ def resolve(spec: str, data_dir: Path) -> tuple[str, Path]:
 
 def load_model(spec: str, data_dir: Path, dtype: str = "auto") -> LoadedModel:
     name, path = resolve(spec, data_dir)
-    model, tokenizer, config = load(str(path), return_config=True)
+    model, tokenizer, config = load(str(path), return_config=True)  # type: ignore[misc]
     if dtype == "auto":
         # CPU matmuls in bf16/fp16 do not use BLAS and run far slower than fp32.
         dtype = "float32" if mx.default_device() == mx.cpu else ""
     if dtype:
         target = getattr(mx, dtype)
         model.set_dtype(target, lambda t: mx.issubdtype(t, mx.floating))
+    # Materialize now: a lazy cast would be evaluated on the engine thread, which cannot
+    # run graphs recorded on this thread's default stream.
+    mx.eval(model.parameters())
     params_dtype = _param_dtype(model)
     make = getattr(model, "make_cache", None)
     caches = make() if make else cache_lib.make_prompt_cache(model)
@@ -107,19 +109,35 @@ def load_model(spec: str, data_dir: Path, dtype: str = "auto") -> LoadedModel:
     vocab = min(len(tokenizer), int(config.get("vocab_size", len(tokenizer))))
     eos = sorted(int(t) for t in tokenizer.eos_token_ids)
     loaded = LoadedModel(
-        model=model, tokenizer=tokenizer, name=name, path=path, digest=_digest(path),
-        config=config, context_length=context, vocab_size=vocab,
-        layout=[layout_codec(c) for c in caches], eos_token_ids=eos, dtype=params_dtype,
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        path=path,
+        digest=_digest(path),
+        config=config,
+        context_length=context,
+        vocab_size=vocab,
+        layout=[layout_codec(c) for c in caches],
+        eos_token_ids=eos,
+        dtype=params_dtype,
     )
-    log.info("loaded %s (%s) from %s: %s, context %d, layout %s", loaded.model_id,
-             config.get("model_type"), path, params_dtype, context, ",".join(loaded.layout))
+    log.info(
+        "loaded %s (%s) from %s: %s, context %d, layout %s",
+        loaded.model_id,
+        config.get("model_type"),
+        path,
+        params_dtype,
+        context,
+        ",".join(loaded.layout),
+    )
     return loaded
 
 
-def _param_dtype(model: nn.Module) -> str:
+def _param_dtype(model: Any) -> str:
     from mlx.utils import tree_flatten
 
-    for _, value in tree_flatten(model.parameters()):
+    params: Any = tree_flatten(model.parameters())
+    for _, value in params:
         if mx.issubdtype(value.dtype, mx.floating):
             return str(value.dtype).removeprefix("mlx.core.")
     return "unknown"

@@ -34,7 +34,9 @@ class GenerationRequest:
 def _check_ids(ids: Any, vocab: int, what: str) -> None:
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-        raise InvalidRequest(f"{what} has unknown token ids {bad[:5]} (vocabulary is 0..{vocab - 1})")
+        raise InvalidRequest(
+            f"{what} has unknown token ids {bad[:5]} (vocabulary is 0..{vocab - 1})"
+        )
 
 
 def sampling_from_pb(p: engine_pb2.SamplingParams, vocab: int) -> SamplingOptions:
@@ -58,16 +60,23 @@ def sampling_from_pb(p: engine_pb2.SamplingParams, vocab: int) -> SamplingOption
         raise InvalidRequest(f"stop takes at most {MAX_STOPS} non-empty strings")
     _check_ids(p.stop_token_ids, vocab, "stop_token_ids")
     return SamplingOptions(
-        temperature=p.temperature, top_p=top_p, top_k=p.top_k, min_p=p.min_p,
+        temperature=p.temperature,
+        top_p=top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
         repetition_penalty=p.repetition_penalty,
-        repetition_context_size=p.repetition_context_size or 20, seed=p.seed,
-        stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), logprobs=logprobs,
+        repetition_context_size=p.repetition_context_size or 20,
+        seed=p.seed,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        logprobs=logprobs,
         ignore_eos=p.ignore_eos,
     )
 
 
-def prompt_tokens(request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest,
-                  loaded: LoadedModel) -> list[int]:
+def prompt_tokens(
+    request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest, loaded: LoadedModel
+) -> list[int]:
     """The prompt as token ids: given ids, or encoded text, or rendered chat messages.
 
     Runs the tokenizer (and the chat template), so call it off the event loop.
@@ -83,8 +92,9 @@ def prompt_tokens(request: engine_pb2.GenerateRequest | engine_pb2.TokenizeReque
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
         if any(not m["role"] for m in messages):
             raise InvalidRequest("every chat message needs a role")
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=True)
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
         return list(rendered["input_ids"] if isinstance(rendered, dict) else rendered)
     if request.text:
         add_special = getattr(request, "add_special_tokens", True)
@@ -92,9 +102,13 @@ def prompt_tokens(request: engine_pb2.GenerateRequest | engine_pb2.TokenizeReque
     return ids
 
 
-def request_from_pb(request: engine_pb2.GenerateRequest, loaded: LoadedModel,
-                    context: int, default_max_tokens: int,
-                    deadline: float | None) -> GenerationRequest:
+def request_from_pb(
+    request: engine_pb2.GenerateRequest,
+    loaded: LoadedModel,
+    context: int,
+    default_max_tokens: int,
+    deadline: float | None,
+) -> GenerationRequest:
     if request.resume or request.tokens_held:
         raise Precondition("resume needs an engine started with --store")
     if request.checkpoint_interval < 0:
@@ -114,7 +128,10 @@ def request_from_pb(request: engine_pb2.GenerateRequest, loaded: LoadedModel,
         )
     max_tokens = min(request.max_tokens or default_max_tokens, context - len(prompt))
     return GenerationRequest(
-        request_id=request.request_id or uuid.uuid4().hex, prompt=prompt,
-        max_tokens=max_tokens, sampling=sampling, namespace=request.namespace or "default",
+        request_id=request.request_id or uuid.uuid4().hex,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        namespace=request.namespace or "default",
         deadline=deadline,
     )

@@ -44,7 +44,7 @@ class Token:
 @dataclass(frozen=True)
 class Finished:
     # "length", "stop" (a stop token; stop strings are found by the handler), "cancelled",
-    # "error"
+    # "deadline" (the client's deadline passed), "error"
     reason: str
     error: str = ""
     stop_token: int | None = None
@@ -86,7 +86,8 @@ class EngineStats:
     rejected_total: int = 0
     steps_total: int = 0
     recent: collections.deque[tuple[float, int]] = field(
-        default_factory=lambda: collections.deque(maxlen=256))
+        default_factory=lambda: collections.deque(maxlen=256)
+    )
 
 
 class Scheduler:
@@ -103,7 +104,7 @@ class Scheduler:
         self._by_id: dict[str, _Job] = {}
         self._stopping = False
         self._accepting = True
-        self._bg = self._new_batch_generator()
+        self._bg: BatchGenerator  # made on the engine thread: MLX streams are per thread
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
 
     def _new_batch_generator(self) -> BatchGenerator:
@@ -171,18 +172,24 @@ class Scheduler:
                 span = window[-1][0] - window[0][0]
                 tps = sum(n for _, n in window[1:]) / span if span > 0 else 0.0
             return EngineStats(
-                running=s.running, queued=s.queued, requests_total=s.requests_total,
+                running=s.running,
+                queued=s.queued,
+                requests_total=s.requests_total,
                 generated_tokens_total=s.generated_tokens_total,
-                prompt_tokens_total=s.prompt_tokens_total, decode_tokens_per_second=tps,
-                batch_size=s.batch_size, max_batch_size_seen=s.max_batch_size_seen,
+                prompt_tokens_total=s.prompt_tokens_total,
+                decode_tokens_per_second=tps,
+                batch_size=s.batch_size,
+                max_batch_size_seen=s.max_batch_size_seen,
                 mean_batch_size=s.generated_tokens_total / s.steps_total if s.steps_total else 0,
-                cancelled_total=s.cancelled_total, rejected_total=s.rejected_total,
+                cancelled_total=s.cancelled_total,
+                rejected_total=s.rejected_total,
                 steps_total=s.steps_total,
             )
 
     # -- the engine thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        self._bg = self._new_batch_generator()
         while True:
             idle = not self._rows and not self._waiting
             if not self._drain_inbox(block=idle):
@@ -231,8 +238,13 @@ class Scheduler:
             samplers.append(make_sampler(r.sampling))
             processors.append(make_processors(r.sampling))
             stops.append(StopSequences([[t] for t in sorted(stop_ids)]))
-        uids = self._bg.insert(prompts, max_tokens=max_tokens, samplers=samplers,
-                               logits_processors=processors, stop_sequences=stops)
+        uids = self._bg.insert(
+            prompts,
+            max_tokens=max_tokens,
+            samplers=samplers,  # type: ignore[arg-type]  # None = the shared greedy one
+            logits_processors=processors,
+            stop_sequences=stops,
+        )
         for job, uid in zip(batch, uids, strict=True):
             job.uid = uid
             self._rows[uid] = job
@@ -260,8 +272,7 @@ class Scheduler:
             events: list[Event] = [Token(r.token, lp, top)]
             if r.finish_reason is not None:
                 stop = r.token if r.finish_reason == "stop" else None
-                events.append(Finished("stop" if stop is not None else "length",
-                                       stop_token=stop))
+                events.append(Finished("stop" if stop is not None else "length", stop_token=stop))
                 self._forget(job)
             job.sink(events)
         with self._lock:
@@ -272,7 +283,9 @@ class Scheduler:
             s.max_batch_size_seen = max(s.max_batch_size_seen, len(responses))
             s.recent.append((time.monotonic(), len(responses)))
 
-    def _logprobs(self, rows: list[tuple[Any, _Job]]) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+    def _logprobs(
+        self, rows: list[tuple[Any, _Job]]
+    ) -> dict[int, tuple[float, list[tuple[int, float]]]]:
         """The sampled token's logprob and the top-n alternatives, per row that asked."""
         out = {}
         for r, job in rows:
@@ -282,11 +295,12 @@ class Scheduler:
                 top_ids = mx.argpartition(-lp, kth=n - 1)[:n]
                 top_vals = lp[top_ids]
                 order = mx.argsort(-top_vals)
-                ids, vals = top_ids[order].tolist(), top_vals[order].tolist()
-                top = list(zip(ids, vals, strict=True))
+                ids: Any = top_ids[order].tolist()
+                vals: Any = top_vals[order].tolist()
+                top = [(int(i), float(v)) for i, v in zip(ids, vals, strict=True)]
             else:
                 top = []
-            out[r.uid] = (lp[r.token].item(), top)
+            out[r.uid] = (float(lp[r.token].item()), top)
         return out
 
     def _cancel(self, request_id: str, reason: str = "cancelled", error: str = "") -> None:
@@ -306,7 +320,7 @@ class Scheduler:
         now = time.monotonic()
         for job in list(self._by_id.values()):
             if job.request.deadline is not None and now > job.request.deadline:
-                self._cancel(job.request.request_id, "cancelled", "deadline exceeded")
+                self._cancel(job.request.request_id, "deadline", "deadline exceeded")
 
     def _forget(self, job: _Job) -> None:
         self._rows.pop(job.uid, None)

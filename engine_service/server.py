@@ -27,18 +27,27 @@ async def serve(config: EngineConfig) -> None:
     log.info("BLAS: %s", blas.in_use())
     loaded = load_model(config.model, config.data_dir, config.dtype)
     context = min(config.max_context or loaded.context_length, loaded.context_length)
-    scheduler = Scheduler(loaded, Limits(config.max_running, config.max_queued,
-                                         config.prefill_batch_size, config.prefill_step_size))
+    scheduler = Scheduler(
+        loaded,
+        Limits(
+            config.max_running,
+            config.max_queued,
+            config.prefill_batch_size,
+            config.prefill_step_size,
+        ),
+    )
     scheduler.start()
     server = grpc.aio.server()
     engine_pb2_grpc.add_EngineServicer_to_server(
-        EngineServicer(loaded, scheduler, context, config.default_max_tokens), server)
+        EngineServicer(loaded, scheduler, context, config.default_max_tokens), server
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
-        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
     port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")
@@ -55,8 +64,7 @@ async def serve(config: EngineConfig) -> None:
 
     # Stop admitting, let in-flight generations finish within the grace period, then
     # cancel what is left (their streams end with finish reason CANCELLED).
-    log.info("draining: %d requests in flight (grace %.0fs)", scheduler.pending(),
-             config.grace_s)
+    log.info("draining: %d requests in flight (grace %.0fs)", scheduler.pending(), config.grace_s)
     scheduler.stop_accepting()
     await health_servicer.enter_graceful_shutdown()
     deadline = time.monotonic() + config.grace_s
@@ -68,8 +76,11 @@ async def serve(config: EngineConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     config = parse_args(argv)
     try:
         asyncio.run(serve(config))

@@ -56,6 +56,10 @@ def rpc_errors(method: F) -> F:
     return unary  # type: ignore[return-value]
 
 
+class _DeadlineExceeded(Exception):
+    """The engine dropped the request because the client's deadline passed."""
+
+
 class RequestStream:
     """A request's events, pushed from the MLX thread, read by its handler."""
 
@@ -71,37 +75,52 @@ class RequestStream:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, loaded: LoadedModel, scheduler: Scheduler, context: int,
-                 default_max_tokens: int) -> None:
+    def __init__(
+        self, loaded: LoadedModel, scheduler: Scheduler, context: int, default_max_tokens: int
+    ) -> None:
         self.loaded = loaded
         self.scheduler = scheduler
         self.context = context
         self.default_max_tokens = default_max_tokens
 
-    async def Generate(self, request: engine_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.GenerateResponse]:
+    async def Generate(
+        self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         arrival = time.monotonic()
         try:
             remaining = context.time_remaining()
             deadline = arrival + remaining if remaining is not None else None
-            req = await asyncio.to_thread(request_from_pb, request, self.loaded, self.context,
-                                          self.default_max_tokens, deadline)
+            req = await asyncio.to_thread(
+                request_from_pb,
+                request,
+                self.loaded,
+                self.context,
+                self.default_max_tokens,
+                deadline,
+            )
             stream = RequestStream(asyncio.get_running_loop())
             self.scheduler.submit(req, stream.push)
         except EngineError as exc:
             await context.abort(exc.code, str(exc))
+        except Exception as exc:
+            log.exception("Generate failed before admission")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
         finished = False
         try:
             async for message in self._responses(req, stream, arrival):
                 yield message
             finished = True
+        except _DeadlineExceeded:
+            finished = True
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         finally:
             if not finished:  # the client went away or the deadline passed: free the row
                 self.scheduler.cancel(req.request_id)
 
-    async def _responses(self, req: GenerationRequest, stream: RequestStream,
-                         arrival: float) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        text = TextStream(self.loaded.tokenizer, req.sampling.stop)
+    async def _responses(
+        self, req: GenerationRequest, stream: RequestStream, arrival: float
+    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        text = TextStream(self.loaded.tokenizer, req.sampling.stop, req.prompt)
         usage = engine_pb2.Usage(prompt_tokens=len(req.prompt))
         first_token_at = last_token_at = 0.0
         generated = 0
@@ -126,16 +145,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         self.scheduler.cancel(req.request_id)
                         message.finish_reason = engine_pb2.FINISH_REASON_STOP
                         message.matched_stop = text.stopped_by
-                        self._finish_usage(usage, generated, arrival, first_token_at,
-                                           last_token_at)
+                        self._finish_usage(usage, generated, arrival, first_token_at, last_token_at)
                         message.usage.CopyFrom(usage)
                         message.request_id = req.request_id
                         yield message
                         return
                     yield message
                 elif isinstance(event, Finished):
+                    if event.reason == "deadline":
+                        raise _DeadlineExceeded
                     final = engine_pb2.GenerateResponse(
-                        finish_reason=_FINISH[event.reason], error=event.error,
+                        finish_reason=_FINISH[event.reason],
+                        error=event.error,
                         request_id=req.request_id,
                     )
                     if event.reason in ("length", "stop"):
@@ -156,14 +177,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     def _logprob(self, event: Token) -> engine_pb2.TokenLogprob:
         decode = self.loaded.tokenizer.decode
         return engine_pb2.TokenLogprob(
-            token_id=event.token_id, logprob=event.logprob or 0.0,
-            top=[engine_pb2.TopLogprob(token_id=t, logprob=v, text=decode([t]))
-                 for t, v in (event.top or [])],
+            token_id=event.token_id,
+            logprob=event.logprob or 0.0,
+            top=[
+                engine_pb2.TopLogprob(token_id=t, logprob=v, text=decode([t]))
+                for t, v in (event.top or [])
+            ],
         )
 
     @staticmethod
-    def _finish_usage(usage: engine_pb2.Usage, generated: int, arrival: float,
-                      first: float, last: float) -> None:
+    def _finish_usage(
+        usage: engine_pb2.Usage, generated: int, arrival: float, first: float, last: float
+    ) -> None:
         usage.generated_tokens = generated
         if generated:
             usage.ttft_seconds = first - arrival
@@ -171,14 +196,16 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             usage.decode_tokens_per_second = (generated - 1) / (last - first)
 
     @rpc_errors
-    async def Tokenize(self, request: engine_pb2.TokenizeRequest,
-                       context: grpc.aio.ServicerContext) -> engine_pb2.TokenizeResponse:
+    async def Tokenize(
+        self, request: engine_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.TokenizeResponse:
         ids = await asyncio.to_thread(prompt_tokens, request, self.loaded)
         return engine_pb2.TokenizeResponse(token_ids=ids)
 
     @rpc_errors
-    async def Detokenize(self, request: engine_pb2.DetokenizeRequest,
-                         context: grpc.aio.ServicerContext) -> engine_pb2.DetokenizeResponse:
+    async def Detokenize(
+        self, request: engine_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.DetokenizeResponse:
         bad = [t for t in request.token_ids if not 0 <= t < self.loaded.vocab_size]
         if bad:
             raise InvalidRequest(f"unknown token ids {bad[:5]}")
@@ -186,39 +213,54 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return engine_pb2.DetokenizeResponse(text=text)
 
     @rpc_errors
-    async def ModelInfo(self, request: engine_pb2.ModelInfoRequest,
-                        context: grpc.aio.ServicerContext) -> engine_pb2.ModelInfoResponse:
+    async def ModelInfo(
+        self, request: engine_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.ModelInfoResponse:
         m = self.loaded
         return engine_pb2.ModelInfoResponse(
-            model_id=m.model_id, name=m.name, digest=m.digest, context_length=self.context,
-            vocab_size=m.vocab_size, layout=m.layout,
-            model_type=str(m.config.get("model_type", "")), dtype=m.dtype,
-            eos_token_ids=m.eos_token_ids, blas=blas.in_use(),
+            model_id=m.model_id,
+            name=m.name,
+            digest=m.digest,
+            context_length=self.context,
+            vocab_size=m.vocab_size,
+            layout=m.layout,
+            model_type=str(m.config.get("model_type", "")),
+            dtype=m.dtype,
+            eos_token_ids=m.eos_token_ids,
+            blas=blas.in_use(),
         )
 
     @rpc_errors
-    async def Cancel(self, request: engine_pb2.CancelRequest,
-                     context: grpc.aio.ServicerContext) -> engine_pb2.CancelResponse:
+    async def Cancel(
+        self, request: engine_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.CancelResponse:
         if not self.scheduler.cancel(request.request_id):
             raise NotFound(f"no running or queued request {request.request_id!r}")
         return engine_pb2.CancelResponse()
 
     @rpc_errors
-    async def Stats(self, request: engine_pb2.EngineStatsRequest,
-                    context: grpc.aio.ServicerContext) -> engine_pb2.EngineStatsResponse:
+    async def Stats(
+        self, request: engine_pb2.EngineStatsRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.EngineStatsResponse:
         s = self.scheduler.stats()
         return engine_pb2.EngineStatsResponse(
-            running=s.running, queued=s.queued, requests_total=s.requests_total,
+            running=s.running,
+            queued=s.queued,
+            requests_total=s.requests_total,
             generated_tokens_total=s.generated_tokens_total,
             prompt_tokens_total=s.prompt_tokens_total,
-            decode_tokens_per_second=s.decode_tokens_per_second, batch_size=s.batch_size,
-            max_batch_size_seen=s.max_batch_size_seen, mean_batch_size=s.mean_batch_size,
-            cancelled_total=s.cancelled_total, rejected_total=s.rejected_total,
+            decode_tokens_per_second=s.decode_tokens_per_second,
+            batch_size=s.batch_size,
+            max_batch_size_seen=s.max_batch_size_seen,
+            mean_batch_size=s.mean_batch_size,
+            cancelled_total=s.cancelled_total,
+            rejected_total=s.rejected_total,
             steps_total=s.steps_total,
         )
 
     @rpc_errors
-    async def Flush(self, request: engine_pb2.EngineFlushRequest,
-                    context: grpc.aio.ServicerContext) -> engine_pb2.EngineFlushResponse:
+    async def Flush(
+        self, request: engine_pb2.EngineFlushRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.EngineFlushResponse:
         # No checkpoints without a store: nothing is durable, nothing is pending.
         return engine_pb2.EngineFlushResponse(durable=False)

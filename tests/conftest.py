@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from tandem_client import Checkpoint, StoreClient, Tensor
-from tests.servers import ServiceProcess, start_store
+# Before anything imports mlx: the engine's BLAS, so in-test references compute alike.
+import engine_service  # noqa: F401, I001
+from tandem_client import Checkpoint, EngineClient, StoreClient, Tensor
+from tests.servers import ServiceProcess, start_engine, start_store
 
 
 @pytest.fixture
@@ -47,3 +49,32 @@ def make_checkpoint(key: bytes, sizes: dict[str, int], **fields: object) -> Chec
 
 def payload_crc(checkpoint: Checkpoint) -> list[int]:
     return [zlib.crc32(memoryview(t.data)) for t in checkpoint.all_tensors()]
+
+
+@pytest.fixture(scope="session")
+def engine_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One data directory for the session: the embedded models are built once."""
+    return tmp_path_factory.mktemp("engine-data")
+
+
+@pytest.fixture(scope="session")
+def engine(engine_data_dir: Path) -> Iterator[ServiceProcess]:
+    proc = start_engine(engine_data_dir, "--max-running", "16")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_client(engine: ServiceProcess) -> Iterator[EngineClient]:
+    with EngineClient(engine.address) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def reference(engine: ServiceProcess, engine_data_dir: Path):  # noqa: ANN201
+    """The default model loaded in this process through mlx-lm, for comparisons."""
+    from engine_service.model import load_model
+
+    return load_model("", engine_data_dir)

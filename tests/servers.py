@@ -101,3 +101,16 @@ def start_store(data_dir: Path, *extra: str, log_dir: Path | None = None) -> Ser
         "tandem-store listening on",
         log_path,
     ).start()
+
+
+def start_engine(
+    data_dir: Path, *extra: str, log_dir: Path | None = None, timeout: float = 180.0
+) -> ServiceProcess:
+    log_dir = log_dir or data_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return ServiceProcess(
+        "engine_service",
+        ["--data-dir", str(data_dir), *extra],
+        "tandem-engine listening on",
+        log_dir / "engine.log",
+    ).start(timeout)

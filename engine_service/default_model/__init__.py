@@ -76,8 +76,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
     },
-    "tandem-tiny-draft": {**_LLAMA, "num_hidden_layers": 2, "hidden_size": 128,
-                          "intermediate_size": 256, "head_dim": 32},
+    "tandem-tiny-draft": {
+        **_LLAMA,
+        "num_hidden_layers": 2,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "head_dim": 32,
+    },
 }
 
 
@@ -107,26 +112,45 @@ def ensure_model(name: str, cache_dir: Path) -> Path:
 
 
 def _build(name: str, out: Path) -> None:
+    build_model_dir({**CONFIGS[name], "tandem_embedded": f"{name}-v{RECIPE_VERSION}"}, out)
+
+
+def build_model_dir(config: dict[str, Any], out: Path, dtype: str = "float32") -> None:
+    """Writes an mlx-lm model directory: config, fixed-seed random weights, tokenizer.
+
+    Also used by tests to make directories shaped like hub models (e.g. a bf16 qwen3).
+    """
+    out.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer()
     tokenizer.save(str(out / "tokenizer.json"))
     eos = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "model_max_length": CONFIGS[name].get("max_position_embeddings", 8192),
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-    }, indent=2))
-    (out / "special_tokens_map.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-    }, indent=2))
-    config = {**CONFIGS[name], "vocab_size": VOCAB_SIZE, "eos_token_id": eos,
-              "torch_dtype": "float32", "tandem_embedded": f"{name}-v{RECIPE_VERSION}"}
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": None,
+                "model_max_length": config.get("max_position_embeddings", 8192),
+                "chat_template": CHAT_TEMPLATE,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+    )
+    (out / "special_tokens_map.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+            },
+            indent=2,
+        )
+    )
+    config = {**config, "vocab_size": VOCAB_SIZE, "eos_token_id": eos, "torch_dtype": dtype}
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    _write_weights(config, out)
+    _write_weights(config, out, dtype)
 
 
 def _train_tokenizer() -> Any:
@@ -136,15 +160,18 @@ def _train_tokenizer() -> Any:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, min_frequency=1, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     corpus = (Path(__file__).parent / "corpus.txt").read_text(encoding="utf-8")
     tokenizer.train_from_iterator(corpus.splitlines(), trainer=trainer)
     return tokenizer
 
 
-def _write_weights(config: dict[str, Any], out: Path) -> None:
+def _write_weights(config: dict[str, Any], out: Path, dtype: str) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
@@ -152,5 +179,7 @@ def _write_weights(config: dict[str, Any], out: Path) -> None:
     model_class, args_class = _get_classes(config)
     mx.random.seed(SEED)
     model = model_class(args_class.from_dict(config))
-    weights = dict(tree_flatten(model.parameters()))
+    target = getattr(mx, dtype)
+    params: Any = tree_flatten(model.parameters())
+    weights = {k: v.astype(target) for k, v in params}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})

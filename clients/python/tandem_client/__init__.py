@@ -1,5 +1,6 @@
 """Python client for Tandem: the store and engine clients, prompt identity, the `tandem` CLI."""
 
+from tandem_client.engine_client import EngineClient, Generation, GenerationChunk
 from tandem_client.errors import (
     AlreadyExists,
     DataLoss,
@@ -23,6 +24,9 @@ __all__ = [
     "AlreadyExists",
     "Checkpoint",
     "DataLoss",
+    "EngineClient",
+    "Generation",
+    "GenerationChunk",
     "FailedPrecondition",
     "InvalidArgument",
     "LookupResult",

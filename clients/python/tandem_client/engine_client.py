@@ -1,0 +1,253 @@
+"""EngineClient: streaming generation and the engine's other RPCs, with typed results."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+
+from tandem_client.errors import from_rpc_error
+from tandem_client.pb import engine_pb2, engine_pb2_grpc
+
+T = TypeVar("T")
+_FINISH_NAMES = {
+    engine_pb2.FINISH_REASON_UNSPECIFIED: "",
+    engine_pb2.FINISH_REASON_LENGTH: "length",
+    engine_pb2.FINISH_REASON_STOP: "stop",
+    engine_pb2.FINISH_REASON_CANCELLED: "cancelled",
+    engine_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    generated_tokens: int
+    ttft_seconds: float
+    decode_tokens_per_second: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float, str]]
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """One streamed message: new tokens and the text they complete; the last one also
+    carries finish_reason and usage."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: Usage | None = None
+    request_id: str = ""
+    error: str = ""
+    matched_stop: str = ""
+
+    @classmethod
+    def from_pb(cls, m: engine_pb2.GenerateResponse) -> GenerationChunk:
+        usage = None
+        if m.HasField("usage"):
+            u = m.usage
+            usage = Usage(
+                u.prompt_tokens,
+                u.cached_prompt_tokens,
+                u.generated_tokens,
+                u.ttft_seconds,
+                u.decode_tokens_per_second,
+            )
+        return cls(
+            token_ids=list(m.token_ids),
+            text=m.text,
+            logprobs=[
+                TokenLogprob(
+                    lp.token_id, lp.logprob, [(t.token_id, t.logprob, t.text) for t in lp.top]
+                )
+                for lp in m.logprobs
+            ],
+            finish_reason=_FINISH_NAMES.get(m.finish_reason, ""),
+            usage=usage,
+            request_id=m.request_id,
+            error=m.error,
+            matched_stop=m.matched_stop,
+        )
+
+
+@dataclass
+class Generation:
+    """A whole generation, collected from its stream."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    usage: Usage | None
+    chunks: list[GenerationChunk]
+
+    @classmethod
+    def collect(cls, chunks: Iterator[GenerationChunk]) -> Generation:
+        got = list(chunks)
+        last = got[-1] if got else GenerationChunk([], "")
+        return cls(
+            [t for c in got for t in c.token_ids],
+            "".join(c.text for c in got),
+            last.finish_reason,
+            last.usage,
+            got,
+        )
+
+
+def sampling_pb(
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 0.0,
+    repetition_context_size: int = 0,
+    seed: int = 0,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    logprobs: int | None = None,
+    ignore_eos: bool = False,
+) -> engine_pb2.SamplingParams:
+    params = engine_pb2.SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        repetition_context_size=repetition_context_size,
+        seed=seed,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+    )
+    if top_p is not None:
+        params.top_p = top_p
+    if logprobs is not None:
+        params.logprobs = logprobs
+    return params
+
+
+class EngineClient:
+    """Synchronous client of `tandem.v1.Engine`."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = 300.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = (
+            grpc.secure_channel(address, credentials)
+            if credentials
+            else grpc.insecure_channel(address)
+        )
+        self._stub = engine_pb2_grpc.EngineStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def request(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict[str, str]],
+        *,
+        max_tokens: int | None = None,
+        request_id: str = "",
+        namespace: str = "",
+        **sampling: Any,
+    ) -> engine_pb2.GenerateRequest:
+        """A GenerateRequest from text, token ids or chat messages (dicts of role/content)."""
+        req = engine_pb2.GenerateRequest(
+            request_id=request_id, namespace=namespace, sampling=sampling_pb(**sampling)
+        )
+        if max_tokens is not None:
+            req.max_tokens = max_tokens
+        if isinstance(prompt, str):
+            req.text = prompt
+        elif prompt and isinstance(prompt[0], dict):
+            messages: Any = prompt
+            req.messages.extend(
+                engine_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages
+            )
+        else:
+            req.token_ids.extend(prompt)  # type: ignore[arg-type]
+        return req
+
+    def stream(
+        self, prompt: str | Sequence[int] | Sequence[dict[str, str]], **options: Any
+    ) -> Iterator[GenerationChunk]:
+        """Streams a generation as it is produced."""
+        return self.stream_request(self.request(prompt, **options))
+
+    def stream_request(
+        self, request: engine_pb2.GenerateRequest, timeout: float | None = None
+    ) -> Iterator[GenerationChunk]:
+        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        try:
+            for message in call:
+                yield GenerationChunk.from_pb(message)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()  # no-op once finished; frees the engine's row if we stop early
+
+    def generate(
+        self, prompt: str | Sequence[int] | Sequence[dict[str, str]], **options: Any
+    ) -> Generation:
+        return Generation.collect(self.stream(prompt, **options))
+
+    def tokenize(
+        self,
+        text: str = "",
+        messages: Sequence[dict[str, str]] = (),
+        add_special_tokens: bool = True,
+    ) -> list[int]:
+        req = engine_pb2.TokenizeRequest(
+            text=text,
+            add_special_tokens=add_special_tokens,
+            messages=[engine_pb2.ChatMessage(**m) for m in messages],
+        )
+        r: engine_pb2.TokenizeResponse = self._call(lambda: self._stub.Tokenize(req))
+        return list(r.token_ids)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        r: engine_pb2.DetokenizeResponse = self._call(
+            lambda: self._stub.Detokenize(engine_pb2.DetokenizeRequest(token_ids=list(token_ids)))
+        )
+        return r.text
+
+    def model_info(self) -> engine_pb2.ModelInfoResponse:
+        r: engine_pb2.ModelInfoResponse = self._call(
+            lambda: self._stub.ModelInfo(engine_pb2.ModelInfoRequest())
+        )
+        return r
+
+    def cancel(self, request_id: str) -> None:
+        self._call(lambda: self._stub.Cancel(engine_pb2.CancelRequest(request_id=request_id)))
+
+    def stats(self) -> engine_pb2.EngineStatsResponse:
+        r: engine_pb2.EngineStatsResponse = self._call(
+            lambda: self._stub.Stats(engine_pb2.EngineStatsRequest())
+        )
+        return r

@@ -1,0 +1,78 @@
+"""Model loading through mlx-lm's loader: a hub-shaped directory, and the embedded variants."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from engine_service.default_model import build_model_dir
+from tandem_client import EngineClient
+from tests.servers import start_engine
+
+QWEN3_SHAPE = {
+    "model_type": "qwen3",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
+
+
+def _greedy(model, ids: list[int], n: int) -> list[int]:  # noqa: ANN001
+    return [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=n)]
+
+
+def test_a_hub_shaped_bf16_directory_loads_and_serves(
+    tmp_path: Path, engine_data_dir: Path
+) -> None:
+    model_dir = tmp_path / "Qwen3-Tiny-bf16"
+    build_model_dir(QWEN3_SHAPE, model_dir, dtype="bfloat16")
+    proc = start_engine(engine_data_dir, "--model", str(model_dir), log_dir=tmp_path)
+    try:
+        with EngineClient(proc.address) as client:
+            info = client.model_info()
+            assert info.name == "Qwen3-Tiny-bf16" and info.model_type == "qwen3"
+            assert info.model_id.startswith("Qwen3-Tiny-bf16@sha256:")
+            assert info.dtype == "float32"  # CPU default: fp32 compute
+            assert info.context_length == 4096
+            ids = client.tokenize("Hello world")
+            got = client.generate(ids, max_tokens=16, ignore_eos=True)
+        model, _ = load(str(model_dir))
+        model.set_dtype(mx.float32, lambda t: mx.issubdtype(t, mx.floating))
+        assert got.token_ids == _greedy(model, ids, 16)
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize(
+    "variant,layout",
+    [
+        ("tandem-tiny-swa", ["kv:rotating:64:0", "kv:plain"] * 2),
+        ("tandem-tiny-hybrid", ["ssm:arrays:1", "kv:plain"] * 2),
+    ],
+)
+def test_embedded_variants_serve(
+    variant: str, layout: list[str], engine_data_dir: Path, tmp_path: Path
+) -> None:
+    proc = start_engine(engine_data_dir, "--model", variant, log_dir=tmp_path)
+    try:
+        with EngineClient(proc.address) as client:
+            info = client.model_info()
+            assert list(info.layout) == layout
+            ids = client.tokenize("The quick brown fox jumps over the lazy dog " * 12)
+            got = client.generate(ids, max_tokens=24, ignore_eos=True)
+        model_dir = next((engine_data_dir / "models").glob(f"{variant}-v*"))
+        model, _ = load(str(model_dir))
+        assert got.token_ids == _greedy(model, ids, 24)
+    finally:
+        proc.stop()
