@@ -52,6 +52,14 @@ class Finished:
 
 Event = Started | Token | Finished
 Sink = Callable[[list[Event]], None]
+# Hands one step's events to their sinks; the server's version crosses into the event loop
+# once per step rather than once per request.
+Deliver = Callable[[list[tuple[Sink, list[Event]]]], None]
+
+
+def deliver_directly(outbox: list[tuple[Sink, list[Event]]]) -> None:
+    for sink, events in outbox:
+        sink(events)
 
 
 @dataclass
@@ -91,9 +99,13 @@ class EngineStats:
 
 
 class Scheduler:
-    def __init__(self, loaded: LoadedModel, limits: Limits) -> None:
+    def __init__(
+        self, loaded: LoadedModel, limits: Limits, deliver: Deliver = deliver_directly
+    ) -> None:
         self.loaded = loaded
         self.limits = limits
+        self.deliver = deliver
+        self._outbox: list[tuple[Sink, list[Event]]] = []
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards admission counters and stats
         self._ids: set[str] = set()
@@ -199,7 +211,17 @@ class Scheduler:
             if self._rows:
                 self._step()
             self._publish_counts()
+            self._flush_outbox()
         self._cancel_all("the engine is shutting down")
+        self._flush_outbox()
+
+    def _emit(self, job: _Job, events: list[Event]) -> None:
+        self._outbox.append((job.sink, events))
+
+    def _flush_outbox(self) -> None:
+        if self._outbox:
+            outbox, self._outbox = self._outbox, []
+            self.deliver(outbox)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Applies queued commands; False when asked to stop."""
@@ -248,7 +270,7 @@ class Scheduler:
         for job, uid in zip(batch, uids, strict=True):
             job.uid = uid
             self._rows[uid] = job
-            job.sink([Started(len(job.request.prompt), 0)])
+            self._emit(job, [Started(len(job.request.prompt), 0)])
         with self._lock:
             self._stats.prompt_tokens_total += sum(len(p) for p in prompts)
 
@@ -274,7 +296,7 @@ class Scheduler:
                 stop = r.token if r.finish_reason == "stop" else None
                 events.append(Finished("stop" if stop is not None else "length", stop_token=stop))
                 self._forget(job)
-            job.sink(events)
+            self._emit(job, events)
         with self._lock:
             s = self._stats
             s.generated_tokens_total += len(responses)
@@ -314,7 +336,7 @@ class Scheduler:
         self._forget(job)
         with self._lock:
             self._stats.cancelled_total += 1
-        job.sink([Finished(reason, error=error)])
+        self._emit(job, [Finished(reason, error=error)])
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
@@ -332,7 +354,7 @@ class Scheduler:
     def _fail_all(self, message: str) -> None:
         for job in list(self._by_id.values()):
             self._forget(job)
-            job.sink([Finished("error", error=message)])
+            self._emit(job, [Finished("error", error=message)])
         self._waiting.clear()
         self._bg = self._new_batch_generator()
 

@@ -16,7 +16,7 @@ from engine_service import blas
 from engine_service.config import EngineConfig, parse_args
 from engine_service.model import load_model
 from engine_service.scheduler import Limits, Scheduler
-from engine_service.servicer import EngineServicer
+from engine_service.servicer import EngineServicer, loop_deliver
 from tandem_client.pb import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("tandem.engine")
@@ -27,15 +27,10 @@ async def serve(config: EngineConfig) -> None:
     log.info("BLAS: %s", blas.in_use())
     loaded = load_model(config.model, config.data_dir, config.dtype)
     context = min(config.max_context or loaded.context_length, loaded.context_length)
-    scheduler = Scheduler(
-        loaded,
-        Limits(
-            config.max_running,
-            config.max_queued,
-            config.prefill_batch_size,
-            config.prefill_step_size,
-        ),
+    limits = Limits(
+        config.max_running, config.max_queued, config.prefill_batch_size, config.prefill_step_size
     )
+    scheduler = Scheduler(loaded, limits, loop_deliver(asyncio.get_running_loop()))
     scheduler.start()
     server = grpc.aio.server()
     engine_pb2_grpc.add_EngineServicer_to_server(

@@ -19,7 +19,7 @@ from engine_service import blas
 from engine_service.errors import EngineError, InvalidRequest, NotFound
 from engine_service.model import LoadedModel
 from engine_service.requests import GenerationRequest, prompt_tokens, request_from_pb
-from engine_service.scheduler import Event, Finished, Scheduler, Started, Token
+from engine_service.scheduler import Deliver, Event, Finished, Scheduler, Sink, Started, Token
 from engine_service.text import TextStream
 from tandem_client.pb import engine_pb2, engine_pb2_grpc
 
@@ -61,17 +61,34 @@ class _DeadlineExceeded(Exception):
 
 
 class RequestStream:
-    """A request's events, pushed from the MLX thread, read by its handler."""
+    """A request's events, handed over on the event loop, read by its handler."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self) -> None:
         self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
 
-    def push(self, events: list[Event]) -> None:  # called on the MLX thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, events)
+    def push(self, events: list[Event]) -> None:  # on the event loop (see loop_deliver)
+        self._queue.put_nowait(events)
 
     async def next(self) -> list[Event]:
-        return await self._queue.get()
+        """Waits for events, then takes everything already queued: a reader that fell
+        behind catches up in one message instead of one per token."""
+        events = await self._queue.get()
+        while not self._queue.empty():
+            events = events + self._queue.get_nowait()
+        return events
+
+
+def loop_deliver(loop: asyncio.AbstractEventLoop) -> Deliver:
+    """The scheduler's delivery: one hop into the event loop per engine step."""
+
+    def fan_out(outbox: list[tuple[Sink, list[Event]]]) -> None:
+        for sink, events in outbox:
+            sink(events)
+
+    def deliver(outbox: list[tuple[Sink, list[Event]]]) -> None:
+        loop.call_soon_threadsafe(fan_out, outbox)
+
+    return deliver
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
@@ -98,7 +115,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 self.default_max_tokens,
                 deadline,
             )
-            stream = RequestStream(asyncio.get_running_loop())
+            stream = RequestStream()
             self.scheduler.submit(req, stream.push)
         except EngineError as exc:
             await context.abort(exc.code, str(exc))
@@ -121,10 +138,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self, req: GenerationRequest, stream: RequestStream, arrival: float
     ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         text = TextStream(self.loaded.tokenizer, req.sampling.stop, req.prompt)
+        stop_ids = self.stop_ids(req)
         usage = engine_pb2.Usage(prompt_tokens=len(req.prompt))
         first_token_at = last_token_at = 0.0
         generated = 0
         while True:
+            message: engine_pb2.GenerateResponse | None = None
             for event in await stream.next():
                 if isinstance(event, Started):
                     usage.cached_prompt_tokens = event.cached_prompt_tokens
@@ -133,42 +152,42 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     if not generated:
                         first_token_at = last_token_at
                     generated += 1
-                    message = engine_pb2.GenerateResponse(token_ids=[event.token_id])
+                    message = message or engine_pb2.GenerateResponse()
+                    message.token_ids.append(event.token_id)
                     if event.logprob is not None:
                         message.logprobs.append(self._logprob(event))
-                    stopped = False
-                    if event.token_id not in self.scheduler_stop_ids(req):
-                        message.text = text.add(event.token_id)
-                        stopped = bool(text.stopped_by)
-                    if stopped:
+                    if event.token_id in stop_ids:
+                        continue  # ends the generation; its text is not part of the output
+                    message.text += text.add(event.token_id)
+                    if text.stopped_by:
                         # A stop string: the text is cut exactly; tell the loop to drop the row.
                         self.scheduler.cancel(req.request_id)
                         message.finish_reason = engine_pb2.FINISH_REASON_STOP
                         message.matched_stop = text.stopped_by
+                        message.request_id = req.request_id
                         self._finish_usage(usage, generated, arrival, first_token_at, last_token_at)
                         message.usage.CopyFrom(usage)
-                        message.request_id = req.request_id
                         yield message
                         return
-                    yield message
                 elif isinstance(event, Finished):
                     if event.reason == "deadline":
                         raise _DeadlineExceeded
-                    final = engine_pb2.GenerateResponse(
-                        finish_reason=_FINISH[event.reason],
-                        error=event.error,
-                        request_id=req.request_id,
-                    )
+                    final = message or engine_pb2.GenerateResponse()
+                    final.finish_reason = _FINISH[event.reason]
+                    final.error = event.error
+                    final.request_id = req.request_id
                     if event.reason in ("length", "stop"):
-                        final.text = text.finish()
+                        final.text += text.finish()
                     if event.stop_token is not None:
                         final.matched_stop = self.loaded.tokenizer.decode([event.stop_token])
                     self._finish_usage(usage, generated, arrival, first_token_at, last_token_at)
                     final.usage.CopyFrom(usage)
                     yield final
                     return
+            if message is not None:
+                yield message
 
-    def scheduler_stop_ids(self, req: GenerationRequest) -> set[int]:
+    def stop_ids(self, req: GenerationRequest) -> set[int]:
         ids = set(req.sampling.stop_token_ids)
         if not req.sampling.ignore_eos:
             ids.update(self.loaded.eos_token_ids)

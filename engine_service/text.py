@@ -1,11 +1,10 @@
 """Streaming text for one request: UTF-8-safe deltas and exact stop strings.
 
-Deltas come from the tokenizer's own `decode` over a short sliding window (the
-prefix/read-offset scheme of text-generation-inference), so their concatenation is exactly
-what `decode` gives for the prompt and generation together, minus the prompt. mlx-lm's
-streaming detokenizers would be cheaper but drop the leading space of the first generated
-token (right for a fresh document, wrong for a continuation). On top, any tail that could
-still become a stop string is held back, and the text is cut exactly where one begins.
+mlx-lm's streaming detokenizer turns tokens into text incrementally and holds back the
+bytes of an unfinished multi-byte character. It also drops the leading space of the first
+token it sees (right for a fresh document, wrong for a continuation), so it is primed with
+the prompt's last token first. On top, any tail that could still become a stop string is
+held back, and the text is cut exactly where a stop string begins.
 """
 
 from __future__ import annotations
@@ -13,39 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-# Prompt tokens kept as left context, so the first generated token decodes as a continuation.
-_CONTEXT_TOKENS = 6
-
-
-class IncrementalDecoder:
-    def __init__(self, tokenizer: Any, prompt: Sequence[int]) -> None:
-        self._decode = tokenizer.decode
-        self._tokens = list(prompt[-_CONTEXT_TOKENS:])
-        self._prefix = 0
-        self._read = len(self._tokens)
-
-    def add(self, token_id: int) -> str:
-        self._tokens.append(token_id)
-        return self._advance(final=False)
-
-    def finish(self) -> str:
-        return self._advance(final=True)
-
-    def _advance(self, final: bool) -> str:
-        before = self._decode(self._tokens[self._prefix : self._read])
-        after = self._decode(self._tokens[self._prefix :])
-        # A trailing U+FFFD is a multi-byte character still missing bytes: wait for them.
-        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
-            return ""
-        # The tokens just released become the next window's left context.
-        self._tokens = self._tokens[self._read :]
-        self._prefix, self._read = 0, len(self._tokens)
-        return str(after[len(before) :])
-
 
 class TextStream:
     def __init__(self, tokenizer: Any, stops: Sequence[str], prompt: Sequence[int] = ()) -> None:
-        self._decoder = IncrementalDecoder(tokenizer, prompt)
+        self._detok = tokenizer.detokenizer
+        if prompt:
+            self._detok.add_token(prompt[-1])
+            self._detok.finalize()
+            _ = self._detok.last_segment
         self._stops = [s for s in stops if s]
         self._held = ""
         self.stopped_by = ""
@@ -54,13 +28,15 @@ class TextStream:
         """Feeds one generated token; returns the text that is now final ("" once stopped)."""
         if self.stopped_by:
             return ""
-        return self._release(self._decoder.add(token_id))
+        self._detok.add_token(token_id)
+        return self._release(self._detok.last_segment)
 
     def finish(self) -> str:
         """The text still held back, once the generation ended without a stop string."""
         if self.stopped_by:
             return ""
-        return self._release(self._decoder.finish(), final=True)
+        self._detok.finalize()
+        return self._release(self._detok.last_segment, final=True)
 
     def _release(self, new: str, final: bool = False) -> str:
         text = self._held + new

@@ -148,7 +148,10 @@ def build_model_dir(config: dict[str, Any], out: Path, dtype: str = "float32") -
             indent=2,
         )
     )
-    config = {**config, "vocab_size": VOCAB_SIZE, "eos_token_id": eos, "torch_dtype": dtype}
+    # A config may ask for a larger embedding than the tokenizer (benchmark shapes): the
+    # extra ids exist in the model but decode to nothing.
+    vocab = max(int(config.get("vocab_size", VOCAB_SIZE)), VOCAB_SIZE)
+    config = {**config, "vocab_size": vocab, "eos_token_id": eos, "torch_dtype": dtype}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _write_weights(config, out, dtype)
 
