@@ -23,13 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
 
 # isort: off
 import engine_service  # noqa: E402, F401  (the fast BLAS must load before mlx)
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import BatchGenerator  # noqa: E402
+from mlx_lm.sample_utils import make_sampler  # noqa: E402
 # isort: on
 
 import grpc  # noqa: E402
@@ -78,8 +80,18 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def direct(model, batch: list[list[int]], max_tokens: int) -> dict[str, float]:  # noqa: ANN001
-    bg = BatchGenerator(model, completion_batch_size=max(32, len(batch)), prefill_batch_size=8)
+def direct(
+    model,
+    batch: list[list[int]],
+    max_tokens: int,  # noqa: ANN001
+    temperature: float = 0.0,
+) -> dict[str, float]:
+    # Sampled baseline: mlx-lm's own sampler, one shared object (one batched draw per step
+    # from the global random state) - what BatchGenerator does without per-request seeds.
+    sampler = make_sampler(temp=temperature) if temperature else None
+    bg = BatchGenerator(
+        model, sampler=sampler, completion_batch_size=max(32, len(batch)), prefill_batch_size=8
+    )
     start = time.perf_counter()
     uids = bg.insert(batch, max_tokens=[max_tokens] * len(batch))
     first: dict[int, float] = {}
@@ -102,24 +114,25 @@ def direct(model, batch: list[list[int]], max_tokens: int) -> dict[str, float]: 
     }
 
 
-def through_engine(address: str, batch: list[list[int]], max_tokens: int) -> dict[str, float]:
+def through_engine(
+    address: str, batch: list[list[int]], max_tokens: int, temperature: float = 0.0
+) -> dict[str, float]:
     """All streams from one asyncio client (one thread), so the client's own CPU use stays
     small on a 2-core machine where it competes with the engine."""
-    return asyncio.run(_through_engine(address, batch, max_tokens))
+    return asyncio.run(_through_engine(address, batch, max_tokens, temperature))
 
 
 async def _through_engine(
-    address: str, batch: list[list[int]], max_tokens: int
+    address: str, batch: list[list[int]], max_tokens: int, temperature: float
 ) -> dict[str, float]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         start = time.perf_counter()
 
-        async def one(prompt: list[int]) -> tuple[int, float]:
+        async def one(i: int, prompt: list[int]) -> tuple[int, float]:
+            sampling = engine_pb2.SamplingParams(ignore_eos=True, temperature=temperature, seed=i)
             request = engine_pb2.GenerateRequest(
-                token_ids=prompt,
-                max_tokens=max_tokens,
-                sampling=engine_pb2.SamplingParams(ignore_eos=True),
+                token_ids=prompt, max_tokens=max_tokens, sampling=sampling
             )
             count, first = 0, 0.0
             async for message in stub.Generate(request):
@@ -128,7 +141,7 @@ async def _through_engine(
                 count += len(message.token_ids)
             return count, first
 
-        results = await asyncio.gather(*(one(p) for p in batch))
+        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
         wall = time.perf_counter() - start
     total = sum(c for c, _ in results)
     return {
@@ -145,6 +158,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="> 0: seeded per-request sampling in the engine vs mlx-lm's "
+        "shared sampler in the baseline",
+    )
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
 
@@ -178,7 +198,12 @@ def main() -> None:
         baseline = {}
         for n in streams:
             runs = [
-                direct(loaded.model, prompts(n, args.prompt_tokens, vocab, n), args.max_tokens)
+                direct(
+                    loaded.model,
+                    prompts(n, args.prompt_tokens, vocab, n),
+                    args.max_tokens,
+                    args.temperature,
+                )
                 for _ in range(args.repeat)
             ]
             baseline[n] = runs
@@ -190,8 +215,10 @@ def main() -> None:
         )
         try:
             through_engine(proc.address, prompts(2, args.prompt_tokens, vocab, 0), 8)
+            mode = f"sampled T={args.temperature}" if args.temperature else "greedy"
+            out["sampling"] = mode
             print(
-                f"model {args.model} on {out['device']} (BLAS: {out['blas']}), prompt "
+                f"model {args.model} on {out['device']} (BLAS: {out['blas']}), {mode}, prompt "
                 f"{args.prompt_tokens} tokens, {args.max_tokens} generated per stream, "
                 f"medians of {args.repeat}"
             )
@@ -202,7 +229,10 @@ def main() -> None:
             for n in streams:
                 ours = [
                     through_engine(
-                        proc.address, prompts(n, args.prompt_tokens, vocab, n), args.max_tokens
+                        proc.address,
+                        prompts(n, args.prompt_tokens, vocab, n),
+                        args.max_tokens,
+                        args.temperature,
                     )
                     for _ in range(args.repeat)
                 ]

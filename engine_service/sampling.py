@@ -49,13 +49,25 @@ def step_key(seed: int, step: int) -> mx.array:
     return mx.random.key(x)
 
 
+@mx.compile
+def _keyed_draw(logprobs: mx.array, key: mx.array, inv_temp: mx.array) -> mx.array:
+    """Gumbel-max: argmax(logprobs / T + Gumbel noise) is a categorical draw at temperature T.
+
+    Compiled: BatchGenerator calls one sampler per row, and the eager version of these few
+    ops cost ~3.5 ms per step at batch 16 here (vs 0.4 ms for mlx-lm's shared sampler);
+    compiled, ~0.5 ms.
+    """
+    noise = mx.random.gumbel(shape=logprobs.shape, key=key)
+    return mx.argmax(logprobs * inv_temp + noise, axis=-1)
+
+
 class SeededSampler:
     """Samples one row: filters, then a categorical draw keyed by (seed, step)."""
 
     def __init__(self, options: SamplingOptions, start_step: int = 0) -> None:
         self.options = options
         self.step = start_step
-        self._inv_temp = 1.0 / options.temperature
+        self._inv_temp = mx.array(1.0 / options.temperature, dtype=mx.float32)
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         o = self.options
@@ -67,7 +79,7 @@ class SeededSampler:
             logprobs = apply_top_k(logprobs, o.top_k)
         key = step_key(o.seed, self.step)
         self.step += 1
-        return mx.random.categorical(logprobs * self._inv_temp, key=key)
+        return _keyed_draw(logprobs, key, self._inv_temp)
 
 
 def make_sampler(options: SamplingOptions, start_step: int = 0) -> Sampler | None:
