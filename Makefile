@@ -10,6 +10,7 @@ PB_STAMP := clients/python/tandem_client/pb/store_pb2.py
 .PHONY: run test bench protos lint check clean
 
 $(STAMP): pyproject.toml setup.py
+	@scripts/install-blas.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
@@ -22,13 +23,14 @@ protos: $(STAMP)
 	$(PY) scripts/gen_protos.py
 
 run: $(PB_STAMP)
-	$(PY) -m store_service --data-dir .tandem/store --listen 127.0.0.1:50061
+	$(PY) -m tandem_client.cli up --data-dir .tandem
 
 test: $(PB_STAMP)
 	$(PY) -m pytest -q
 
 bench: $(PB_STAMP)
 	$(PY) bench/store_bench.py
+	$(PY) bench/engine_bench.py
 
 lint: $(PB_STAMP)
 	$(PY) -m ruff check .

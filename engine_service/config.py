@@ -24,6 +24,7 @@ class EngineConfig:
     prefill_batch_size: int = 8
     default_max_tokens: int = 256
     grace_s: float = 10.0
+    switch_interval_s: float = 0.001
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_queued < 0:
@@ -67,6 +68,12 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--prefill-step-size", type=int, default=int(_env("PREFILL_STEP", "2048")))
     p.add_argument("--default-max-tokens", type=int, default=int(_env("DEFAULT_MAX_TOKENS", "256")))
     p.add_argument("--grace", type=float, default=float(_env("GRACE", "10")))
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=float(_env("SWITCH_INTERVAL", "0.001")),
+        help="Python GIL switch interval in seconds (see server.py)",
+    )
     a = p.parse_args(argv)
     try:
         return EngineConfig(
@@ -82,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             prefill_batch_size=min(8, a.max_running),
             default_max_tokens=a.default_max_tokens,
             grace_s=a.grace,
+            switch_interval_s=a.switch_interval,
         )
     except ValueError as exc:
         p.error(str(exc))

@@ -25,6 +25,10 @@ SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 
 async def serve(config: EngineConfig) -> None:
     log.info("BLAS: %s", blas.in_use())
+    # The MLX thread holds the GIL while it builds each step's graph; with the default 5 ms
+    # switch interval every hand-off to the gRPC thread can wait that long, and a request
+    # needs several, which showed up as 4-5x the direct time to first token on a GPU.
+    sys.setswitchinterval(config.switch_interval_s)
     loaded = load_model(config.model, config.data_dir, config.dtype)
     context = min(config.max_context or loaded.context_length, loaded.context_length)
     limits = Limits(
