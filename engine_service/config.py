@@ -25,6 +25,11 @@ class EngineConfig:
     default_max_tokens: int = 256
     grace_s: float = 10.0
     switch_interval_s: float = 0.001
+    # Checkpoints: every N generated tokens by default (0 = only when a request asks),
+    # the in-memory prefix LRU and the spill queue's byte bounds.
+    checkpoint_interval: int = 0
+    prefix_cache_bytes: int = 512 << 20
+    spill_queue_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_queued < 0:
@@ -69,6 +74,18 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--default-max-tokens", type=int, default=int(_env("DEFAULT_MAX_TOKENS", "256")))
     p.add_argument("--grace", type=float, default=float(_env("GRACE", "10")))
     p.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=int(_env("CHECKPOINT_INTERVAL", "0")),
+        help="checkpoint generations every N tokens (needs --store); 0 = off",
+    )
+    p.add_argument(
+        "--prefix-cache-bytes", type=int, default=int(_env("PREFIX_CACHE_BYTES", str(512 << 20)))
+    )
+    p.add_argument(
+        "--spill-queue-bytes", type=int, default=int(_env("SPILL_QUEUE_BYTES", str(1 << 30)))
+    )
+    p.add_argument(
         "--switch-interval",
         type=float,
         default=float(_env("SWITCH_INTERVAL", "0.001")),
@@ -90,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             default_max_tokens=a.default_max_tokens,
             grace_s=a.grace,
             switch_interval_s=a.switch_interval,
+            checkpoint_interval=a.checkpoint_interval,
+            prefix_cache_bytes=a.prefix_cache_bytes,
+            spill_queue_bytes=a.spill_queue_bytes,
         )
     except ValueError as exc:
         p.error(str(exc))

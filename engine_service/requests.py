@@ -25,6 +25,9 @@ class GenerationRequest:
     namespace: str
     # Absolute time.monotonic() by which the client stops waiting, or None.
     deadline: float | None = None
+    checkpoint_interval: int = 0
+    resume: bool = False
+    tokens_held: int = 0
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -108,11 +111,15 @@ def request_from_pb(
     context: int,
     default_max_tokens: int,
     deadline: float | None,
+    has_store: bool = False,
+    default_interval: int = 0,
 ) -> GenerationRequest:
-    if request.resume or request.tokens_held:
-        raise Precondition("resume needs an engine started with --store")
-    if request.checkpoint_interval < 0:
-        raise InvalidRequest("checkpoint_interval must be >= 0")
+    if (request.resume or request.checkpoint_interval) and not has_store:
+        raise Precondition("checkpoints and resume need an engine started with --store")
+    if request.resume and not request.request_id:
+        raise InvalidRequest("resume needs the request_id of the generation to resume")
+    if request.checkpoint_interval < 0 or request.tokens_held < 0:
+        raise InvalidRequest("checkpoint_interval and tokens_held must be >= 0")
     if request.max_tokens < 0 or (request.max_tokens == 0 and request.HasField("max_tokens")):
         raise InvalidRequest(f"max_tokens must be > 0, got {request.max_tokens}")
     if len(request.request_id) > 128 or not request.request_id.isprintable():
@@ -134,4 +141,7 @@ def request_from_pb(
         sampling=sampling,
         namespace=request.namespace or "default",
         deadline=deadline,
+        checkpoint_interval=request.checkpoint_interval or (default_interval if has_store else 0),
+        resume=request.resume,
+        tokens_held=request.tokens_held,
     )

@@ -20,6 +20,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from engine_service.checkpoints import CheckpointManager, PrefixPlan, ResumePlan
 from engine_service.errors import AlreadyExists, Overloaded, Unavailable
 from engine_service.model import LoadedModel
 from engine_service.requests import GenerationRequest
@@ -74,9 +75,15 @@ class Limits:
 class _Job:
     request: GenerationRequest
     sink: Sink
+    plan: PrefixPlan | ResumePlan | None = None
     uid: int = -1
     generated: int = 0
     stop_ids: frozenset[int] = frozenset()
+    tokens: list[int] = field(default_factory=list)  # generated so far (resumed ones too)
+    checkpoint_key: bytes = b""
+    checkpointed: bool = False
+    keep_checkpoint: bool = False  # a client that went away may come back and resume
+    admitted_at: float = 0.0
 
 
 @dataclass
@@ -100,9 +107,14 @@ class EngineStats:
 
 class Scheduler:
     def __init__(
-        self, loaded: LoadedModel, limits: Limits, deliver: Deliver = deliver_directly
+        self,
+        loaded: LoadedModel,
+        limits: Limits,
+        deliver: Deliver = deliver_directly,
+        checkpoints: CheckpointManager | None = None,
     ) -> None:
         self.loaded = loaded
+        self.checkpoints = checkpoints
         self.limits = limits
         self.deliver = deliver
         self._outbox: list[tuple[Sink, list[Event]]] = []
@@ -132,7 +144,9 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: GenerationRequest, sink: Sink) -> None:
+    def submit(
+        self, request: GenerationRequest, sink: Sink, plan: PrefixPlan | ResumePlan | None = None
+    ) -> None:
         """Admits a request or raises Overloaded / AlreadyExists / Unavailable."""
         with self._lock:
             if not self._accepting:
@@ -150,14 +164,18 @@ class Scheduler:
             self._ids.add(request.request_id)
             self._pending += 1
             self._stats.requests_total += 1
-        self._inbox.put(("submit", _Job(request, sink)))
+        self._inbox.put(("submit", _Job(request, sink, plan)))
 
-    def cancel(self, request_id: str) -> bool:
-        """Asks the loop to stop a request; False if it is not known (already finished)."""
+    def cancel(self, request_id: str, keep_checkpoint: bool = False) -> bool:
+        """Asks the loop to stop a request; False if it is not known (already finished).
+
+        keep_checkpoint: leave its generation checkpoint in the store, for a client that went
+        away and may resume; otherwise it is deleted.
+        """
         with self._lock:
             known = request_id in self._ids
         if known:
-            self._inbox.put(("cancel", request_id))
+            self._inbox.put(("cancel", (request_id, keep_checkpoint)))
         return known
 
     def stop_accepting(self) -> None:
@@ -235,7 +253,10 @@ class Scheduler:
                 self._waiting.append(arg)
                 self._by_id[arg.request.request_id] = arg
             elif kind == "cancel":
-                self._cancel(arg)
+                request_id, keep = arg
+                if request_id in self._by_id:
+                    self._by_id[request_id].keep_checkpoint = keep
+                self._cancel(request_id)
             elif kind == "stop":
                 return False
 
@@ -248,21 +269,35 @@ class Scheduler:
         if not batch:
             return
         eos = self.loaded.eos_token_ids
-        prompts, max_tokens, samplers, processors, stops = [], [], [], [], []
+        prompts, histories, caches, max_tokens = [], [], [], []
+        samplers, processors, stops = [], [], []
         for job in batch:
             r = job.request
             stop_ids = set(r.sampling.stop_token_ids)
             if not r.sampling.ignore_eos:
                 stop_ids.update(eos)
             job.stop_ids = frozenset(stop_ids)
-            prompts.append(r.prompt)
-            max_tokens.append(r.max_tokens)
-            samplers.append(make_sampler(r.sampling))
+            job.admitted_at = time.monotonic()
+            prompt, history, cache, cached = self._starting_point(job)
+            prompts.append(prompt)
+            histories.append(history)
+            caches.append(cache)
+            max_tokens.append(r.max_tokens - len(job.tokens))
+            samplers.append(make_sampler(r.sampling, start_step=len(job.tokens)))
             processors.append(make_processors(r.sampling))
             stops.append(StopSequences([[t] for t in sorted(stop_ids)]))
+            job.generated = len(job.tokens)
+            ckpt = self.checkpoints
+            if ckpt is not None and ckpt.has_store and r.checkpoint_interval:
+                job.checkpoint_key = ckpt.generation_key(
+                    r.namespace, r.prompt, r.sampling, r.request_id
+                )
+            self._emit(job, [Started(len(r.prompt), cached)])
         uids = self._bg.insert(
             prompts,
             max_tokens=max_tokens,
+            caches=caches,
+            all_tokens=histories,
             samplers=samplers,  # type: ignore[arg-type]  # None = the shared greedy one
             logits_processors=processors,
             stop_sequences=stops,
@@ -270,9 +305,24 @@ class Scheduler:
         for job, uid in zip(batch, uids, strict=True):
             job.uid = uid
             self._rows[uid] = job
-            self._emit(job, [Started(len(job.request.prompt), 0)])
         with self._lock:
             self._stats.prompt_tokens_total += sum(len(p) for p in prompts)
+
+    def _starting_point(self, job: _Job) -> tuple[list[int], list[int], Any, int]:
+        """(tokens to feed, tokens already in the cache, cache or None, cached prompt tokens),
+        restoring the job's checkpoint when it has one."""
+        r, plan, ckpt = job.request, job.plan, self.checkpoints
+        if isinstance(plan, ResumePlan) and ckpt is not None:
+            # The restored cache holds prompt + generated; the pending token is fed next and
+            # the sampler goes on at the step after it.
+            job.tokens = [*plan.generated, plan.pending]
+            history = [*r.prompt, *plan.generated]
+            return [plan.pending], history, ckpt.materialize_resume(plan), len(r.prompt)
+        if isinstance(plan, PrefixPlan) and ckpt is not None:
+            cache = ckpt.materialize_prefix(plan)
+            if cache is not None:
+                return r.prompt[plan.matched :], r.prompt[: plan.matched], cache, plan.matched
+        return r.prompt, [], None, 0
 
     def _step(self) -> None:
         try:
@@ -290,12 +340,15 @@ class Scheduler:
             if job is None:
                 continue  # removed (cancelled) while its token was in flight
             job.generated += 1
+            job.tokens.append(r.token)
             lp, top = extras.get(r.uid, (None, None))
             events: list[Event] = [Token(r.token, lp, top)]
             if r.finish_reason is not None:
                 stop = r.token if r.finish_reason == "stop" else None
                 events.append(Finished("stop" if stop is not None else "length", stop_token=stop))
                 self._forget(job)
+            elif self.checkpoints is not None:
+                self._checkpoint(job)
             self._emit(job, events)
         with self._lock:
             s = self._stats
@@ -325,6 +378,45 @@ class Scheduler:
             out[r.uid] = (float(lp[r.token].item()), top)
         return out
 
+    def _checkpoint(self, job: _Job) -> None:
+        """After a token: the prompt's prefix (first token), the generation every N tokens."""
+        ckpt = self.checkpoints
+        assert ckpt is not None
+        r = job.request
+        first = len(job.tokens) == 1 and not isinstance(job.plan, ResumePlan)
+        due = bool(job.checkpoint_key) and len(job.tokens) % r.checkpoint_interval == 0
+        if not first and not due:
+            return
+        if first:
+            ckpt.add_prefill_time(time.monotonic() - job.admitted_at)
+            row = self._bg.extract_cache([job.uid]).get(job.uid)
+            if row is not None:
+                ckpt.save_prefix(row[0], r.prompt, r.namespace)
+        if due:
+            row = self._bg.extract_cache([job.uid]).get(job.uid)
+            pending = self._pending_token(job.uid)
+            if row is None or pending is None:
+                return
+            ckpt.save_generation(
+                job.checkpoint_key,
+                r.namespace,
+                row[0],
+                r.prompt,
+                list(job.tokens),
+                pending,
+                r.sampling,
+                r.max_tokens,
+            )
+            job.checkpointed = True
+
+    def _pending_token(self, uid: int) -> int | None:
+        """The token sampled for a row but not yet fed: BatchGenerator samples one step ahead
+        and keeps it privately, and a generation checkpoint needs it to resume exactly."""
+        batch = self._bg._generation_batch
+        if uid not in batch.uids or batch._next_tokens is None:
+            return None
+        return int(batch._next_tokens[batch.uids.index(uid)].item())
+
     def _cancel(self, request_id: str, reason: str = "cancelled", error: str = "") -> None:
         job = self._by_id.get(request_id)
         if job is None:
@@ -345,6 +437,8 @@ class Scheduler:
                 self._cancel(job.request.request_id, "deadline", "deadline exceeded")
 
     def _forget(self, job: _Job) -> None:
+        if job.checkpointed and not job.keep_checkpoint and self.checkpoints is not None:
+            self.checkpoints.forget_generation(job.checkpoint_key, job.request.namespace)
         self._rows.pop(job.uid, None)
         self._by_id.pop(job.request.request_id, None)
         with self._lock:

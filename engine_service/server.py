@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine_service import blas
+from engine_service.checkpoints import CheckpointManager, CheckpointSettings
 from engine_service.config import EngineConfig, parse_args
 from engine_service.model import load_model
 from engine_service.scheduler import Limits, Scheduler
@@ -34,11 +35,27 @@ async def serve(config: EngineConfig) -> None:
     limits = Limits(
         config.max_running, config.max_queued, config.prefill_batch_size, config.prefill_step_size
     )
-    scheduler = Scheduler(loaded, limits, loop_deliver(asyncio.get_running_loop()))
+    checkpoints = CheckpointManager(
+        loaded,
+        CheckpointSettings(
+            store=config.store,
+            local_cache_bytes=config.prefix_cache_bytes,
+            spill_queue_bytes=config.spill_queue_bytes,
+        ),
+    )
+    scheduler = Scheduler(loaded, limits, loop_deliver(asyncio.get_running_loop()), checkpoints)
     scheduler.start()
     server = grpc.aio.server()
     engine_pb2_grpc.add_EngineServicer_to_server(
-        EngineServicer(loaded, scheduler, context, config.default_max_tokens), server
+        EngineServicer(
+            loaded,
+            scheduler,
+            context,
+            config.default_max_tokens,
+            checkpoints,
+            config.checkpoint_interval,
+        ),
+        server,
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

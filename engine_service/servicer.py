@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import grpc
 
 from engine_service import blas
+from engine_service.checkpoints import BLOCK_SIZE, CheckpointManager, PrefixPlan, ResumePlan
 from engine_service.errors import EngineError, InvalidRequest, NotFound
 from engine_service.model import LoadedModel
 from engine_service.requests import GenerationRequest, prompt_tokens, request_from_pb
@@ -97,8 +98,16 @@ def loop_deliver(loop: asyncio.AbstractEventLoop) -> Deliver:
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(
-        self, loaded: LoadedModel, scheduler: Scheduler, context: int, default_max_tokens: int
+        self,
+        loaded: LoadedModel,
+        scheduler: Scheduler,
+        context: int,
+        default_max_tokens: int,
+        checkpoints: CheckpointManager | None = None,
+        default_checkpoint_interval: int = 0,
     ) -> None:
+        self.checkpoints = checkpoints
+        self.default_checkpoint_interval = default_checkpoint_interval
         self.loaded = loaded
         self.scheduler = scheduler
         self.context = context
@@ -121,9 +130,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 self.context,
                 self.default_max_tokens,
                 deadline,
+                self.checkpoints is not None and self.checkpoints.has_store,
+                self.default_checkpoint_interval,
             )
+            plan = await self._plan(req)
+            replay = [*plan.generated, plan.pending] if isinstance(plan, ResumePlan) else []
             stream = RequestStream()
-            self.scheduler.submit(req, stream.push)
+            if not self._complete_after_replay(req, replay):
+                self.scheduler.submit(req, stream.push, plan)
         except EngineError as exc:
             await context.abort(exc.code, str(exc))
         except Exception as exc:
@@ -131,24 +145,71 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
         finished = False
         try:
-            async for message in self._responses(req, stream, arrival):
+            async for message in self._responses(req, stream, arrival, replay):
                 yield message
             finished = True
         except _DeadlineExceeded:
             finished = True
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         finally:
-            if not finished:  # the client went away or the deadline passed: free the row
-                self.scheduler.cancel(req.request_id)
+            if not finished:  # the client went away or the deadline passed: free the row,
+                # keeping its checkpoint so the client can resume
+                self.scheduler.cancel(req.request_id, keep_checkpoint=True)
+
+    async def _plan(self, req: GenerationRequest) -> PrefixPlan | ResumePlan | None:
+        """The checkpoint a request starts from: its own (resume) or a cached prefix."""
+        ckpt = self.checkpoints
+        if ckpt is None:
+            return None
+        if req.resume:
+            key = ckpt.generation_key(req.namespace, req.prompt, req.sampling, req.request_id)
+            return await asyncio.to_thread(ckpt.load_generation, key, req.namespace, req.prompt)
+        if len(req.prompt) > BLOCK_SIZE:
+            return await asyncio.to_thread(ckpt.find_prefix, req.prompt, req.namespace)
+        return None
+
+    def _complete_after_replay(self, req: GenerationRequest, replay: list[int]) -> bool:
+        """A resumed generation whose checkpoint already reached its end needs no batch row."""
+        if not replay:
+            return False
+        return replay[-1] in self.stop_ids(req) or len(replay) >= req.max_tokens
 
     async def _responses(
-        self, req: GenerationRequest, stream: RequestStream, arrival: float
+        self,
+        req: GenerationRequest,
+        stream: RequestStream,
+        arrival: float,
+        replay: list[int],
     ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         text = TextStream(self.loaded.tokenizer, req.sampling.stop, req.prompt)
         stop_ids = self.stop_ids(req)
         usage = engine_pb2.Usage(prompt_tokens=len(req.prompt))
         first_token_at = last_token_at = 0.0
         generated = 0
+        if replay:
+            # Resume: tokens from the checkpoint, sent from the first one the client lacks.
+            usage.cached_prompt_tokens = len(req.prompt)
+            first_token_at = last_token_at = time.monotonic()
+            replayed = engine_pb2.GenerateResponse()
+            for index, token in enumerate(replay):
+                delta = "" if token in stop_ids else text.add(token)
+                if index >= req.tokens_held:
+                    replayed.token_ids.append(token)
+                    replayed.text += delta
+            generated = len(replay)
+            if self._complete_after_replay(req, replay):
+                stop = replay[-1] in stop_ids
+                replayed.finish_reason = (
+                    engine_pb2.FINISH_REASON_STOP if stop else engine_pb2.FINISH_REASON_LENGTH
+                )
+                replayed.text += "" if stop else text.finish()
+                replayed.request_id = req.request_id
+                self._finish_usage(usage, generated, arrival, first_token_at, last_token_at)
+                replayed.usage.CopyFrom(usage)
+                yield replayed
+                return
+            if replayed.token_ids:
+                yield replayed
         while True:
             message: engine_pb2.GenerateResponse | None = None
             for event in await stream.next():
@@ -168,7 +229,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     message.text += text.add(event.token_id)
                     if text.stopped_by:
                         # A stop string: the text is cut exactly; tell the loop to drop the row.
-                        self.scheduler.cancel(req.request_id)
+                        self.scheduler.cancel(req.request_id, keep_checkpoint=False)
                         message.finish_reason = engine_pb2.FINISH_REASON_STOP
                         message.matched_stop = text.stopped_by
                         message.request_id = req.request_id
@@ -269,7 +330,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self, request: engine_pb2.EngineStatsRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.EngineStatsResponse:
         s = self.scheduler.stats()
-        return engine_pb2.EngineStatsResponse(
+        reply = engine_pb2.EngineStatsResponse(
             running=s.running,
             queued=s.queued,
             requests_total=s.requests_total,
@@ -283,10 +344,39 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             rejected_total=s.rejected_total,
             steps_total=s.steps_total,
         )
+        if self.checkpoints is not None:
+            c = self.checkpoints.snapshot()
+            reply.checkpoints.CopyFrom(
+                engine_pb2.CheckpointStats(
+                    prefix_hits_local=c.local_hits,
+                    prefix_hits_store=c.store_hits,
+                    prefix_misses=c.misses,
+                    restore_failures=c.restore_failures,
+                    restored_bytes=c.restored_bytes,
+                    restore_seconds=c.restore_seconds,
+                    prefill_seconds=c.prefill_seconds,
+                    saved=c.saved,
+                    saved_bytes=c.saved_bytes,
+                    dropped=c.dropped,
+                    failed=c.failed,
+                    queued_bytes=c.queued_bytes,
+                    resumes=c.resumes,
+                    store_up=c.store_up,
+                    store_configured=self.checkpoints.has_store,
+                )
+            )
+        return reply
 
     @rpc_errors
     async def Flush(
         self, request: engine_pb2.EngineFlushRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.EngineFlushResponse:
-        # No checkpoints without a store: nothing is durable, nothing is pending.
-        return engine_pb2.EngineFlushResponse(durable=False)
+        if self.checkpoints is None:
+            return engine_pb2.EngineFlushResponse(durable=False)
+        durable, counts = await asyncio.to_thread(self.checkpoints.flush)
+        return engine_pb2.EngineFlushResponse(
+            durable=durable,
+            flushed=counts["flushed"],
+            missing=counts["missing"],
+            failed=counts["failed"],
+        )

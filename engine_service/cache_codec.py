@@ -1,0 +1,158 @@
+"""Caches to tensor records and back, through mlx-lm's own cache contract.
+
+Every mlx-lm cache exposes `state` (arrays and scalars, possibly nested with None and class
+names, as CacheList does) and `from_state`; mlx-lm 0.32 folds what older releases kept in
+`meta_state` into `state` (a `meta_state`, where a cache has one, is kept too). A layer is
+encoded as its class name and a JSON skeleton of its state in which each array is replaced
+by the name of a tensor record. Tensors keep their dtype name; bfloat16 travels as its raw 2-byte
+words (viewed as uint16), never through float32.
+
+Capture runs on the MLX thread and returns evaluated arrays (a device copy, so the live batch
+may keep changing); `to_host` turns them into buffers any thread can send.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as cache_lib
+
+from engine_service.errors import Precondition
+from engine_service.model import layout_codec
+
+CODEC_VERSION = "tandem.cache.v1"
+# dtypes numpy cannot hold travel as same-width unsigned words.
+_WORD_VIEWS = {"bfloat16": (mx.uint16, np.uint16)}
+
+
+@dataclass
+class CapturedCache:
+    """A snapshot of one sequence's caches: evaluated MLX arrays plus how to rebuild them."""
+
+    arrays: dict[str, mx.array]  # name -> array as stored (bf16 viewed as uint16)
+    dtypes: dict[str, str]  # name -> original dtype name
+    skeleton: list[dict[str, Any]]  # per layer: class, meta_state, state skeleton
+    layout: list[str]
+    tokens: int  # sequence positions the caches hold
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def meta(self) -> dict[str, str]:
+        return {
+            "codec": CODEC_VERSION,
+            "cache": json.dumps(self.skeleton),
+            "dtypes": json.dumps(self.dtypes),
+            "layout": "|".join(self.layout),
+        }
+
+
+def _dtype_name(a: mx.array) -> str:
+    return str(a.dtype).removeprefix("mlx.core.")
+
+
+def capture(caches: list[Any], tokens: int) -> CapturedCache:
+    """Snapshot caches on the MLX thread (copies, evaluated before returning)."""
+    arrays: dict[str, mx.array] = {}
+    dtypes: dict[str, str] = {}
+
+    def encode(value: Any, prefix: str) -> Any:
+        if isinstance(value, mx.array):
+            name = prefix
+            dtype = _dtype_name(value)
+            view = _WORD_VIEWS.get(dtype)
+            stored = value.view(view[0]) if view else value
+            # MLX arrays are immutable: holding this reference keeps the snapshot's bytes even
+            # as the batch writes on (an update then copies instead of reusing the buffer).
+            arrays[name] = mx.contiguous(stored)
+            dtypes[name] = dtype
+            return {"t": name}
+        if value is None or isinstance(value, (str, int, float, bool)):
+            return {"v": value}
+        if isinstance(value, (list, tuple)):
+            return {"l": [encode(v, f"{prefix}.{i}") for i, v in enumerate(value)]}
+        raise TypeError(f"cannot encode cache state of type {type(value).__name__}")
+
+    skeleton = []
+    for i, cache in enumerate(caches):
+        skeleton.append(
+            {
+                "class": type(cache).__name__,
+                "meta": list(getattr(cache, "meta_state", ()) or ()),
+                "state": encode(_live_state(cache), f"l{i}"),
+            }
+        )
+    mx.eval(list(arrays.values()))
+    return CapturedCache(arrays, dtypes, skeleton, [layout_codec(c) for c in caches], tokens)
+
+
+def _live_state(cache: Any) -> Any:
+    """The cache's state, without the unused tail of a KVCache's step-grown buffers."""
+    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    if type(cache) is cache_lib.KVCache and keys is not None and values is not None:
+        n = cache.offset
+        return keys[..., :n, :], values[..., :n, :], n
+    return cache.state
+
+
+def host_view(array: mx.array) -> memoryview:
+    """The bytes of an evaluated array, without a copy (MLX arrays export a buffer)."""
+    return memoryview(array).cast("B")  # type: ignore[arg-type]
+
+
+def to_host(captured: CapturedCache) -> list[tuple[str, str, tuple[int, ...], memoryview]]:
+    """(name, dtype, shape, bytes) per tensor; reads evaluated memory, safe off the MLX thread."""
+    out = []
+    for name, array in captured.arrays.items():
+        out.append((name, captured.dtypes[name], tuple(array.shape), host_view(array)))
+    return out
+
+
+def restore(
+    meta: dict[str, str],
+    tensors: dict[str, tuple[str, tuple[int, ...], Any]],
+    expected_layout: list[str],
+) -> list[Any]:
+    """Rebuilds caches from a checkpoint's metadata and tensors (name -> dtype, shape, bytes).
+
+    Raises Precondition naming what differs when the codec or layout does not match.
+    """
+    if meta.get("codec") != CODEC_VERSION:
+        raise Precondition(f"checkpoint codec {meta.get('codec')!r} is not {CODEC_VERSION!r}")
+    layout = meta.get("layout", "").split("|")
+    if layout != list(expected_layout):
+        raise Precondition(
+            f"checkpoint cache layout {layout} differs from the engine's {list(expected_layout)}"
+        )
+
+    def decode(node: dict[str, Any]) -> Any:
+        if "t" in node:
+            dtype, shape, data = tensors[node["t"]]
+            view = _WORD_VIEWS.get(dtype)
+            np_dtype = view[1] if view else np.dtype(dtype)
+            array = mx.array(np.frombuffer(data, dtype=np_dtype).reshape(shape))
+            return array.view(getattr(mx, dtype)) if view else array
+        if "v" in node:
+            return node["v"]
+        return [decode(child) for child in node["l"]]
+
+    caches = []
+    for layer in json.loads(meta["cache"]):
+        cls = getattr(cache_lib, layer["class"])
+        cache = cls.from_state(_tuples(decode(layer["state"]), layer["class"]))
+        if layer["meta"]:
+            cache.meta_state = tuple(layer["meta"])
+        caches.append(cache)
+    return caches
+
+
+def _tuples(state: Any, cls: str) -> Any:
+    # CacheList's state is a list of (state, class name) pairs.
+    if cls == "CacheList":
+        return [(s, c) for s, c in state]
+    return state

@@ -1,0 +1,499 @@
+"""Checkpoints between the engine and the store: prefix reuse, generation checkpoints, resume.
+
+- Prefix reuse: a prompt's block-hash chain is looked up in an in-memory LRU of captured
+  caches (bounded in bytes), then in the store; the longest hit is restored (trimmed to the
+  matched length) and only the rest is prefilled. After prefill, the prompt's cache is kept in
+  the LRU and sent to the store (deduplicated: `if_absent`).
+- Generation checkpoints: every `checkpoint_interval` tokens the MLX thread captures the row's
+  caches and its pending token; a spill thread sends them to the store, pinned while the
+  generation runs, and deletes them when it ends.
+- The spill queue is bounded in bytes: a checkpoint that does not fit is dropped and counted;
+  a store that is down costs counted failures and a backoff, never a stalled generation.
+- `flush()` is the durability barrier: it waits for everything queued before it, then the
+  store's own Flush.
+
+Network calls happen on request handler threads (lookup, get) and the spill thread (put,
+delete), never on the MLX thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+from engine_service.cache_codec import CapturedCache, capture, host_view, restore, to_host
+from engine_service.errors import NotFound, Precondition
+from engine_service.model import LoadedModel
+from engine_service.sampling import SamplingOptions
+from tandem_client.errors import DataLoss, TandemError
+from tandem_client.errors import NotFound as StoreNotFound
+from tandem_client.identity import block_hashes, generation_key, prefix_key, scope_digest
+from tandem_client.store_client import Checkpoint, StoreClient, Tensor
+
+log = logging.getLogger(__name__)
+
+BLOCK_SIZE = 64
+
+
+@dataclass
+class CheckpointSettings:
+    store: str = ""
+    local_cache_bytes: int = 512 << 20
+    spill_queue_bytes: int = 1 << 30
+    lease_s: int = 600
+    # Smallest prompt worth saving as a prefix checkpoint.
+    min_prefix_tokens: int = BLOCK_SIZE
+
+
+@dataclass
+class PrefixPlan:
+    """Where a prompt's longest cached prefix is: the local LRU or the store's bytes."""
+
+    matched: int
+    source: str  # "local" | "store"
+    key: bytes
+    meta: dict[str, str] = field(default_factory=dict)
+    tensors: dict[str, tuple[str, tuple[int, ...], Any]] = field(default_factory=dict)
+    fetch_s: float = 0.0
+    nbytes: int = 0
+
+
+@dataclass
+class ResumePlan:
+    """A generation checkpoint to continue from."""
+
+    key: bytes
+    generated: list[int]  # tokens emitted before the checkpoint
+    pending: int  # sampled, not yet fed
+    meta: dict[str, str]
+    tensors: dict[str, tuple[str, tuple[int, ...], Any]]
+    nbytes: int
+    fetch_s: float
+
+
+@dataclass
+class CheckpointStats:
+    local_hits: int = 0
+    store_hits: int = 0
+    misses: int = 0
+    restore_failures: int = 0
+    restored_bytes: int = 0
+    restore_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    saved: int = 0
+    saved_bytes: int = 0
+    dropped: int = 0
+    failed: int = 0
+    queued_bytes: int = 0
+    resumes: int = 0
+    store_up: bool = True
+
+
+def options_digest(options: SamplingOptions) -> bytes:
+    """What a resumed request must share with the original besides prompt and request id."""
+    fields = {
+        k: getattr(options, k)
+        for k in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "repetition_context_size",
+            "seed",
+            "stop",
+            "stop_token_ids",
+            "ignore_eos",
+        )
+    }
+    return hashlib.blake2b(
+        json.dumps(fields, sort_keys=True, default=list).encode(), digest_size=16
+    ).digest()
+
+
+class _LocalCache:
+    """Captured prefix caches by key, least recently used first, bounded in bytes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: collections.OrderedDict[bytes, tuple[CapturedCache, int]] = (
+            collections.OrderedDict()
+        )
+        self._chain: dict[bytes, tuple[bytes, int]] = {}  # block hash -> (key, length)
+        self._hashes: dict[bytes, list[bytes]] = {}
+        self.nbytes = 0
+
+    def add(self, key: bytes, captured: CapturedCache, chain: list[bytes], length: int) -> None:
+        if captured.nbytes > self.capacity:
+            return
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return
+            self._entries[key] = (captured, length)
+            self._hashes[key] = chain
+            self.nbytes += captured.nbytes
+            for i, h in enumerate(chain):
+                self._chain[h] = (key, min((i + 1) * BLOCK_SIZE, length))
+            while self.nbytes > self.capacity:
+                old, (cap, _) = self._entries.popitem(last=False)
+                self.nbytes -= cap.nbytes
+                for h in self._hashes.pop(old, []):
+                    if self._chain.get(h, (b"",))[0] == old:
+                        del self._chain[h]
+
+    def match(self, chain: list[bytes], lengths: list[int]) -> tuple[bytes, int]:
+        with self._lock:
+            for h, n in zip(reversed(chain), reversed(lengths), strict=True):
+                hit = self._chain.get(h)
+                if hit is not None and hit[1] >= n:
+                    return hit[0], n
+        return b"", 0
+
+    def get(self, key: bytes) -> CapturedCache | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry[0]
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._entries
+
+
+class CheckpointManager:
+    def __init__(self, loaded: LoadedModel, settings: CheckpointSettings) -> None:
+        self.loaded = loaded
+        self.settings = settings
+        # The compute dtype is part of what a cache was computed under.
+        self.model_id = f"{loaded.model_id}/{loaded.dtype}"
+        self.layout = list(loaded.layout)
+        self.stats = CheckpointStats()
+        self._local = _LocalCache(settings.local_cache_bytes)
+        self._store = StoreClient(settings.store, timeout=60) if settings.store else None
+        self._queue: queue.Queue[tuple[str, Any, int]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._saved_keys: set[bytes] = set()
+        self._since_flush = {"flushed": 0, "missing": 0, "failed": 0}
+        if self._store is not None:
+            threading.Thread(target=self._spill_loop, name="checkpoint-spill", daemon=True).start()
+
+    @property
+    def has_store(self) -> bool:
+        return self._store is not None
+
+    def scope(self, namespace: str) -> bytes:
+        return scope_digest(self.model_id, self.layout, namespace)
+
+    # -- prefix reuse (handler threads) ------------------------------------------------------
+
+    def find_prefix(self, prompt: list[int], namespace: str) -> PrefixPlan | None:
+        """The longest reusable prefix of prompt[:-1] (one token must be left to prefill)."""
+        usable = prompt[:-1]
+        if len(usable) < BLOCK_SIZE:
+            return None
+        scope = self.scope(namespace)
+        chain = block_hashes(usable, BLOCK_SIZE, scope)
+        lengths = [min((i + 1) * BLOCK_SIZE, len(usable)) for i in range(len(chain))]
+        key, local_len = self._local.match(chain, lengths)
+        best: PrefixPlan | None = PrefixPlan(local_len, "local", key) if local_len else None
+        if self._store is not None:
+            try:
+                hit = self._store.lookup(
+                    namespace=namespace,
+                    model_id=self.model_id,
+                    layout=self.layout,
+                    block_size=BLOCK_SIZE,
+                    block_hashes=chain,
+                    token_count=len(usable),
+                )
+                if hit.found and hit.matched_tokens > local_len:
+                    start = time.perf_counter()
+                    ckpt = self._store.get(hit.key, namespace)
+                    best = PrefixPlan(
+                        hit.matched_tokens,
+                        "store",
+                        hit.key,
+                        ckpt.metadata,
+                        _tensor_map(ckpt),
+                        time.perf_counter() - start,
+                        sum(t.nbytes for t in ckpt.tensors),
+                    )
+            except DataLoss as exc:  # the store quarantined it; prefill instead
+                log.warning("prefix checkpoint unreadable, prefilling instead: %s", exc)
+                self._count("restore_failures")
+            except TandemError as exc:
+                log.warning("store lookup failed, prefilling instead: %s", exc)
+                self._count("restore_failures")
+        if best is None:
+            self._count("misses")
+        return best
+
+    def materialize_prefix(self, plan: PrefixPlan) -> list[Any] | None:
+        """Caches for a plan (MLX thread): restored and trimmed to the matched length."""
+        start = time.perf_counter()
+        try:
+            if plan.source == "local":
+                captured = self._local.get(plan.key)
+                if captured is None:
+                    return None
+                tensors = {
+                    n: (captured.dtypes[n], tuple(a.shape), host_view(a))
+                    for n, a in captured.arrays.items()
+                }
+                caches = restore(captured.meta(), tensors, self.layout)
+                held = captured.tokens
+            else:
+                caches = restore(plan.meta, plan.tensors, self.layout)
+                held = int(plan.meta.get("tokens", plan.matched))
+            if held > plan.matched:
+                if not can_trim_prompt_cache(caches):
+                    return None
+                trim_prompt_cache(caches, held - plan.matched)
+        except (Precondition, KeyError, ValueError) as exc:
+            log.warning("prefix checkpoint not restorable, prefilling instead: %s", exc)
+            self._count("restore_failures")
+            return None
+        with self._lock:
+            s = self.stats
+            if plan.source == "local":
+                s.local_hits += 1
+            else:
+                s.store_hits += 1
+                s.restored_bytes += plan.nbytes
+            s.restore_seconds += plan.fetch_s + time.perf_counter() - start
+        return caches
+
+    def save_prefix(self, row_caches: list[Any], prompt: list[int], namespace: str) -> None:
+        """Keeps a prompt's caches (MLX thread; row_caches hold prompt + 1 token)."""
+        if len(prompt) < self.settings.min_prefix_tokens or not can_trim_prompt_cache(row_caches):
+            return
+        scope = self.scope(namespace)
+        key = prefix_key(scope, prompt)
+        if key in self._local or key in self._saved_keys:
+            return
+        trim_prompt_cache(row_caches, 1)
+        captured = capture(row_caches, len(prompt))
+        chain = block_hashes(prompt, BLOCK_SIZE, scope)
+        self._local.add(key, captured, chain, len(prompt))
+        if self._store is None:
+            return
+        self._saved_keys.add(key)
+        record = Checkpoint(
+            key=key,
+            kind="prefix",
+            namespace=namespace,
+            model_id=self.model_id,
+            layout=self.layout,
+            token_ids=list(prompt),
+            trimmable=True,
+            block_size=BLOCK_SIZE,
+            block_hashes=chain,
+            metadata={**captured.meta(), "tokens": str(len(prompt))},
+        )
+        self._enqueue("put_prefix", (record, captured), captured.nbytes)
+
+    # -- generation checkpoints --------------------------------------------------------------
+
+    def generation_key(
+        self, namespace: str, prompt: list[int], options: SamplingOptions, request_id: str
+    ) -> bytes:
+        return generation_key(self.scope(namespace), prompt, options_digest(options), request_id)
+
+    def save_generation(
+        self,
+        key: bytes,
+        namespace: str,
+        row_caches: list[Any],
+        prompt: list[int],
+        generated: list[int],
+        pending: int,
+        options: SamplingOptions,
+        max_tokens: int,
+    ) -> None:
+        """Captures a generation in flight (MLX thread) and queues it for the store."""
+        captured = capture(row_caches, len(prompt) + len(generated))
+        meta = {
+            **captured.meta(),
+            "prompt_tokens": str(len(prompt)),
+            "generated": str(len(generated)),
+            "pending": str(pending),
+            "seed": str(options.seed),
+            "next_step": str(len(generated) + 1),
+            "max_tokens": str(max_tokens),
+            "options": options_digest(options).hex(),
+        }
+        record = Checkpoint(
+            key=key,
+            kind="generation",
+            namespace=namespace,
+            model_id=self.model_id,
+            layout=self.layout,
+            token_ids=list(prompt) + list(generated),
+            trimmable=False,
+            metadata=meta,
+        )
+        self._enqueue("put_generation", (record, captured), captured.nbytes)
+
+    def forget_generation(self, key: bytes, namespace: str) -> None:
+        self._enqueue("delete", (key, namespace), 0)
+
+    def load_generation(self, key: bytes, namespace: str, prompt: list[int]) -> ResumePlan:
+        """The checkpoint of a generation to resume (handler thread)."""
+        if self._store is None:
+            raise Precondition("resume needs an engine started with --store")
+        start = time.perf_counter()
+        try:
+            ckpt = self._store.get(key, namespace)
+        except StoreNotFound as exc:
+            raise NotFound(
+                "no checkpoint for this request (same request_id, prompt and "
+                "sampling options are needed to resume)"
+            ) from exc
+        if ckpt.model_id != self.model_id:
+            raise Precondition(
+                f"checkpoint was made by model {ckpt.model_id!r}; this engine "
+                f"serves {self.model_id!r}"
+            )
+        if list(ckpt.layout) != self.layout:
+            raise Precondition(
+                f"checkpoint cache layout {list(ckpt.layout)} differs from the "
+                f"engine's {self.layout}"
+            )
+        meta = ckpt.metadata
+        n_prompt = int(meta["prompt_tokens"])
+        if ckpt.token_ids[:n_prompt] != list(prompt):
+            raise Precondition("checkpoint prompt differs from the request's")
+        self._count("resumes")
+        return ResumePlan(
+            key,
+            list(ckpt.token_ids[n_prompt:]),
+            int(meta["pending"]),
+            meta,
+            _tensor_map(ckpt),
+            sum(t.nbytes for t in ckpt.tensors),
+            time.perf_counter() - start,
+        )
+
+    def materialize_resume(self, plan: ResumePlan) -> list[Any]:
+        return restore(plan.meta, plan.tensors, self.layout)
+
+    # -- the spill queue ---------------------------------------------------------------------
+
+    def _enqueue(self, kind: str, item: Any, nbytes: int) -> None:
+        if self._store is None:
+            return
+        with self._lock:
+            if nbytes and self.stats.queued_bytes + nbytes > self.settings.spill_queue_bytes:
+                self.stats.dropped += 1
+                self._since_flush["missing"] += 1
+                return
+            self.stats.queued_bytes += nbytes
+        self._queue.put((kind, item, nbytes))
+
+    def _spill_loop(self) -> None:
+        assert self._store is not None
+        backoff = 0.0
+        while True:
+            kind, item, nbytes = self._queue.get()
+            try:
+                if kind == "barrier":
+                    item.set()
+                    continue
+                if backoff:
+                    time.sleep(backoff)
+                self._spill(kind, item)
+                backoff = 0.0
+                self._set_store_up(True)
+            except TandemError as exc:
+                if kind != "delete":
+                    self._count("failed")
+                    with self._lock:
+                        self._since_flush["failed"] += 1
+                backoff = min(max(backoff * 2, 0.25), 5.0)
+                self._set_store_up(False)
+                log.warning("checkpoint %s failed (%s); retrying later", kind, exc)
+            finally:
+                if nbytes:
+                    with self._lock:
+                        self.stats.queued_bytes -= nbytes
+
+    def _spill(self, kind: str, item: Any) -> None:
+        assert self._store is not None
+        if kind == "delete":
+            key, namespace = item
+            try:
+                self._store.delete(key, namespace, force=True)
+            except StoreNotFound:
+                pass
+            return
+        record, captured = item
+        record.tensors = [
+            Tensor(name, dtype, shape, data) for name, dtype, shape, data in to_host(captured)
+        ]
+        try:
+            if kind == "put_prefix":
+                self._store.put(record, if_absent=True)
+            else:
+                self._store.put(
+                    record,
+                    pin_ttl_s=self.settings.lease_s,
+                    pin_holder=f"engine/{record.key.hex()[:12]}",
+                )
+        except TandemError as exc:
+            if exc.code.name != "ALREADY_EXISTS":
+                raise
+        with self._lock:
+            self.stats.saved += 1
+            self.stats.saved_bytes += captured.nbytes
+            self._since_flush["flushed"] += 1
+
+    def flush(self, timeout: float = 60.0) -> tuple[bool, dict[str, int]]:
+        """Waits for every checkpoint queued so far, then the store's Flush."""
+        if self._store is None:
+            return False, {"flushed": 0, "missing": 0, "failed": 0}
+        done = threading.Event()
+        self._queue.put(("barrier", done, 0))
+        reached = done.wait(timeout)
+        try:
+            synced = reached and self._store.flush()
+        except TandemError:
+            synced = False
+        with self._lock:
+            counts, self._since_flush = self._since_flush, {"flushed": 0, "missing": 0, "failed": 0}
+        durable = bool(synced) and counts["missing"] == 0 and counts["failed"] == 0
+        return durable, counts
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            setattr(self.stats, name, getattr(self.stats, name) + 1)
+
+    def _set_store_up(self, up: bool) -> None:
+        with self._lock:
+            self.stats.store_up = up
+
+    def add_prefill_time(self, seconds: float) -> None:
+        with self._lock:
+            self.stats.prefill_seconds += seconds
+
+    def snapshot(self) -> CheckpointStats:
+        with self._lock:
+            return CheckpointStats(**self.stats.__dict__)
+
+
+def _tensor_map(ckpt: Checkpoint) -> dict[str, tuple[str, tuple[int, ...], Any]]:
+    return {t.name: (t.dtype, tuple(t.shape), t.data) for t in ckpt.all_tensors()}
