@@ -120,6 +120,10 @@ def options_digest(options: SamplingOptions) -> bytes:
     ).digest()
 
 
+class StoreDown(TandemError):
+    """Raised inside the spill loop while it backs off from an unreachable store."""
+
+
 class _LocalCache:
     """Captured prefix caches by key, least recently used first, bounded in bytes."""
 
@@ -405,15 +409,17 @@ class CheckpointManager:
 
     def _spill_loop(self) -> None:
         assert self._store is not None
-        backoff = 0.0
+        backoff, retry_at = 0.0, 0.0
         while True:
             kind, item, nbytes = self._queue.get()
             try:
                 if kind == "barrier":
                     item.set()
                     continue
-                if backoff:
-                    time.sleep(backoff)
+                if time.monotonic() < retry_at:
+                    # The store was down moments ago: fail fast instead of waiting per item;
+                    # newer checkpoints supersede these.
+                    raise StoreDown("store unreachable; backing off")
                 self._spill(kind, item)
                 backoff = 0.0
                 self._set_store_up(True)
@@ -422,9 +428,11 @@ class CheckpointManager:
                     self._count("failed")
                     with self._lock:
                         self._since_flush["failed"] += 1
-                backoff = min(max(backoff * 2, 0.25), 5.0)
+                if not isinstance(exc, StoreDown):
+                    backoff = min(max(backoff * 2, 0.25), 5.0)
+                    retry_at = time.monotonic() + backoff
+                    log.warning("checkpoint %s failed (%s); retrying in %.2fs", kind, exc, backoff)
                 self._set_store_up(False)
-                log.warning("checkpoint %s failed (%s); retrying later", kind, exc)
             finally:
                 if nbytes:
                     with self._lock:

@@ -220,13 +220,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     if not generated:
                         first_token_at = last_token_at
                     generated += 1
+                    # A resumed client already holds the first tokens_held tokens.
+                    send = generated > req.tokens_held
                     message = message or engine_pb2.GenerateResponse()
-                    message.token_ids.append(event.token_id)
-                    if event.logprob is not None:
-                        message.logprobs.append(self._logprob(event))
+                    if send:
+                        message.token_ids.append(event.token_id)
+                        if event.logprob is not None:
+                            message.logprobs.append(self._logprob(event))
                     if event.token_id in stop_ids:
                         continue  # ends the generation; its text is not part of the output
-                    message.text += text.add(event.token_id)
+                    delta = text.add(event.token_id)
+                    if send:
+                        message.text += delta
                     if text.stopped_by:
                         # A stop string: the text is cut exactly; tell the loop to drop the row.
                         self.scheduler.cancel(req.request_id, keep_checkpoint=False)
@@ -252,7 +257,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     final.usage.CopyFrom(usage)
                     yield final
                     return
-            if message is not None:
+            if message is not None and (message.token_ids or message.text):
                 yield message
 
     def stop_ids(self, req: GenerationRequest) -> set[int]:

@@ -26,11 +26,11 @@ class ServiceProcess:
         self.proc: subprocess.Popen[str] | None = None
         self.address = ""
 
-    def start(self, timeout: float = 60.0) -> ServiceProcess:
+    def start(self, timeout: float = 60.0, listen: str = "127.0.0.1:0") -> ServiceProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", self.module, "--listen", "127.0.0.1:0", *self.args],
+                [sys.executable, "-u", "-m", self.module, "--listen", listen, *self.args],
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
@@ -64,6 +64,9 @@ class ServiceProcess:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{self.module} not serving after {timeout}s")
                 time.sleep(0.05)
+
+    def start_on(self, port: int, timeout: float = 60.0) -> ServiceProcess:
+        return self.start(timeout, listen=f"127.0.0.1:{port}")
 
     @property
     def pid(self) -> int:
@@ -114,3 +117,25 @@ def start_engine(
         "tandem-engine listening on",
         log_dir / "engine.log",
     ).start(timeout)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (for a service that must come back on it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_store_on(data_dir: Path, port: int, *extra: str) -> ServiceProcess:
+    log_dir = data_dir.parent
+    log_dir.mkdir(parents=True, exist_ok=True)
+    proc = ServiceProcess(
+        "store_service",
+        ["--data-dir", str(data_dir), *extra],
+        "tandem-store listening on",
+        log_dir / f"store-{data_dir.name}.log",
+    )
+    proc.args = ["--data-dir", str(data_dir), *extra]
+    return proc.start_on(port)

@@ -10,15 +10,32 @@ from tests.servers import ROOT, ServiceProcess
 
 
 def test_tandem_up_streams_a_demo_and_stops_cleanly(
-        tmp_path: Path, engine_data_dir: Path, engine: ServiceProcess) -> None:
+    tmp_path: Path, engine_data_dir: Path, engine: ServiceProcess
+) -> None:
     # Reuse the models the session's engine built, so the test doesn't rebuild them.
     data_dir = tmp_path / "up"
     data_dir.mkdir()
     (data_dir / "models").symlink_to(engine_data_dir / "models", target_is_directory=True)
     result = subprocess.run(
-        [sys.executable, "-m", "tandem_client.cli", "up", "--data-dir", str(data_dir),
-         "--store-port", "0", "--engine-port", "0", "--exit-after-demo", "--demo-tokens", "12"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "tandem_client.cli",
+            "up",
+            "--data-dir",
+            str(data_dir),
+            "--store-port",
+            "0",
+            "--engine-port",
+            "0",
+            "--exit-after-demo",
+            "--demo-tokens",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

@@ -175,11 +175,19 @@ class EngineClient:
         max_tokens: int | None = None,
         request_id: str = "",
         namespace: str = "",
+        checkpoint_interval: int = 0,
+        resume: bool = False,
+        tokens_held: int = 0,
         **sampling: Any,
     ) -> engine_pb2.GenerateRequest:
         """A GenerateRequest from text, token ids or chat messages (dicts of role/content)."""
         req = engine_pb2.GenerateRequest(
-            request_id=request_id, namespace=namespace, sampling=sampling_pb(**sampling)
+            request_id=request_id,
+            namespace=namespace,
+            checkpoint_interval=checkpoint_interval,
+            resume=resume,
+            tokens_held=tokens_held,
+            sampling=sampling_pb(**sampling),
         )
         if max_tokens is not None:
             req.max_tokens = max_tokens
@@ -245,6 +253,13 @@ class EngineClient:
 
     def cancel(self, request_id: str) -> None:
         self._call(lambda: self._stub.Cancel(engine_pb2.CancelRequest(request_id=request_id)))
+
+    def flush(self) -> engine_pb2.EngineFlushResponse:
+        """The engine's checkpoint durability barrier."""
+        r: engine_pb2.EngineFlushResponse = self._call(
+            lambda: self._stub.Flush(engine_pb2.EngineFlushRequest())
+        )
+        return r
 
     def stats(self) -> engine_pb2.EngineStatsResponse:
         r: engine_pb2.EngineStatsResponse = self._call(

@@ -1,0 +1,114 @@
+"""Every cache type round-trips through a real store and gives the same next-token logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models import cache as cache_lib
+
+from engine_service.cache_codec import capture, restore, to_host
+from engine_service.errors import Precondition
+from engine_service.model import layout_codec, load_model
+from tandem_client import Checkpoint, StoreClient, Tensor
+
+TEXT = "The quick brown fox jumps over the lazy dog. " * 12
+
+
+def _through_store(client: StoreClient, caches: list, tokens: int, key: bytes) -> list:
+    captured = capture(caches, tokens)
+    client.put(
+        Checkpoint(
+            key=key,
+            model_id="m",
+            layout=captured.layout,
+            metadata=captured.meta(),
+            tensors=[Tensor(n, d, s, b) for n, d, s, b in to_host(captured)],
+        )
+    )
+    got = client.get(key)
+    tensors = {t.name: (t.dtype, tuple(t.shape), t.data) for t in got.tensors}
+    return restore(got.metadata, tensors, captured.layout)
+
+
+def _next_logits(model, token: mx.array, caches: list) -> mx.array:  # noqa: ANN001
+    return model(token, cache=caches)
+
+
+@pytest.mark.parametrize("variant", ["tandem-tiny", "tandem-tiny-swa", "tandem-tiny-hybrid"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_caches_round_trip(
+    variant: str, dtype: str, engine_data_dir: Path, client: StoreClient, engine
+) -> None:  # noqa: ANN001
+    loaded = load_model(variant, engine_data_dir, dtype)
+    ids = mx.array([loaded.tokenizer.encode(TEXT)])  # longer than the sliding window
+    caches = loaded.model.make_cache()
+    loaded.model(ids[:, :-1], cache=caches)
+    restored = _through_store(client, caches, ids.shape[1] - 1, variant.encode() + dtype.encode())
+    assert [type(c) for c in restored] == [type(c) for c in caches]
+    assert [layout_codec(c) for c in restored] == loaded.layout
+    expected = _next_logits(loaded.model, ids[:, -1:], caches)
+    assert mx.array_equal(_next_logits(loaded.model, ids[:, -1:], restored), expected).item()
+
+
+def test_quantized_and_chunked_kv_caches_round_trip(
+    engine_data_dir: Path, client: StoreClient, engine
+) -> None:  # noqa: ANN001
+    loaded = load_model("tandem-tiny", engine_data_dir)
+    ids = mx.array([loaded.tokenizer.encode(TEXT)])
+    for kind, make in {
+        "quant8": lambda: cache_lib.QuantizedKVCache(group_size=64, bits=8),
+        "quant4": lambda: cache_lib.QuantizedKVCache(group_size=32, bits=4),
+        "chunked": lambda: cache_lib.ChunkedKVCache(chunk_size=64),
+    }.items():
+        caches = [make() for _ in loaded.layout]
+        loaded.model(ids[:, :-1], cache=caches)
+        restored = _through_store(client, caches, ids.shape[1] - 1, kind.encode())
+        assert type(restored[0]) is type(caches[0])
+        expected = _next_logits(loaded.model, ids[:, -1:], caches)
+        got = _next_logits(loaded.model, ids[:, -1:], restored)
+        assert mx.array_equal(got, expected).item(), kind
+
+
+def test_cache_list_round_trips(client: StoreClient) -> None:
+    inner = [cache_lib.KVCache(), cache_lib.KVCache()]
+    for c in inner:
+        c.update_and_fetch(mx.random.normal((1, 2, 5, 8)), mx.random.normal((1, 2, 5, 8)))
+    original = [cache_lib.CacheList(*inner)]
+    (restored,) = _through_store(client, original, 5, b"cachelist")
+    assert isinstance(restored, cache_lib.CacheList)
+    for a, b in zip(original[0].caches, restored.caches, strict=True):
+        assert mx.array_equal(a.state[0][..., :5, :], b.state[0][..., :5, :]).item()
+        assert a.offset == b.offset
+
+
+def test_a_row_extracted_from_the_batch_round_trips(
+    engine_data_dir: Path, client: StoreClient, engine
+) -> None:  # noqa: ANN001
+    loaded = load_model("tandem-tiny", engine_data_dir)
+    prompts = [loaded.tokenizer.encode(t) for t in (TEXT, "Hello", "Numbers: 1 2 3 4")]
+    bg = BatchGenerator(loaded.model)
+    uids = bg.insert(prompts, max_tokens=[32] * 3)
+    for _ in range(6):
+        bg.next()
+    row, tokens = bg.extract_cache([uids[0]])[uids[0]]
+    restored = _through_store(client, row, len(tokens), b"row")
+    probe = mx.array([[5]])
+    assert mx.array_equal(
+        _next_logits(loaded.model, probe, restored), _next_logits(loaded.model, probe, row)
+    ).item()
+    bg.close()
+
+
+def test_a_layout_mismatch_is_refused_naming_the_difference(engine_data_dir: Path) -> None:
+    loaded = load_model("tandem-tiny", engine_data_dir)
+    caches = loaded.model.make_cache()
+    loaded.model(mx.array([[1, 2, 3]]), cache=caches)
+    captured = capture(caches, 3)
+    tensors = {n: (d, s, b) for n, d, s, b in to_host(captured)}
+    with pytest.raises(Precondition, match="layout"):
+        restore(captured.meta(), tensors, ["kv:rotating:64:0"] * 4)
+    with pytest.raises(Precondition, match="codec"):
+        restore({**captured.meta(), "codec": "other.v9"}, tensors, captured.layout)

@@ -1,0 +1,193 @@
+"""Prefix reuse, generation checkpoints and exact resume, with real store and engine processes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import lmdb
+import pytest
+
+from tandem_client import EngineClient, StoreClient
+from tests.servers import ServiceProcess, free_port, start_engine, start_store_on
+
+# 300 scattered token ids: four full 64-token blocks and a partial one
+PROMPT = [(i * 977) % 2000 + 3 for i in range(300)]
+
+
+class Stack:
+    """A store on a fixed port (so it can come back) and an engine pointed at it."""
+
+    def __init__(self, root: Path, engine_data: Path) -> None:
+        self.root = root
+        self.engine_data = engine_data
+        self.port = free_port()
+        self.store = start_store_on(root / "store", self.port)
+        self.engine = self.start_engine()
+
+    def start_engine(self, *extra: str) -> ServiceProcess:
+        return start_engine(
+            self.engine_data, "--store", f"127.0.0.1:{self.port}", *extra, log_dir=self.root
+        )
+
+    def restart_store(self) -> None:
+        self.store = start_store_on(self.root / "store", self.port)
+
+    def stop(self) -> None:
+        self.engine.stop()
+        self.store.stop()
+
+
+@pytest.fixture
+def stack(tmp_path: Path, engine_data_dir: Path, engine: ServiceProcess) -> Iterator[Stack]:
+    s = Stack(tmp_path, engine_data_dir)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _wait_for(predicate, timeout: float = 30.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_shared_prefix_is_reused_and_survives_an_engine_restart(stack: Stack) -> None:
+    with EngineClient(stack.engine.address) as engine:
+        cold = engine.generate(PROMPT, max_tokens=12, ignore_eos=True, namespace="cold")
+        assert cold.usage.cached_prompt_tokens == 0
+        first = engine.generate(PROMPT, max_tokens=12, ignore_eos=True)
+        assert first.token_ids == cold.token_ids
+        variant = PROMPT[:260] + [7, 8, 9, 10, 11]
+        baseline = engine.generate(variant, max_tokens=12, ignore_eos=True, namespace="cold2")
+        again = engine.generate(variant, max_tokens=12, ignore_eos=True)
+        assert again.usage.cached_prompt_tokens == 256  # the last block boundary it shares
+        assert again.token_ids == baseline.token_ids
+        stats = engine.stats().checkpoints
+        assert stats.prefix_hits_local >= 1
+    # A fresh engine has an empty memory: the prefix comes from the store.
+    stack.engine.stop()
+    stack.engine = stack.start_engine()
+    with EngineClient(stack.engine.address) as engine:
+        warm = engine.generate(PROMPT, max_tokens=12, ignore_eos=True)
+        assert warm.usage.cached_prompt_tokens == 256
+        assert warm.token_ids == cold.token_ids
+        stats = engine.stats().checkpoints
+        assert stats.prefix_hits_store == 1 and stats.restored_bytes > 0
+
+
+def _interrupted_then_resumed(stack: Stack, options: dict, kill_at: int) -> tuple[list, list]:
+    """Streams a checkpointed generation, SIGKILLs the engine once a checkpoint past kill_at
+    is in the store, resumes on a fresh engine; returns (received + resumed, uninterrupted)."""
+    request = dict(
+        max_tokens=64, ignore_eos=True, checkpoint_interval=8, request_id="job-1", **options
+    )
+    received: list[int] = []
+    store = StoreClient(f"127.0.0.1:{stack.port}")
+    engine = EngineClient(stack.engine.address)
+    stream = engine.stream_request(engine.request(PROMPT, **request))
+    for chunk in stream:
+        received.extend(chunk.token_ids)
+        if len(received) >= kill_at:
+            break
+    _wait_for(
+        lambda: any(
+            r.token_count >= len(PROMPT) + kill_at - 8 for r in store.list_all(kind="generation")
+        )
+    )
+    stack.engine.kill()
+    engine.close()
+    stack.engine = stack.start_engine()
+    with EngineClient(stack.engine.address) as engine:
+        resumed = engine.generate(
+            PROMPT, resume=True, tokens_held=len(received), **{k: v for k, v in request.items()}
+        )
+        assert resumed.usage.cached_prompt_tokens == len(PROMPT)
+        full = engine.generate(PROMPT, **{**request, "request_id": "reference"})
+    store.close()
+    return received + resumed.token_ids, full.token_ids
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"temperature": 0.9, "top_p": 0.95, "seed": 77}], ids=["greedy", "seeded"]
+)
+def test_resume_after_sigkill_equals_the_uninterrupted_run(stack: Stack, options: dict) -> None:
+    combined, full = _interrupted_then_resumed(stack, options, kill_at=21)
+    assert len(full) == 64
+    assert combined == full
+
+
+def test_store_down_does_not_stop_generation_and_flush_reports_durability(stack: Stack) -> None:
+    stack.store.kill()
+    with EngineClient(stack.engine.address) as engine:
+        got = engine.generate(
+            PROMPT, max_tokens=40, ignore_eos=True, checkpoint_interval=4, request_id="while-down"
+        )
+        assert len(got.token_ids) == 40 and got.finish_reason == "length"
+        _wait_for(lambda: engine.stats().checkpoints.failed > 0)
+        stats = engine.stats().checkpoints
+        assert not stats.store_up
+        assert not engine.flush().durable
+        stack.restart_store()
+
+        def checkpoints_flow_again() -> bool:
+            engine.generate(PROMPT[:90], max_tokens=8, ignore_eos=True, checkpoint_interval=4)
+            time.sleep(0.3)
+            return engine.stats().checkpoints.store_up
+
+        _wait_for(checkpoints_flow_again, timeout=60)
+        engine.flush()  # reports (and resets) what failed while the store came back
+        engine.generate(PROMPT[:90], max_tokens=12, ignore_eos=True, checkpoint_interval=4)
+        flushed = engine.flush()
+        assert flushed.durable and flushed.flushed > 0
+        assert (flushed.failed, flushed.missing) == (0, 0)
+
+
+def test_checkpoint_of_another_model_is_refused(stack: Stack) -> None:
+    request = dict(max_tokens=64, ignore_eos=True, checkpoint_interval=8, request_id="moved")
+    with EngineClient(stack.engine.address) as engine:
+        stream = engine.stream_request(engine.request(PROMPT, **request))
+        for i, _ in enumerate(stream):
+            if i >= 20:
+                break
+        stream.close()  # a disconnect keeps the checkpoint for a resume
+        store = StoreClient(f"127.0.0.1:{stack.port}")
+        _wait_for(lambda: bool(store.list_all(kind="generation")))
+        (record,) = store.list_all(kind="generation")
+        ckpt = store.get(record.key, record.namespace)
+        ckpt.model_id = "some-other-model@sha256:0000/float32"
+        store.put(ckpt)
+        with pytest.raises(Exception) as failure:
+            engine.generate(PROMPT, resume=True, **request)
+        assert failure.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "some-other-model" in str(failure.value)
+        with pytest.raises(Exception) as missing:
+            engine.generate(PROMPT, resume=True, **{**request, "request_id": "never-ran"})
+        assert missing.value.code == grpc.StatusCode.NOT_FOUND
+        store.close()
+
+
+def test_a_corrupted_prefix_checkpoint_falls_back_to_prefill(stack: Stack) -> None:
+    with EngineClient(stack.engine.address) as engine:
+        reference = engine.generate(PROMPT, max_tokens=10, ignore_eos=True)
+        assert engine.flush().durable
+    stack.engine.stop()
+    stack.store.terminate()
+    env = lmdb.open(str(stack.root / "store"), max_dbs=8)
+    with env.begin(write=True, db=env.open_db(b"chunks")) as txn:
+        key, value = next(iter(txn.cursor()))
+        flipped = bytearray(value)
+        flipped[10] ^= 0xFF
+        txn.put(key, bytes(flipped))
+    env.close()
+    stack.restart_store()
+    stack.engine = stack.start_engine()
+    with EngineClient(stack.engine.address) as engine:
+        got = engine.generate(PROMPT, max_tokens=10, ignore_eos=True)
+        assert got.token_ids == reference.token_ids
+        assert got.usage.cached_prompt_tokens == 0
+        assert engine.stats().checkpoints.restore_failures >= 1
