@@ -56,8 +56,12 @@ def _dtype_name(a: mx.array) -> str:
     return str(a.dtype).removeprefix("mlx.core.")
 
 
-def capture(caches: list[Any], tokens: int) -> CapturedCache:
-    """Snapshot caches on the MLX thread (copies, evaluated before returning)."""
+def capture(caches: list[Any], tokens: int, wait: bool = True) -> CapturedCache:
+    """Snapshot caches on the MLX thread.
+
+    wait=False schedules the copies (mx.async_eval) and returns at once: they are computed
+    alongside the next decode step instead of stalling it; call `settle` before reading.
+    """
     arrays: dict[str, mx.array] = {}
     dtypes: dict[str, str] = {}
 
@@ -87,8 +91,16 @@ def capture(caches: list[Any], tokens: int) -> CapturedCache:
                 "state": encode(_live_state(cache), f"l{i}"),
             }
         )
-    mx.eval(list(arrays.values()))
+    if wait:
+        mx.eval(list(arrays.values()))
+    else:
+        mx.async_eval(list(arrays.values()))
     return CapturedCache(arrays, dtypes, skeleton, [layout_codec(c) for c in caches], tokens)
+
+
+def settle(captured: CapturedCache) -> None:
+    """Waits for a capture's copies (MLX thread)."""
+    mx.eval(list(captured.arrays.values()))
 
 
 def _live_state(cache: Any) -> Any:

@@ -30,7 +30,14 @@ from typing import Any
 
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from engine_service.cache_codec import CapturedCache, capture, host_view, restore, to_host
+from engine_service.cache_codec import (
+    CapturedCache,
+    capture,
+    host_view,
+    restore,
+    settle,
+    to_host,
+)
 from engine_service.errors import NotFound, Precondition
 from engine_service.model import LoadedModel
 from engine_service.sampling import SamplingOptions
@@ -316,19 +323,24 @@ class CheckpointManager:
     ) -> bytes:
         return generation_key(self.scope(namespace), prompt, options_digest(options), request_id)
 
+    def capture_generation(self, row_caches: list[Any], tokens: int) -> CapturedCache:
+        """Starts a generation snapshot (MLX thread) without waiting for its copies."""
+        return capture(row_caches, tokens, wait=False)
+
     def save_generation(
         self,
         key: bytes,
         namespace: str,
-        row_caches: list[Any],
+        captured: CapturedCache,
         prompt: list[int],
         generated: list[int],
         pending: int,
         options: SamplingOptions,
         max_tokens: int,
     ) -> None:
-        """Captures a generation in flight (MLX thread) and queues it for the store."""
-        captured = capture(row_caches, len(prompt) + len(generated))
+        """Queues a generation snapshot for the store (MLX thread), once its pending token
+        is known."""
+        settle(captured)
         meta = {
             **captured.meta(),
             "prompt_tokens": str(len(prompt)),

@@ -83,6 +83,7 @@ class _Job:
     checkpoint_key: bytes = b""
     checkpointed: bool = False
     keep_checkpoint: bool = False  # a client that went away may come back and resume
+    snapshot: tuple[Any, list[int]] | None = None  # a generation capture awaiting its pending
     admitted_at: float = 0.0
 
 
@@ -343,12 +344,12 @@ class Scheduler:
             job.tokens.append(r.token)
             lp, top = extras.get(r.uid, (None, None))
             events: list[Event] = [Token(r.token, lp, top)]
+            if self.checkpoints is not None:
+                self._checkpoint(job, r.prompt_cache if r.finish_reason is not None else None)
             if r.finish_reason is not None:
                 stop = r.token if r.finish_reason == "stop" else None
                 events.append(Finished("stop" if stop is not None else "length", stop_token=stop))
                 self._forget(job)
-            elif self.checkpoints is not None:
-                self._checkpoint(job)
             self._emit(job, events)
         with self._lock:
             s = self._stats
@@ -378,44 +379,46 @@ class Scheduler:
             out[r.uid] = (float(lp[r.token].item()), top)
         return out
 
-    def _checkpoint(self, job: _Job) -> None:
-        """After a token: the prompt's prefix (first token), the generation every N tokens."""
+    def _checkpoint(self, job: _Job, finished_cache: list[Any] | None) -> None:
+        """After a token: the prompt's prefix (first token), the generation every N tokens.
+
+        A generation snapshot is taken when its N-th token is out, but only queued one step
+        later: the token sampled in between is the checkpoint's pending token (sampled, not
+        yet fed), known then without forcing the batch's look-ahead to finish early.
+        """
         ckpt = self.checkpoints
         assert ckpt is not None
         r = job.request
-        first = len(job.tokens) == 1 and not isinstance(job.plan, ResumePlan)
-        due = bool(job.checkpoint_key) and len(job.tokens) % r.checkpoint_interval == 0
-        if not first and not due:
-            return
-        if first:
+        if job.snapshot is not None:
+            captured, tokens = job.snapshot
+            job.snapshot = None
+            if finished_cache is None:  # a finishing job deletes its checkpoint anyway
+                ckpt.save_generation(
+                    job.checkpoint_key,
+                    r.namespace,
+                    captured,
+                    r.prompt,
+                    tokens,
+                    job.tokens[-1],
+                    r.sampling,
+                    r.max_tokens,
+                )
+                job.checkpointed = True
+        if len(job.tokens) == 1 and not isinstance(job.plan, ResumePlan):
             ckpt.add_prefill_time(time.monotonic() - job.admitted_at)
-            row = self._bg.extract_cache([job.uid]).get(job.uid)
+            row = finished_cache or self._row_cache(job)
             if row is not None:
-                ckpt.save_prefix(row[0], r.prompt, r.namespace)
-        if due:
-            row = self._bg.extract_cache([job.uid]).get(job.uid)
-            pending = self._pending_token(job.uid)
-            if row is None or pending is None:
-                return
-            ckpt.save_generation(
-                job.checkpoint_key,
-                r.namespace,
-                row[0],
-                r.prompt,
-                list(job.tokens),
-                pending,
-                r.sampling,
-                r.max_tokens,
-            )
-            job.checkpointed = True
+                ckpt.save_prefix(row, r.prompt, r.namespace)
+        due = bool(job.checkpoint_key) and len(job.tokens) % r.checkpoint_interval == 0
+        if due and finished_cache is None:
+            row = self._row_cache(job)
+            if row is not None:
+                held = len(r.prompt) + len(job.tokens)
+                job.snapshot = (ckpt.capture_generation(row, held), list(job.tokens))
 
-    def _pending_token(self, uid: int) -> int | None:
-        """The token sampled for a row but not yet fed: BatchGenerator samples one step ahead
-        and keeps it privately, and a generation checkpoint needs it to resume exactly."""
-        batch = self._bg._generation_batch
-        if uid not in batch.uids or batch._next_tokens is None:
-            return None
-        return int(batch._next_tokens[batch.uids.index(uid)].item())
+    def _row_cache(self, job: _Job) -> list[Any] | None:
+        found = self._bg.extract_cache([job.uid]).get(job.uid)
+        return found[0] if found is not None else None
 
     def _cancel(self, request_id: str, reason: str = "cancelled", error: str = "") -> None:
         job = self._by_id.get(request_id)

@@ -1,0 +1,319 @@
+"""Checkpoint figures, each beside its baseline, in one run.
+
+1. Time to first token for a long prompt whose prefix is in the store (engine with no local
+   cache, so every hit is a store hit) vs a cold prefill of the same prompt.
+2. Resume after an engine crash: a generation killed after --resume-tokens generated tokens,
+   the time from the resume call to its first new token vs regenerating those tokens.
+3. Restore bandwidth, broken down: LMDB read in-process, store Get (read + wire + client),
+   deserialization into MLX arrays, host-to-device (evaluation on the default device).
+4. Decode tokens/s with checkpoint_interval 16 vs off, at 1 and 8 streams.
+
+    python bench/checkpoint_bench.py [--model tandem-tiny|qwen3-0.6b-shape|PATH]
+                                     [--prompts 1024,4096] [--resume-tokens 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
+
+# isort: off
+import engine_service  # noqa: E402, F401  (the fast BLAS must load before mlx)
+
+import mlx.core as mx  # noqa: E402
+# isort: on
+
+import grpc  # noqa: E402
+import lmdb  # noqa: E402
+
+from bench.engine_bench import SHAPES  # noqa: E402
+from engine_service import blas  # noqa: E402
+from engine_service.cache_codec import capture, restore, to_host  # noqa: E402
+from engine_service.default_model import build_model_dir  # noqa: E402
+from engine_service.model import load_model  # noqa: E402
+from tandem_client import EngineClient, StoreClient  # noqa: E402
+from tandem_client.pb import engine_pb2, engine_pb2_grpc  # noqa: E402
+from tandem_client.store_client import Checkpoint, Tensor  # noqa: E402
+from tests.servers import free_port, start_engine, start_store_on  # noqa: E402
+
+
+def _prompt(n: int, vocab: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def _ttft(client: EngineClient, prompt: list[int], namespace: str) -> tuple[float, int]:
+    start = time.perf_counter()
+    for chunk in client.stream(prompt, max_tokens=1, ignore_eos=True, namespace=namespace):
+        if chunk.usage is not None:
+            return time.perf_counter() - start, chunk.usage.cached_prompt_tokens
+    raise RuntimeError("no usage")
+
+
+def bench_ttft(
+    address: str, store: StoreClient, lengths: list[int], vocab: int, repeat: int
+) -> list[dict]:
+    rows = []
+    with EngineClient(address, timeout=1800) as client:
+        for n in lengths:
+            colds, hits, cached = [], [], 0
+            for r in range(repeat):
+                base = _prompt(n, vocab, seed=n * 100 + r)
+                follow_up = base + _prompt(16, vocab, seed=r)  # a second turn on the prefix
+                _ttft(client, base, f"bench-{n}-{r}")  # saves the prefix to the store
+                client.flush()
+                hit, cached = _ttft(client, follow_up, f"bench-{n}-{r}")
+                cold, _ = _ttft(client, follow_up, f"cold-{n}-{r}")
+                hits.append(hit)
+                colds.append(cold)
+            rows.append(
+                {
+                    "prompt_tokens": n + 16,
+                    "cached_tokens": cached,
+                    "cold_ttft_s": statistics.median(colds),
+                    "store_hit_ttft_s": statistics.median(hits),
+                }
+            )
+            row = rows[-1]
+            print(
+                f"  {n + 16:>6} tokens: cold prefill {row['cold_ttft_s'] * 1e3:8.1f} ms   "
+                f"store hit ({cached} cached) {row['store_hit_ttft_s'] * 1e3:8.1f} ms   "
+                f"{row['cold_ttft_s'] / row['store_hit_ttft_s']:5.1f}x"
+            )
+    return rows
+
+
+def bench_resume(stack: dict, vocab: int, tokens: int) -> dict:
+    prompt = _prompt(64, vocab, seed=5)
+    request = dict(
+        max_tokens=tokens + 32,
+        ignore_eos=True,
+        checkpoint_interval=tokens // 4,
+        request_id="crash-me",
+    )
+    engine = stack["engine"]
+    with EngineClient(engine.address, timeout=1800) as client:
+        start = time.perf_counter()
+        received = 0
+        stream = client.stream_request(client.request(prompt, **request))
+        for chunk in stream:
+            received += len(chunk.token_ids)
+            if received >= tokens:
+                break
+        regenerate_s = time.perf_counter() - start  # prompt + `tokens` generated
+        client.flush()
+    engine.kill()
+    engine = stack["restart"]()
+    with EngineClient(engine.address, timeout=1800) as client:
+        client.model_info()
+        start = time.perf_counter()
+        first_new = None
+        for chunk in client.stream(prompt, resume=True, tokens_held=received, **request):
+            if chunk.token_ids:
+                first_new = time.perf_counter() - start
+                break
+    stack["engine"] = engine
+    print(
+        f"  resume after {received} tokens: {first_new * 1e3:.1f} ms to the first new token; "
+        f"regenerating them took {regenerate_s * 1e3:.0f} ms "
+        f"({regenerate_s / first_new:.0f}x)"
+    )
+    return {"tokens": received, "resume_first_token_s": first_new, "regenerate_s": regenerate_s}
+
+
+def bench_restore(
+    loaded,
+    store: StoreClient,
+    store_dir: Path,
+    tokens: int,  # noqa: ANN001
+    repeat: int,
+) -> dict:
+    ids = mx.array([_prompt(tokens, loaded.vocab_size, seed=9)])
+    caches = loaded.model.make_cache()
+    loaded.model(ids, cache=caches)
+    captured = capture(caches, tokens)
+    nbytes = captured.nbytes
+    record = Checkpoint(
+        key=b"restore-bench",
+        model_id="bench",
+        layout=captured.layout,
+        metadata=captured.meta(),
+        tensors=[Tensor(n, d, s, b) for n, d, s, b in to_host(captured)],
+    )
+    store.put(record)
+    store.flush()
+    times: dict[str, list[float]] = {
+        "lmdb_read": [],
+        "store_get": [],
+        "deserialize": [],
+        "to_device": [],
+    }
+    env = lmdb.open(str(store_dir), max_dbs=8, readonly=True, lock=False)
+    chunks = env.open_db(b"chunks", create=False)
+    for _ in range(repeat):
+        out = bytearray(nbytes)
+        start = time.perf_counter()
+        with env.begin(buffers=True, db=chunks) as txn:
+            pos = 0
+            for _, value in txn.cursor():
+                out[pos : pos + len(value)] = value
+                pos += len(value)
+        times["lmdb_read"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        got = store.get(b"restore-bench")
+        times["store_get"].append(time.perf_counter() - start)
+        tensors = {t.name: (t.dtype, tuple(t.shape), t.data) for t in got.tensors}
+        start = time.perf_counter()
+        with mx.stream(mx.cpu):
+            restored = restore(got.metadata, tensors, captured.layout)
+        times["deserialize"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        moved = [mx.array(a) for c in restored for a in c.state if isinstance(a, mx.array)]
+        mx.eval(moved)
+        times["to_device"].append(time.perf_counter() - start)
+    env.close()
+    result = {"bytes": nbytes, "tokens": tokens}
+    print(f"  restoring a {tokens}-token cache ({nbytes / 2**20:.1f} MiB):")
+    for name, values in times.items():
+        t = statistics.median(values)
+        result[f"{name}_s"] = t
+        print(f"    {name:<12} {t * 1e3:8.1f} ms  {nbytes / t / 1e9:6.2f} GB/s")
+    return result
+
+
+async def _decode(address: str, prompts: list[list[int]], tokens: int, interval: int) -> float:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+
+        async def one(i: int, prompt: list[int]) -> int:
+            request = engine_pb2.GenerateRequest(
+                token_ids=prompt,
+                max_tokens=tokens,
+                checkpoint_interval=interval,
+                request_id=f"decode-{interval}-{i}-{time.monotonic_ns()}",
+                sampling=engine_pb2.SamplingParams(ignore_eos=True),
+            )
+            count = 0
+            async for message in stub.Generate(request):
+                count += len(message.token_ids)
+            return count
+
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        return sum(counts) / (time.perf_counter() - start)
+
+
+def bench_decode(address: str, vocab: int, repeat: int) -> list[dict]:
+    rows = []
+    for streams in (1, 8):
+        prompts = [_prompt(64, vocab, seed=1000 + i) for i in range(streams)]
+        off = statistics.median(
+            asyncio.run(_decode(address, prompts, 256, 0)) for _ in range(repeat)
+        )
+        on = statistics.median(
+            asyncio.run(_decode(address, prompts, 256, 16)) for _ in range(repeat)
+        )
+        rows.append({"streams": streams, "off_tps": off, "interval16_tps": on})
+        print(
+            f"  {streams} stream(s): off {off:7.0f} tok/s   every 16 tokens {on:7.0f} tok/s   "
+            f"cost {100 * (1 - on / off):5.1f}%"
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="tandem-tiny")
+    parser.add_argument("--prompts", default="1024,4096")
+    parser.add_argument("--resume-tokens", type=int, default=1000)
+    parser.add_argument("--restore-tokens", type=int, default=4096)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--skip", default="", help="comma list of ttft,resume,restore,decode")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    skip = set(args.skip.split(",")) - {""}
+    out: dict[str, object] = {
+        "model": args.model,
+        "device": str(mx.default_device()),
+        "blas": blas.in_use(),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.node()} {os.cpu_count()} cores",
+    }
+    with tempfile.TemporaryDirectory(prefix="tandem-ckpt-bench-") as tmp:
+        root = Path(tmp)
+        spec = args.model
+        if spec in SHAPES:
+            dtype = "float32" if mx.default_device() == mx.cpu else "bfloat16"
+            build_model_dir(SHAPES[spec], root / spec, dtype=dtype)
+            spec = str(root / spec)
+        port = free_port()
+        store_proc = start_store_on(
+            root / "store", port, "--capacity-bytes", str(64 << 30), "--sync-mode", "none"
+        )
+        store = StoreClient(f"127.0.0.1:{port}", timeout=1800)
+
+        def engine_proc():  # noqa: ANN202
+            return start_engine(
+                root,
+                "--model",
+                spec,
+                "--store",
+                f"127.0.0.1:{port}",
+                "--prefix-cache-bytes",
+                "0",
+                "--max-running",
+                "8",
+                log_dir=root,
+            )
+
+        stack = {"engine": engine_proc(), "restart": engine_proc}
+        print(
+            f"model {args.model} on {out['device']} (BLAS {out['blas']}), medians of {args.repeat}"
+        )
+        try:
+            with EngineClient(stack["engine"].address) as c:
+                vocab = c.model_info().vocab_size
+            if "ttft" not in skip:
+                print("time to first token, store hit vs cold prefill:")
+                out["ttft"] = bench_ttft(
+                    stack["engine"].address,
+                    store,
+                    [int(x) for x in args.prompts.split(",")],
+                    vocab,
+                    args.repeat,
+                )
+            if "resume" not in skip:
+                print("resume after an engine crash vs regenerating:")
+                out["resume"] = bench_resume(stack, vocab, args.resume_tokens)
+            if "decode" not in skip:
+                print("decode with generation checkpoints every 16 tokens vs off:")
+                out["decode"] = bench_decode(stack["engine"].address, vocab, args.repeat)
+            if "restore" not in skip:
+                stack["engine"].stop()
+                loaded = load_model(spec, root)
+                print("restore bandwidth:")
+                out["restore"] = bench_restore(
+                    loaded, store, root / "store", args.restore_tokens, args.repeat
+                )
+        finally:
+            stack["engine"].stop()
+            store.close()
+            store_proc.stop()
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
