@@ -37,6 +37,7 @@ import mlx.core as mx  # noqa: E402
 
 import grpc  # noqa: E402
 import lmdb  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from bench.engine_bench import SHAPES  # noqa: E402
 from engine_service import blas  # noqa: E402
@@ -98,7 +99,7 @@ def bench_ttft(
 def bench_resume(stack: dict, vocab: int, tokens: int) -> dict:
     prompt = _prompt(64, vocab, seed=5)
     request = dict(
-        max_tokens=tokens + 32,
+        max_tokens=tokens * 4,  # still running when it is killed
         ignore_eos=True,
         checkpoint_interval=tokens // 4,
         request_id="crash-me",
@@ -117,7 +118,9 @@ def bench_resume(stack: dict, vocab: int, tokens: int) -> dict:
     engine.kill()
     engine = stack["restart"]()
     with EngineClient(engine.address, timeout=1800) as client:
-        client.model_info()
+        # Warm the fresh engine's kernels (first use compiles on a GPU), as a replacement
+        # engine that already serves traffic would be.
+        client.generate(prompt, max_tokens=4, ignore_eos=True, namespace="warm-up")
         start = time.perf_counter()
         first_new = None
         for chunk in client.stream(prompt, resume=True, tokens_held=received, **request):
@@ -133,6 +136,56 @@ def bench_resume(stack: dict, vocab: int, tokens: int) -> dict:
     return {"tokens": received, "resume_first_token_s": first_new, "regenerate_s": regenerate_s}
 
 
+def bench_batched_resume(stack: dict, vocab: int, streams: int, tokens: int) -> dict:
+    """Kills the engine under `streams` concurrent checkpointed generations, resumes them all
+    at once, and counts how many equal their uninterrupted run (run concurrently too)."""
+    prompts = [_prompt(64 + 7 * i, vocab, seed=300 + i) for i in range(streams)]
+
+    def request(i: int, rid: str) -> engine_pb2.GenerateRequest:
+        return engine_pb2.GenerateRequest(
+            token_ids=prompts[i],
+            max_tokens=tokens,
+            checkpoint_interval=8,
+            request_id=rid,
+            sampling=engine_pb2.SamplingParams(ignore_eos=True, temperature=0.8, seed=i),
+        )
+
+    async def run(address: str, reqs: list, stop_after: int = 0) -> list[list[int]]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+
+            async def one(req: engine_pb2.GenerateRequest) -> list[int]:
+                got: list[int] = []
+                call = stub.Generate(req)
+                async for message in call:
+                    got.extend(message.token_ids)
+                    if stop_after and len(got) >= stop_after:
+                        call.cancel()
+                        break
+                return got
+
+            return list(await asyncio.gather(*(one(r) for r in reqs)))
+
+    address = stack["engine"].address
+    full = asyncio.run(run(address, [request(i, f"ref-{i}") for i in range(streams)]))
+    partial = asyncio.run(
+        run(address, [request(i, f"cut-{i}") for i in range(streams)], stop_after=tokens // 2)
+    )
+    with EngineClient(address) as client:
+        client.flush()
+    stack["engine"].kill()
+    stack["engine"] = stack["restart"]()
+    resumes = []
+    for i in range(streams):
+        req = request(i, f"cut-{i}")
+        req.resume, req.tokens_held = True, len(partial[i])
+        resumes.append(req)
+    rest = asyncio.run(run(stack["engine"].address, resumes))
+    equal = sum(p + r == f for p, r, f in zip(partial, rest, full, strict=True))
+    print(f"  {equal}/{streams} concurrently resumed streams equal their uninterrupted run")
+    return {"streams": streams, "equal": equal}
+
+
 def bench_restore(
     loaded,
     store: StoreClient,
@@ -141,10 +194,12 @@ def bench_restore(
     repeat: int,
 ) -> dict:
     ids = mx.array([_prompt(tokens, loaded.vocab_size, seed=9)])
-    caches = loaded.model.make_cache()
+    caches = make_prompt_cache(loaded.model)
     loaded.model(ids, cache=caches)
     captured = capture(caches, tokens)
     nbytes = captured.nbytes
+    store.purge(include_pinned=True)  # so the raw LMDB read below sees only this record
+    store.compact()
     record = Checkpoint(
         key=b"restore-bench",
         model_id="bench",
@@ -275,6 +330,8 @@ def main() -> None:
                 "0",
                 "--max-running",
                 "8",
+                "--spill-queue-bytes",
+                str(16 << 30),
                 log_dir=root,
             )
 
@@ -294,9 +351,19 @@ def main() -> None:
                     vocab,
                     args.repeat,
                 )
+                with EngineClient(stack["engine"].address) as c:
+                    print(
+                        "  engine checkpoint stats:", str(c.stats().checkpoints).replace("\n", "; ")
+                    )
+                if any(row["cached_tokens"] == 0 for row in out["ttft"]):
+                    lines = (root / "engine.log").read_text().splitlines()
+                    print("\n".join(x for x in lines if "WARN" in x or "ERROR" in x)[-3000:])
             if "resume" not in skip:
                 print("resume after an engine crash vs regenerating:")
                 out["resume"] = bench_resume(stack, vocab, args.resume_tokens)
+            if "batched" not in skip:
+                print("resume under continuous batching (8 streams, seeded):")
+                out["batched_resume"] = bench_batched_resume(stack, vocab, 8, 64)
             if "decode" not in skip:
                 print("decode with generation checkpoints every 16 tokens vs off:")
                 out["decode"] = bench_decode(stack["engine"].address, vocab, args.repeat)
