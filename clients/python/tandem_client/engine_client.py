@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
 
+from tandem_client.channel import GrpcClient
 from tandem_client.errors import from_rpc_error
 from tandem_client.pb import engine_pb2, engine_pb2_grpc
 
@@ -134,7 +135,7 @@ def sampling_pb(
     return params
 
 
-class EngineClient:
+class EngineClient(GrpcClient):
     """Synchronous client of `tandem.v1.Engine`."""
 
     def __init__(
@@ -144,29 +145,8 @@ class EngineClient:
         timeout: float | None = 300.0,
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
-        self.address = address
-        self.timeout = timeout
-        self._channel = (
-            grpc.secure_channel(address, credentials)
-            if credentials
-            else grpc.insecure_channel(address)
-        )
+        super().__init__(address, timeout, credentials)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> EngineClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _call(self, fn: Callable[[], T]) -> T:
-        try:
-            return fn()
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
 
     def request(
         self,

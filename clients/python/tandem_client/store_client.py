@@ -5,13 +5,14 @@ from __future__ import annotations
 import builtins
 import mmap
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import grpc
 
-from tandem_client.errors import DataLoss, from_rpc_error
+from tandem_client.channel import GrpcClient
+from tandem_client.errors import DataLoss
 from tandem_client.pb import store_pb2, store_pb2_grpc, tensors_pb2
 from tandem_client.wire import decode_chunk, encode_chunk
 
@@ -239,7 +240,7 @@ def payload_chunks(tensors: Sequence[Tensor], chunk_bytes: int) -> Iterator[tupl
         yield offset, bytes(pending)
 
 
-class StoreClient:
+class StoreClient(GrpcClient):
     """Synchronous client of `tandem.v1.Store` and `tandem.v1.StoreAdmin`."""
 
     def __init__(
@@ -253,13 +254,7 @@ class StoreClient:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
-        self.address = address
-        self.timeout = timeout
-        self._channel = (
-            grpc.secure_channel(address, credentials, options)
-            if credentials
-            else grpc.insecure_channel(address, options)
-        )
+        super().__init__(address, timeout, credentials, options)
         self._store = store_pb2_grpc.StoreStub(self._channel)
         # Bulk paths with hand-encoded chunks (see wire.py).
         self._put = self._channel.stream_unary(
@@ -273,21 +268,6 @@ class StoreClient:
             response_deserializer=_raw,
         )
         self._admin = store_pb2_grpc.StoreAdminStub(self._channel)
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> StoreClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _call(self, fn: Callable[[], T]) -> T:
-        try:
-            return fn()
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
 
     # -- data plane --------------------------------------------------------------------------
 
