@@ -7,7 +7,6 @@ tandem generate "prompt"       stream a generation from a running engine
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -128,46 +127,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"stopped (engine exit {codes[0]}, store exit {codes[1]})")
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    with EngineClient(args.engine) as client:
-        options = dict(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
-            stop=args.stop or (),
-        )
-        if args.top_p is not None:
-            options["top_p"] = args.top_p
-        chunks = []
-        for chunk in client.stream(args.prompt, **options):
-            chunks.append(chunk)
-            if not args.json:
-                print(chunk.text, end="", flush=True)
-        last = chunks[-1]
-        if args.json:
-            u = last.usage
-            print(
-                json.dumps(
-                    {
-                        "text": "".join(c.text for c in chunks),
-                        "token_ids": [t for c in chunks for t in c.token_ids],
-                        "finish_reason": last.finish_reason,
-                        "usage": u.__dict__ if u else None,
-                    }
-                )
-            )
-        else:
-            print()
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tandem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    up = sub.add_parser("up", help="start a store and an engine together, serve until Ctrl-C")
+    up.add_argument(
+        "--model",
+        default=os.environ.get("TANDEM_ENGINE_MODEL", ""),
+        help="model directory or hub id (default: the embedded tandem-tiny)",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="start a store and an engine together")
-    up.add_argument("--model", default=os.environ.get("TANDEM_ENGINE_MODEL", ""))
     up.add_argument("--data-dir", default=os.environ.get("TANDEM_DATA_DIR", ".tandem"))
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--store-port", type=int, default=50061)
@@ -175,27 +141,3 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--demo-tokens", type=int, default=48)
     up.add_argument("--exit-after-demo", action="store_true")
     up.set_defaults(func=cmd_up)
-    gen = sub.add_parser("generate", help="stream a generation")
-    gen.add_argument("prompt")
-    gen.add_argument("--engine", default=os.environ.get("TANDEM_ENGINE", "127.0.0.1:50051"))
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--stop", action="append")
-    gen.add_argument("--json", action="store_true")
-    gen.set_defaults(func=cmd_generate)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    try:
-        sys.exit(args.func(args))
-    except TandemError as exc:
-        print(f"tandem: {exc}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,3 @@
+from tandem_client.cli import main
+
+main()

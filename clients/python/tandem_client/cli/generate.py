@@ -1,0 +1,119 @@
+"""`tandem generate` and `tandem chat`: streaming text from an engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tandem_client.cli.output import console, engine_address, print_json
+from tandem_client.engine_client import EngineClient, GenerationChunk
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", help="engine address (env TANDEM_ENGINE)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--namespace", default="")
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+        namespace=args.namespace,
+    )
+    if args.top_p is not None:
+        options["top_p"] = args.top_p
+    return options
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    gen = sub.add_parser("generate", help="stream a generation")
+    gen.add_argument("prompt")
+    _sampling_args(gen)
+    gen.add_argument("--request-id", default="")
+    gen.add_argument("--logprobs", type=int)
+    gen.add_argument("--json", action="store_true", help="one JSON object when done")
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive multi-turn chat (empty line or EOF ends)")
+    _sampling_args(chat)
+    chat.add_argument("--system", default="", help="system message")
+    chat.set_defaults(func=cmd_chat)
+
+
+def _usage_line(last: GenerationChunk) -> str:
+    u = last.usage
+    if u is None:
+        return f"[{last.finish_reason}]"
+    return (
+        f"[{last.finish_reason}: {u.generated_tokens} tokens, {u.cached_prompt_tokens} "
+        f"prompt tokens cached, ttft {u.ttft_seconds * 1e3:.0f} ms, "
+        f"{u.decode_tokens_per_second:.0f} tok/s]"
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    options = _options(args)
+    if args.logprobs is not None:
+        options["logprobs"] = args.logprobs
+    with EngineClient(engine_address(args.engine)) as client:
+        chunks = []
+        for chunk in client.stream(args.prompt, request_id=args.request_id, **options):
+            chunks.append(chunk)
+            if not args.json:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    last = chunks[-1]
+    if args.json:
+        print_json(
+            {
+                "text": "".join(c.text for c in chunks),
+                "token_ids": [t for c in chunks for t in c.token_ids],
+                "finish_reason": last.finish_reason,
+                "request_id": last.request_id,
+                "usage": last.usage.__dict__ if last.usage else None,
+                "logprobs": [lp.__dict__ for c in chunks for lp in c.logprobs] or None,
+            }
+        )
+    else:
+        sys.stdout.write("\n")
+        console.print(_usage_line(last), style="dim", markup=False)
+    return 0 if last.finish_reason != "error" else 1
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Each turn sends the whole conversation; the engine reuses its cached prefix (memory,
+    then the store), so a long conversation is not recomputed turn after turn."""
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    with EngineClient(engine_address(args.engine)) as client:
+        while True:
+            if interactive:
+                console.print("[bold]you>[/bold] ", end="")
+            line = sys.stdin.readline()
+            if not line or not line.strip():
+                return 0
+            messages.append({"role": "user", "content": line.rstrip("\n")})
+            console.print("[bold]assistant>[/bold] ", end="")
+            reply, last = [], None
+            for chunk in client.stream(messages, **_options(args)):
+                reply.append(chunk.text)
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                last = chunk
+            sys.stdout.write("\n")
+            if last is not None:
+                console.print(_usage_line(last), style="dim", markup=False)
+            messages.append({"role": "assistant", "content": "".join(reply)})

@@ -1,0 +1,156 @@
+"""Every `tandem` command against real services, in subprocesses: output, --json, exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.servers import ROOT, ServiceProcess, start_engine, start_store
+
+LONG_SYSTEM = "You are a careful assistant. " * 20  # makes the prompt long enough to cache
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory: pytest.TempPathFactory, engine_data_dir: Path,
+             engine: ServiceProcess) -> Iterator[dict[str, str]]:
+    root = tmp_path_factory.mktemp("cli")
+    store = start_store(root / "store")
+    eng = start_engine(engine_data_dir, "--store", store.address, log_dir=root)
+    try:
+        yield {"TANDEM_STORE": store.address, "TANDEM_ENGINE": eng.address}
+    finally:
+        eng.stop()
+        store.stop()
+
+
+def tandem(env: dict[str, str], *args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tandem_client.cli", *args], input=stdin, capture_output=True,
+        text=True, timeout=120, cwd=ROOT, env={**os.environ, **env, "COLUMNS": "200"},
+    )
+
+
+def _one_error_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tandem: error:"), result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_generate_text_and_json(services: dict[str, str]) -> None:
+    text = tandem(services, "generate", "Hello world", "--max-tokens", "8")
+    assert text.returncode == 0, text.stderr
+    assert "[length: 8 tokens" in text.stdout
+    as_json = tandem(services, "generate", "Hello world", "--max-tokens", "8", "--json",
+                     "--temperature", "0.7", "--seed", "3")
+    assert as_json.returncode == 0, as_json.stderr
+    doc = json.loads(as_json.stdout)
+    assert doc["finish_reason"] == "length" and len(doc["token_ids"]) == 8
+    assert doc["usage"]["generated_tokens"] == 8 and isinstance(doc["text"], str)
+
+
+def test_bad_input_unreachable_and_bad_flags(services: dict[str, str]) -> None:
+    bad = tandem(services, "generate", "hi", "--temperature", "-1")
+    assert bad.returncode == 2
+    assert "temperature" in _one_error_line(bad)
+    down = tandem({**services, "TANDEM_ENGINE": "127.0.0.1:1"}, "generate", "hi")
+    assert down.returncode == 4
+    assert "UNAVAILABLE" in _one_error_line(down)
+    store_down = tandem(services, "ckpt", "ls", "--store", "127.0.0.1:1")
+    assert store_down.returncode == 4
+    _one_error_line(store_down)
+    flag = tandem(services, "generate", "hi", "--bogus")
+    assert flag.returncode == 2 and "unrecognized arguments" in flag.stderr
+
+
+def test_chat_streams_turns_and_reuses_the_conversation_prefix(
+        services: dict[str, str]) -> None:
+    result = tandem(services, "chat", "--system", LONG_SYSTEM, "--max-tokens", "6",
+                    stdin="Hello there\nAnd again\n")
+    assert result.returncode == 0, result.stderr
+    usage = [line for line in result.stdout.splitlines() if line.startswith("[length")]
+    assert len(usage) == 2 and result.stdout.count("assistant>") == 2
+    cached = [int(line.split(", ")[1].split()[0]) for line in usage]
+    assert cached[0] == 0 and cached[1] >= 64  # the second turn reuses the first's prefix
+
+
+def _ls(services: dict[str, str], *filters: str) -> list[dict]:
+    result = tandem(services, "ckpt", "ls", "--json", *filters)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_ckpt_commands(services: dict[str, str], tmp_path: Path) -> None:
+    prompt = " ".join(f"word{i}" for i in range(120))
+    assert tandem(services, "generate", prompt, "--max-tokens", "2",
+                  "--namespace", "cli").returncode == 0
+    assert tandem(services, "ckpt", "flush").returncode == 0  # the store's own barrier
+    _wait_for_record(services)
+    records = _ls(services, "--namespace", "cli")
+    assert len(records) == 1 and records[0]["kind"] == "prefix"
+    key = records[0]["key"]
+
+    table = tandem(services, "ckpt", "ls", "--namespace", "cli")
+    assert table.returncode == 0 and key[:16] in table.stdout and "prefix" in table.stdout
+    show = tandem(services, "ckpt", "show", key, "--namespace", "cli")
+    assert show.returncode == 0 and "tensors" in show.stdout and "kv:plain" in show.stdout
+    shown = json.loads(tandem(services, "ckpt", "show", key, "--namespace", "cli",
+                              "--json").stdout)
+    assert shown["summary"]["key"] == key and len(shown["tensors"]) == 8
+
+    export = tmp_path / "prefix.tckpt"
+    result = tandem(services, "ckpt", "export", key, str(export), "--namespace", "cli")
+    assert result.returncode == 0, result.stderr
+    assert export.stat().st_size > records[0]["payload_bytes"]
+    assert tandem(services, "ckpt", "rm", key, "--namespace", "cli").returncode == 0
+    assert _ls(services, "--namespace", "cli") == []
+    imported = tandem(services, "ckpt", "import", str(export), "--namespace", "copied",
+                      "--json")
+    assert imported.returncode == 0, imported.stderr
+    assert json.loads(imported.stdout)["key"] == key
+    copy = json.loads(tandem(services, "ckpt", "show", key, "--namespace", "copied",
+                             "--json").stdout)
+    assert copy["tensors"] == shown["tensors"] and copy["metadata"] == shown["metadata"]
+
+    stats = json.loads(tandem(services, "ckpt", "stats", "--json").stdout)
+    assert stats["records"] >= 1 and stats["sync_mode"] == "commit"
+    assert "payload_bytes" in tandem(services, "ckpt", "stats").stdout
+    dry = json.loads(tandem(services, "ckpt", "purge", "--namespace", "copied", "--dry-run",
+                            "--json").stdout)
+    assert dry["records"] == 1 and dry["dry_run"]
+    assert len(_ls(services, "--namespace", "copied")) == 1
+    purged = json.loads(tandem(services, "ckpt", "purge", "--namespace", "copied",
+                               "--json").stdout)
+    assert purged["records"] == 1 and _ls(services, "--namespace", "copied") == []
+    compact = json.loads(tandem(services, "ckpt", "compact", "--json").stdout)
+    assert compact["file_bytes_after"] <= compact["file_bytes_before"]
+    assert json.loads(tandem(services, "ckpt", "flush", "--json").stdout) == {"durable": True}
+
+
+def test_ckpt_errors(services: dict[str, str], tmp_path: Path) -> None:
+    missing = tandem(services, "ckpt", "rm", "00ff00ff")
+    assert missing.returncode == 3
+    assert "NOT_FOUND" in _one_error_line(missing)
+    bad_key = tandem(services, "ckpt", "show", "not-hex")
+    assert bad_key.returncode == 2
+    assert "hex" in _one_error_line(bad_key)
+    junk = tmp_path / "junk.tckpt"
+    junk.write_bytes(b"not a checkpoint")
+    bad_file = tandem(services, "ckpt", "import", str(junk))
+    assert bad_file.returncode == 2
+    _one_error_line(bad_file)
+
+
+def _wait_for_record(services: dict[str, str]) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while not _ls(services, "--namespace", "cli"):
+        assert time.monotonic() < deadline, "the prefix never reached the store"
+        time.sleep(0.2)
