@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed-stamp
 PROTOS := $(wildcard protos/tandem/v1/*.proto)
 PB_STAMP := clients/python/tandem_client/pb/store_pb2.py
 
+NODE_STAMP := clients/node/node_modules/.package-lock.json
+
 .PHONY: run test bench protos lint check clean
 
 $(STAMP): pyproject.toml setup.py
@@ -25,7 +27,12 @@ protos: $(STAMP)
 run: $(PB_STAMP)
 	$(PY) -m tandem_client.cli up --data-dir .tandem
 
-test: $(PB_STAMP)
+# The Node.js client's packages, from its committed lockfile.
+$(NODE_STAMP): clients/node/package.json clients/node/package-lock.json
+	cd clients/node && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+test: $(PB_STAMP) $(NODE_STAMP)
 	$(PY) -m pytest -q
 
 bench: $(PB_STAMP)
@@ -41,4 +48,5 @@ check: lint
 	$(MAKE) test
 
 clean:
-	rm -rf $(VENV) clients/python/tandem_client/pb/*_pb2* .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) clients/python/tandem_client/pb/*_pb2* .pytest_cache .mypy_cache .ruff_cache \
+		clients/node/node_modules
