@@ -17,8 +17,9 @@ LONG_SYSTEM = "You are a careful assistant. " * 20  # makes the prompt long enou
 
 
 @pytest.fixture(scope="module")
-def services(tmp_path_factory: pytest.TempPathFactory, engine_data_dir: Path,
-             engine: ServiceProcess) -> Iterator[dict[str, str]]:
+def services(
+    tmp_path_factory: pytest.TempPathFactory, engine_data_dir: Path, engine: ServiceProcess
+) -> Iterator[dict[str, str]]:
     root = tmp_path_factory.mktemp("cli")
     store = start_store(root / "store")
     eng = start_engine(engine_data_dir, "--store", store.address, log_dir=root)
@@ -31,8 +32,13 @@ def services(tmp_path_factory: pytest.TempPathFactory, engine_data_dir: Path,
 
 def tandem(env: dict[str, str], *args: str, stdin: str = "") -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "tandem_client.cli", *args], input=stdin, capture_output=True,
-        text=True, timeout=120, cwd=ROOT, env={**os.environ, **env, "COLUMNS": "200"},
+        [sys.executable, "-m", "tandem_client.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, **env, "COLUMNS": "200"},
     )
 
 
@@ -47,8 +53,18 @@ def test_generate_text_and_json(services: dict[str, str]) -> None:
     text = tandem(services, "generate", "Hello world", "--max-tokens", "8")
     assert text.returncode == 0, text.stderr
     assert "[length: 8 tokens" in text.stdout
-    as_json = tandem(services, "generate", "Hello world", "--max-tokens", "8", "--json",
-                     "--temperature", "0.7", "--seed", "3")
+    as_json = tandem(
+        services,
+        "generate",
+        "Hello world",
+        "--max-tokens",
+        "8",
+        "--json",
+        "--temperature",
+        "0.7",
+        "--seed",
+        "3",
+    )
     assert as_json.returncode == 0, as_json.stderr
     doc = json.loads(as_json.stdout)
     assert doc["finish_reason"] == "length" and len(doc["token_ids"]) == 8
@@ -69,10 +85,16 @@ def test_bad_input_unreachable_and_bad_flags(services: dict[str, str]) -> None:
     assert flag.returncode == 2 and "unrecognized arguments" in flag.stderr
 
 
-def test_chat_streams_turns_and_reuses_the_conversation_prefix(
-        services: dict[str, str]) -> None:
-    result = tandem(services, "chat", "--system", LONG_SYSTEM, "--max-tokens", "6",
-                    stdin="Hello there\nAnd again\n")
+def test_chat_streams_turns_and_reuses_the_conversation_prefix(services: dict[str, str]) -> None:
+    result = tandem(
+        services,
+        "chat",
+        "--system",
+        LONG_SYSTEM,
+        "--max-tokens",
+        "6",
+        stdin="Hello there\nAnd again\n",
+    )
     assert result.returncode == 0, result.stderr
     usage = [line for line in result.stdout.splitlines() if line.startswith("[length")]
     assert len(usage) == 2 and result.stdout.count("assistant>") == 2
@@ -88,8 +110,10 @@ def _ls(services: dict[str, str], *filters: str) -> list[dict]:
 
 def test_ckpt_commands(services: dict[str, str], tmp_path: Path) -> None:
     prompt = " ".join(f"word{i}" for i in range(120))
-    assert tandem(services, "generate", prompt, "--max-tokens", "2",
-                  "--namespace", "cli").returncode == 0
+    assert (
+        tandem(services, "generate", prompt, "--max-tokens", "2", "--namespace", "cli").returncode
+        == 0
+    )
     assert tandem(services, "ckpt", "flush").returncode == 0  # the store's own barrier
     _wait_for_record(services)
     records = _ls(services, "--namespace", "cli")
@@ -100,8 +124,7 @@ def test_ckpt_commands(services: dict[str, str], tmp_path: Path) -> None:
     assert table.returncode == 0 and key[:16] in table.stdout and "prefix" in table.stdout
     show = tandem(services, "ckpt", "show", key, "--namespace", "cli")
     assert show.returncode == 0 and "tensors" in show.stdout and "kv:plain" in show.stdout
-    shown = json.loads(tandem(services, "ckpt", "show", key, "--namespace", "cli",
-                              "--json").stdout)
+    shown = json.loads(tandem(services, "ckpt", "show", key, "--namespace", "cli", "--json").stdout)
     assert shown["summary"]["key"] == key and len(shown["tensors"]) == 8
 
     export = tmp_path / "prefix.tckpt"
@@ -110,23 +133,23 @@ def test_ckpt_commands(services: dict[str, str], tmp_path: Path) -> None:
     assert export.stat().st_size > records[0]["payload_bytes"]
     assert tandem(services, "ckpt", "rm", key, "--namespace", "cli").returncode == 0
     assert _ls(services, "--namespace", "cli") == []
-    imported = tandem(services, "ckpt", "import", str(export), "--namespace", "copied",
-                      "--json")
+    imported = tandem(services, "ckpt", "import", str(export), "--namespace", "copied", "--json")
     assert imported.returncode == 0, imported.stderr
     assert json.loads(imported.stdout)["key"] == key
-    copy = json.loads(tandem(services, "ckpt", "show", key, "--namespace", "copied",
-                             "--json").stdout)
+    copy = json.loads(
+        tandem(services, "ckpt", "show", key, "--namespace", "copied", "--json").stdout
+    )
     assert copy["tensors"] == shown["tensors"] and copy["metadata"] == shown["metadata"]
 
     stats = json.loads(tandem(services, "ckpt", "stats", "--json").stdout)
     assert stats["records"] >= 1 and stats["sync_mode"] == "commit"
     assert "payload_bytes" in tandem(services, "ckpt", "stats").stdout
-    dry = json.loads(tandem(services, "ckpt", "purge", "--namespace", "copied", "--dry-run",
-                            "--json").stdout)
+    dry = json.loads(
+        tandem(services, "ckpt", "purge", "--namespace", "copied", "--dry-run", "--json").stdout
+    )
     assert dry["records"] == 1 and dry["dry_run"]
     assert len(_ls(services, "--namespace", "copied")) == 1
-    purged = json.loads(tandem(services, "ckpt", "purge", "--namespace", "copied",
-                               "--json").stdout)
+    purged = json.loads(tandem(services, "ckpt", "purge", "--namespace", "copied", "--json").stdout)
     assert purged["records"] == 1 and _ls(services, "--namespace", "copied") == []
     compact = json.loads(tandem(services, "ckpt", "compact", "--json").stdout)
     assert compact["file_bytes_after"] <= compact["file_bytes_before"]

@@ -16,8 +16,9 @@ NODE_DIR = ROOT / "clients" / "node"
 
 
 @pytest.fixture(scope="module")
-def services(tmp_path_factory: pytest.TempPathFactory, engine_data_dir: Path,
-             engine: ServiceProcess) -> Iterator[dict[str, str]]:
+def services(
+    tmp_path_factory: pytest.TempPathFactory, engine_data_dir: Path, engine: ServiceProcess
+) -> Iterator[dict[str, str]]:
     root = tmp_path_factory.mktemp("node")
     store = start_store(root / "store")
     eng = start_engine(engine_data_dir, "--store", store.address, log_dir=root)
@@ -32,16 +33,27 @@ def test_node_client_suite_passes(services: dict[str, str]) -> None:
     node = shutil.which("node")
     assert node, "Node.js is required (make test installs the client's packages with npm ci)"
     assert (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists(), "run `make test`"
-    result = subprocess.run([node, "--test", "test/"], cwd=NODE_DIR, capture_output=True,
-                            text=True, timeout=180, env={**os.environ, **services})
+    result = subprocess.run(
+        [node, "--test", "test/"],
+        cwd=NODE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **services},
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "# pass 4" in result.stdout and "# fail 0" in result.stdout
 
 
 def test_node_demo_streams_and_lists(services: dict[str, str]) -> None:
-    result = subprocess.run([shutil.which("node") or "node", "demo.js", "Hi"], cwd=NODE_DIR,
-                            capture_output=True, text=True, timeout=120,
-                            env={**os.environ, **services})
+    result = subprocess.run(
+        [shutil.which("node") or "node", "demo.js", "Hi"],
+        cwd=NODE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **services},
+    )
     assert result.returncode == 0, result.stderr
     assert "[FINISH_REASON_LENGTH: 24 tokens]" in result.stdout
     assert result.stdout.rstrip().endswith("checkpoints")

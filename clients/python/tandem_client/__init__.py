@@ -1,5 +1,6 @@
 """Python client for Tandem: the store and engine clients, prompt identity, the `tandem` CLI."""
 
+from tandem_client.aio import AsyncEngineClient, AsyncStoreClient
 from tandem_client.engine_client import EngineClient, Generation, GenerationChunk
 from tandem_client.errors import (
     AlreadyExists,
@@ -22,6 +23,8 @@ from tandem_client.store_client import (
 
 __all__ = [
     "AlreadyExists",
+    "AsyncEngineClient",
+    "AsyncStoreClient",
     "Checkpoint",
     "DataLoss",
     "EngineClient",

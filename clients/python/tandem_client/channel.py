@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -11,6 +12,34 @@ from tandem_client.errors import from_rpc_error
 
 T = TypeVar("T")
 C = TypeVar("C", bound="GrpcClient")
+A = TypeVar("A", bound="AsyncGrpcClient")
+
+# Calls that change nothing (or the same thing again) are retried by gRPC itself when the
+# server is UNAVAILABLE (restarting, not yet listening), with exponential backoff.
+_IDEMPOTENT = {
+    "tandem.v1.Store": ["Get", "Lookup"],
+    "tandem.v1.StoreAdmin": ["List", "Inspect", "Stats", "Flush"],
+    "tandem.v1.Engine": ["Tokenize", "Detokenize", "ModelInfo", "Stats", "Flush"],
+}
+RETRY_POLICY = {
+    "maxAttempts": 5,
+    "initialBackoff": "0.1s",
+    "maxBackoff": "2s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {"name": [{"service": svc, "method": m} for m in methods], "retryPolicy": RETRY_POLICY}
+            for svc, methods in _IDEMPOTENT.items()
+        ]
+    }
+)
+
+
+def channel_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
+    return [("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG), *extra]
 
 
 class GrpcClient:
@@ -23,10 +52,11 @@ class GrpcClient:
     ) -> None:
         self.address = address
         self.timeout = timeout
+        opts = channel_options(options)
         self._channel = (
-            grpc.secure_channel(address, credentials, list(options))
+            grpc.secure_channel(address, credentials, opts)
             if credentials
-            else grpc.insecure_channel(address, list(options))
+            else grpc.insecure_channel(address, opts)
         )
 
     def close(self) -> None:
@@ -41,5 +71,40 @@ class GrpcClient:
     def _call(self, fn: Callable[[], T]) -> T:
         try:
             return fn()
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+
+class AsyncGrpcClient:
+    """The asyncio twin of GrpcClient (grpc.aio channel, same retries and errors)."""
+
+    def __init__(
+        self,
+        address: str,
+        timeout: float | None,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        opts = channel_options(options)
+        self._channel = (
+            grpc.aio.secure_channel(address, credentials, opts)
+            if credentials
+            else grpc.aio.insecure_channel(address, opts)
+        )
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self: A) -> A:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, awaitable: Any) -> Any:
+        try:
+            return await awaitable
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None

@@ -13,6 +13,7 @@ from tandem_client.errors import from_rpc_error
 from tandem_client.pb import engine_pb2, engine_pb2_grpc
 
 T = TypeVar("T")
+Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 _FINISH_NAMES = {
     engine_pb2.FINISH_REASON_UNSPECIFIED: "",
     engine_pb2.FINISH_REASON_LENGTH: "length",
@@ -135,6 +136,40 @@ def sampling_pb(
     return params
 
 
+def generate_request(
+    prompt: Prompt,
+    *,
+    max_tokens: int | None = None,
+    request_id: str = "",
+    namespace: str = "",
+    checkpoint_interval: int = 0,
+    resume: bool = False,
+    tokens_held: int = 0,
+    **sampling: Any,
+) -> engine_pb2.GenerateRequest:
+    """A GenerateRequest from text, token ids or chat messages (dicts of role/content)."""
+    req = engine_pb2.GenerateRequest(
+        request_id=request_id,
+        namespace=namespace,
+        checkpoint_interval=checkpoint_interval,
+        resume=resume,
+        tokens_held=tokens_held,
+        sampling=sampling_pb(**sampling),
+    )
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        messages: Any = prompt
+        req.messages.extend(
+            engine_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages
+        )
+    else:
+        req.token_ids.extend(prompt)  # type: ignore[arg-type]
+    return req
+
+
 class EngineClient(GrpcClient):
     """Synchronous client of `tandem.v1.Engine`."""
 
@@ -148,39 +183,9 @@ class EngineClient(GrpcClient):
         super().__init__(address, timeout, credentials)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
 
-    def request(
-        self,
-        prompt: str | Sequence[int] | Sequence[dict[str, str]],
-        *,
-        max_tokens: int | None = None,
-        request_id: str = "",
-        namespace: str = "",
-        checkpoint_interval: int = 0,
-        resume: bool = False,
-        tokens_held: int = 0,
-        **sampling: Any,
-    ) -> engine_pb2.GenerateRequest:
+    def request(self, prompt: Prompt, **options: Any) -> engine_pb2.GenerateRequest:
         """A GenerateRequest from text, token ids or chat messages (dicts of role/content)."""
-        req = engine_pb2.GenerateRequest(
-            request_id=request_id,
-            namespace=namespace,
-            checkpoint_interval=checkpoint_interval,
-            resume=resume,
-            tokens_held=tokens_held,
-            sampling=sampling_pb(**sampling),
-        )
-        if max_tokens is not None:
-            req.max_tokens = max_tokens
-        if isinstance(prompt, str):
-            req.text = prompt
-        elif prompt and isinstance(prompt[0], dict):
-            messages: Any = prompt
-            req.messages.extend(
-                engine_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages
-            )
-        else:
-            req.token_ids.extend(prompt)  # type: ignore[arg-type]
-        return req
+        return generate_request(prompt, **options)
 
     def stream(
         self, prompt: str | Sequence[int] | Sequence[dict[str, str]], **options: Any

@@ -58,7 +58,10 @@ _BY_CODE = {
 
 def from_rpc_error(exc: grpc.RpcError) -> TandemError:
     """The client-side exception for a failed call."""
-    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    # Sync calls raise a grpc.Call; grpc.aio raises AioRpcError, which is not one but has
+    # the same code() and details().
+    has_status = callable(getattr(exc, "code", None)) and callable(getattr(exc, "details", None))
+    code = exc.code() if has_status else grpc.StatusCode.UNKNOWN
+    details = exc.details() if has_status else str(exc)
     cls = _BY_CODE.get(code, TandemError)
     return cls(f"{code.name}: {details}", code)

@@ -509,30 +509,45 @@ class _TensorChecker:
                 )
 
 
-def _receive(stream: Iterator[bytes]) -> Checkpoint:
-    messages = iter(stream)
-    first = store_pb2.GetResponse.FromString(next(messages))
-    checkpoint = Checkpoint.from_header(first.header)
-    specs = [*first.header.tensors, *(s for a in first.header.attachments for s in a.tensors)]
-    view = _alloc(sum(s.nbytes for s in specs))
-    checker = _TensorChecker(specs)
-    received = 0
-    for raw in messages:
+class PayloadAssembler:
+    """Builds a Checkpoint from a Get stream's raw messages (shared by the sync and asyncio
+    clients): header first, then chunks copied into one buffer, CRCs checked as they land."""
+
+    def __init__(self, first: bytes) -> None:
+        header = store_pb2.GetResponse.FromString(first).header
+        self.checkpoint = Checkpoint.from_header(header)
+        self._specs = [*header.tensors, *(s for a in header.attachments for s in a.tensors)]
+        self._view = _alloc(sum(s.nbytes for s in self._specs))
+        self._checker = _TensorChecker(self._specs)
+        self._received = 0
+
+    def feed(self, raw: bytes) -> None:
         chunk = decode_chunk(raw)
         if chunk is None:
             parsed = store_pb2.GetResponse.FromString(raw).chunk
             chunk = parsed.offset, memoryview(parsed.data)
         offset, data = chunk
+        received, view = self._received, self._view
         if offset != received or received + len(data) > len(view):
             raise DataLoss(f"store sent bytes at {offset}, expected {received}")
         target = view[received : received + len(data)]
         target[:] = data
-        checker.feed(target)
-        received += len(data)
-    if received != len(view):
-        raise DataLoss(f"stream ended at {received} of {len(view)} bytes")
-    offset = 0
-    for tensor, spec in zip(checkpoint.all_tensors(), specs, strict=True):
-        tensor.data = view[offset : offset + spec.nbytes]
-        offset += spec.nbytes
-    return checkpoint
+        self._checker.feed(target)
+        self._received += len(data)
+
+    def finish(self) -> Checkpoint:
+        if self._received != len(self._view):
+            raise DataLoss(f"stream ended at {self._received} of {len(self._view)} bytes")
+        offset = 0
+        for tensor, spec in zip(self.checkpoint.all_tensors(), self._specs, strict=True):
+            tensor.data = self._view[offset : offset + spec.nbytes]
+            offset += spec.nbytes
+        return self.checkpoint
+
+
+def _receive(stream: Iterator[bytes]) -> Checkpoint:
+    messages = iter(stream)
+    assembler = PayloadAssembler(next(messages))
+    for raw in messages:
+        assembler.feed(raw)
+    return assembler.finish()

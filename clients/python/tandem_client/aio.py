@@ -1,0 +1,228 @@
+"""asyncio clients: AsyncEngineClient and AsyncStoreClient, with the sync clients' types."""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from tandem_client.channel import AsyncGrpcClient
+from tandem_client.engine_client import Generation, GenerationChunk, Prompt, generate_request
+from tandem_client.errors import from_rpc_error
+from tandem_client.pb import engine_pb2, engine_pb2_grpc, store_pb2, store_pb2_grpc
+from tandem_client.store_client import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_MESSAGE_BYTES,
+    Checkpoint,
+    LookupResult,
+    PayloadAssembler,
+    PutResult,
+    RecordSummary,
+    _raw,
+    _serialize,
+    kind_to_pb,
+    payload_chunks,
+)
+from tandem_client.wire import encode_chunk
+
+
+class AsyncEngineClient(AsyncGrpcClient):
+    """asyncio client of `tandem.v1.Engine`."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = 300.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        super().__init__(address, timeout, credentials)
+        self._stub = engine_pb2_grpc.EngineStub(self._channel)
+
+    def request(self, prompt: Prompt, **options: Any) -> engine_pb2.GenerateRequest:
+        return generate_request(prompt, **options)
+
+    async def stream(self, prompt: Prompt, **options: Any) -> AsyncIterator[GenerationChunk]:
+        call = self._stub.Generate(self.request(prompt, **options), timeout=self.timeout)
+        try:
+            async for message in call:
+                yield GenerationChunk.from_pb(message)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: Prompt, **options: Any) -> Generation:
+        chunks = [c async for c in self.stream(prompt, **options)]
+        return Generation.collect(iter(chunks))
+
+    async def tokenize(self, text: str) -> list[int]:
+        r = await self._call(
+            self._stub.Tokenize(engine_pb2.TokenizeRequest(text=text), timeout=self.timeout)
+        )
+        return list(r.token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        r = await self._call(
+            self._stub.Detokenize(
+                engine_pb2.DetokenizeRequest(token_ids=list(token_ids)), timeout=self.timeout
+            )
+        )
+        return str(r.text)
+
+    async def model_info(self) -> engine_pb2.ModelInfoResponse:
+        r: engine_pb2.ModelInfoResponse = await self._call(
+            self._stub.ModelInfo(engine_pb2.ModelInfoRequest(), timeout=self.timeout)
+        )
+        return r
+
+    async def cancel(self, request_id: str) -> None:
+        await self._call(
+            self._stub.Cancel(engine_pb2.CancelRequest(request_id=request_id), timeout=self.timeout)
+        )
+
+    async def stats(self) -> engine_pb2.EngineStatsResponse:
+        r: engine_pb2.EngineStatsResponse = await self._call(
+            self._stub.Stats(engine_pb2.EngineStatsRequest(), timeout=self.timeout)
+        )
+        return r
+
+    async def flush(self) -> engine_pb2.EngineFlushResponse:
+        r: engine_pb2.EngineFlushResponse = await self._call(
+            self._stub.Flush(engine_pb2.EngineFlushRequest(), timeout=self.timeout)
+        )
+        return r
+
+
+class AsyncStoreClient(AsyncGrpcClient):
+    """asyncio client of `tandem.v1.Store` and `tandem.v1.StoreAdmin`."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = 60.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        super().__init__(
+            address,
+            timeout,
+            credentials,
+            [
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        self._store = store_pb2_grpc.StoreStub(self._channel)
+        self._admin = store_pb2_grpc.StoreAdminStub(self._channel)
+        self._put = self._channel.stream_unary(
+            "/tandem.v1.Store/Put",
+            request_serializer=_serialize,
+            response_deserializer=store_pb2.PutResponse.FromString,
+        )
+        self._get = self._channel.unary_stream(
+            "/tandem.v1.Store/Get",
+            request_serializer=store_pb2.GetRequest.SerializeToString,
+            response_deserializer=_raw,
+        )
+
+    async def put(
+        self,
+        checkpoint: Checkpoint,
+        *,
+        if_absent: bool = False,
+        pin_ttl_s: int = 0,
+        pin_holder: str = "",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> PutResult:
+        header = store_pb2.PutHeader(
+            checkpoint=checkpoint.header_pb(),
+            if_absent=if_absent,
+            pin_ttl_seconds=pin_ttl_s,
+            pin_holder=pin_holder,
+        )
+
+        async def requests() -> AsyncIterator[Any]:
+            yield store_pb2.PutRequest(header=header)
+            for offset, data in payload_chunks(checkpoint.all_tensors(), chunk_bytes):
+                yield encode_chunk(offset, data)
+
+        r = await self._call(self._put(requests(), timeout=self.timeout))
+        return PutResult(r.key, r.payload_bytes, r.replaced, r.lease_id)
+
+    async def get(self, key: bytes, namespace: str = "") -> Checkpoint:
+        call = self._get(store_pb2.GetRequest(namespace=namespace, key=key), timeout=self.timeout)
+        try:
+            assembler: PayloadAssembler | None = None
+            async for raw in call:
+                if assembler is None:
+                    assembler = PayloadAssembler(raw)
+                else:
+                    assembler.feed(raw)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        assert assembler is not None
+        return assembler.finish()
+
+    async def lookup(
+        self,
+        *,
+        namespace: str,
+        model_id: str,
+        layout: Sequence[str],
+        block_size: int,
+        block_hashes: Sequence[bytes],
+        token_count: int,
+        kind: str = "",
+    ) -> LookupResult:
+        r = await self._call(
+            self._store.Lookup(
+                store_pb2.LookupRequest(
+                    namespace=namespace,
+                    model_id=model_id,
+                    layout=list(layout),
+                    block_size=block_size,
+                    block_hashes=list(block_hashes),
+                    token_count=token_count,
+                    kind=kind_to_pb(kind),
+                ),
+                timeout=self.timeout,
+            )
+        )
+        return LookupResult(r.found, r.key, r.matched_tokens, r.record_tokens, r.trimmable)
+
+    async def list(
+        self, *, namespace: str = "", kind: str = "", page_size: int = 0, page_token: str = ""
+    ) -> tuple[builtins.list[RecordSummary], str]:
+        r = await self._call(
+            self._admin.List(
+                store_pb2.ListRequest(
+                    filter=store_pb2.RecordFilter(namespace=namespace, kind=kind_to_pb(kind)),
+                    page_size=page_size,
+                    page_token=page_token,
+                ),
+                timeout=self.timeout,
+            )
+        )
+        return [RecordSummary.from_pb(s) for s in r.records], r.next_page_token
+
+    async def delete(self, key: bytes, namespace: str = "", *, force: bool = False) -> int:
+        r = await self._call(
+            self._admin.Delete(
+                store_pb2.DeleteRequest(namespace=namespace, key=key, force=force),
+                timeout=self.timeout,
+            )
+        )
+        return int(r.freed_bytes)
+
+    async def stats(self) -> store_pb2.StatsResponse:
+        r: store_pb2.StatsResponse = await self._call(
+            self._admin.Stats(store_pb2.StatsRequest(), timeout=self.timeout)
+        )
+        return r
+
+    async def flush(self) -> bool:
+        r = await self._call(self._admin.Flush(store_pb2.FlushRequest(), timeout=self.timeout))
+        return bool(r.durable)

@@ -1,0 +1,88 @@
+"""The Python clients: asyncio twins, typed results and errors, retries while a server starts."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tandem_client import (
+    AsyncEngineClient,
+    AsyncStoreClient,
+    EngineClient,
+    NotFound,
+    StoreClient,
+    Unavailable,
+)
+from tests.conftest import make_checkpoint
+from tests.servers import ServiceProcess, free_port, start_store_on
+
+
+def test_async_engine_client_matches_the_sync_one(
+    engine: ServiceProcess, engine_client: EngineClient
+) -> None:
+    async def run() -> tuple:
+        async with AsyncEngineClient(engine.address) as client:
+            chunks = [c async for c in client.stream("Hello world", max_tokens=10, ignore_eos=True)]
+            whole = await client.generate("Hello world", max_tokens=10, ignore_eos=True)
+            ids = await client.tokenize("déjà vu")
+            text = await client.detokenize(ids)
+            info = await client.model_info()
+            return chunks, whole, text, info
+
+    chunks, whole, text, info = asyncio.run(run())
+    sync = engine_client.generate("Hello world", max_tokens=10, ignore_eos=True)
+    assert [t for c in chunks for t in c.token_ids] == sync.token_ids == whole.token_ids
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage is not None
+    assert text == "déjà vu" and info.model_id.startswith("tandem-tiny@")
+
+
+def test_async_store_client_round_trip(client: StoreClient, store: ServiceProcess) -> None:
+    ckpt = make_checkpoint(b"async-key", {"k_bf16": 3 << 20, "v_int8": 12345})
+
+    async def run() -> tuple:
+        async with AsyncStoreClient(store.address) as aclient:
+            put = await aclient.put(ckpt)
+            got = await aclient.get(b"async-key")
+            listed, _ = await aclient.list()
+            stats = await aclient.stats()
+            durable = await aclient.flush()
+            freed = await aclient.delete(b"async-key")
+            with pytest.raises(NotFound):
+                await aclient.get(b"async-key")
+            return put, got, listed, stats, durable, freed
+
+    put, got, listed, stats, durable, freed = asyncio.run(run())
+    assert put.payload_bytes == (3 << 20) + 12345 and not put.replaced
+    assert [bytes(t.data) for t in got.tensors] == [bytes(t.data) for t in ckpt.tensors]
+    assert [r.key for r in listed] == [b"async-key"] and stats.records == 1
+    assert durable and freed == put.payload_bytes
+
+
+def test_errors_keep_their_status(store: ServiceProcess) -> None:
+    with StoreClient(store.address) as client:
+        with pytest.raises(NotFound) as failure:
+            client.inspect(b"missing")
+    assert failure.value.code.name == "NOT_FOUND" and b"missing".hex() in str(failure.value)
+    with StoreClient(f"127.0.0.1:{free_port()}", timeout=5) as client:
+        with pytest.raises(Unavailable):
+            client.put(make_checkpoint(b"k", {"a_int8": 10}))  # not idempotent: no retry
+
+
+def test_idempotent_calls_retry_while_the_server_starts(tmp_path: Path) -> None:
+    port = free_port()
+    started: list[ServiceProcess] = []
+    starter = threading.Timer(0.3, lambda: started.append(start_store_on(tmp_path / "s", port)))
+    starter.start()
+    try:
+        with StoreClient(f"127.0.0.1:{port}", timeout=30) as client:
+            t0 = time.monotonic()
+            stats = client.stats()  # UNAVAILABLE at first; gRPC retries with backoff
+            assert stats.records == 0 and time.monotonic() - t0 >= 0.2
+    finally:
+        starter.join()
+        for proc in started:
+            proc.stop()
