@@ -31,6 +31,9 @@ class _Service:
                 stdout=subprocess.PIPE,
                 stderr=log_file,
                 text=True,
+                # Its own session: a terminal's Ctrl-C reaches `tandem up` only, which then
+                # stops both services in order with SIGTERM.
+                start_new_session=True,
             )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().strip()
