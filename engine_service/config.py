@@ -30,6 +30,9 @@ class EngineConfig:
     checkpoint_interval: int = 0
     prefix_cache_bytes: int = 512 << 20
     spill_queue_bytes: int = 1 << 30
+    # PEM files; both given = listen with TLS.
+    tls_cert: str = ""
+    tls_key: str = ""
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_queued < 0:
@@ -91,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         default=float(_env("SWITCH_INTERVAL", "0.001")),
         help="Python GIL switch interval in seconds (see server.py)",
     )
+    p.add_argument("--tls-cert", default=_env("TLS_CERT", ""), help="PEM certificate")
+    p.add_argument("--tls-key", default=_env("TLS_KEY", ""), help="PEM private key")
     a = p.parse_args(argv)
     try:
         return EngineConfig(
@@ -110,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             checkpoint_interval=a.checkpoint_interval,
             prefix_cache_bytes=a.prefix_cache_bytes,
             spill_queue_bytes=a.spill_queue_bytes,
+            tls_cert=a.tls_cert,
+            tls_key=a.tls_key,
         )
     except ValueError as exc:
         p.error(str(exc))

@@ -19,6 +19,7 @@ from engine_service.model import load_model
 from engine_service.scheduler import Limits, Scheduler
 from engine_service.servicer import EngineServicer, loop_deliver
 from tandem_client.pb import engine_pb2, engine_pb2_grpc
+from tandem_client.tls import bind
 
 log = logging.getLogger("tandem.engine")
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -64,9 +65,7 @@ async def serve(config: EngineConfig) -> None:
     reflection.enable_server_reflection(
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = server.add_insecure_port(config.listen)
-    if port == 0:
-        raise OSError(f"cannot listen on {config.listen}")
+    port = bind(server, config.listen, config.tls_cert, config.tls_key)
     await server.start()
     host = config.listen.rsplit(":", 1)[0]
     print(f"tandem-engine listening on {host}:{port}", flush=True)

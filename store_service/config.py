@@ -37,6 +37,9 @@ class StoreConfig:
     grace_s: float = 10.0
     # Initial LMDB map size; 0 = sized from the capacity. It grows on demand either way.
     map_size_bytes: int = 0
+    # PEM files; both given = listen with TLS.
+    tls_cert: str = ""
+    tls_key: str = ""
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -87,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
         default=int(_env("MAP_SIZE", "0")),
         help="initial LMDB map size in bytes (grows on demand); 0 = from capacity",
     )
+    parser.add_argument("--tls-cert", default=_env("TLS_CERT", ""), help="PEM certificate")
+    parser.add_argument("--tls-key", default=_env("TLS_KEY", ""), help="PEM private key")
     args = parser.parse_args(argv)
     try:
         return StoreConfig(
@@ -99,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
             max_workers=args.max_workers,
             grace_s=args.grace,
             map_size_bytes=args.map_size,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
         )
     except ValueError as exc:
         parser.error(str(exc))

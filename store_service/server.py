@@ -17,6 +17,7 @@ from store_service.servicer import StoreAdminServicer, StoreServicer, store_hand
 from store_service.storage import StorageError
 from store_service.store import CheckpointStore
 from tandem_client.pb import store_pb2, store_pb2_grpc
+from tandem_client.tls import bind
 
 log = logging.getLogger("tandem.store")
 
@@ -29,7 +30,11 @@ MAX_MESSAGE_BYTES = 8 << 20
 
 
 def create_server(
-    store: CheckpointStore, listen: str, max_workers: int = 32
+    store: CheckpointStore,
+    listen: str,
+    max_workers: int = 32,
+    tls_cert: str = "",
+    tls_key: str = "",
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Builds (not starts) a server for `store`; returns it, its bound port and its health."""
     server = grpc.server(
@@ -48,15 +53,15 @@ def create_server(
     reflection.enable_server_reflection(
         [*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = server.add_insecure_port(listen)
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+    port = bind(server, listen, tls_cert, tls_key)
     return server, port, health_servicer
 
 
 def serve(config: StoreConfig) -> None:
     store = CheckpointStore(config)
-    server, port, health_servicer = create_server(store, config.listen, config.max_workers)
+    server, port, health_servicer = create_server(
+        store, config.listen, config.max_workers, config.tls_cert, config.tls_key
+    )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

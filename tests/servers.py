@@ -25,6 +25,8 @@ class ServiceProcess:
         self.log_path = log_path
         self.proc: subprocess.Popen[str] | None = None
         self.address = ""
+        # Root certificate to check a TLS server's health with (None: plaintext).
+        self.tls_root: bytes | None = None
 
     def start(self, timeout: float = 60.0, listen: str = "127.0.0.1:0") -> ServiceProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -52,7 +54,10 @@ class ServiceProcess:
 
     def _wait_serving(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
+        channel = (grpc.secure_channel(self.address,
+                                       grpc.ssl_channel_credentials(self.tls_root))
+                   if self.tls_root else grpc.insecure_channel(self.address))
+        with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 try:
