@@ -20,12 +20,10 @@ from tandem_client.store_client import (
     PayloadAssembler,
     PutResult,
     RecordSummary,
-    _raw,
-    _serialize,
+    bulk_methods,
     kind_to_pb,
-    payload_chunks,
+    put_messages,
 )
-from tandem_client.wire import encode_chunk
 
 
 class AsyncEngineClient(AsyncGrpcClient):
@@ -117,16 +115,7 @@ class AsyncStoreClient(AsyncGrpcClient):
         )
         self._store = store_pb2_grpc.StoreStub(self._channel)
         self._admin = store_pb2_grpc.StoreAdminStub(self._channel)
-        self._put = self._channel.stream_unary(
-            "/tandem.v1.Store/Put",
-            request_serializer=_serialize,
-            response_deserializer=store_pb2.PutResponse.FromString,
-        )
-        self._get = self._channel.unary_stream(
-            "/tandem.v1.Store/Get",
-            request_serializer=store_pb2.GetRequest.SerializeToString,
-            response_deserializer=_raw,
-        )
+        self._put, self._get = bulk_methods(self._channel)
 
     async def put(
         self,
@@ -137,19 +126,9 @@ class AsyncStoreClient(AsyncGrpcClient):
         pin_holder: str = "",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> PutResult:
-        header = store_pb2.PutHeader(
-            checkpoint=checkpoint.header_pb(),
-            if_absent=if_absent,
-            pin_ttl_seconds=pin_ttl_s,
-            pin_holder=pin_holder,
-        )
-
-        async def requests() -> AsyncIterator[Any]:
-            yield store_pb2.PutRequest(header=header)
-            for offset, data in payload_chunks(checkpoint.all_tensors(), chunk_bytes):
-                yield encode_chunk(offset, data)
-
-        r = await self._call(self._put(requests(), timeout=self.timeout))
+        # grpc.aio takes a plain iterator as a request stream too.
+        requests = put_messages(checkpoint, if_absent, pin_ttl_s, pin_holder, chunk_bytes)
+        r = await self._call(self._put(requests, timeout=self.timeout))
         return PutResult(r.key, r.payload_bytes, r.replaced, r.lease_id)
 
     async def get(self, key: bytes, namespace: str = "") -> Checkpoint:

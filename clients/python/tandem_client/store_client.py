@@ -257,16 +257,7 @@ class StoreClient(GrpcClient):
         super().__init__(address, timeout, credentials, options)
         self._store = store_pb2_grpc.StoreStub(self._channel)
         # Bulk paths with hand-encoded chunks (see wire.py).
-        self._put = self._channel.stream_unary(
-            "/tandem.v1.Store/Put",
-            request_serializer=_serialize,
-            response_deserializer=store_pb2.PutResponse.FromString,
-        )
-        self._get = self._channel.unary_stream(
-            "/tandem.v1.Store/Get",
-            request_serializer=store_pb2.GetRequest.SerializeToString,
-            response_deserializer=_raw,
-        )
+        self._put, self._get = bulk_methods(self._channel)
         self._admin = store_pb2_grpc.StoreAdminStub(self._channel)
 
     # -- data plane --------------------------------------------------------------------------
@@ -280,19 +271,8 @@ class StoreClient(GrpcClient):
         pin_holder: str = "",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> PutResult:
-        header = store_pb2.PutHeader(
-            checkpoint=checkpoint.header_pb(),
-            if_absent=if_absent,
-            pin_ttl_seconds=pin_ttl_s,
-            pin_holder=pin_holder,
-        )
-
-        def requests() -> Iterator[store_pb2.PutRequest | bytes]:
-            yield store_pb2.PutRequest(header=header)
-            for offset, data in payload_chunks(checkpoint.all_tensors(), chunk_bytes):
-                yield encode_chunk(offset, data)
-
-        r: store_pb2.PutResponse = self._call(lambda: self._put(requests(), timeout=self.timeout))
+        requests = put_messages(checkpoint, if_absent, pin_ttl_s, pin_holder, chunk_bytes)
+        r: store_pb2.PutResponse = self._call(lambda: self._put(requests, timeout=self.timeout))
         return PutResult(r.key, r.payload_bytes, r.replaced, r.lease_id)
 
     def get(self, key: bytes, namespace: str = "", *, max_chunk_bytes: int = 0) -> Checkpoint:
@@ -462,6 +442,37 @@ class StoreClient(GrpcClient):
     def compact(self) -> tuple[int, int]:
         r = self._call(lambda: self._admin.Compact(store_pb2.CompactRequest(), timeout=None))
         return r.file_bytes_before, r.file_bytes_after
+
+
+def bulk_methods(channel: Any) -> tuple[Any, Any]:
+    """Put and Get with hand-encoded chunks (see wire.py), on a sync or an aio channel."""
+    put = channel.stream_unary(
+        "/tandem.v1.Store/Put",
+        request_serializer=_serialize,
+        response_deserializer=store_pb2.PutResponse.FromString,
+    )
+    get = channel.unary_stream(
+        "/tandem.v1.Store/Get",
+        request_serializer=store_pb2.GetRequest.SerializeToString,
+        response_deserializer=_raw,
+    )
+    return put, get
+
+
+def put_messages(
+    checkpoint: Checkpoint, if_absent: bool, pin_ttl_s: int, pin_holder: str, chunk_bytes: int
+) -> Iterator[store_pb2.PutRequest | bytes]:
+    """A Put's stream: the header, then the payload as pre-encoded chunks."""
+    yield store_pb2.PutRequest(
+        header=store_pb2.PutHeader(
+            checkpoint=checkpoint.header_pb(),
+            if_absent=if_absent,
+            pin_ttl_seconds=pin_ttl_s,
+            pin_holder=pin_holder,
+        )
+    )
+    for offset, data in payload_chunks(checkpoint.all_tensors(), chunk_bytes):
+        yield encode_chunk(offset, data)
 
 
 def _serialize(message: Any) -> bytes:
