@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -50,6 +51,9 @@ class Finished:
     error: str = ""
     stop_token: int | None = None
 
+
+# How long the loop lingers for more arrivals before admitting new requests.
+ADMISSION_WINDOW_S = float(os.environ.get("TANDEM_ADMISSION_WINDOW", "0.002"))
 
 Event = Started | Token | Finished
 Sink = Callable[[list[Event]], None]
@@ -223,8 +227,17 @@ class Scheduler:
         self._bg = self._new_batch_generator()
         while True:
             idle = not self._rows and not self._waiting
+            waiting_before = len(self._waiting)
             if not self._drain_inbox(block=idle):
                 break
+            arrived = len(self._waiting) > waiting_before
+            room = len(self._rows) + len(self._waiting) < self.limits.max_running
+            if arrived and room and ADMISSION_WINDOW_S:
+                # A burst of requests arrives over a few milliseconds: gather it so it is
+                # prefilled as one batch, not one request per decode step.
+                time.sleep(ADMISSION_WINDOW_S)
+                if not self._drain_inbox(block=False):
+                    break
             self._admit()
             self._expire_deadlines()
             if self._rows:
