@@ -196,7 +196,8 @@ class CheckpointManager:
         self._store = StoreClient(settings.store, timeout=60) if settings.store else None
         self._queue: queue.Queue[tuple[str, Any, int]] = queue.Queue()
         self._lock = threading.Lock()
-        self._saved_keys: set[bytes] = set()
+        # Prefix keys already sent (bounded: a miss only costs a Put the store refuses).
+        self._saved_keys: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._since_flush = {"flushed": 0, "missing": 0, "failed": 0}
         if self._store is not None:
             threading.Thread(target=self._spill_loop, name="checkpoint-spill", daemon=True).start()
@@ -301,7 +302,9 @@ class CheckpointManager:
         self._local.add(key, captured, chain, len(prompt))
         if self._store is None:
             return
-        self._saved_keys.add(key)
+        self._saved_keys[key] = None
+        if len(self._saved_keys) > 100_000:
+            self._saved_keys.popitem(last=False)
         record = Checkpoint(
             key=key,
             kind="prefix",

@@ -230,8 +230,16 @@ class CheckpointStore:
         )
         lease = None
         if spec.pin_ttl_s:
+            # A writer that re-pins on every Put (an engine checkpointing a generation) keeps
+            # one lease, renewed, rather than piling up a new one per Put.
+            with self._mutex:
+                same_holder = [
+                    x.lease_id
+                    for x in self.index.leases_of(spec.ikey)
+                    if spec.pin_holder and x.holder == spec.pin_holder
+                ]
             lease = Lease(
-                secrets.token_hex(8),
+                same_holder[0] if same_holder else secrets.token_hex(8),
                 spec.ikey,
                 spec.pin_holder,
                 now + 1000 * min(spec.pin_ttl_s, self.config.max_lease_s),

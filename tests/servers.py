@@ -54,9 +54,11 @@ class ServiceProcess:
 
     def _wait_serving(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        channel = (grpc.secure_channel(self.address,
-                                       grpc.ssl_channel_credentials(self.tls_root))
-                   if self.tls_root else grpc.insecure_channel(self.address))
+        channel = (
+            grpc.secure_channel(self.address, grpc.ssl_channel_credentials(self.tls_root))
+            if self.tls_root
+            else grpc.insecure_channel(self.address)
+        )
         with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:

@@ -96,3 +96,14 @@ def test_put_larger_than_the_budget_is_resource_exhausted(small_store: StoreClie
     with pytest.raises(ResourceExhausted, match="capacity"):
         client.put(make_checkpoint(b"huge", {"kv_int8": 11 * MiB}))
     assert _keys(client) == {b"keep"}
+
+
+def test_repinning_puts_renew_one_lease_per_holder(small_store: StoreClient) -> None:
+    client = small_store
+    for _ in range(5):  # an engine re-checkpointing one generation
+        client.put(
+            make_checkpoint(b"gen", {"kv_int8": 1000}), pin_ttl_s=60, pin_holder="engine/abc"
+        )
+    client.put(make_checkpoint(b"gen", {"kv_int8": 1000}), pin_ttl_s=60, pin_holder="other")
+    leases = client.inspect(b"gen").leases
+    assert sorted(lease.holder for lease in leases) == ["engine/abc", "other"]
