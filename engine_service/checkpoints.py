@@ -439,6 +439,8 @@ class CheckpointManager:
                 backoff = 0.0
                 self._set_store_up(True)
             except TandemError as exc:
+                if kind == "put_prefix":  # not in the store after all: let it be sent again
+                    self._saved_keys.pop(item[0].key, None)
                 if kind != "delete":
                     self._count("failed")
                     with self._lock:

@@ -52,6 +52,8 @@ class Finished:
     stop_token: int | None = None
 
 
+# Generation snapshots are taken on steps that are multiples of this (see _capture_due).
+CHECKPOINT_ALIGN = 8
 # How long the loop lingers for more arrivals before admitting new requests.
 ADMISSION_WINDOW_S = float(os.environ.get("TANDEM_ADMISSION_WINDOW", "0.002"))
 
@@ -88,6 +90,7 @@ class _Job:
     checkpointed: bool = False
     keep_checkpoint: bool = False  # a client that went away may come back and resume
     snapshot: tuple[Any, list[int]] | None = None  # a generation capture awaiting its pending
+    last_checkpoint_at: int = 0  # len(tokens) at the last generation snapshot
     admitted_at: float = 0.0
 
 
@@ -123,6 +126,7 @@ class Scheduler:
         self.limits = limits
         self.deliver = deliver
         self._outbox: list[tuple[Sink, list[Event]]] = []
+        self._due: dict[int, _Job] = {}  # rows whose generation checkpoint is due, by uid
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards admission counters and stats
         self._ids: set[str] = set()
@@ -330,6 +334,7 @@ class Scheduler:
             # The restored cache holds prompt + generated; the pending token is fed next and
             # the sampler goes on at the step after it.
             job.tokens = [*plan.generated, plan.pending]
+            job.last_checkpoint_at = len(job.tokens)
             history = [*r.prompt, *plan.generated]
             return [plan.pending], history, ckpt.materialize_resume(plan), len(r.prompt)
         if isinstance(plan, PrefixPlan) and ckpt is not None:
@@ -364,6 +369,8 @@ class Scheduler:
                 events.append(Finished("stop" if stop is not None else "length", stop_token=stop))
                 self._forget(job)
             self._emit(job, events)
+        if self.checkpoints is not None:
+            self._capture_due()
         with self._lock:
             s = self._stats
             s.generated_tokens_total += len(responses)
@@ -422,12 +429,31 @@ class Scheduler:
             row = finished_cache or self._row_cache(job)
             if row is not None:
                 ckpt.save_prefix(row, r.prompt, r.namespace)
-        due = bool(job.checkpoint_key) and len(job.tokens) % r.checkpoint_interval == 0
-        if due and finished_cache is None:
-            row = self._row_cache(job)
-            if row is not None:
-                held = len(r.prompt) + len(job.tokens)
-                job.snapshot = (ckpt.capture_generation(row, held), list(job.tokens))
+        since = len(job.tokens) - job.last_checkpoint_at
+        if job.checkpoint_key and finished_cache is None and since >= r.checkpoint_interval:
+            self._due[job.uid] = job
+
+    def _capture_due(self) -> None:
+        """Snapshots every row whose checkpoint is due, together, on aligned steps.
+
+        Extracting a row from mlx-lm's batch cache evaluates the batch's padding, a sync with
+        the step in flight; rows captured one at a time paid it each (~11% of decode at 8
+        streams every 16 tokens), rows captured together pay it once (~4%). A checkpoint is
+        therefore up to CHECKPOINT_ALIGN - 1 tokens later than its interval.
+        """
+        ckpt = self.checkpoints
+        if not self._due or ckpt is None or self._stats.steps_total % CHECKPOINT_ALIGN:
+            return
+        jobs = [job for uid, job in self._due.items() if uid in self._rows]
+        self._due = {}
+        rows = self._bg.extract_cache([job.uid for job in jobs])
+        for job in jobs:
+            found = rows.get(job.uid)
+            if found is None:
+                continue
+            held = len(job.request.prompt) + len(job.tokens)
+            job.snapshot = (ckpt.capture_generation(found[0], held), list(job.tokens))
+            job.last_checkpoint_at = len(job.tokens)
 
     def _row_cache(self, job: _Job) -> list[Any] | None:
         found = self._bg.extract_cache([job.uid]).get(job.uid)

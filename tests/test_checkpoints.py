@@ -135,7 +135,7 @@ def test_store_down_does_not_stop_generation_and_flush_reports_durability(stack:
         stack.restart_store()
 
         def checkpoints_flow_again() -> bool:
-            engine.generate(PROMPT[:90], max_tokens=8, ignore_eos=True, checkpoint_interval=4)
+            engine.generate(PROMPT[:90], max_tokens=24, ignore_eos=True, checkpoint_interval=4)
             time.sleep(0.3)
             return engine.stats().checkpoints.store_up
 
