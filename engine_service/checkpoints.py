@@ -40,6 +40,7 @@ from engine_service.cache_codec import (
 )
 from engine_service.errors import NotFound, Precondition
 from engine_service.model import LoadedModel
+from engine_service.prefix_cache import BLOCK_SIZE, PrefixCache
 from engine_service.sampling import SamplingOptions
 from tandem_client.errors import DataLoss, TandemError
 from tandem_client.errors import NotFound as StoreNotFound
@@ -47,8 +48,6 @@ from tandem_client.identity import block_hashes, generation_key, prefix_key, sco
 from tandem_client.store_client import Checkpoint, StoreClient, Tensor
 
 log = logging.getLogger(__name__)
-
-BLOCK_SIZE = 64
 
 
 @dataclass
@@ -131,59 +130,6 @@ class StoreDown(TandemError):
     """Raised inside the spill loop while it backs off from an unreachable store."""
 
 
-class _LocalCache:
-    """Captured prefix caches by key, least recently used first, bounded in bytes."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._lock = threading.Lock()
-        self._entries: collections.OrderedDict[bytes, tuple[CapturedCache, int]] = (
-            collections.OrderedDict()
-        )
-        self._chain: dict[bytes, tuple[bytes, int]] = {}  # block hash -> (key, length)
-        self._hashes: dict[bytes, list[bytes]] = {}
-        self.nbytes = 0
-
-    def add(self, key: bytes, captured: CapturedCache, chain: list[bytes], length: int) -> None:
-        if captured.nbytes > self.capacity:
-            return
-        with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                return
-            self._entries[key] = (captured, length)
-            self._hashes[key] = chain
-            self.nbytes += captured.nbytes
-            for i, h in enumerate(chain):
-                self._chain[h] = (key, min((i + 1) * BLOCK_SIZE, length))
-            while self.nbytes > self.capacity:
-                old, (cap, _) = self._entries.popitem(last=False)
-                self.nbytes -= cap.nbytes
-                for h in self._hashes.pop(old, []):
-                    if self._chain.get(h, (b"",))[0] == old:
-                        del self._chain[h]
-
-    def match(self, chain: list[bytes], lengths: list[int]) -> tuple[bytes, int]:
-        with self._lock:
-            for h, n in zip(reversed(chain), reversed(lengths), strict=True):
-                hit = self._chain.get(h)
-                if hit is not None and hit[1] >= n:
-                    return hit[0], n
-        return b"", 0
-
-    def get(self, key: bytes) -> CapturedCache | None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
-            self._entries.move_to_end(key)
-            return entry[0]
-
-    def __contains__(self, key: bytes) -> bool:
-        with self._lock:
-            return key in self._entries
-
-
 class CheckpointManager:
     def __init__(self, loaded: LoadedModel, settings: CheckpointSettings) -> None:
         self.loaded = loaded
@@ -192,7 +138,7 @@ class CheckpointManager:
         self.model_id = f"{loaded.model_id}/{loaded.dtype}"
         self.layout = list(loaded.layout)
         self.stats = CheckpointStats()
-        self._local = _LocalCache(settings.local_cache_bytes)
+        self._local = PrefixCache(settings.local_cache_bytes)
         self._store = StoreClient(settings.store, timeout=60) if settings.store else None
         self._queue: queue.Queue[tuple[str, Any, int]] = queue.Queue()
         self._lock = threading.Lock()

@@ -16,9 +16,10 @@ from typing import Any, TypeVar
 import grpc
 
 from engine_service import blas
-from engine_service.checkpoints import BLOCK_SIZE, CheckpointManager, PrefixPlan, ResumePlan
+from engine_service.checkpoints import CheckpointManager, PrefixPlan, ResumePlan
 from engine_service.errors import EngineError, InvalidRequest, NotFound
 from engine_service.model import LoadedModel
+from engine_service.prefix_cache import BLOCK_SIZE
 from engine_service.requests import GenerationRequest, prompt_tokens, request_from_pb
 from engine_service.scheduler import Deliver, Event, Finished, Scheduler, Sink, Started, Token
 from engine_service.text import TextStream

@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import shutil
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 import lmdb
 
 from store_service.errors import StoreError, Unavailable
+from store_service.records import record_id_prefix
 from store_service.rwlock import SharedExclusiveLock
 
 log = logging.getLogger(__name__)
@@ -284,3 +286,29 @@ def _round_up(value: int, unit: int) -> int:
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def delete_prefix(txn: Any, db: Any, prefix: bytes) -> int:
+    """Deletes every key starting with prefix (a record's chunks) in a write transaction."""
+    cursor = txn.cursor(db=db)
+    deleted = 0
+    if cursor.set_range(prefix):
+        while bytes(cursor.key()).startswith(prefix) and cursor.delete():
+            deleted += 1
+    return deleted
+
+
+def collect_orphans(txn: Any, chunks: Any, live_ids: set[int]) -> int:
+    """Deletes chunks whose record id no header references (puts cut short by a crash)."""
+    cursor = txn.cursor(db=chunks)
+    orphans = 0
+    found = cursor.first()
+    while found:
+        record_id = struct.unpack(">Q", bytes(cursor.key())[:8])[0]
+        if record_id in live_ids:
+            found = cursor.set_range(record_id_prefix(record_id + 1))
+        else:
+            orphans += 1
+            delete_prefix(txn, chunks, record_id_prefix(record_id))
+            found = cursor.set_range(record_id_prefix(record_id + 1))
+    return orphans

@@ -42,7 +42,7 @@ from store_service.records import (
     record_id_prefix,
     record_key,
 )
-from store_service.storage import LmdbStorage, now_ms
+from store_service.storage import LmdbStorage, collect_orphans, delete_prefix, now_ms
 from tandem_client.pb import store_pb2, tensors_pb2
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class CheckpointStore:
         self.storage.submit(drop_stale)
         self._next_id = max([last_chunk_id, *live_ids]) + 1
         self.counters.orphans_collected = self.storage.write(
-            lambda txn: _collect_orphans(txn, db["chunks"], live_ids), sync=True
+            lambda txn: collect_orphans(txn, db["chunks"], live_ids), sync=True
         )
         if self.counters.orphans_collected:
             log.warning("collected chunks of %d interrupted puts", self.counters.orphans_collected)
@@ -282,7 +282,7 @@ class CheckpointStore:
         if session.wrote_any:
             prefix = record_id_prefix(session.record_id)
             chunks = self.storage.db["chunks"]
-            self.storage.submit(lambda txn: _delete_prefix(txn, chunks, prefix))
+            self.storage.submit(lambda txn: delete_prefix(txn, chunks, prefix))
         self._release(session)
 
     def _release(self, session: PutSession) -> None:
@@ -563,7 +563,7 @@ class CheckpointStore:
         if raw is None:
             return None
         record = StoredRecord.decode(raw)
-        _delete_prefix(txn, db["chunks"], record_id_prefix(record.record_id))
+        delete_prefix(txn, db["chunks"], record_id_prefix(record.record_id))
         for index_key in record.index_keys():
             txn.delete(index_key, ikey, db=db["prefix_index"])
         txn.delete(ikey, db=db[table])
@@ -612,28 +612,3 @@ class CheckpointStore:
         self._maintenance.join()
         self._persist_access()
         self.storage.close()
-
-
-def _delete_prefix(txn: Any, db: Any, prefix: bytes) -> int:
-    cursor = txn.cursor(db=db)
-    deleted = 0
-    if cursor.set_range(prefix):
-        while bytes(cursor.key()).startswith(prefix) and cursor.delete():
-            deleted += 1
-    return deleted
-
-
-def _collect_orphans(txn: Any, chunks: Any, live_ids: set[int]) -> int:
-    """Deletes chunks whose record id no header references (puts cut short by a crash)."""
-    cursor = txn.cursor(db=chunks)
-    orphans = 0
-    found = cursor.first()
-    while found:
-        record_id = struct.unpack(">Q", bytes(cursor.key())[:8])[0]
-        if record_id in live_ids:
-            found = cursor.set_range(record_id_prefix(record_id + 1))
-        else:
-            orphans += 1
-            _delete_prefix(txn, chunks, record_id_prefix(record_id))
-            found = cursor.set_range(record_id_prefix(record_id + 1))
-    return orphans
