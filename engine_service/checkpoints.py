@@ -25,9 +25,12 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
+from mlx_lm.models import cache as cache_lib
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from engine_service.cache_codec import (
@@ -84,6 +87,10 @@ class ResumePlan:
     tensors: dict[str, tuple[str, tuple[int, ...], Any]]
     nbytes: int
     fetch_s: float
+    # Append-only chain: (metadata, tensors) per segment, oldest first.
+    segments: list[tuple[dict[str, str], dict[str, tuple[str, tuple[int, ...], Any]]]] = field(
+        default_factory=list
+    )
 
 
 @dataclass
@@ -144,6 +151,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         # Prefix keys already sent (bounded: a miss only costs a Put the store refuses).
         self._saved_keys: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._broken: set[bytes] = set()  # generation keys whose segment chain has a hole
         self._since_flush = {"flushed": 0, "missing": 0, "failed": 0}
         if self._store is not None:
             threading.Thread(target=self._spill_loop, name="checkpoint-spill", daemon=True).start()
@@ -272,8 +280,28 @@ class CheckpointManager:
     ) -> bytes:
         return generation_key(self.scope(namespace), prompt, options_digest(options), request_id)
 
-    def capture_generation(self, row_caches: list[Any], tokens: int) -> CapturedCache:
-        """Starts a generation snapshot (MLX thread) without waiting for its copies."""
+    def segmentable(self) -> bool:
+        """Plain KV caches only grow at the end, so a checkpoint can append what is new."""
+        return all(codec == "kv:plain" for codec in self.layout)
+
+    def chain_broken(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._broken
+
+    def capture_generation(
+        self, row_caches: list[Any], tokens: int, start: int = 0
+    ) -> CapturedCache:
+        """Starts a generation snapshot (MLX thread) without waiting for its copies: the
+        whole caches, or with start > 0 only positions [start, tokens) of plain KV caches."""
+        if start:
+            segment = []
+            for cache in row_caches:
+                part = cache_lib.KVCache()
+                part.keys = cache.keys[..., start : cache.offset, :]
+                part.values = cache.values[..., start : cache.offset, :]
+                part.offset = cache.offset - start
+                segment.append(part)
+            row_caches = segment
         return capture(row_caches, tokens, wait=False)
 
     def save_generation(
@@ -286,12 +314,19 @@ class CheckpointManager:
         pending: int,
         options: SamplingOptions,
         max_tokens: int,
+        segment: tuple[int, int, int] | None = None,
     ) -> None:
         """Queues a generation snapshot for the store (MLX thread), once its pending token
-        is known."""
+        is known.
+
+        segment = (index, first, start): the snapshot is segment `index` of an append-only
+        chain whose live part begins at segment `first`; it holds cache positions from
+        `start`. It is stored as its own record, then a tensor-less manifest under the
+        generation key names the chain. Otherwise the snapshot is the whole record.
+        """
         settle(captured)
         meta = {
-            **captured.meta(),
+            **({} if segment is not None else captured.meta()),
             "prompt_tokens": str(len(prompt)),
             "generated": str(len(generated)),
             "pending": str(pending),
@@ -310,9 +345,37 @@ class CheckpointManager:
             trimmable=False,
             metadata=meta,
         )
-        self._enqueue("put_generation", (record, captured), captured.nbytes)
+        if segment is None:
+            self._enqueue("put_generation", (record, captured), captured.nbytes)
+            return
+        index, first, start = segment
+        part = Checkpoint(
+            key=segment_key(key, index),
+            kind="object",
+            namespace=namespace,
+            model_id=self.model_id,
+            layout=self.layout,
+            trimmable=False,
+            metadata={**captured.meta(), "segment_of": key.hex(), "start": str(start)},
+        )
+        meta.update(
+            segments_first=str(first),
+            segments_next=str(index + 1),
+            codec=captured.meta()["codec"],
+            layout="|".join(self.layout),
+        )
+        if not self._enqueue("put_segment", (part, captured, key, start), captured.nbytes):
+            with self._lock:
+                self._broken.add(key)  # dropped: the next snapshot starts a new chain
+            return
+        with self._lock:
+            if start == 0:
+                self._broken.discard(key)
+        self._enqueue("put_manifest", (record, None, key), 0)
 
-    def forget_generation(self, key: bytes, namespace: str) -> None:
+    def forget_generation(self, key: bytes, namespace: str, segments: int = 0) -> None:
+        for index in range(segments):
+            self._enqueue("delete", (segment_key(key, index), namespace), 0)
         self._enqueue("delete", (key, namespace), 0)
 
     def load_generation(self, key: bytes, namespace: str, prompt: list[int]) -> ResumePlan:
@@ -341,32 +404,61 @@ class CheckpointManager:
         n_prompt = int(meta["prompt_tokens"])
         if ckpt.token_ids[:n_prompt] != list(prompt):
             raise Precondition("checkpoint prompt differs from the request's")
+        tensors, nbytes = _tensor_map(ckpt), sum(t.nbytes for t in ckpt.tensors)
+        segments = []
+        if "segments_next" in meta:
+            indices = range(int(meta["segments_first"]), int(meta["segments_next"]))
+            store = self._store
+
+            def fetch(index: int) -> Checkpoint:
+                try:
+                    return store.get(segment_key(key, index), namespace)
+                except StoreNotFound as exc:
+                    raise Precondition(f"checkpoint segment {index} is missing") from exc
+
+            with ThreadPoolExecutor(max_workers=8) as pool:  # Gets are latency-bound
+                for part in pool.map(fetch, indices):
+                    segments.append((part.metadata, _tensor_map(part)))
+                    nbytes += sum(t.nbytes for t in part.tensors)
         self._count("resumes")
         return ResumePlan(
             key,
             list(ckpt.token_ids[n_prompt:]),
             int(meta["pending"]),
             meta,
-            _tensor_map(ckpt),
-            sum(t.nbytes for t in ckpt.tensors),
+            tensors,
+            nbytes,
             time.perf_counter() - start,
+            segments,
         )
 
     def materialize_resume(self, plan: ResumePlan) -> list[Any]:
-        return restore(plan.meta, plan.tensors, self.layout)
+        if not plan.segments:
+            return restore(plan.meta, plan.tensors, self.layout)
+        parts = [restore(meta, tensors, self.layout) for meta, tensors in plan.segments]
+        caches = []
+        for layer in zip(*parts, strict=True):
+            cache = cache_lib.KVCache()
+            cache.keys = mx.concatenate([p.keys[..., : p.offset, :] for p in layer], axis=2)
+            cache.values = mx.concatenate([p.values[..., : p.offset, :] for p in layer], axis=2)
+            cache.offset = sum(p.offset for p in layer)
+            caches.append(cache)
+        return caches
 
     # -- the spill queue ---------------------------------------------------------------------
 
-    def _enqueue(self, kind: str, item: Any, nbytes: int) -> None:
+    def _enqueue(self, kind: str, item: Any, nbytes: int) -> bool:
+        """Queues work for the spill thread; False when it did not fit (counted as dropped)."""
         if self._store is None:
-            return
+            return False
         with self._lock:
             if nbytes and self.stats.queued_bytes + nbytes > self.settings.spill_queue_bytes:
                 self.stats.dropped += 1
                 self._since_flush["missing"] += 1
-                return
+                return False
             self.stats.queued_bytes += nbytes
         self._queue.put((kind, item, nbytes))
+        return True
 
     def _spill_loop(self) -> None:
         assert self._store is not None
@@ -387,6 +479,9 @@ class CheckpointManager:
             except TandemError as exc:
                 if kind == "put_prefix":  # not in the store after all: let it be sent again
                     self._saved_keys.pop(item[0].key, None)
+                if kind in ("put_segment", "put_manifest"):
+                    with self._lock:
+                        self._broken.add(item[2])  # the next snapshot starts a new chain
                 if kind != "delete":
                     self._count("failed")
                     with self._lock:
@@ -410,7 +505,27 @@ class CheckpointManager:
             except StoreNotFound:
                 pass
             return
+        if kind == "put_segment":
+            part, captured, key, start = item
+            if start and self.chain_broken(key):
+                raise StoreDown("an earlier segment of this chain did not reach the store")
+            self._put_record("put_generation", part, captured)
+            return
+        if kind == "put_manifest":
+            record, _, key = item
+            if self.chain_broken(key):
+                raise StoreDown("a segment of this chain did not reach the store")
+            self._store.put(
+                record,
+                pin_ttl_s=self.settings.lease_s,
+                pin_holder=f"engine/{record.key.hex()[:12]}",
+            )
+            return
         record, captured = item
+        self._put_record(kind, record, captured)
+
+    def _put_record(self, kind: str, record: Checkpoint, captured: CapturedCache) -> None:
+        assert self._store is not None
         record.tensors = [
             Tensor(name, dtype, shape, data) for name, dtype, shape, data in to_host(captured)
         ]
@@ -464,6 +579,11 @@ class CheckpointManager:
     def snapshot(self) -> CheckpointStats:
         with self._lock:
             return CheckpointStats(**self.stats.__dict__)
+
+
+def segment_key(key: bytes, index: int) -> bytes:
+    """The record key of segment `index` of a generation checkpoint's chain."""
+    return hashlib.blake2b(key + index.to_bytes(4, "big"), digest_size=32).digest()
 
 
 def _tensor_map(ckpt: Checkpoint) -> dict[str, tuple[str, tuple[int, ...], Any]]:

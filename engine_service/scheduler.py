@@ -54,6 +54,9 @@ class Finished:
 
 # Generation snapshots are taken on steps that are multiples of this (see _capture_due).
 CHECKPOINT_ALIGN = 8
+# An append-only checkpoint chain starts over with a full snapshot after this many segments,
+# which bounds what a resume must fetch.
+MAX_CHAIN = 16
 # How long the loop lingers for more arrivals before admitting new requests.
 ADMISSION_WINDOW_S = float(os.environ.get("TANDEM_ADMISSION_WINDOW", "0.002"))
 
@@ -89,8 +92,14 @@ class _Job:
     checkpoint_key: bytes = b""
     checkpointed: bool = False
     keep_checkpoint: bool = False  # a client that went away may come back and resume
-    snapshot: tuple[Any, list[int]] | None = None  # a generation capture awaiting its pending
+    # A generation capture awaiting its pending token: (capture, tokens, segment or None).
+    snapshot: tuple[Any, list[int], tuple[int, int, int] | None] | None = None
     last_checkpoint_at: int = 0  # len(tokens) at the last generation snapshot
+    # Append-only checkpoint chain (plain KV caches): segments numbered so far, the first
+    # live one, and how many cache positions the written segments cover.
+    segment_count: int = 0
+    segment_first: int = 0
+    covered: int = 0
     admitted_at: float = 0.0
 
 
@@ -335,6 +344,11 @@ class Scheduler:
             # the sampler goes on at the step after it.
             job.tokens = [*plan.generated, plan.pending]
             job.last_checkpoint_at = len(job.tokens)
+            # Go on with the chain the checkpoint belongs to.
+            job.segment_count = int(plan.meta.get("segments_next", 0))
+            job.segment_first = int(plan.meta.get("segments_first", 0))
+            job.covered = len(r.prompt) + len(plan.generated)
+            job.checkpointed = True
             history = [*r.prompt, *plan.generated]
             return [plan.pending], history, ckpt.materialize_resume(plan), len(r.prompt)
         if isinstance(plan, PrefixPlan) and ckpt is not None:
@@ -410,7 +424,7 @@ class Scheduler:
         assert ckpt is not None
         r = job.request
         if job.snapshot is not None:
-            captured, tokens = job.snapshot
+            captured, tokens, segment = job.snapshot
             job.snapshot = None
             if finished_cache is None:  # a finishing job deletes its checkpoint anyway
                 ckpt.save_generation(
@@ -422,6 +436,7 @@ class Scheduler:
                     job.tokens[-1],
                     r.sampling,
                     r.max_tokens,
+                    segment,
                 )
                 job.checkpointed = True
         if len(job.tokens) == 1 and not isinstance(job.plan, ResumePlan):
@@ -452,7 +467,25 @@ class Scheduler:
             if found is None:
                 continue
             held = len(job.request.prompt) + len(job.tokens)
-            job.snapshot = (ckpt.capture_generation(found[0], held), list(job.tokens))
+            segment = None
+            start = 0
+            if ckpt.segmentable():
+                # Append what is new since the last segment; start over when there is no
+                # chain yet, it is long (MAX_CHAIN) or it has a hole (a segment dropped).
+                if (
+                    job.segment_count == 0
+                    or job.covered == 0
+                    or job.segment_count - job.segment_first >= MAX_CHAIN
+                    or ckpt.chain_broken(job.checkpoint_key)
+                ):
+                    job.segment_first = job.segment_count
+                else:
+                    start = job.covered
+                segment = (job.segment_count, job.segment_first, start)
+                job.segment_count += 1
+                job.covered = held
+            captured = ckpt.capture_generation(found[0], held, start)
+            job.snapshot = (captured, list(job.tokens), segment)
             job.last_checkpoint_at = len(job.tokens)
 
     def _row_cache(self, job: _Job) -> list[Any] | None:
@@ -480,7 +513,9 @@ class Scheduler:
 
     def _forget(self, job: _Job) -> None:
         if job.checkpointed and not job.keep_checkpoint and self.checkpoints is not None:
-            self.checkpoints.forget_generation(job.checkpoint_key, job.request.namespace)
+            self.checkpoints.forget_generation(
+                job.checkpoint_key, job.request.namespace, job.segment_count
+            )
         self._rows.pop(job.uid, None)
         self._by_id.pop(job.request.request_id, None)
         with self._lock:
