@@ -52,6 +52,10 @@ from tandem_client.store_client import Checkpoint, StoreClient, Tensor
 
 log = logging.getLogger(__name__)
 
+# A generation checkpoint chain holds at most this many segments before a full snapshot
+# starts a new one (engine_service/scheduler.py takes it from here).
+MAX_CHAIN = 16
+
 
 @dataclass
 class CheckpointSettings:
@@ -348,6 +352,11 @@ class CheckpointManager:
         if segment is None:
             self._enqueue("put_generation", (record, captured), captured.nbytes)
             return
+        # A segment carries the generation's whole state (tokens, pending token, step) and
+        # the cache positions it adds; the manifest under the generation key is written only
+        # when a chain starts and names its first segment. A resume reads the manifest, then
+        # the chain's segments up to the first missing one: the last of them is the state.
+        # One Put per checkpoint, and a dropped segment can never be built upon.
         index, first, start = segment
         part = Checkpoint(
             key=segment_key(key, index),
@@ -355,23 +364,24 @@ class CheckpointManager:
             namespace=namespace,
             model_id=self.model_id,
             layout=self.layout,
+            token_ids=record.token_ids,
             trimmable=False,
-            metadata={**captured.meta(), "segment_of": key.hex(), "start": str(start)},
+            metadata={**meta, **captured.meta(), "segment_of": key.hex(), "start": str(start)},
         )
-        meta.update(
-            segments_first=str(first),
-            segments_next=str(index + 1),
-            codec=captured.meta()["codec"],
-            layout="|".join(self.layout),
-        )
+        record.metadata = {
+            **meta,
+            "segments_first": str(first),
+            "codec": captured.meta()["codec"],
+            "layout": "|".join(self.layout),
+        }
+        if start == 0:
+            with self._lock:
+                self._broken.discard(key)
+            if not self._enqueue("put_manifest", (record, None, key), 0):
+                return
         if not self._enqueue("put_segment", (part, captured, key, start), captured.nbytes):
             with self._lock:
                 self._broken.add(key)  # dropped: the next snapshot starts a new chain
-            return
-        with self._lock:
-            if start == 0:
-                self._broken.discard(key)
-        self._enqueue("put_manifest", (record, None, key), 0)
 
     def forget_generation(self, key: bytes, namespace: str, segments: int = 0) -> None:
         for index in range(segments):
@@ -405,25 +415,42 @@ class CheckpointManager:
         if ckpt.token_ids[:n_prompt] != list(prompt):
             raise Precondition("checkpoint prompt differs from the request's")
         tensors, nbytes = _tensor_map(ckpt), sum(t.nbytes for t in ckpt.tensors)
+        generated = list(ckpt.token_ids[n_prompt:])
         segments = []
-        if "segments_next" in meta:
-            indices = range(int(meta["segments_first"]), int(meta["segments_next"]))
+        if "segments_first" in meta:
+            first = int(meta["segments_first"])
             store = self._store
 
-            def fetch(index: int) -> Checkpoint:
+            def fetch(index: int) -> Checkpoint | None:
                 try:
                     return store.get(segment_key(key, index), namespace)
-                except StoreNotFound as exc:
-                    raise Precondition(f"checkpoint segment {index} is missing") from exc
+                except StoreNotFound:
+                    return None
 
-            with ThreadPoolExecutor(max_workers=8) as pool:  # Gets are latency-bound
-                for part in pool.map(fetch, indices):
-                    segments.append((part.metadata, _tensor_map(part)))
-                    nbytes += sum(t.nbytes for t in part.tensors)
+            # A chain holds at most MAX_CHAIN segments; probe them all at once.
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                found = list(pool.map(fetch, range(first, first + MAX_CHAIN)))
+            parts = []
+            for part in found:
+                if part is None:
+                    break  # the chain ends at its first missing segment
+                parts.append(part)
+            if not parts:
+                raise NotFound("the checkpoint's first segment is not in the store")
+            for part in parts:
+                segments.append((part.metadata, _tensor_map(part)))
+                nbytes += sum(t.nbytes for t in part.tensors)
+            last = parts[-1]
+            meta = {
+                **last.metadata,
+                "segments_first": str(first),
+                "segments_next": str(first + len(parts)),
+            }
+            generated = list(last.token_ids[n_prompt:])
         self._count("resumes")
         return ResumePlan(
             key,
-            list(ckpt.token_ids[n_prompt:]),
+            generated,
             int(meta["pending"]),
             meta,
             tensors,
@@ -513,8 +540,6 @@ class CheckpointManager:
             return
         if kind == "put_manifest":
             record, _, key = item
-            if self.chain_broken(key):
-                raise StoreDown("a segment of this chain did not reach the store")
             self._store.put(
                 record,
                 pin_ttl_s=self.settings.lease_s,

@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from engine_service.checkpoints import CheckpointManager, PrefixPlan, ResumePlan
+from engine_service.checkpoints import MAX_CHAIN, CheckpointManager, PrefixPlan, ResumePlan
 from engine_service.errors import AlreadyExists, Overloaded, Unavailable
 from engine_service.model import LoadedModel
 from engine_service.requests import GenerationRequest
@@ -54,9 +54,6 @@ class Finished:
 
 # Generation snapshots are taken on steps that are multiples of this (see _capture_due).
 CHECKPOINT_ALIGN = 8
-# An append-only checkpoint chain starts over with a full snapshot after this many segments,
-# which bounds what a resume must fetch.
-MAX_CHAIN = 16
 # How long the loop lingers for more arrivals before admitting new requests.
 ADMISSION_WINDOW_S = float(os.environ.get("TANDEM_ADMISSION_WINDOW", "0.002"))
 

@@ -94,9 +94,10 @@ def _interrupted_then_resumed(stack: Stack, options: dict, kill_at: int) -> tupl
         received.extend(chunk.token_ids)
         if len(received) >= kill_at:
             break
+    # Segments carry the generation's state; wait until one covers most of what was read.
     _wait_for(
         lambda: any(
-            r.token_count >= len(PROMPT) + kill_at - 8 for r in store.list_all(kind="generation")
+            r.token_count >= len(PROMPT) + kill_at - 16 for r in store.list_all(kind="object")
         )
     )
     # Plain KV caches checkpoint as an append-only chain: a tensor-less manifest under the
