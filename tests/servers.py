@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -146,3 +147,14 @@ def start_store_on(data_dir: Path, port: int, *extra: str) -> ServiceProcess:
     )
     proc.args = ["--data-dir", str(data_dir), *extra]
     return proc.start_on(port)
+
+
+def store_and_engine(root: Path, engine_data_dir: Path) -> Iterator[dict[str, str]]:
+    """A store and an engine using it; yields their addresses as TANDEM_* variables."""
+    store = start_store(root / "store")
+    engine = start_engine(engine_data_dir, "--store", store.address, log_dir=root)
+    try:
+        yield {"TANDEM_STORE": store.address, "TANDEM_ENGINE": engine.address}
+    finally:
+        engine.stop()
+        store.stop()

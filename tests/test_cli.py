@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import ROOT, ServiceProcess, start_engine, start_store
+from tests.servers import ROOT, ServiceProcess, store_and_engine
 
 LONG_SYSTEM = "You are a careful assistant. " * 20  # makes the prompt long enough to cache
 
@@ -20,14 +20,7 @@ LONG_SYSTEM = "You are a careful assistant. " * 20  # makes the prompt long enou
 def services(
     tmp_path_factory: pytest.TempPathFactory, engine_data_dir: Path, engine: ServiceProcess
 ) -> Iterator[dict[str, str]]:
-    root = tmp_path_factory.mktemp("cli")
-    store = start_store(root / "store")
-    eng = start_engine(engine_data_dir, "--store", store.address, log_dir=root)
-    try:
-        yield {"TANDEM_STORE": store.address, "TANDEM_ENGINE": eng.address}
-    finally:
-        eng.stop()
-        store.stop()
+    yield from store_and_engine(tmp_path_factory.mktemp("cli"), engine_data_dir)
 
 
 def tandem(env: dict[str, str], *args: str, stdin: str = "") -> subprocess.CompletedProcess:

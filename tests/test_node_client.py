@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import ROOT, ServiceProcess, start_engine, start_store
+from tests.servers import ROOT, ServiceProcess, store_and_engine
 
 NODE_DIR = ROOT / "clients" / "node"
 
@@ -19,14 +19,7 @@ NODE_DIR = ROOT / "clients" / "node"
 def services(
     tmp_path_factory: pytest.TempPathFactory, engine_data_dir: Path, engine: ServiceProcess
 ) -> Iterator[dict[str, str]]:
-    root = tmp_path_factory.mktemp("node")
-    store = start_store(root / "store")
-    eng = start_engine(engine_data_dir, "--store", store.address, log_dir=root)
-    try:
-        yield {"TANDEM_STORE": store.address, "TANDEM_ENGINE": eng.address}
-    finally:
-        eng.stop()
-        store.stop()
+    yield from store_and_engine(tmp_path_factory.mktemp("node"), engine_data_dir)
 
 
 def test_node_client_suite_passes(services: dict[str, str]) -> None:
