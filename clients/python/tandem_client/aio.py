@@ -22,6 +22,7 @@ from tandem_client.store_client import (
     RecordSummary,
     bulk_methods,
     kind_to_pb,
+    lookup_request,
     put_messages,
 )
 
@@ -156,21 +157,12 @@ class AsyncStoreClient(AsyncGrpcClient):
         token_count: int,
         kind: str = "",
     ) -> LookupResult:
-        r = await self._call(
-            self._store.Lookup(
-                store_pb2.LookupRequest(
-                    namespace=namespace,
-                    model_id=model_id,
-                    layout=list(layout),
-                    block_size=block_size,
-                    block_hashes=list(block_hashes),
-                    token_count=token_count,
-                    kind=kind_to_pb(kind),
-                ),
-                timeout=self.timeout,
-            )
+        request = lookup_request(
+            namespace, model_id, layout, block_size, block_hashes, token_count, kind
         )
-        return LookupResult(r.found, r.key, r.matched_tokens, r.record_tokens, r.trimmable)
+        return LookupResult.from_pb(
+            await self._call(self._store.Lookup(request, timeout=self.timeout))
+        )
 
     async def list(
         self, *, namespace: str = "", kind: str = "", page_size: int = 0, page_token: str = ""

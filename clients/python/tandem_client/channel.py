@@ -42,6 +42,19 @@ def channel_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, An
     return [("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG), *extra]
 
 
+def _open(
+    module: Any,
+    address: str,
+    credentials: grpc.ChannelCredentials | None,
+    options: Sequence[tuple[str, Any]],
+) -> Any:
+    """A channel from `grpc` or `grpc.aio`, with the retry policy, TLS when credentials."""
+    opts = channel_options(options)
+    if credentials:
+        return module.secure_channel(address, credentials, opts)
+    return module.insecure_channel(address, opts)
+
+
 class GrpcClient:
     def __init__(
         self,
@@ -52,12 +65,7 @@ class GrpcClient:
     ) -> None:
         self.address = address
         self.timeout = timeout
-        opts = channel_options(options)
-        self._channel = (
-            grpc.secure_channel(address, credentials, opts)
-            if credentials
-            else grpc.insecure_channel(address, opts)
-        )
+        self._channel = _open(grpc, address, credentials, options)
 
     def close(self) -> None:
         self._channel.close()
@@ -87,12 +95,7 @@ class AsyncGrpcClient:
     ) -> None:
         self.address = address
         self.timeout = timeout
-        opts = channel_options(options)
-        self._channel = (
-            grpc.aio.secure_channel(address, credentials, opts)
-            if credentials
-            else grpc.aio.insecure_channel(address, opts)
-        )
+        self._channel = _open(grpc.aio, address, credentials, options)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -152,6 +152,30 @@ class LookupResult:
     record_tokens: int
     trimmable: bool
 
+    @classmethod
+    def from_pb(cls, r: store_pb2.LookupResponse) -> LookupResult:
+        return cls(r.found, r.key, r.matched_tokens, r.record_tokens, r.trimmable)
+
+
+def lookup_request(
+    namespace: str,
+    model_id: str,
+    layout: Sequence[str],
+    block_size: int,
+    block_hashes: Sequence[bytes],
+    token_count: int,
+    kind: str,
+) -> store_pb2.LookupRequest:
+    return store_pb2.LookupRequest(
+        namespace=namespace,
+        model_id=model_id,
+        layout=list(layout),
+        block_size=block_size,
+        block_hashes=list(block_hashes),
+        token_count=token_count,
+        kind=kind_to_pb(kind),
+    )
+
 
 @dataclass(frozen=True)
 class Lease:
@@ -301,21 +325,11 @@ class StoreClient(GrpcClient):
         token_count: int,
         kind: str = "",
     ) -> LookupResult:
-        r = self._call(
-            lambda: self._store.Lookup(
-                store_pb2.LookupRequest(
-                    namespace=namespace,
-                    model_id=model_id,
-                    layout=list(layout),
-                    block_size=block_size,
-                    block_hashes=list(block_hashes),
-                    token_count=token_count,
-                    kind=kind_to_pb(kind),
-                ),
-                timeout=self.timeout,
-            )
+        request = lookup_request(
+            namespace, model_id, layout, block_size, block_hashes, token_count, kind
         )
-        return LookupResult(r.found, r.key, r.matched_tokens, r.record_tokens, r.trimmable)
+        r = self._call(lambda: self._store.Lookup(request, timeout=self.timeout))
+        return LookupResult.from_pb(r)
 
     def pin(
         self,
