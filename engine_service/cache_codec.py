@@ -23,6 +23,7 @@ from mlx_lm.models import cache as cache_lib
 
 from engine_service.errors import Precondition
 from engine_service.model import layout_codec
+from engine_service.quantized_kv import PackedRow, PlainRow, layout_accepts
 
 CODEC_VERSION = "tandem.cache.v1"
 # dtypes numpy cannot hold travel as same-width unsigned words.
@@ -86,7 +87,7 @@ def capture(caches: list[Any], tokens: int, wait: bool = True) -> CapturedCache:
     for i, cache in enumerate(caches):
         skeleton.append(
             {
-                "class": type(cache).__name__,
+                "class": _class_name(cache),
                 "meta": list(getattr(cache, "meta_state", ()) or ()),
                 "state": encode(_live_state(cache), f"l{i}"),
             }
@@ -98,17 +99,31 @@ def capture(caches: list[Any], tokens: int, wait: bool = True) -> CapturedCache:
     return CapturedCache(arrays, dtypes, skeleton, [layout_codec(c) for c in caches], tokens)
 
 
+def _class_name(cache: Any) -> str:
+    """The mlx-lm class a layer restores as (a batch row restores as its solo cache)."""
+    if isinstance(cache, PlainRow):
+        return "KVCache"
+    if isinstance(cache, PackedRow):
+        return "QuantizedKVCache"
+    return type(cache).__name__
+
+
 def settle(captured: CapturedCache) -> None:
     """Waits for a capture's copies (MLX thread)."""
     mx.eval(list(captured.arrays.values()))
 
 
 def _live_state(cache: Any) -> Any:
-    """The cache's state, without the unused tail of a KVCache's step-grown buffers."""
+    """The cache's state, without the unused tail of step-grown KV buffers."""
     keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
-    if type(cache) is cache_lib.KVCache and keys is not None and values is not None:
-        n = cache.offset
+    if keys is None or values is None:
+        return cache.state
+    n = getattr(cache, "offset", 0)
+    if isinstance(cache, cache_lib.KVCache):
         return keys[..., :n, :], values[..., :n, :], n
+    if isinstance(cache, cache_lib.QuantizedKVCache):
+        live = [tuple(p[..., :n, :] for p in planes) for planes in (keys, values)]
+        return live[0], live[1], n, cache.group_size, cache.bits
     return cache.state
 
 
@@ -137,9 +152,9 @@ def restore(
     if meta.get("codec") != CODEC_VERSION:
         raise Precondition(f"checkpoint codec {meta.get('codec')!r} is not {CODEC_VERSION!r}")
     layout = meta.get("layout", "").split("|")
-    if layout != list(expected_layout):
+    if not layout_accepts(list(expected_layout), layout):
         raise Precondition(
-            f"checkpoint cache layout {layout} differs from the engine's {list(expected_layout)}"
+            f"checkpoint cache layout {layout} differs from the request's {list(expected_layout)}"
         )
 
     def decode(node: dict[str, Any]) -> Any:

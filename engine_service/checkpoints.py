@@ -78,6 +78,7 @@ class PrefixPlan:
     tensors: dict[str, tuple[str, tuple[int, ...], Any]] = field(default_factory=dict)
     fetch_s: float = 0.0
     nbytes: int = 0
+    layout: list[str] = field(default_factory=list)  # the request's cache layout
 
 
 @dataclass
@@ -95,6 +96,7 @@ class ResumePlan:
     segments: list[tuple[dict[str, str], dict[str, tuple[str, tuple[int, ...], Any]]]] = field(
         default_factory=list
     )
+    layout: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -147,7 +149,7 @@ class CheckpointManager:
         self.settings = settings
         # The compute dtype is part of what a cache was computed under.
         self.model_id = f"{loaded.model_id}/{loaded.dtype}"
-        self.layout = list(loaded.layout)
+        self.layout = list(loaded.layout)  # plain; a request's KV codec changes its KV layers
         self.stats = CheckpointStats()
         self._local = PrefixCache(settings.local_cache_bytes)
         self._store = StoreClient(settings.store, timeout=60) if settings.store else None
@@ -164,27 +166,31 @@ class CheckpointManager:
     def has_store(self) -> bool:
         return self._store is not None
 
-    def scope(self, namespace: str) -> bytes:
-        return scope_digest(self.model_id, self.layout, namespace)
+    def scope(self, namespace: str, layout: list[str]) -> bytes:
+        return scope_digest(self.model_id, layout, namespace)
 
     # -- prefix reuse (handler threads) ------------------------------------------------------
 
-    def find_prefix(self, prompt: list[int], namespace: str) -> PrefixPlan | None:
+    def find_prefix(
+        self, prompt: list[int], namespace: str, layout: list[str]
+    ) -> PrefixPlan | None:
         """The longest reusable prefix of prompt[:-1] (one token must be left to prefill)."""
         usable = prompt[:-1]
         if len(usable) < BLOCK_SIZE:
             return None
-        scope = self.scope(namespace)
+        scope = self.scope(namespace, layout)
         chain = block_hashes(usable, BLOCK_SIZE, scope)
         lengths = [min((i + 1) * BLOCK_SIZE, len(usable)) for i in range(len(chain))]
         key, local_len = self._local.match(chain, lengths)
-        best: PrefixPlan | None = PrefixPlan(local_len, "local", key) if local_len else None
+        best: PrefixPlan | None = (
+            PrefixPlan(local_len, "local", key, layout=layout) if local_len else None
+        )
         if self._store is not None:
             try:
                 hit = self._store.lookup(
                     namespace=namespace,
                     model_id=self.model_id,
-                    layout=self.layout,
+                    layout=layout,
                     block_size=BLOCK_SIZE,
                     block_hashes=chain,
                     token_count=len(usable),
@@ -200,6 +206,7 @@ class CheckpointManager:
                         _tensor_map(ckpt),
                         time.perf_counter() - start,
                         sum(t.nbytes for t in ckpt.tensors),
+                        layout,
                     )
             except DataLoss as exc:  # the store quarantined it; prefill instead
                 log.warning("prefix checkpoint unreadable, prefilling instead: %s", exc)
@@ -223,10 +230,10 @@ class CheckpointManager:
                     n: (captured.dtypes[n], tuple(a.shape), host_view(a))
                     for n, a in captured.arrays.items()
                 }
-                caches = restore(captured.meta(), tensors, self.layout)
+                caches = restore(captured.meta(), tensors, plan.layout)
                 held = captured.tokens
             else:
-                caches = restore(plan.meta, plan.tensors, self.layout)
+                caches = restore(plan.meta, plan.tensors, plan.layout)
                 held = int(plan.meta.get("tokens", plan.matched))
             if held > plan.matched:
                 if not can_trim_prompt_cache(caches):
@@ -246,11 +253,13 @@ class CheckpointManager:
             s.restore_seconds += plan.fetch_s + time.perf_counter() - start
         return caches
 
-    def save_prefix(self, row_caches: list[Any], prompt: list[int], namespace: str) -> None:
+    def save_prefix(
+        self, row_caches: list[Any], prompt: list[int], namespace: str, layout: list[str]
+    ) -> None:
         """Keeps a prompt's caches (MLX thread; row_caches hold prompt + 1 token)."""
         if len(prompt) < self.settings.min_prefix_tokens or not can_trim_prompt_cache(row_caches):
             return
-        scope = self.scope(namespace)
+        scope = self.scope(namespace, layout)
         key = prefix_key(scope, prompt)
         if key in self._local or key in self._saved_keys:
             return
@@ -268,7 +277,7 @@ class CheckpointManager:
             kind="prefix",
             namespace=namespace,
             model_id=self.model_id,
-            layout=self.layout,
+            layout=layout,
             token_ids=list(prompt),
             trimmable=True,
             block_size=BLOCK_SIZE,
@@ -280,13 +289,21 @@ class CheckpointManager:
     # -- generation checkpoints --------------------------------------------------------------
 
     def generation_key(
-        self, namespace: str, prompt: list[int], options: SamplingOptions, request_id: str
+        self,
+        namespace: str,
+        prompt: list[int],
+        options: SamplingOptions,
+        request_id: str,
+        layout: list[str],
     ) -> bytes:
-        return generation_key(self.scope(namespace), prompt, options_digest(options), request_id)
+        return generation_key(
+            self.scope(namespace, layout), prompt, options_digest(options), request_id
+        )
 
-    def segmentable(self) -> bool:
+    @staticmethod
+    def segmentable(layout: list[str]) -> bool:
         """Plain KV caches only grow at the end, so a checkpoint can append what is new."""
-        return all(codec == "kv:plain" for codec in self.layout)
+        return all(codec == "kv:plain" for codec in layout)
 
     def chain_broken(self, key: bytes) -> bool:
         with self._lock:
@@ -318,6 +335,7 @@ class CheckpointManager:
         pending: int,
         options: SamplingOptions,
         max_tokens: int,
+        layout: list[str],
         segment: tuple[int, int, int] | None = None,
     ) -> None:
         """Queues a generation snapshot for the store (MLX thread), once its pending token
@@ -344,7 +362,7 @@ class CheckpointManager:
             kind="generation",
             namespace=namespace,
             model_id=self.model_id,
-            layout=self.layout,
+            layout=layout,
             token_ids=list(prompt) + list(generated),
             trimmable=False,
             metadata=meta,
@@ -363,7 +381,7 @@ class CheckpointManager:
             kind="object",
             namespace=namespace,
             model_id=self.model_id,
-            layout=self.layout,
+            layout=layout,
             token_ids=record.token_ids,
             trimmable=False,
             metadata={**meta, **captured.meta(), "segment_of": key.hex(), "start": str(start)},
@@ -372,7 +390,7 @@ class CheckpointManager:
             **meta,
             "segments_first": str(first),
             "codec": captured.meta()["codec"],
-            "layout": "|".join(self.layout),
+            "layout": "|".join(layout),
         }
         if start == 0:
             with self._lock:
@@ -388,7 +406,9 @@ class CheckpointManager:
             self._enqueue("delete", (segment_key(key, index), namespace), 0)
         self._enqueue("delete", (key, namespace), 0)
 
-    def load_generation(self, key: bytes, namespace: str, prompt: list[int]) -> ResumePlan:
+    def load_generation(
+        self, key: bytes, namespace: str, prompt: list[int], layout: list[str]
+    ) -> ResumePlan:
         """The checkpoint of a generation to resume (handler thread)."""
         if self._store is None:
             raise Precondition("resume needs an engine started with --store")
@@ -405,10 +425,10 @@ class CheckpointManager:
                 f"checkpoint was made by model {ckpt.model_id!r}; this engine "
                 f"serves {self.model_id!r}"
             )
-        if list(ckpt.layout) != self.layout:
+        if list(ckpt.layout) != layout:
             raise Precondition(
                 f"checkpoint cache layout {list(ckpt.layout)} differs from the "
-                f"engine's {self.layout}"
+                f"request's {layout}"
             )
         meta = ckpt.metadata
         n_prompt = int(meta["prompt_tokens"])
@@ -457,12 +477,13 @@ class CheckpointManager:
             nbytes,
             time.perf_counter() - start,
             segments,
+            layout,
         )
 
     def materialize_resume(self, plan: ResumePlan) -> list[Any]:
         if not plan.segments:
-            return restore(plan.meta, plan.tensors, self.layout)
-        parts = [restore(meta, tensors, self.layout) for meta, tensors in plan.segments]
+            return restore(plan.meta, plan.tensors, plan.layout)
+        parts = [restore(meta, tensors, plan.layout) for meta, tensors in plan.segments]
         caches = []
         for layer in zip(*parts, strict=True):
             cache = cache_lib.KVCache()

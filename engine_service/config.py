@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine_service.quantized_kv import BITS, GROUP_SIZES, KVCodec
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -33,12 +35,26 @@ class EngineConfig:
     # PEM files; both given = listen with TLS.
     tls_cert: str = ""
     tls_key: str = ""
+    # Default KV codec of requests that do not choose one (0 bits = plain).
+    kv_bits: int = 0
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
+
+    @property
+    def kv_codec(self) -> KVCodec:
+        return KVCodec(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_queued < 0:
             raise ValueError("--max-running must be >= 1 and --max-queued >= 0")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError("--dtype must be auto, float32, bfloat16 or float16")
+        if self.kv_bits not in (0, *BITS):
+            raise ValueError(f"--kv-bits must be 0 (plain), 4 or 8, got {self.kv_bits}")
+        if self.kv_group_size not in GROUP_SIZES:
+            raise ValueError(f"--kv-group-size must be 32, 64 or 128, got {self.kv_group_size}")
+        if self.quantized_kv_start < 0:
+            raise ValueError("--quantized-kv-start must be >= 0")
 
 
 def _env(name: str, default: str) -> str:
@@ -94,6 +110,19 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         default=float(_env("SWITCH_INTERVAL", "0.001")),
         help="Python GIL switch interval in seconds (see server.py)",
     )
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        default=int(_env("KV_BITS", "0")),
+        help="quantize full-attention KV caches to 4 or 8 bits by default (0: plain)",
+    )
+    p.add_argument("--kv-group-size", type=int, default=int(_env("KV_GROUP_SIZE", "64")))
+    p.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=int(_env("QUANTIZED_KV_START", "0")),
+        help="tokens a row holds in the model's dtype before it converts",
+    )
     p.add_argument("--tls-cert", default=_env("TLS_CERT", ""), help="PEM certificate")
     p.add_argument("--tls-key", default=_env("TLS_KEY", ""), help="PEM private key")
     a = p.parse_args(argv)
@@ -117,6 +146,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             spill_queue_bytes=a.spill_queue_bytes,
             tls_cert=a.tls_cert,
             tls_key=a.tls_key,
+            kv_bits=a.kv_bits,
+            kv_group_size=a.kv_group_size,
+            quantized_kv_start=a.quantized_kv_start,
         )
     except ValueError as exc:
         p.error(str(exc))

@@ -32,6 +32,8 @@ class LoadedModel:
     layout: list[str]
     eos_token_ids: list[int]
     dtype: str
+    # Key and value head widths of the attention layers (what a KV group size must divide).
+    kv_head_dims: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -120,6 +122,7 @@ def load_model(spec: str, data_dir: Path, dtype: str = "auto") -> LoadedModel:
         layout=[layout_codec(c) for c in caches],
         eos_token_ids=eos,
         dtype=params_dtype,
+        kv_head_dims=_kv_head_dims(model, config),
     )
     log.info(
         "loaded %s (%s) from %s: %s, context %d, layout %s",
@@ -131,6 +134,21 @@ def load_model(spec: str, data_dir: Path, dtype: str = "auto") -> LoadedModel:
         ",".join(loaded.layout),
     )
     return loaded
+
+
+def _kv_head_dims(model: Any, config: dict[str, Any]) -> tuple[int, ...]:
+    args = getattr(model, "args", None)
+    text = config.get("text_config", config)
+    head = getattr(args, "head_dim", None) or text.get("head_dim")
+    if not head:
+        heads = text.get("num_attention_heads") or getattr(args, "num_attention_heads", 0)
+        hidden = text.get("hidden_size") or getattr(args, "hidden_size", 0)
+        head = hidden // heads if heads else 0
+    dims = {int(head)} if head else set()
+    for name in ("v_head_dim", "qk_head_dim", "kv_lora_rank"):  # models with uneven heads
+        if text.get(name):
+            dims.add(int(text[name]))
+    return tuple(sorted(dims))
 
 
 def _param_dtype(model: Any) -> str:

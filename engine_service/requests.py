@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine_service.errors import InvalidRequest, Precondition
 from engine_service.model import LoadedModel
+from engine_service.quantized_kv import BITS, GROUP_SIZES, KVCodec, request_layout
 from engine_service.sampling import SamplingOptions
 from tandem_client.pb import engine_pb2
 
@@ -28,6 +29,8 @@ class GenerationRequest:
     checkpoint_interval: int = 0
     resume: bool = False
     tokens_held: int = 0
+    kv: KVCodec = KVCodec()
+    layout: list[str] = field(default_factory=list)  # the model's layout under `kv`
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -77,6 +80,37 @@ def sampling_from_pb(p: engine_pb2.SamplingParams, vocab: int) -> SamplingOption
     )
 
 
+def kv_codec_from_pb(
+    request: engine_pb2.GenerateRequest, loaded: LoadedModel, default: KVCodec
+) -> KVCodec:
+    """The request's KV codec: its own fields over the engine's defaults."""
+    bits = request.kv_bits if request.HasField("kv_bits") else default.bits
+    group = request.kv_group_size or default.group_size
+    start = (
+        request.quantized_kv_start
+        if request.HasField("quantized_kv_start")
+        else default.start
+    )
+    if bits not in (0, *BITS):
+        raise InvalidRequest(f"kv_bits must be 0 (plain), 4 or 8, got {bits}")
+    if group not in GROUP_SIZES:
+        raise InvalidRequest(f"kv_group_size must be 32, 64 or 128, got {group}")
+    if start < 0:
+        raise InvalidRequest(f"quantized_kv_start must be >= 0, got {start}")
+    if not bits:
+        return KVCodec()
+    if "kv:plain" not in loaded.layout:
+        raise Precondition(
+            f"this model has no plain KV layers to quantize (layout {sorted(set(loaded.layout))})"
+        )
+    bad = [d for d in loaded.kv_head_dims if d % group]
+    if bad:
+        raise InvalidRequest(
+            f"kv_group_size {group} does not divide the model's head dimension {bad[0]}"
+        )
+    return KVCodec(bits, group, start)
+
+
 def prompt_tokens(
     request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest, loaded: LoadedModel
 ) -> list[int]:
@@ -113,6 +147,7 @@ def request_from_pb(
     deadline: float | None,
     has_store: bool = False,
     default_interval: int = 0,
+    default_kv: KVCodec = KVCodec(),
 ) -> GenerationRequest:
     if (request.resume or request.checkpoint_interval) and not has_store:
         raise Precondition("checkpoints and resume need an engine started with --store")
@@ -125,6 +160,7 @@ def request_from_pb(
     if len(request.request_id) > 128 or not request.request_id.isprintable():
         raise InvalidRequest("request_id must be up to 128 printable characters")
     sampling = sampling_from_pb(request.sampling, loaded.vocab_size)
+    kv = kv_codec_from_pb(request, loaded, default_kv)
     prompt = prompt_tokens(request, loaded)
     if not prompt:
         raise InvalidRequest("the prompt is empty")
@@ -144,4 +180,6 @@ def request_from_pb(
         checkpoint_interval=request.checkpoint_interval or (default_interval if has_store else 0),
         resume=request.resume,
         tokens_held=request.tokens_held,
+        kv=kv,
+        layout=request_layout(loaded.layout, kv),
     )

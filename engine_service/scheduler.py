@@ -20,10 +20,12 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
 
 from engine_service.checkpoints import MAX_CHAIN, CheckpointManager, PrefixPlan, ResumePlan
 from engine_service.errors import AlreadyExists, Overloaded, Unavailable
 from engine_service.model import LoadedModel
+from engine_service.quantized_kv import KVCodec, adopt_row
 from engine_service.requests import GenerationRequest
 from engine_service.sampling import make_processors, make_sampler
 
@@ -305,7 +307,7 @@ class Scheduler:
             prompt, history, cache, cached = self._starting_point(job)
             prompts.append(prompt)
             histories.append(history)
-            caches.append(cache)
+            caches.append(self._row_caches(cache, r.kv))
             max_tokens.append(r.max_tokens - len(job.tokens))
             samplers.append(make_sampler(r.sampling, start_step=len(job.tokens)))
             processors.append(make_processors(r.sampling))
@@ -314,7 +316,7 @@ class Scheduler:
             ckpt = self.checkpoints
             if ckpt is not None and ckpt.has_store and r.checkpoint_interval:
                 job.checkpoint_key = ckpt.generation_key(
-                    r.namespace, r.prompt, r.sampling, r.request_id
+                    r.namespace, r.prompt, r.sampling, r.request_id, r.layout
                 )
             self._emit(job, [Started(len(r.prompt), cached)])
         uids = self._bg.insert(
@@ -331,6 +333,13 @@ class Scheduler:
             self._rows[uid] = job
         with self._lock:
             self._stats.prompt_tokens_total += sum(len(p) for p in prompts)
+
+    def _row_caches(self, restored: list[Any] | None, kv: KVCodec) -> list[Any]:
+        """A request's per-layer caches, its plain KV layers as rows of a
+        BatchQuantizedKVCache carrying its codec (plain requests too: any two requests may
+        then share a batch)."""
+        caches = restored if restored is not None else make_prompt_cache(self.loaded.model)
+        return [adopt_row(c, kv) for c in caches]
 
     def _starting_point(self, job: _Job) -> tuple[list[int], list[int], Any, int]:
         """(tokens to feed, tokens already in the cache, cache or None, cached prompt tokens),
@@ -433,6 +442,7 @@ class Scheduler:
                     job.tokens[-1],
                     r.sampling,
                     r.max_tokens,
+                    r.layout,
                     segment,
                 )
                 job.checkpointed = True
@@ -440,7 +450,7 @@ class Scheduler:
             ckpt.add_prefill_time(time.monotonic() - job.admitted_at)
             row = finished_cache or self._row_cache(job)
             if row is not None:
-                ckpt.save_prefix(row, r.prompt, r.namespace)
+                ckpt.save_prefix(row, r.prompt, r.namespace, r.layout)
         since = len(job.tokens) - job.last_checkpoint_at
         if job.checkpoint_key and finished_cache is None and since >= r.checkpoint_interval:
             self._due[job.uid] = job
@@ -466,7 +476,7 @@ class Scheduler:
             held = len(job.request.prompt) + len(job.tokens)
             segment = None
             start = 0
-            if ckpt.segmentable():
+            if ckpt.segmentable(job.request.layout):
                 # Append what is new since the last segment; start over when there is no
                 # chain yet, it is long (MAX_CHAIN) or it has a hole (a segment dropped).
                 if (

@@ -55,6 +55,7 @@ async def serve(config: EngineConfig) -> None:
             config.default_max_tokens,
             checkpoints,
             config.checkpoint_interval,
+            config.kv_codec,
         ),
         server,
     )

@@ -20,6 +20,7 @@ from engine_service.checkpoints import CheckpointManager, PrefixPlan, ResumePlan
 from engine_service.errors import EngineError, InvalidRequest, NotFound
 from engine_service.model import LoadedModel
 from engine_service.prefix_cache import BLOCK_SIZE
+from engine_service.quantized_kv import KVCodec, request_layout
 from engine_service.requests import GenerationRequest, prompt_tokens, request_from_pb
 from engine_service.scheduler import Deliver, Event, Finished, Scheduler, Sink, Started, Token
 from engine_service.text import TextStream
@@ -106,7 +107,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         default_max_tokens: int,
         checkpoints: CheckpointManager | None = None,
         default_checkpoint_interval: int = 0,
+        default_kv: KVCodec = KVCodec(),
     ) -> None:
+        self.default_kv = default_kv
         self.checkpoints = checkpoints
         self.default_checkpoint_interval = default_checkpoint_interval
         self.loaded = loaded
@@ -133,6 +136,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 deadline,
                 self.checkpoints is not None and self.checkpoints.has_store,
                 self.default_checkpoint_interval,
+                self.default_kv,
             )
             plan = await self._plan(req)
             replay = [*plan.generated, plan.pending] if isinstance(plan, ResumePlan) else []
@@ -163,10 +167,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if ckpt is None:
             return None
         if req.resume:
-            key = ckpt.generation_key(req.namespace, req.prompt, req.sampling, req.request_id)
-            return await asyncio.to_thread(ckpt.load_generation, key, req.namespace, req.prompt)
+            key = ckpt.generation_key(
+                req.namespace, req.prompt, req.sampling, req.request_id, req.layout
+            )
+            return await asyncio.to_thread(
+                ckpt.load_generation, key, req.namespace, req.prompt, req.layout
+            )
         if len(req.prompt) > BLOCK_SIZE:
-            return await asyncio.to_thread(ckpt.find_prefix, req.prompt, req.namespace)
+            return await asyncio.to_thread(ckpt.find_prefix, req.prompt, req.namespace, req.layout)
         return None
 
     def _complete_after_replay(self, req: GenerationRequest, replay: list[int]) -> bool:
@@ -316,7 +324,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             digest=m.digest,
             context_length=self.context,
             vocab_size=m.vocab_size,
-            layout=m.layout,
+            layout=request_layout(m.layout, self.default_kv),
+            kv_bits=self.default_kv.bits,
+            kv_group_size=self.default_kv.group_size,
+            quantized_kv_start=self.default_kv.start,
             model_type=str(m.config.get("model_type", "")),
             dtype=m.dtype,
             eos_token_ids=m.eos_token_ids,

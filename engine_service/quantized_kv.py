@@ -1,0 +1,672 @@
+"""Batched KV caches whose rows may be quantized, each on its own schedule.
+
+mlx-lm quantizes a solo request's cache (`QuantizedKVCache`, `--kv-bits`) but its
+`BatchGenerator` cannot batch one: `QuantizedKVCache` has no `merge`, and `BatchKVCache`
+holds one plain tensor for every row. No library has a batch cache whose rows differ in
+codec, so this module writes one, on mlx-lm's cache contract (merge, extend, filter,
+extract, prepare/finalize, make_mask, trim, state/meta_state/from_state).
+
+Rows are kept in *groups* by storage format: one plain group (the model's dtype) and one
+packed group per (bits, group size), each holding packed planes (values, scales, biases) as
+mlx-lm's `QuantizedKVCache` does. Every group shares the batch's column axis: a row's
+tokens end at column `_idx` and begin after its left padding, exactly as in `BatchKVCache`.
+
+A row with a quantized codec stays plain until it holds `start` tokens after a model call,
+then moves into its packed group once (mlx-lm's `maybe_quantize_kv_cache` converts a solo
+cache at the same point). Attention then runs on:
+- one plain group: the plain tensors, mlx's fused SDPA (what BatchKVCache does);
+- one packed group: the packed planes through mlx-lm's `quantized_scaled_dot_product_attention`
+  (`bits`/`group_size` are visible on the cache only in this state, which is how
+  `scaled_dot_product_attention` picks the quantized path);
+- several groups: packed rows are dequantized for this step into one plain tensor. The values
+  are those the packed path reads; only the rounding order of the arithmetic differs.
+
+Moving rows (merge, extend, filter, extract) copies packed bytes; nothing is decoded and
+re-encoded. Sliding-window (rotating) layers are not handled here: they stay plain.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as cache_lib
+from mlx_lm.models.cache import create_causal_mask, dynamic_roll
+
+PLAIN = "plain"
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+# MLX-CUDA's quantized matmul has no kernel for a column slice of a larger buffer; a
+# contiguous copy works (shared/gpu/README.md). Metal and the CPU read slices directly.
+_CONTIGUOUS_PLANES = mx.default_device() == mx.gpu and not mx.metal.is_available()
+
+
+@dataclass(frozen=True)
+class KVCodec:
+    """How a request's full-attention KV rows are stored: plain, or quantized to `bits` once
+    the row holds `start` tokens."""
+
+    bits: int = 0  # 0: plain (the model's dtype)
+    group_size: int = 64
+    start: int = 0
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits > 0
+
+    @property
+    def storage(self) -> Any:
+        return (self.bits, self.group_size) if self.bits else PLAIN
+
+    def signature(self) -> str:
+        """The layout codec id of a plain KV layer under this codec (DESIGN.md)."""
+        if not self.bits:
+            return "kv:plain"
+        base = f"kv:quant:{self.bits}:{self.group_size}"
+        return f"{base}:from{self.start}" if self.start else base
+
+    def accepts(self, stored: str) -> bool:
+        """Whether a layer captured as `stored` belongs to a row of this codec: a quantized
+        row is plain until it converts."""
+        if not self.bits:
+            return stored == "kv:plain"
+        return stored in ("kv:plain", f"kv:quant:{self.bits}:{self.group_size}")
+
+
+def request_layout(layout: list[str], codec: KVCodec) -> list[str]:
+    """A model's layout signature under a codec: its plain KV layers take the codec's id."""
+    return [codec.signature() if c == "kv:plain" else c for c in layout]
+
+
+def layout_accepts(expected: list[str], stored: list[str]) -> bool:
+    """Whether caches captured with per-layer codecs `stored` fit a request layout."""
+    if len(expected) != len(stored):
+        return False
+    for want, got in zip(expected, stored, strict=True):
+        if want.startswith("kv:quant:"):
+            bits, group = (int(x) for x in want.split(":")[2:4])
+            if not KVCodec(bits, group).accepts(got):
+                return False
+        elif want != got:
+            return False
+    return True
+
+
+class PlainRow(cache_lib.KVCache):
+    """One request's plain KV layer, with the codec it converts to; batches as
+    BatchQuantizedKVCache."""
+
+    def __init__(self, codec: KVCodec = KVCodec()) -> None:
+        super().__init__()
+        self.codec = codec
+
+    @classmethod
+    def adopt(cls, cache: cache_lib.KVCache, codec: KVCodec) -> PlainRow:
+        row = cls(codec)
+        row.keys, row.values, row.offset = cache.keys, cache.values, cache.offset
+        return row
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> BatchQuantizedKVCache:  # type: ignore[override]
+        return BatchQuantizedKVCache.merge(caches)
+
+
+class PackedRow(cache_lib.QuantizedKVCache):
+    """One request's converted (quantized) KV layer; batches as BatchQuantizedKVCache."""
+
+    def __init__(self, codec: KVCodec) -> None:
+        super().__init__(group_size=codec.group_size, bits=codec.bits)
+        self.codec = codec
+
+    @classmethod
+    def adopt(cls, cache: cache_lib.QuantizedKVCache, codec: KVCodec) -> PackedRow:
+        row = cls(codec)
+        row.keys, row.values, row.offset = cache.keys, cache.values, cache.offset
+        return row
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> BatchQuantizedKVCache:
+        return BatchQuantizedKVCache.merge(caches)
+
+
+def adopt_row(cache: Any, codec: KVCodec) -> Any:
+    """A request's layer cache as one BatchQuantizedKVCache can batch; other kinds unchanged.
+
+    Every plain KV layer goes through this (plain requests too), so that any two requests can
+    share a batch whatever their codecs.
+    """
+    if type(cache) is cache_lib.KVCache:
+        return PlainRow.adopt(cache, codec)
+    if type(cache) is cache_lib.QuantizedKVCache:
+        if codec.storage != (cache.bits, cache.group_size):
+            raise ValueError(
+                f"a {cache.bits}-bit/{cache.group_size} cache cannot continue as {codec}"
+            )
+        return PackedRow.adopt(cache, codec)
+    if isinstance(cache, (PlainRow, PackedRow)):
+        cache.codec = codec
+    return cache
+
+
+def _codec_of(cache: Any) -> KVCodec:
+    codec = getattr(cache, "codec", None)
+    if codec is not None:
+        return codec  # type: ignore[no-any-return]
+    if isinstance(cache, cache_lib.QuantizedKVCache):
+        return KVCodec(cache.bits, cache.group_size)
+    return KVCodec()
+
+
+class _Group:
+    """Rows of one storage format: planes of shape (rows, heads, columns, width)."""
+
+    def __init__(self, storage: Any, rows: list[int], keys: list[mx.array], values: list[mx.array]):
+        self.storage = storage
+        self.rows = rows  # batch row of each plane row, ascending
+        self.keys = keys  # [tensor] when plain, [packed, scales, biases] when quantized
+        self.values = values
+        self._index: mx.array | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.storage != PLAIN
+
+    @property
+    def planes(self) -> list[mx.array]:
+        return [*self.keys, *self.values]
+
+    def index(self) -> mx.array:
+        if self._index is None:
+            self._index = mx.array(self.rows)
+        return self._index
+
+    def map_planes(self, fn: Any) -> None:
+        self.keys = [fn(p) for p in self.keys]
+        self.values = [fn(p) for p in self.values]
+
+    def take(self, local: list[int]) -> None:
+        """Keeps the plane rows at `local` positions, in that order."""
+        if local == list(range(len(self.rows))):
+            return
+        idx = mx.array(local)
+        self.map_planes(lambda p: p[idx])
+        self.rows = [self.rows[i] for i in local]
+        self._index = None
+
+    def sort(self) -> None:
+        order = sorted(range(len(self.rows)), key=self.rows.__getitem__)
+        self.take(order)
+
+    def encode(self, x: mx.array) -> list[mx.array]:
+        if not self.packed:
+            return [x]
+        bits, group = self.storage
+        return list(mx.quantize(x, group_size=group, bits=bits))
+
+    def decode(self, planes: list[mx.array], dtype: mx.Dtype) -> mx.array:
+        if not self.packed:
+            return planes[0]
+        bits, group = self.storage
+        return mx.dequantize(*planes, group_size=group, bits=bits).astype(dtype)
+
+
+def _zeros_like_storage(
+    storage: Any, rows: int, heads: int, columns: int, dim: int, dtype: mx.Dtype
+) -> list[mx.array]:
+    if storage == PLAIN:
+        return [mx.zeros((rows, heads, columns, dim), dtype=dtype)]
+    bits, group = storage
+    return [
+        mx.zeros((rows, heads, columns, dim * bits // 32), dtype=mx.uint32),
+        mx.zeros((rows, heads, columns, dim // group), dtype=dtype),
+        mx.zeros((rows, heads, columns, dim // group), dtype=dtype),
+    ]
+
+
+class BatchQuantizedKVCache(cache_lib._BaseCache):
+    """A left-padded batch of KV rows in mixed storage formats (see the module docstring)."""
+
+    step = 256
+
+    def __init__(self, left_padding: list[int], codecs: list[KVCodec] | None = None) -> None:
+        self._lp = list(left_padding)  # host copies of the per-row scalars
+        self._off = [-p for p in left_padding]
+        self.left_padding = mx.array(self._lp)
+        self.offset = mx.array(self._off)
+        self._codecs = list(codecs) if codecs is not None else [KVCodec()] * len(left_padding)
+        self._groups: list[_Group] = []
+        self._idx = 0
+        self._cap = 0
+        self._right_padding: list[int] | None = None
+        self._waiting: int | None = None  # plain rows with a quantized codec (None: recount)
+        # (heads, key width, value width, dtype name), known once a row holds something
+        # (a name, not an mx.Dtype: BatchGenerator deep-copies caches and Dtype won't copy).
+        self._shape: tuple[int, int, int, str] | None = None
+
+    # -- what attention sees -----------------------------------------------------------------
+
+    @property
+    def bits(self) -> int:
+        storage = self._only_storage()
+        if storage == PLAIN or storage is None:
+            raise AttributeError("bits")  # hasattr() is False: plain SDPA
+        return int(storage[0])
+
+    @property
+    def group_size(self) -> int:
+        storage = self._only_storage()
+        if storage == PLAIN or storage is None:
+            raise AttributeError("group_size")
+        return int(storage[1])
+
+    def _only_storage(self) -> Any:
+        return self._groups[0].storage if len(self._groups) == 1 else None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        self._convert_due()
+        batch, heads, steps, kdim = keys.shape
+        if self._shape is None:
+            self._shape = (heads, kdim, values.shape[3], _dtype_name(keys.dtype))
+        prev = self._idx
+        if not self._groups:
+            self._groups = [_Group(PLAIN, list(range(batch)), [], [])]
+            self._cap = 0
+        if prev + steps > self._cap:
+            self._grow(prev, steps)
+        for group in self._groups:
+            whole = len(group.rows) == batch
+            k = keys if whole else keys[group.index()]
+            v = values if whole else values[group.index()]
+            for plane, part in zip(group.keys, group.encode(k), strict=True):
+                plane[..., prev : prev + steps, :] = part
+            for plane, part in zip(group.values, group.encode(v), strict=True):
+                plane[..., prev : prev + steps, :] = part
+        self._idx += steps
+        self._off = [o + steps for o in self._off]
+        self.offset = self.offset + steps
+        return self._fetch(keys.dtype)
+
+    def _fetch(self, dtype: mx.Dtype) -> tuple[Any, Any]:
+        n = self._idx
+
+        def live(p: mx.array) -> mx.array:
+            return p[..., :n, :]
+
+        if len(self._groups) == 1:
+            group = self._groups[0]
+            if not group.packed:
+                return live(group.keys[0]), live(group.values[0])
+            keep = mx.contiguous if _CONTIGUOUS_PLANES else (lambda p: p)
+            return (
+                tuple(keep(live(p)) for p in group.keys),
+                tuple(keep(live(p)) for p in group.values),
+            )
+        # Mixed formats: one plain tensor in batch order for this step.
+        ks = [g.decode([live(p) for p in g.keys], dtype) for g in self._groups]
+        vs = [g.decode([live(p) for p in g.values], dtype) for g in self._groups]
+        rows = [r for g in self._groups for r in g.rows]
+        order = mx.array(sorted(range(len(rows)), key=rows.__getitem__))
+        return mx.concatenate(ks)[order], mx.concatenate(vs)[order]
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:  # noqa: N803
+        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+
+    # -- conversion --------------------------------------------------------------------------
+
+    def _convert_due(self) -> None:
+        """Moves rows that have reached their codec's start into their packed group."""
+        plain = self._group(PLAIN)
+        if plain is None:
+            return
+        if self._waiting is None:  # recounted after rows move; most steps skip the scan
+            self._waiting = sum(self._codecs[r].quantized for r in plain.rows)
+        if not self._waiting:
+            return
+        due: dict[Any, list[int]] = {}
+        for local, row in enumerate(plain.rows):
+            codec = self._codecs[row]
+            held = self._off[row]
+            if codec.quantized and held > 0 and held >= codec.start:
+                due.setdefault(codec.storage, []).append(local)
+        for storage, local in due.items():
+            moving = _Group(storage, [plain.rows[i] for i in local], [], [])
+            idx = mx.array(local)
+            # Quantization works per position, so whole columns quantize as the live ones
+            # would; padding columns (zeros or masked activations) stay finite.
+            moving.keys = moving.encode(plain.keys[0][idx])
+            moving.values = moving.encode(plain.values[0][idx])
+            stay = [i for i in range(len(plain.rows)) if i not in set(local)]
+            plain.take(stay)
+            self._join(moving)
+            self._waiting = None
+        self._groups = [g for g in self._groups if g.rows]
+
+    def _group(self, storage: Any) -> _Group | None:
+        for group in self._groups:
+            if group.storage == storage:
+                return group
+        return None
+
+    def _join(self, incoming: _Group) -> None:
+        """Adds rows to the group of their format (planes of equal column count)."""
+        group = self._group(incoming.storage)
+        if group is None:
+            self._groups.append(incoming)
+            return
+        group.keys = [mx.concatenate([a, b]) for a, b in zip(group.keys, incoming.keys)]
+        group.values = [mx.concatenate([a, b]) for a, b in zip(group.values, incoming.values)]
+        group.rows = group.rows + incoming.rows
+        group._index = None
+        group.sort()
+
+    # -- growth and padding ------------------------------------------------------------------
+
+    def _grow(self, prev: int, steps: int) -> None:
+        assert self._shape is not None
+        heads, kdim, vdim, dtype = self._shape[:3] + (getattr(mx, self._shape[3]),)
+        extra = (self.step + steps - 1) // self.step * self.step
+        for group in self._groups:
+            n = len(group.rows)
+            if self._cap and prev % self.step != 0:
+                group.map_planes(lambda p: p[..., :prev, :])
+            new_k = _zeros_like_storage(group.storage, n, heads, extra, kdim, dtype)
+            new_v = _zeros_like_storage(group.storage, n, heads, extra, vdim, dtype)
+            if group.keys:
+                group.keys = [mx.concatenate([p, z], axis=2) for p, z in zip(group.keys, new_k)]
+                group.values = [
+                    mx.concatenate([p, z], axis=2) for p, z in zip(group.values, new_v)
+                ]
+            else:
+                group.keys, group.values = new_k, new_v
+        self._cap = (prev if self._cap and prev % self.step != 0 else self._cap) + extra
+
+    def prepare(
+        self,
+        *,
+        left_padding: list[int] | None = None,
+        lengths: list[int] | None = None,
+        right_padding: list[int] | None = None,
+    ) -> None:
+        if left_padding is not None:
+            if self._groups:
+                raise ValueError("Left padding can only be added to an empty batch cache")
+            self._lp = [a + b for a, b in zip(self._lp, left_padding, strict=True)]
+            self._off = [a - b for a, b in zip(self._off, left_padding, strict=True)]
+            self.left_padding = mx.array(self._lp)
+            self.offset = mx.array(self._off)
+        if right_padding is not None and max(right_padding) > 0:
+            self._right_padding = list(right_padding)
+
+    def finalize(self) -> None:
+        """Rolls right-padded prefill rows so their tokens end at `_idx` (left padding)."""
+        pad = self._right_padding
+        if pad is None:
+            return
+        for group in self._groups:
+            shifts = mx.array([pad[r] for r in group.rows])[:, None]
+            group.map_planes(lambda p, s=shifts: dynamic_roll(p, s, axis=2))
+        self._lp = [a + b for a, b in zip(self._lp, pad, strict=True)]
+        self._off = [a - b for a, b in zip(self._off, pad, strict=True)]
+        self.left_padding = mx.array(self._lp)
+        self.offset = mx.array(self._off)
+        self._right_padding = None
+
+    # -- rows joining and leaving ------------------------------------------------------------
+
+    def filter(self, batch_indices: Any) -> None:
+        keep = [int(i) for i in batch_indices]
+        self._waiting = None
+        new_row = {old: new for new, old in enumerate(keep)}
+        for group in self._groups:
+            local = [i for i, r in enumerate(group.rows) if r in new_row]
+            group.take(local)
+            group.rows = [new_row[r] for r in group.rows]
+            group._index = None
+            group.sort()
+        self._groups = [g for g in self._groups if g.rows]
+        self._lp = [self._lp[i] for i in keep]
+        self._off = [self._off[i] for i in keep]
+        self._codecs = [self._codecs[i] for i in keep]
+        if self._right_padding is not None:
+            self._right_padding = [self._right_padding[i] for i in keep]
+        shift = min(self._lp) if self._lp else 0
+        if shift > 0 and self._groups:
+            for group in self._groups:
+                group.map_planes(lambda p: p[..., shift:, :])
+            self._idx -= shift
+            self._cap -= shift
+            self._lp = [p - shift for p in self._lp]
+        self.left_padding = mx.array(self._lp)
+        self.offset = mx.array(self._off)
+
+    def extend(self, other: BatchQuantizedKVCache) -> None:
+        if not isinstance(other, BatchQuantizedKVCache):
+            raise TypeError(f"cannot batch {type(other).__name__} with BatchQuantizedKVCache")
+        base = len(self._lp)
+        self._waiting = None
+        if self._groups or other._groups:
+            shape = self._shape or other._shape
+            assert shape is not None
+            self._shape = shape
+            self._materialize_empty(shape)
+            other._materialize_empty(shape)
+            width = max(self._idx, other._idx)
+            columns = max(self._cap, other._cap)
+            for side in (self, other):
+                left = width - side._idx
+                right = columns - side._cap - left
+                side._pad_columns(left, right)
+            for group in other._groups:
+                self._join(_Group(group.storage, [r + base for r in group.rows], group.keys, group.values))
+            self._idx, self._cap = width, columns
+        self._lp += other._lp
+        self._off += other._off
+        self._codecs += other._codecs
+        if self._right_padding is not None or other._right_padding is not None:
+            self._right_padding = (self._right_padding or [0] * base) + (
+                other._right_padding or [0] * len(other._lp)
+            )
+        self.left_padding = mx.array(self._lp)
+        self.offset = mx.array(self._off)
+
+    def _materialize_empty(self, shape: tuple[int, int, int, str]) -> None:
+        """Gives rows with nothing stored yet (a batch with no tensors) plain zero planes."""
+        if self._groups or not self._lp:
+            return
+        heads, kdim, vdim = shape[:3]
+        dtype = getattr(mx, shape[3])
+        n = len(self._lp)
+        self._groups = [
+            _Group(
+                PLAIN,
+                list(range(n)),
+                _zeros_like_storage(PLAIN, n, heads, 0, kdim, dtype),
+                _zeros_like_storage(PLAIN, n, heads, 0, vdim, dtype),
+            )
+        ]
+        self._idx = self._cap = 0
+
+    def _pad_columns(self, left: int, right: int) -> None:
+        def pad(p: mx.array) -> mx.array:
+            r = right
+            if r < 0:
+                p, r = p[..., :r, :], 0
+            if left or r:
+                p = mx.pad(p, [(0, 0), (0, 0), (left, r), (0, 0)])
+            return p
+
+        for group in self._groups:
+            group.map_planes(pad)
+        self._lp = [p + left for p in self._lp]
+        self._idx += left
+        self._cap += left + right
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> BatchQuantizedKVCache:
+        """A batch of solo rows (PlainRow/PackedRow or mlx-lm's KVCache/QuantizedKVCache),
+        right-aligned at the longest; packed rows keep their bytes."""
+        codecs = [_codec_of(c) for c in caches]
+        lengths = [0 if c.keys is None else int(c.offset) for c in caches]
+        width = max(lengths)
+        if width == 0:
+            return cls([0] * len(caches), codecs)
+        padding = [width - n for n in lengths]
+        batch = cls(padding, codecs)
+        batch._shape = _row_shape(caches)
+        heads, kdim, vdim = batch._shape[:3]
+        dtype = getattr(mx, batch._shape[3])
+        formats: dict[Any, list[int]] = {}
+        for row, cache in enumerate(caches):
+            stored = PLAIN if not isinstance(cache, cache_lib.QuantizedKVCache) else (
+                cache.bits,
+                cache.group_size,
+            )
+            if cache.keys is None:
+                stored = PLAIN
+            formats.setdefault(stored, []).append(row)
+        for storage, rows in formats.items():
+            keys = _zeros_like_storage(storage, len(rows), heads, width, kdim, dtype)
+            values = _zeros_like_storage(storage, len(rows), heads, width, vdim, dtype)
+            for local, row in enumerate(rows):
+                cache, p, n = caches[row], padding[row], lengths[row]
+                if cache.keys is None:
+                    continue
+                src_k = [cache.keys] if storage == PLAIN else list(cache.keys)
+                src_v = [cache.values] if storage == PLAIN else list(cache.values)
+                for dst, src in zip(keys, src_k, strict=True):
+                    dst[local : local + 1, :, p : p + n] = src[..., :n, :]
+                for dst, src in zip(values, src_v, strict=True):
+                    dst[local : local + 1, :, p : p + n] = src[..., :n, :]
+            batch._groups.append(_Group(storage, rows, keys, values))
+        batch._idx = batch._cap = width
+        batch._off = [o + width for o in batch._off]
+        batch.offset = mx.array(batch._off)
+        return batch
+
+    def extract(self, idx: int) -> PlainRow | PackedRow:
+        """Row idx as a solo cache: a copy of its plain tensors or of its packed bytes."""
+        codec = self._codecs[idx]
+        start, end = self._lp[idx], self._idx
+        for group in self._groups:
+            if idx in group.rows:
+                local = group.rows.index(idx)
+
+                def cut(p: mx.array, local: int = local) -> mx.array:
+                    return mx.contiguous(p[local : local + 1, :, start:end])
+
+                if group.packed:
+                    row: PlainRow | PackedRow = PackedRow(codec)
+                    row.keys = tuple(cut(p) for p in group.keys)
+                    row.values = tuple(cut(p) for p in group.values)
+                else:
+                    row = PlainRow(codec)
+                    row.keys, row.values = cut(group.keys[0]), cut(group.values[0])
+                row.offset = end - start
+                return row
+        return PlainRow(codec)
+
+    # -- mlx-lm's cache contract -------------------------------------------------------------
+
+    def row_codec(self, idx: int) -> KVCodec:
+        return self._codecs[idx]
+
+    def row_storage(self, idx: int) -> Any:
+        for group in self._groups:
+            if idx in group.rows:
+                return group.storage
+        return PLAIN
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self._idx, n)
+        self._idx -= n
+        self._off = [o - n for o in self._off]
+        self.offset = self.offset - n
+        return n
+
+    def size(self) -> int:
+        return self._idx
+
+    def empty(self) -> bool:
+        return not self._groups
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for g in self._groups for p in g.planes)
+
+    @property
+    def state(self) -> list[mx.array]:  # type: ignore[override]
+        return [p for g in self._groups for p in g.planes] + [self.offset, self.left_padding]
+
+    @state.setter
+    def state(self, v: list[mx.array]) -> None:
+        self._state_arrays = list(v)
+
+    @property
+    def meta_state(self) -> str:
+        assert self._shape is not None or not self._groups
+        heads, kdim, vdim, dtype = self._shape or (0, 0, 0, "float32")
+        return json.dumps(
+            {
+                "groups": [[g.storage, g.rows, len(g.keys)] for g in self._groups],
+                "lp": self._lp,
+                "off": self._off,
+                "idx": self._idx,
+                "cap": self._cap,
+                "codecs": [[c.bits, c.group_size, c.start] for c in self._codecs],
+                "shape": [heads, kdim, vdim, dtype],
+            }
+        )
+
+    @meta_state.setter
+    def meta_state(self, v: str) -> None:
+        meta = json.loads(v)
+        arrays = getattr(self, "_state_arrays", [])
+        self._lp, self._off = meta["lp"], meta["off"]
+        self._idx, self._cap = meta["idx"], meta["cap"]
+        self._codecs = [KVCodec(*c) for c in meta["codecs"]]
+        heads, kdim, vdim, dtype = meta["shape"]
+        self._shape = (heads, kdim, vdim, dtype) if heads else None
+        self._groups, at = [], 0
+        for storage, rows, n in meta["groups"]:
+            storage = PLAIN if storage == PLAIN else tuple(storage)
+            planes = arrays[at : at + 2 * n]
+            self._groups.append(_Group(storage, rows, planes[:n], planes[n:]))
+            at += 2 * n
+        self.offset, self.left_padding = arrays[at], arrays[at + 1]
+        self._right_padding = None
+        self._waiting = None
+
+    @classmethod
+    def from_state(cls, state: Any, meta_state: str = "") -> BatchQuantizedKVCache:  # type: ignore[override]
+        cache = cls.__new__(cls)
+        cache.state = state
+        cache.meta_state = meta_state
+        return cache
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
+def _row_shape(caches: list[Any]) -> tuple[int, int, int, str]:
+    """(heads, key width, value width, dtype) of the first row holding anything."""
+    for cache in caches:
+        if cache.keys is None:
+            continue
+        if isinstance(cache, cache_lib.QuantizedKVCache):
+            packed, scales, _ = cache.keys
+            per_word = 32 // cache.bits
+            return (
+                packed.shape[1],
+                packed.shape[-1] * per_word,
+                cache.values[0].shape[-1] * per_word,
+                _dtype_name(scales.dtype),
+            )
+        keys, values = cache.keys, cache.values
+        return keys.shape[1], keys.shape[3], values.shape[3], _dtype_name(keys.dtype)
+    raise ValueError("no row holds any tokens")
