@@ -427,8 +427,7 @@ class CheckpointManager:
             )
         if list(ckpt.layout) != layout:
             raise Precondition(
-                f"checkpoint cache layout {list(ckpt.layout)} differs from the "
-                f"request's {layout}"
+                f"checkpoint cache layout {list(ckpt.layout)} differs from the request's {layout}"
             )
         meta = ckpt.metadata
         n_prompt = int(meta["prompt_tokens"])

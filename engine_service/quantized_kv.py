@@ -33,7 +33,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as cache_lib
-from mlx_lm.models.cache import create_causal_mask, dynamic_roll
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import dynamic_roll
 
 PLAIN = "plain"
 BITS = (4, 8)
@@ -75,6 +76,9 @@ class KVCodec:
         return stored in ("kv:plain", f"kv:quant:{self.bits}:{self.group_size}")
 
 
+PLAIN_KV = KVCodec()
+
+
 def request_layout(layout: list[str], codec: KVCodec) -> list[str]:
     """A model's layout signature under a codec: its plain KV layers take the codec's id."""
     return [codec.signature() if c == "kv:plain" else c for c in layout]
@@ -98,7 +102,7 @@ class PlainRow(cache_lib.KVCache):
     """One request's plain KV layer, with the codec it converts to; batches as
     BatchQuantizedKVCache."""
 
-    def __init__(self, codec: KVCodec = KVCodec()) -> None:
+    def __init__(self, codec: KVCodec = PLAIN_KV) -> None:
         super().__init__()
         self.codec = codec
 
@@ -109,7 +113,7 @@ class PlainRow(cache_lib.KVCache):
         return row
 
     @classmethod
-    def merge(cls, caches: list[Any]) -> BatchQuantizedKVCache:  # type: ignore[override]
+    def merge(cls, caches: list[Any]) -> BatchQuantizedKVCache:
         return BatchQuantizedKVCache.merge(caches)
 
 
@@ -171,7 +175,7 @@ class _Group:
 
     @property
     def packed(self) -> bool:
-        return self.storage != PLAIN
+        return bool(self.storage != PLAIN)
 
     @property
     def planes(self) -> list[mx.array]:
@@ -179,7 +183,7 @@ class _Group:
 
     def index(self) -> mx.array:
         if self._index is None:
-            self._index = mx.array(self.rows)
+            self._index = mx.array(self.rows, dtype=mx.int32)
         return self._index
 
     def map_planes(self, fn: Any) -> None:
@@ -190,7 +194,7 @@ class _Group:
         """Keeps the plane rows at `local` positions, in that order."""
         if local == list(range(len(self.rows))):
             return
-        idx = mx.array(local)
+        idx = mx.array(local, dtype=mx.int32)
         self.map_planes(lambda p: p[idx])
         self.rows = [self.rows[i] for i in local]
         self._index = None
@@ -209,7 +213,8 @@ class _Group:
         if not self.packed:
             return planes[0]
         bits, group = self.storage
-        return mx.dequantize(*planes, group_size=group, bits=bits).astype(dtype)
+        packed, scales, biases = planes
+        return mx.dequantize(packed, scales, biases, group_size=group, bits=bits).astype(dtype)
 
 
 def _zeros_like_storage(
@@ -235,7 +240,7 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
         self._off = [-p for p in left_padding]
         self.left_padding = mx.array(self._lp)
         self.offset = mx.array(self._off)
-        self._codecs = list(codecs) if codecs is not None else [KVCodec()] * len(left_padding)
+        self._codecs = list(codecs) if codecs is not None else [PLAIN_KV] * len(left_padding)
         self._groups: list[_Group] = []
         self._idx = 0
         self._cap = 0
@@ -307,11 +312,14 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
         ks = [g.decode([live(p) for p in g.keys], dtype) for g in self._groups]
         vs = [g.decode([live(p) for p in g.values], dtype) for g in self._groups]
         rows = [r for g in self._groups for r in g.rows]
-        order = mx.array(sorted(range(len(rows)), key=rows.__getitem__))
+        order = mx.array(sorted(range(len(rows)), key=rows.__getitem__), dtype=mx.int32)
         return mx.concatenate(ks)[order], mx.concatenate(vs)[order]
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:  # noqa: N803
-        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+        mask: mx.array = create_causal_mask(
+            N, offset=self._idx, left_padding=self.left_padding, **kwargs
+        )
+        return mask
 
     # -- conversion --------------------------------------------------------------------------
 
@@ -330,17 +338,20 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
             held = self._off[row]
             if codec.quantized and held > 0 and held >= codec.start:
                 due.setdefault(codec.storage, []).append(local)
-        for storage, local in due.items():
-            moving = _Group(storage, [plain.rows[i] for i in local], [], [])
-            idx = mx.array(local)
+        if not due:
+            return
+        moved: set[int] = set()
+        for storage, positions in due.items():
+            moving = _Group(storage, [plain.rows[i] for i in positions], [], [])
+            idx = mx.array(positions, dtype=mx.int32)
             # Quantization works per position, so whole columns quantize as the live ones
             # would; padding columns (zeros or masked activations) stay finite.
             moving.keys = moving.encode(plain.keys[0][idx])
             moving.values = moving.encode(plain.values[0][idx])
-            stay = [i for i in range(len(plain.rows)) if i not in set(local)]
-            plain.take(stay)
+            moved.update(positions)
             self._join(moving)
-            self._waiting = None
+        plain.take([i for i in range(len(plain.rows)) if i not in moved])
+        self._waiting = None
         self._groups = [g for g in self._groups if g.rows]
 
     def _group(self, storage: Any) -> _Group | None:
@@ -355,8 +366,12 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
         if group is None:
             self._groups.append(incoming)
             return
-        group.keys = [mx.concatenate([a, b]) for a, b in zip(group.keys, incoming.keys)]
-        group.values = [mx.concatenate([a, b]) for a, b in zip(group.values, incoming.values)]
+        group.keys = [
+            mx.concatenate([a, b]) for a, b in zip(group.keys, incoming.keys, strict=True)
+        ]
+        group.values = [
+            mx.concatenate([a, b]) for a, b in zip(group.values, incoming.values, strict=True)
+        ]
         group.rows = group.rows + incoming.rows
         group._index = None
         group.sort()
@@ -374,9 +389,11 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
             new_k = _zeros_like_storage(group.storage, n, heads, extra, kdim, dtype)
             new_v = _zeros_like_storage(group.storage, n, heads, extra, vdim, dtype)
             if group.keys:
-                group.keys = [mx.concatenate([p, z], axis=2) for p, z in zip(group.keys, new_k)]
+                group.keys = [
+                    mx.concatenate([p, z], axis=2) for p, z in zip(group.keys, new_k, strict=True)
+                ]
                 group.values = [
-                    mx.concatenate([p, z], axis=2) for p, z in zip(group.values, new_v)
+                    mx.concatenate([p, z], axis=2) for p, z in zip(group.values, new_v, strict=True)
                 ]
             else:
                 group.keys, group.values = new_k, new_v
@@ -459,7 +476,9 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
                 right = columns - side._cap - left
                 side._pad_columns(left, right)
             for group in other._groups:
-                self._join(_Group(group.storage, [r + base for r in group.rows], group.keys, group.values))
+                self._join(
+                    _Group(group.storage, [r + base for r in group.rows], group.keys, group.values)
+                )
             self._idx, self._cap = width, columns
         self._lp += other._lp
         self._off += other._off
@@ -519,9 +538,13 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
         dtype = getattr(mx, batch._shape[3])
         formats: dict[Any, list[int]] = {}
         for row, cache in enumerate(caches):
-            stored = PLAIN if not isinstance(cache, cache_lib.QuantizedKVCache) else (
-                cache.bits,
-                cache.group_size,
+            stored = (
+                PLAIN
+                if not isinstance(cache, cache_lib.QuantizedKVCache)
+                else (
+                    cache.bits,
+                    cache.group_size,
+                )
             )
             if cache.keys is None:
                 stored = PLAIN
@@ -599,7 +622,7 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
         return sum(p.nbytes for g in self._groups for p in g.planes)
 
     @property
-    def state(self) -> list[mx.array]:  # type: ignore[override]
+    def state(self) -> list[mx.array]:
         return [p for g in self._groups for p in g.planes] + [self.offset, self.left_padding]
 
     @state.setter
@@ -642,7 +665,7 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
         self._waiting = None
 
     @classmethod
-    def from_state(cls, state: Any, meta_state: str = "") -> BatchQuantizedKVCache:  # type: ignore[override]
+    def from_state(cls, state: Any, meta_state: str = "") -> BatchQuantizedKVCache:
         cache = cls.__new__(cls)
         cache.state = state
         cache.meta_state = meta_state
@@ -659,6 +682,7 @@ def _row_shape(caches: list[Any]) -> tuple[int, int, int, str]:
         if cache.keys is None:
             continue
         if isinstance(cache, cache_lib.QuantizedKVCache):
+            assert cache.keys is not None and cache.values is not None
             packed, scales, _ = cache.keys
             per_word = 32 // cache.bits
             return (

@@ -9,7 +9,7 @@ from typing import Any
 
 from engine_service.errors import InvalidRequest, Precondition
 from engine_service.model import LoadedModel
-from engine_service.quantized_kv import BITS, GROUP_SIZES, KVCodec, request_layout
+from engine_service.quantized_kv import BITS, GROUP_SIZES, PLAIN_KV, KVCodec, request_layout
 from engine_service.sampling import SamplingOptions
 from tandem_client.pb import engine_pb2
 
@@ -86,11 +86,7 @@ def kv_codec_from_pb(
     """The request's KV codec: its own fields over the engine's defaults."""
     bits = request.kv_bits if request.HasField("kv_bits") else default.bits
     group = request.kv_group_size or default.group_size
-    start = (
-        request.quantized_kv_start
-        if request.HasField("quantized_kv_start")
-        else default.start
-    )
+    start = request.quantized_kv_start if request.HasField("quantized_kv_start") else default.start
     if bits not in (0, *BITS):
         raise InvalidRequest(f"kv_bits must be 0 (plain), 4 or 8, got {bits}")
     if group not in GROUP_SIZES:
@@ -147,7 +143,7 @@ def request_from_pb(
     deadline: float | None,
     has_store: bool = False,
     default_interval: int = 0,
-    default_kv: KVCodec = KVCodec(),
+    default_kv: KVCodec = PLAIN_KV,
 ) -> GenerationRequest:
     if (request.resume or request.checkpoint_interval) and not has_store:
         raise Precondition("checkpoints and resume need an engine started with --store")

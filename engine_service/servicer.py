@@ -20,7 +20,7 @@ from engine_service.checkpoints import CheckpointManager, PrefixPlan, ResumePlan
 from engine_service.errors import EngineError, InvalidRequest, NotFound
 from engine_service.model import LoadedModel
 from engine_service.prefix_cache import BLOCK_SIZE
-from engine_service.quantized_kv import KVCodec, request_layout
+from engine_service.quantized_kv import PLAIN_KV, KVCodec, request_layout
 from engine_service.requests import GenerationRequest, prompt_tokens, request_from_pb
 from engine_service.scheduler import Deliver, Event, Finished, Scheduler, Sink, Started, Token
 from engine_service.text import TextStream
@@ -107,7 +107,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         default_max_tokens: int,
         checkpoints: CheckpointManager | None = None,
         default_checkpoint_interval: int = 0,
-        default_kv: KVCodec = KVCodec(),
+        default_kv: KVCodec = PLAIN_KV,
     ) -> None:
         self.default_kv = default_kv
         self.checkpoints = checkpoints

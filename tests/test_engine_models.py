@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine_service.default_model import build_model_dir
 from tandem_client import EngineClient
@@ -30,6 +31,27 @@ QWEN3_SHAPE = {
 
 def _greedy(model, ids: list[int], n: int) -> list[int]:  # noqa: ANN001
     return [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=n)]
+
+
+def _greedy_kv8(model, ids: list[int], n: int) -> list[int]:  # noqa: ANN001
+    """Solo greedy decoding with 8-bit plain KV layers, converted after each call as
+    mlx-lm's maybe_quantize_kv_cache does; sliding-window and recurrent layers stay as they are
+    (mlx-lm cannot quantize a RotatingKVCache)."""
+    cache = make_prompt_cache(model)
+
+    def call(tokens: list[int]) -> mx.array:
+        logits = model(mx.array([tokens]), cache=cache)
+        for i, c in enumerate(cache):
+            if type(c) is KVCache:
+                cache[i] = c.to_quantized(group_size=64, bits=8)
+        return logits[0, -1]
+
+    call(ids[:-1])
+    out, token = [], ids[-1]
+    for _ in range(n):
+        token = int(mx.argmax(call([token])).item())
+        out.append(token)
+    return out
 
 
 def test_a_hub_shaped_bf16_directory_loads_and_serves(
@@ -71,8 +93,11 @@ def test_embedded_variants_serve(
             assert list(info.layout) == layout
             ids = client.tokenize("The quick brown fox jumps over the lazy dog " * 12)
             got = client.generate(ids, max_tokens=24, ignore_eos=True)
+            # 8-bit KV: only the plain KV layers quantize.
+            quantized = client.generate(ids, max_tokens=24, ignore_eos=True, kv_bits=8)
         model_dir = next((engine_data_dir / "models").glob(f"{variant}-v*"))
         model, _ = load(str(model_dir))
         assert got.token_ids == _greedy(model, ids, 24)
+        assert quantized.token_ids == _greedy_kv8(model, ids, 24)
     finally:
         proc.stop()

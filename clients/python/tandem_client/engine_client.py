@@ -145,9 +145,16 @@ def generate_request(
     checkpoint_interval: int = 0,
     resume: bool = False,
     tokens_held: int = 0,
+    kv_bits: int | None = None,
+    kv_group_size: int = 0,
+    quantized_kv_start: int | None = None,
     **sampling: Any,
 ) -> engine_pb2.GenerateRequest:
-    """A GenerateRequest from text, token ids or chat messages (dicts of role/content)."""
+    """A GenerateRequest from text, token ids or chat messages (dicts of role/content).
+
+    kv_bits: None = the engine's default KV codec, 0 = plain, 4 or 8 = quantized (see
+    quantized_kv_start and kv_group_size).
+    """
     req = engine_pb2.GenerateRequest(
         request_id=request_id,
         namespace=namespace,
@@ -158,6 +165,11 @@ def generate_request(
     )
     if max_tokens is not None:
         req.max_tokens = max_tokens
+    if kv_bits is not None:
+        req.kv_bits = kv_bits
+    req.kv_group_size = kv_group_size
+    if quantized_kv_start is not None:
+        req.quantized_kv_start = quantized_kv_start
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):

@@ -21,6 +21,11 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--namespace", default="")
+    p.add_argument(
+        "--kv-bits", type=int, help="KV cache: 0 plain, 4 or 8 quantized (default: the engine's)"
+    )
+    p.add_argument("--kv-group-size", type=int, default=0)
+    p.add_argument("--quantized-kv-start", type=int, help="tokens kept plain before converting")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -33,6 +38,9 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         stop=args.stop,
         namespace=args.namespace,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        quantized_kv_start=args.quantized_kv_start,
     )
     if args.top_p is not None:
         options["top_p"] = args.top_p
