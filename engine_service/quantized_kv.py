@@ -236,10 +236,11 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
     step = 256
 
     def __init__(self, left_padding: list[int], codecs: list[KVCodec] | None = None) -> None:
-        self._lp = list(left_padding)  # host copies of the per-row scalars
-        self._off = [-p for p in left_padding]
+        # Host copy of the per-row left padding; a row's offset (tokens held, RoPE position)
+        # is always _idx - _lp[row], as in BatchKVCache.
+        self._lp = list(left_padding)
         self.left_padding = mx.array(self._lp)
-        self.offset = mx.array(self._off)
+        self.offset = mx.array([-p for p in left_padding])
         self._codecs = list(codecs) if codecs is not None else [PLAIN_KV] * len(left_padding)
         self._groups: list[_Group] = []
         self._idx = 0
@@ -270,28 +271,42 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
         return self._groups[0].storage if len(self._groups) == 1 else None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        self._convert_due()
-        batch, heads, steps, kdim = keys.shape
+        # Runs once per layer per step: the common case (one group, nothing to convert)
+        # does what BatchKVCache does and little else, as graph building is on the hot path.
+        if self._waiting != 0:
+            self._convert_due()
+        steps = keys.shape[2]
+        prev = self._idx
+        if prev + steps > self._cap or not self._groups:
+            self._make_room(keys, values, prev, steps)
+        end = prev + steps
+        groups = self._groups
+        if len(groups) == 1 and not groups[0].packed:
+            group = groups[0]
+            group.keys[0][..., prev:end, :] = keys
+            group.values[0][..., prev:end, :] = values
+        else:
+            whole = len(groups) == 1
+            for group in groups:
+                k = keys if whole else keys[group.index()]
+                v = values if whole else values[group.index()]
+                for plane, part in zip(group.keys, group.encode(k), strict=True):
+                    plane[..., prev:end, :] = part
+                for plane, part in zip(group.values, group.encode(v), strict=True):
+                    plane[..., prev:end, :] = part
+        self._idx = end
+        self.offset = self.offset + steps
+        return self._fetch(keys.dtype)
+
+    def _make_room(self, keys: mx.array, values: mx.array, prev: int, steps: int) -> None:
+        batch, heads, _, kdim = keys.shape
         if self._shape is None:
             self._shape = (heads, kdim, values.shape[3], _dtype_name(keys.dtype))
-        prev = self._idx
         if not self._groups:
             self._groups = [_Group(PLAIN, list(range(batch)), [], [])]
             self._cap = 0
         if prev + steps > self._cap:
             self._grow(prev, steps)
-        for group in self._groups:
-            whole = len(group.rows) == batch
-            k = keys if whole else keys[group.index()]
-            v = values if whole else values[group.index()]
-            for plane, part in zip(group.keys, group.encode(k), strict=True):
-                plane[..., prev : prev + steps, :] = part
-            for plane, part in zip(group.values, group.encode(v), strict=True):
-                plane[..., prev : prev + steps, :] = part
-        self._idx += steps
-        self._off = [o + steps for o in self._off]
-        self.offset = self.offset + steps
-        return self._fetch(keys.dtype)
 
     def _fetch(self, dtype: mx.Dtype) -> tuple[Any, Any]:
         n = self._idx
@@ -302,7 +317,7 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
         if len(self._groups) == 1:
             group = self._groups[0]
             if not group.packed:
-                return live(group.keys[0]), live(group.values[0])
+                return group.keys[0][..., :n, :], group.values[0][..., :n, :]
             keep = mx.contiguous if _CONTIGUOUS_PLANES else (lambda p: p)
             return (
                 tuple(keep(live(p)) for p in group.keys),
@@ -327,15 +342,18 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
         """Moves rows that have reached their codec's start into their packed group."""
         plain = self._group(PLAIN)
         if plain is None:
+            self._waiting = 0
             return
         if self._waiting is None:  # recounted after rows move; most steps skip the scan
             self._waiting = sum(self._codecs[r].quantized for r in plain.rows)
         if not self._waiting:
             return
+        if not plain.keys:  # nothing stored yet: rows convert after their first call
+            return
         due: dict[Any, list[int]] = {}
         for local, row in enumerate(plain.rows):
             codec = self._codecs[row]
-            held = self._off[row]
+            held = self._idx - self._lp[row]
             if codec.quantized and held > 0 and held >= codec.start:
                 due.setdefault(codec.storage, []).append(local)
         if not due:
@@ -410,9 +428,7 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
             if self._groups:
                 raise ValueError("Left padding can only be added to an empty batch cache")
             self._lp = [a + b for a, b in zip(self._lp, left_padding, strict=True)]
-            self._off = [a - b for a, b in zip(self._off, left_padding, strict=True)]
-            self.left_padding = mx.array(self._lp)
-            self.offset = mx.array(self._off)
+            self._sync_positions()
         if right_padding is not None and max(right_padding) > 0:
             self._right_padding = list(right_padding)
 
@@ -425,9 +441,7 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
             shifts = mx.array([pad[r] for r in group.rows])[:, None]
             group.map_planes(lambda p, s=shifts: dynamic_roll(p, s, axis=2))
         self._lp = [a + b for a, b in zip(self._lp, pad, strict=True)]
-        self._off = [a - b for a, b in zip(self._off, pad, strict=True)]
-        self.left_padding = mx.array(self._lp)
-        self.offset = mx.array(self._off)
+        self._sync_positions()
         self._right_padding = None
 
     # -- rows joining and leaving ------------------------------------------------------------
@@ -444,7 +458,6 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
             group.sort()
         self._groups = [g for g in self._groups if g.rows]
         self._lp = [self._lp[i] for i in keep]
-        self._off = [self._off[i] for i in keep]
         self._codecs = [self._codecs[i] for i in keep]
         if self._right_padding is not None:
             self._right_padding = [self._right_padding[i] for i in keep]
@@ -455,8 +468,7 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
             self._idx -= shift
             self._cap -= shift
             self._lp = [p - shift for p in self._lp]
-        self.left_padding = mx.array(self._lp)
-        self.offset = mx.array(self._off)
+        self._sync_positions()
 
     def extend(self, other: BatchQuantizedKVCache) -> None:
         if not isinstance(other, BatchQuantizedKVCache):
@@ -481,14 +493,16 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
                 )
             self._idx, self._cap = width, columns
         self._lp += other._lp
-        self._off += other._off
         self._codecs += other._codecs
         if self._right_padding is not None or other._right_padding is not None:
             self._right_padding = (self._right_padding or [0] * base) + (
                 other._right_padding or [0] * len(other._lp)
             )
+        self._sync_positions()
+
+    def _sync_positions(self) -> None:
         self.left_padding = mx.array(self._lp)
-        self.offset = mx.array(self._off)
+        self.offset = mx.array([self._idx - p for p in self._lp])
 
     def _materialize_empty(self, shape: tuple[int, int, int, str]) -> None:
         """Gives rows with nothing stored yet (a batch with no tensors) plain zero planes."""
@@ -564,8 +578,7 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
                     dst[local : local + 1, :, p : p + n] = src[..., :n, :]
             batch._groups.append(_Group(storage, rows, keys, values))
         batch._idx = batch._cap = width
-        batch._off = [o + width for o in batch._off]
-        batch.offset = mx.array(batch._off)
+        batch._sync_positions()
         return batch
 
     def extract(self, idx: int) -> PlainRow | PackedRow:
@@ -607,7 +620,6 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
     def trim(self, n: int) -> int:
         n = min(self._idx, n)
         self._idx -= n
-        self._off = [o - n for o in self._off]
         self.offset = self.offset - n
         return n
 
@@ -637,7 +649,6 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
             {
                 "groups": [[g.storage, g.rows, len(g.keys)] for g in self._groups],
                 "lp": self._lp,
-                "off": self._off,
                 "idx": self._idx,
                 "cap": self._cap,
                 "codecs": [[c.bits, c.group_size, c.start] for c in self._codecs],
@@ -649,7 +660,7 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
     def meta_state(self, v: str) -> None:
         meta = json.loads(v)
         arrays = getattr(self, "_state_arrays", [])
-        self._lp, self._off = meta["lp"], meta["off"]
+        self._lp = meta["lp"]
         self._idx, self._cap = meta["idx"], meta["cap"]
         self._codecs = [KVCodec(*c) for c in meta["codecs"]]
         heads, kdim, vdim, dtype = meta["shape"]

@@ -284,12 +284,12 @@ def test_quantized_checkpoints_resume_exactly_and_never_mix_with_plain(
     while not checkpointed():
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    (record,) = store.list_all(kind="generation")
+    engine_proc.kill()
+    engine.close()
+    (record,) = store.list_all(kind="generation")  # read once nothing replaces it
     saved = store.get(record.key, record.namespace)
     assert saved.layout == ["kv:quant:8:64"] * len(saved.layout)
     assert any(t.dtype == "uint32" for t in saved.tensors)  # packed planes, as they were
-    engine_proc.kill()
-    engine.close()
     fresh = start_engine(engine_data_dir, "--store", f"127.0.0.1:{port}", log_dir=tmp_path)
     try:
         with EngineClient(fresh.address) as engine:
