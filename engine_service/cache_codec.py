@@ -57,11 +57,12 @@ def _dtype_name(a: mx.array) -> str:
     return str(a.dtype).removeprefix("mlx.core.")
 
 
-def capture(caches: list[Any], tokens: int, wait: bool = True) -> CapturedCache:
+def capture(caches: list[Any], tokens: int, wait: bool = True, prefix: str = "") -> CapturedCache:
     """Snapshot caches on the MLX thread.
 
     wait=False schedules the copies (mx.async_eval) and returns at once: they are computed
     alongside the next decode step instead of stalling it; call `settle` before reading.
+    prefix: prepended to tensor names (attachments share a record with the caches).
     """
     arrays: dict[str, mx.array] = {}
     dtypes: dict[str, str] = {}
@@ -89,7 +90,7 @@ def capture(caches: list[Any], tokens: int, wait: bool = True) -> CapturedCache:
             {
                 "class": _class_name(cache),
                 "meta": list(getattr(cache, "meta_state", ()) or ()),
-                "state": encode(_live_state(cache), f"l{i}"),
+                "state": encode(_live_state(cache), f"{prefix}l{i}"),
             }
         )
     if wait:

@@ -33,6 +33,8 @@ import mlx.core as mx
 from mlx_lm.models import cache as cache_lib
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
+from engine_service.attachments import CapturedAttachment, check_attachment
+from engine_service.attachments import find as find_attachment
 from engine_service.cache_codec import (
     CapturedCache,
     capture,
@@ -48,7 +50,7 @@ from engine_service.sampling import SamplingOptions
 from tandem_client.errors import DataLoss, TandemError
 from tandem_client.errors import NotFound as StoreNotFound
 from tandem_client.identity import block_hashes, generation_key, prefix_key, scope_digest
-from tandem_client.store_client import Checkpoint, StoreClient, Tensor
+from tandem_client.store_client import Attachment, Checkpoint, StoreClient, Tensor
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,8 @@ class ResumePlan:
         default_factory=list
     )
     layout: list[str] = field(default_factory=list)
+    # Companion state stored with the checkpoint, already checked against this engine.
+    attachments: list[Attachment] = field(default_factory=list)
 
 
 @dataclass
@@ -337,6 +341,7 @@ class CheckpointManager:
         max_tokens: int,
         layout: list[str],
         segment: tuple[int, int, int] | None = None,
+        attachments: list[CapturedAttachment] | None = None,
     ) -> None:
         """Queues a generation snapshot for the store (MLX thread), once its pending token
         is known.
@@ -347,6 +352,10 @@ class CheckpointManager:
         generation key names the chain. Otherwise the snapshot is the whole record.
         """
         settle(captured)
+        extra = []
+        for attachment in attachments or []:
+            settle(attachment.captured)
+            extra.append(attachment.to_record())
         meta = {
             **({} if segment is not None else captured.meta()),
             "prompt_tokens": str(len(prompt)),
@@ -366,9 +375,11 @@ class CheckpointManager:
             token_ids=list(prompt) + list(generated),
             trimmable=False,
             metadata=meta,
+            attachments=extra,
         )
         if segment is None:
-            self._enqueue("put_generation", (record, captured), captured.nbytes)
+            nbytes = captured.nbytes + sum(a.nbytes for a in attachments or [])
+            self._enqueue("put_generation", (record, captured), nbytes)
             return
         # A segment carries the generation's whole state (tokens, pending token, step) and
         # the cache positions it adds; the manifest under the generation key is written only
@@ -407,9 +418,18 @@ class CheckpointManager:
         self._enqueue("delete", (key, namespace), 0)
 
     def load_generation(
-        self, key: bytes, namespace: str, prompt: list[int], layout: list[str]
+        self,
+        key: bytes,
+        namespace: str,
+        prompt: list[int],
+        layout: list[str],
+        companions: dict[str, dict[str, str]] | None = None,
     ) -> ResumePlan:
-        """The checkpoint of a generation to resume (handler thread)."""
+        """The checkpoint of a generation to resume (handler thread).
+
+        companions: attachment schema -> metadata it must carry (e.g. the draft model); the
+        ones present are checked here (FAILED_PRECONDITION) and kept in the plan.
+        """
         if self._store is None:
             raise Precondition("resume needs an engine started with --store")
         start = time.perf_counter()
@@ -417,8 +437,8 @@ class CheckpointManager:
             ckpt = self._store.get(key, namespace)
         except StoreNotFound as exc:
             raise NotFound(
-                "no checkpoint for this request (same request_id, prompt and "
-                "sampling options are needed to resume)"
+                "no checkpoint for this request (same request_id, prompt, sampling "
+                "options and kv options are needed to resume)"
             ) from exc
         if ckpt.model_id != self.model_id:
             raise Precondition(
@@ -466,6 +486,12 @@ class CheckpointManager:
                 "segments_next": str(first + len(parts)),
             }
             generated = list(last.token_ids[n_prompt:])
+        kept = []
+        for schema, expect in (companions or {}).items():
+            attachment = find_attachment(ckpt.attachments, schema)
+            if attachment is not None:
+                check_attachment(attachment, schema, len(ckpt.token_ids), expect)
+                kept.append(attachment)
         self._count("resumes")
         return ResumePlan(
             key,
@@ -477,6 +503,7 @@ class CheckpointManager:
             time.perf_counter() - start,
             segments,
             layout,
+            kept,
         )
 
     def materialize_resume(self, plan: ResumePlan) -> list[Any]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_service.quantized_kv import BITS, GROUP_SIZES, KVCodec
+from engine_service.speculative import MAX_DRAFT
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class EngineConfig:
     kv_bits: int = 0
     kv_group_size: int = 64
     quantized_kv_start: int = 0
+    # Speculative decoding: a draft model (same tokenizer) and the default draft length.
+    draft_model: str = ""
+    num_draft_tokens: int = 0
 
     @property
     def kv_codec(self) -> KVCodec:
@@ -55,6 +59,10 @@ class EngineConfig:
             raise ValueError(f"--kv-group-size must be 32, 64 or 128, got {self.kv_group_size}")
         if self.quantized_kv_start < 0:
             raise ValueError("--quantized-kv-start must be >= 0")
+        if not 0 <= self.num_draft_tokens <= MAX_DRAFT:
+            raise ValueError(f"--num-draft-tokens must be in 0..{MAX_DRAFT}")
+        if self.num_draft_tokens and not self.draft_model:
+            raise ValueError("--num-draft-tokens needs --draft-model")
 
 
 def _env(name: str, default: str) -> str:
@@ -123,6 +131,17 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         default=int(_env("QUANTIZED_KV_START", "0")),
         help="tokens a row holds in the model's dtype before it converts",
     )
+    p.add_argument(
+        "--draft-model",
+        default=_env("DRAFT_MODEL", ""),
+        help="draft model for speculative decoding (embedded name, directory or hub id)",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=int(_env("NUM_DRAFT_TOKENS", "0")),
+        help="draft tokens per round for requests that do not choose (0: no speculation)",
+    )
     p.add_argument("--tls-cert", default=_env("TLS_CERT", ""), help="PEM certificate")
     p.add_argument("--tls-key", default=_env("TLS_KEY", ""), help="PEM private key")
     a = p.parse_args(argv)
@@ -149,6 +168,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             kv_bits=a.kv_bits,
             kv_group_size=a.kv_group_size,
             quantized_kv_start=a.quantized_kv_start,
+            draft_model=a.draft_model,
+            num_draft_tokens=a.num_draft_tokens,
         )
     except ValueError as exc:
         p.error(str(exc))

@@ -136,6 +136,28 @@ def load_model(spec: str, data_dir: Path, dtype: str = "auto") -> LoadedModel:
     return loaded
 
 
+class IncompatibleDraft(ValueError):
+    """A draft model that cannot propose tokens for the target."""
+
+
+def load_draft(spec: str, data_dir: Path, target: LoadedModel, dtype: str = "auto") -> LoadedModel:
+    """A draft model for speculative decoding: same tokenizer (vocabulary and ids) as the
+    target, and caches that can be trimmed (rejected drafts are rolled back)."""
+    draft = load_model(spec, data_dir, dtype)
+    if draft.vocab_size != target.vocab_size:
+        raise IncompatibleDraft(
+            f"draft {draft.model_id} has {draft.vocab_size} tokens, "
+            f"target {target.model_id} has {target.vocab_size}"
+        )
+    probe = "The quick brown fox, 12345 ünïcödé <|im_start|>"
+    if draft.tokenizer.encode(probe) != target.tokenizer.encode(probe):
+        raise IncompatibleDraft(f"draft {draft.model_id} tokenizes differently from the target")
+    untrimmable = sorted({c for c in draft.layout if c != "kv:plain"})
+    if untrimmable:
+        raise IncompatibleDraft(f"draft {draft.model_id} has untrimmable layers {untrimmable}")
+    return draft
+
+
 def _kv_head_dims(model: Any, config: dict[str, Any]) -> tuple[int, ...]:
     args = getattr(model, "args", None)
     text = config.get("text_config", config)

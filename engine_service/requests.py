@@ -11,6 +11,7 @@ from engine_service.errors import InvalidRequest, Precondition
 from engine_service.model import LoadedModel
 from engine_service.quantized_kv import BITS, GROUP_SIZES, PLAIN_KV, KVCodec, request_layout
 from engine_service.sampling import SamplingOptions
+from engine_service.speculative import MAX_DRAFT
 from tandem_client.pb import engine_pb2
 
 MAX_STOPS = 16
@@ -31,6 +32,7 @@ class GenerationRequest:
     tokens_held: int = 0
     kv: KVCodec = KVCodec()
     layout: list[str] = field(default_factory=list)  # the model's layout under `kv`
+    num_draft: int = 0  # speculative decoding: draft tokens per round (0: off)
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -107,6 +109,36 @@ def kv_codec_from_pb(
     return KVCodec(bits, group, start)
 
 
+def num_draft_from_pb(
+    request: engine_pb2.GenerateRequest, loaded: LoadedModel, drafts: DraftSupport, kv: KVCodec
+) -> int:
+    """Draft tokens per round for this request (0: no speculation)."""
+    n = request.num_draft_tokens if request.HasField("num_draft_tokens") else drafts.default
+    if not 0 <= n <= MAX_DRAFT:
+        raise InvalidRequest(f"num_draft_tokens must be in 0..{MAX_DRAFT}, got {n}")
+    if not n:
+        return 0
+    if not drafts.model_id:
+        raise Precondition("speculative decoding needs an engine started with --draft-model")
+    untrimmable = sorted({c for c in loaded.layout if c != "kv:plain"})
+    if untrimmable:
+        raise Precondition(
+            f"speculative decoding rolls back rejected tokens, which {untrimmable} layers "
+            "cannot do (sliding-window and recurrent caches are not trimmable)"
+        )
+    if kv.quantized:
+        raise Precondition("speculative decoding runs on plain KV caches; send kv_bits=0")
+    return int(n)
+
+
+@dataclass(frozen=True)
+class DraftSupport:
+    """What the engine offers for speculative decoding."""
+
+    model_id: str = ""  # "" when no draft model is loaded
+    default: int = 0
+
+
 def prompt_tokens(
     request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest, loaded: LoadedModel
 ) -> list[int]:
@@ -144,6 +176,7 @@ def request_from_pb(
     has_store: bool = False,
     default_interval: int = 0,
     default_kv: KVCodec = PLAIN_KV,
+    drafts: DraftSupport | None = None,
 ) -> GenerationRequest:
     if (request.resume or request.checkpoint_interval) and not has_store:
         raise Precondition("checkpoints and resume need an engine started with --store")
@@ -157,6 +190,7 @@ def request_from_pb(
         raise InvalidRequest("request_id must be up to 128 printable characters")
     sampling = sampling_from_pb(request.sampling, loaded.vocab_size)
     kv = kv_codec_from_pb(request, loaded, default_kv)
+    num_draft = num_draft_from_pb(request, loaded, drafts or DraftSupport(), kv)
     prompt = prompt_tokens(request, loaded)
     if not prompt:
         raise InvalidRequest("the prompt is empty")
@@ -178,4 +212,5 @@ def request_from_pb(
         tokens_held=request.tokens_held,
         kv=kv,
         layout=request_layout(loaded.layout, kv),
+        num_draft=num_draft,
     )

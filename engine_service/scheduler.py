@@ -28,6 +28,7 @@ from engine_service.model import LoadedModel
 from engine_service.quantized_kv import KVCodec, adopt_row
 from engine_service.requests import GenerationRequest
 from engine_service.sampling import make_processors, make_sampler
+from engine_service.speculative_lane import SpeculativeLane
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ class Finished:
     reason: str
     error: str = ""
     stop_token: int | None = None
+    drafted: int = 0  # speculative decoding: draft tokens proposed and kept
+    accepted: int = 0
 
 
 # Generation snapshots are taken on steps that are multiples of this (see _capture_due).
@@ -128,8 +131,11 @@ class Scheduler:
         limits: Limits,
         deliver: Deliver = deliver_directly,
         checkpoints: CheckpointManager | None = None,
+        draft: LoadedModel | None = None,
     ) -> None:
         self.loaded = loaded
+        # Requests with num_draft_tokens run here, beside the batch (speculative_lane.py).
+        self._speculative = SpeculativeLane(self, draft) if draft is not None else None
         self.checkpoints = checkpoints
         self.limits = limits
         self.deliver = deliver
@@ -238,12 +244,12 @@ class Scheduler:
     def _run(self) -> None:
         self._bg = self._new_batch_generator()
         while True:
-            idle = not self._rows and not self._waiting
+            idle = not self._rows and not self._waiting and not self._speculating()
             waiting_before = len(self._waiting)
             if not self._drain_inbox(block=idle):
                 break
             arrived = len(self._waiting) > waiting_before
-            room = len(self._rows) + len(self._waiting) < self.limits.max_running
+            room = self._running() + len(self._waiting) < self.limits.max_running
             if arrived and room and ADMISSION_WINDOW_S:
                 # A burst of requests arrives over a few milliseconds: gather it so it is
                 # prefilled as one batch, not one request per decode step.
@@ -254,6 +260,8 @@ class Scheduler:
             self._expire_deadlines()
             if self._rows:
                 self._step()
+            if self._speculating():
+                self._step_speculative()
             self._publish_counts()
             self._flush_outbox()
         self._cancel_all("the engine is shutting down")
@@ -286,24 +294,37 @@ class Scheduler:
             elif kind == "stop":
                 return False
 
+    def _running(self) -> int:
+        return len(self._rows) + (len(self._speculative) if self._speculative else 0)
+
+    def _speculating(self) -> bool:
+        return bool(self._speculative and len(self._speculative))
+
+    def _step_speculative(self) -> None:
+        assert self._speculative is not None
+        produced = self._speculative.step()
+        with self._lock:
+            self._stats.generated_tokens_total += produced
+            self._stats.recent.append((time.monotonic(), produced))
+
     def _admit(self) -> None:
-        free = self.limits.max_running - len(self._rows)
+        free = self.limits.max_running - self._running()
         batch = []
         while free > 0 and self._waiting:
-            batch.append(self._waiting.popleft())
+            job = self._waiting.popleft()
             free -= 1
+            if job.request.num_draft and self._speculative is not None:
+                self._prepare(job)
+                self._speculative.admit(job)
+            else:
+                batch.append(job)
         if not batch:
             return
-        eos = self.loaded.eos_token_ids
         prompts, histories, caches, max_tokens = [], [], [], []
         samplers, processors, stops = [], [], []
         for job in batch:
             r = job.request
-            stop_ids = set(r.sampling.stop_token_ids)
-            if not r.sampling.ignore_eos:
-                stop_ids.update(eos)
-            job.stop_ids = frozenset(stop_ids)
-            job.admitted_at = time.monotonic()
+            self._prepare(job)
             prompt, history, cache, cached = self._starting_point(job)
             prompts.append(prompt)
             histories.append(history)
@@ -311,13 +332,8 @@ class Scheduler:
             max_tokens.append(r.max_tokens - len(job.tokens))
             samplers.append(make_sampler(r.sampling, start_step=len(job.tokens)))
             processors.append(make_processors(r.sampling))
-            stops.append(StopSequences([[t] for t in sorted(stop_ids)]))
+            stops.append(StopSequences([[t] for t in sorted(job.stop_ids)]))
             job.generated = len(job.tokens)
-            ckpt = self.checkpoints
-            if ckpt is not None and ckpt.has_store and r.checkpoint_interval:
-                job.checkpoint_key = ckpt.generation_key(
-                    r.namespace, r.prompt, r.sampling, r.request_id, r.layout
-                )
             self._emit(job, [Started(len(r.prompt), cached)])
         uids = self._bg.insert(
             prompts,
@@ -333,6 +349,20 @@ class Scheduler:
             self._rows[uid] = job
         with self._lock:
             self._stats.prompt_tokens_total += sum(len(p) for p in prompts)
+
+    def _prepare(self, job: _Job) -> None:
+        """What every admitted request needs: its stop ids and checkpoint key."""
+        r = job.request
+        stop_ids = set(r.sampling.stop_token_ids)
+        if not r.sampling.ignore_eos:
+            stop_ids.update(self.loaded.eos_token_ids)
+        job.stop_ids = frozenset(stop_ids)
+        job.admitted_at = time.monotonic()
+        ckpt = self.checkpoints
+        if ckpt is not None and ckpt.has_store and r.checkpoint_interval:
+            job.checkpoint_key = ckpt.generation_key(
+                r.namespace, r.prompt, r.sampling, r.request_id, r.layout
+            )
 
     def _row_caches(self, restored: list[Any] | None, kv: KVCodec) -> list[Any]:
         """A request's per-layer caches, its plain KV layers as rows of a
@@ -505,6 +535,8 @@ class Scheduler:
             return
         if job.uid >= 0:
             self._bg.remove([job.uid])
+        elif self._speculative is not None and request_id in self._speculative.jobs:
+            self._speculative.remove(request_id)
         else:
             self._waiting.remove(job)
         self._forget(job)
@@ -534,6 +566,8 @@ class Scheduler:
             self._forget(job)
             self._emit(job, [Finished("error", error=message)])
         self._waiting.clear()
+        if self._speculative is not None:
+            self._speculative.clear()
         self._bg = self._new_batch_generator()
 
     def _cancel_all(self, message: str) -> None:
@@ -542,5 +576,5 @@ class Scheduler:
 
     def _publish_counts(self) -> None:
         with self._lock:
-            self._stats.running = len(self._rows)
+            self._stats.running = self._running()
             self._stats.queued = len(self._waiting)

@@ -15,7 +15,8 @@ from grpc_reflection.v1alpha import reflection
 from engine_service import blas
 from engine_service.checkpoints import CheckpointManager, CheckpointSettings
 from engine_service.config import EngineConfig, parse_args
-from engine_service.model import load_model
+from engine_service.model import IncompatibleDraft, load_draft, load_model
+from engine_service.requests import DraftSupport
 from engine_service.scheduler import Limits, Scheduler
 from engine_service.servicer import EngineServicer, loop_deliver
 from tandem_client.pb import engine_pb2, engine_pb2_grpc
@@ -32,6 +33,11 @@ async def serve(config: EngineConfig) -> None:
     # needs several, which showed up as 4-5x the direct time to first token on a GPU.
     sys.setswitchinterval(config.switch_interval_s)
     loaded = load_model(config.model, config.data_dir, config.dtype)
+    draft = (
+        load_draft(config.draft_model, config.data_dir, loaded, config.dtype)
+        if config.draft_model
+        else None
+    )
     context = min(config.max_context or loaded.context_length, loaded.context_length)
     limits = Limits(
         config.max_running, config.max_queued, config.prefill_batch_size, config.prefill_step_size
@@ -44,7 +50,9 @@ async def serve(config: EngineConfig) -> None:
             spill_queue_bytes=config.spill_queue_bytes,
         ),
     )
-    scheduler = Scheduler(loaded, limits, loop_deliver(asyncio.get_running_loop()), checkpoints)
+    scheduler = Scheduler(
+        loaded, limits, loop_deliver(asyncio.get_running_loop()), checkpoints, draft
+    )
     scheduler.start()
     server = grpc.aio.server()
     engine_pb2_grpc.add_EngineServicer_to_server(
@@ -56,6 +64,7 @@ async def serve(config: EngineConfig) -> None:
             checkpoints,
             config.checkpoint_interval,
             config.kv_codec,
+            DraftSupport(draft.model_id if draft else "", config.num_draft_tokens),
         ),
         server,
     )
@@ -100,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     try:
         asyncio.run(serve(config))
-    except OSError as exc:
+    except (OSError, IncompatibleDraft) as exc:
         print(f"tandem-engine: {exc}", file=sys.stderr)
         sys.exit(1)
 

@@ -16,12 +16,18 @@ from typing import Any, TypeVar
 import grpc
 
 from engine_service import blas
+from engine_service.attachments import DRAFT_SCHEMA
 from engine_service.checkpoints import CheckpointManager, PrefixPlan, ResumePlan
 from engine_service.errors import EngineError, InvalidRequest, NotFound
 from engine_service.model import LoadedModel
 from engine_service.prefix_cache import BLOCK_SIZE
 from engine_service.quantized_kv import PLAIN_KV, KVCodec, request_layout
-from engine_service.requests import GenerationRequest, prompt_tokens, request_from_pb
+from engine_service.requests import (
+    DraftSupport,
+    GenerationRequest,
+    prompt_tokens,
+    request_from_pb,
+)
 from engine_service.scheduler import Deliver, Event, Finished, Scheduler, Sink, Started, Token
 from engine_service.text import TextStream
 from tandem_client.pb import engine_pb2, engine_pb2_grpc
@@ -108,8 +114,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         checkpoints: CheckpointManager | None = None,
         default_checkpoint_interval: int = 0,
         default_kv: KVCodec = PLAIN_KV,
+        drafts: DraftSupport | None = None,
     ) -> None:
         self.default_kv = default_kv
+        self.drafts = drafts or DraftSupport()
         self.checkpoints = checkpoints
         self.default_checkpoint_interval = default_checkpoint_interval
         self.loaded = loaded
@@ -137,6 +145,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 self.checkpoints is not None and self.checkpoints.has_store,
                 self.default_checkpoint_interval,
                 self.default_kv,
+                self.drafts,
             )
             plan = await self._plan(req)
             replay = [*plan.generated, plan.pending] if isinstance(plan, ResumePlan) else []
@@ -170,8 +179,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             key = ckpt.generation_key(
                 req.namespace, req.prompt, req.sampling, req.request_id, req.layout
             )
+            # A speculative generation resumes with its draft model's cache when the
+            # checkpoint carries one made by this engine's draft model.
+            companions = (
+                {DRAFT_SCHEMA: {"draft_model": self.drafts.model_id}} if req.num_draft else None
+            )
             return await asyncio.to_thread(
-                ckpt.load_generation, key, req.namespace, req.prompt, req.layout
+                ckpt.load_generation, key, req.namespace, req.prompt, req.layout, companions
             )
         if len(req.prompt) > BLOCK_SIZE:
             return await asyncio.to_thread(ckpt.find_prefix, req.prompt, req.namespace, req.layout)
@@ -254,6 +268,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 elif isinstance(event, Finished):
                     if event.reason == "deadline":
                         raise _DeadlineExceeded
+                    usage.draft_tokens = event.drafted
+                    usage.accepted_draft_tokens = event.accepted
                     final = message or engine_pb2.GenerateResponse()
                     final.finish_reason = _FINISH[event.reason]
                     final.error = event.error
@@ -328,6 +344,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             kv_bits=self.default_kv.bits,
             kv_group_size=self.default_kv.group_size,
             quantized_kv_start=self.default_kv.start,
+            draft_model_id=self.drafts.model_id,
+            num_draft_tokens=self.drafts.default,
             model_type=str(m.config.get("model_type", "")),
             dtype=m.dtype,
             eos_token_ids=m.eos_token_ids,

@@ -30,6 +30,8 @@ class Usage:
     generated_tokens: int
     ttft_seconds: float
     decode_tokens_per_second: float
+    draft_tokens: int = 0  # speculative decoding: proposed, and kept by the target
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class GenerationChunk:
                 u.generated_tokens,
                 u.ttft_seconds,
                 u.decode_tokens_per_second,
+                u.draft_tokens,
+                u.accepted_draft_tokens,
             )
         return cls(
             token_ids=list(m.token_ids),
@@ -148,12 +152,14 @@ def generate_request(
     kv_bits: int | None = None,
     kv_group_size: int = 0,
     quantized_kv_start: int | None = None,
+    num_draft_tokens: int | None = None,
     **sampling: Any,
 ) -> engine_pb2.GenerateRequest:
     """A GenerateRequest from text, token ids or chat messages (dicts of role/content).
 
     kv_bits: None = the engine's default KV codec, 0 = plain, 4 or 8 = quantized (see
-    quantized_kv_start and kv_group_size).
+    quantized_kv_start and kv_group_size). num_draft_tokens: None = the engine's default,
+    0 = no speculative decoding, k = k draft tokens per round (needs --draft-model).
     """
     req = engine_pb2.GenerateRequest(
         request_id=request_id,
@@ -170,6 +176,8 @@ def generate_request(
     req.kv_group_size = kv_group_size
     if quantized_kv_start is not None:
         req.quantized_kv_start = quantized_kv_start
+    if num_draft_tokens is not None:
+        req.num_draft_tokens = num_draft_tokens
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):

@@ -50,10 +50,13 @@ class Tensor:
     shape: tuple[int, ...]
     data: Any = b""
     crc32: int | None = None
+    # From a header without its bytes (Inspect, List): the stored size.
+    stored_nbytes: int | None = None
 
     @property
     def nbytes(self) -> int:
-        return memoryview(self.data).nbytes
+        size = memoryview(self.data).nbytes
+        return self.stored_nbytes if size == 0 and self.stored_nbytes is not None else size
 
     def to_pb(self) -> tensors_pb2.TensorSpec:
         view = memoryview(self.data).cast("B")
@@ -114,7 +117,7 @@ class Checkpoint:
     @classmethod
     def from_header(cls, h: tensors_pb2.CheckpointHeader) -> Checkpoint:
         def tensor(s: tensors_pb2.TensorSpec) -> Tensor:
-            return Tensor(s.name, s.dtype, tuple(s.shape), b"", s.crc32)
+            return Tensor(s.name, s.dtype, tuple(s.shape), b"", s.crc32, s.nbytes)
 
         return cls(
             key=h.key,

@@ -154,6 +154,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                         "schema": a.schema,
                         "metadata": a.metadata,
                         "tensors": [t.name for t in a.tensors],
+                        "nbytes": sum(t.nbytes for t in a.tensors),
                     }
                     for a in c.attachments
                 ],
@@ -173,10 +174,14 @@ def cmd_show(args: argparse.Namespace) -> int:
         [[t.name, t.dtype, "x".join(map(str, t.shape))] for t in c.tensors],
     )
     for a in c.attachments:
+        size = human_bytes(sum(t.nbytes for t in a.tensors))
         table(
-            f"attachment {a.schema}",
-            ["name", "dtype", "shape"],
-            [[t.name, t.dtype, "x".join(map(str, t.shape))] for t in a.tensors],
+            f"attachment {a.schema} ({len(a.tensors)} tensors, {size})",
+            ["name", "dtype", "shape", "size"],
+            [
+                [t.name, t.dtype, "x".join(map(str, t.shape)), human_bytes(t.nbytes)]
+                for t in a.tensors
+            ],
         )
     if c.metadata:
         table(

@@ -1,0 +1,240 @@
+"""Speculative decoding with a draft model, and its checkpoints carrying the draft's cache as
+an attachment: same tokens as plain decoding, exact resume after SIGKILL, and refusals."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step, speculative_generate_step
+
+from engine_service.attachments import DRAFT_SCHEMA
+from engine_service.model import load_model
+from engine_service.sampling import SamplingOptions, SeededSampler
+from engine_service.speculative import SpeculativeDecoder
+from tandem_client import EngineClient, StoreClient
+from tandem_client.errors import TandemError
+from tests.servers import ServiceProcess, free_port, start_engine, start_store_on
+
+TEXT = "The quick brown fox jumps over the lazy dog. "
+PROMPT = [(i * 977) % 2000 + 3 for i in range(300)]
+
+
+def _run(decoder: SpeculativeDecoder, n: int) -> list[int]:
+    out: list[int] = []
+    while len(out) < n:
+        out += decoder.round(n - len(out)).tokens
+    return out
+
+
+def test_decoder_matches_mlx_lm_speculative_and_plain_decoding(
+    reference: Any, engine_data_dir: Path
+) -> None:
+    target = reference.model
+    draft = load_model("tandem-tiny-draft", engine_data_dir).model
+    prompt = reference.tokenizer.encode(TEXT * 3)
+    plain = [int(t) for t, _ in generate_step(mx.array(prompt), target, max_tokens=48)]
+    theirs = [
+        int(t)
+        for t, _, _ in speculative_generate_step(
+            mx.array(prompt), target, draft, num_draft_tokens=3, max_tokens=48
+        )
+    ]
+    ours = SpeculativeDecoder.prefill(target, draft, prompt, SamplingOptions(), [], 3)
+    assert _run(ours, 48) == theirs == plain
+    assert ours.drafted_total > 0
+    # The target as its own draft agrees on every proposal: the upper bound.
+    self_draft = SpeculativeDecoder.prefill(target, target, prompt, SamplingOptions(), [], 4)
+    assert _run(self_draft, 48) == plain
+    assert self_draft.accepted_total == self_draft.drafted_total > 0
+    # Seeded sampling draws token t with the key of (seed, t), as plain decoding does.
+    options = SamplingOptions(temperature=0.9, top_p=0.95, seed=11)
+    sampled = [
+        int(t)
+        for t, _ in generate_step(
+            mx.array(prompt), target, max_tokens=40, sampler=SeededSampler(options)
+        )
+    ]
+    seeded = SpeculativeDecoder.prefill(target, draft, prompt, options, [], 3)
+    assert _run(seeded, 40) == sampled
+
+
+@pytest.fixture
+def stack(tmp_path: Path, engine_data_dir: Path) -> Iterator[dict[str, Any]]:
+    port = free_port()
+    procs: dict[str, Any] = {"port": port, "root": tmp_path}
+    procs["store"] = start_store_on(tmp_path / "store", port)
+
+    def engine(*extra: str) -> ServiceProcess:
+        return start_engine(
+            engine_data_dir,
+            "--store",
+            f"127.0.0.1:{port}",
+            "--draft-model",
+            "tandem-tiny-draft",
+            *extra,
+            log_dir=tmp_path,
+        )
+
+    procs["start_engine"] = engine
+    procs["engine"] = engine()
+    try:
+        yield procs
+    finally:
+        procs["engine"].stop()
+        procs["store"].stop()
+
+
+def test_speculative_requests_give_the_plain_tokens(stack: dict[str, Any]) -> None:
+    with EngineClient(stack["engine"].address) as engine:
+        info = engine.model_info()
+        assert info.draft_model_id.startswith("tandem-tiny-draft@")
+        ids = engine.tokenize(TEXT * 2)
+        plain = engine.generate(ids, max_tokens=40, ignore_eos=True, logprobs=2)
+        spec = engine.generate(ids, max_tokens=40, ignore_eos=True, logprobs=2, num_draft_tokens=4)
+        assert spec.token_ids == plain.token_ids
+        assert spec.usage.draft_tokens > 0
+        assert 0 <= spec.usage.accepted_draft_tokens <= spec.usage.draft_tokens
+        spec_lps = [lp for c in spec.chunks for lp in c.logprobs]
+        plain_lps = [lp for c in plain.chunks for lp in c.logprobs]
+        assert [lp.token_id for lp in spec_lps] == spec.token_ids
+        for a, b in zip(plain_lps, spec_lps, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-3
+            assert [t[0] for t in a.top] == [t[0] for t in b.top]
+        seeded = dict(temperature=0.8, seed=5, max_tokens=32, ignore_eos=True)
+        assert (
+            engine.generate(ids, num_draft_tokens=3, **seeded).token_ids
+            == engine.generate(ids, **seeded).token_ids
+        )
+        with pytest.raises(TandemError) as err:
+            engine.generate(ids, max_tokens=4, num_draft_tokens=99)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(TandemError) as err:
+            engine.generate(ids, max_tokens=4, num_draft_tokens=2, kv_bits=8)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_no_draft_model_or_untrimmable_caches_are_refused(
+    engine_client: EngineClient, engine_data_dir: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(TandemError) as err:
+        engine_client.generate("hello", max_tokens=4, num_draft_tokens=2)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--draft-model" in str(err.value)
+    proc = start_engine(
+        engine_data_dir,
+        "--model",
+        "tandem-tiny-swa",
+        "--draft-model",
+        "tandem-tiny-draft",
+        log_dir=tmp_path,
+    )
+    try:
+        with EngineClient(proc.address) as client:
+            with pytest.raises(TandemError) as err:
+                client.generate("hello", max_tokens=4, num_draft_tokens=2)
+            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "kv:rotating" in str(err.value)
+            assert client.generate("hello", max_tokens=4, ignore_eos=True).token_ids
+    finally:
+        proc.stop()
+
+
+def _wait_for_checkpoint(store: StoreClient, tokens: int) -> Any:
+    deadline = time.monotonic() + 30
+    while True:
+        found = store.list_all(kind="generation")
+        if found and found[0].token_count >= tokens:
+            return found[0]
+        assert time.monotonic() < deadline, "no checkpoint"
+        time.sleep(0.05)
+
+
+def _killed_mid_stream(stack: dict[str, Any], request: dict[str, Any]) -> tuple[list[int], Any]:
+    """Streams a speculative checkpointed generation, SIGKILLs the engine once a checkpoint
+    covers most of what was read; returns (tokens received, the checkpoint's record)."""
+    store = StoreClient(f"127.0.0.1:{stack['port']}")
+    received: list[int] = []
+    engine = EngineClient(stack["engine"].address)
+    for chunk in engine.stream_request(engine.request(PROMPT, **request)):
+        received.extend(chunk.token_ids)
+        if len(received) >= 30:
+            break
+    _wait_for_checkpoint(store, len(PROMPT) + 20)
+    stack["engine"].kill()
+    engine.close()
+    (record,) = store.list_all(kind="generation")
+    checkpoint = store.get(record.key, record.namespace)
+    store.close()
+    return received, checkpoint
+
+
+def test_speculative_generation_resumes_after_sigkill_with_its_draft_cache(
+    stack: dict[str, Any],
+) -> None:
+    request = dict(
+        max_tokens=64,
+        ignore_eos=True,
+        checkpoint_interval=8,
+        request_id="spec-1",
+        num_draft_tokens=3,
+    )
+    received, checkpoint = _killed_mid_stream(stack, request)
+    (attachment,) = checkpoint.attachments
+    assert attachment.schema == DRAFT_SCHEMA
+    assert attachment.metadata["boundary"] == str(len(checkpoint.token_ids))
+    assert attachment.metadata["draft_model"].startswith("tandem-tiny-draft@")
+    assert sum(t.nbytes for t in attachment.tensors) > 0
+    stack["engine"] = stack["start_engine"]()
+    with EngineClient(stack["engine"].address) as engine:
+        resumed = engine.generate(PROMPT, resume=True, tokens_held=len(received), **request)
+        assert resumed.usage.cached_prompt_tokens == len(PROMPT)
+        plain = engine.generate(PROMPT, **{**request, "request_id": "plain", "num_draft_tokens": 0})
+    assert len(plain.token_ids) == 64
+    assert received + resumed.token_ids == plain.token_ids
+
+
+def test_attachments_are_refused_off_their_boundary_codec_or_model(
+    stack: dict[str, Any],
+) -> None:
+    request = dict(
+        max_tokens=64,
+        ignore_eos=True,
+        checkpoint_interval=8,
+        request_id="spec-2",
+        num_draft_tokens=3,
+    )
+    _, checkpoint = _killed_mid_stream(stack, request)
+    store = StoreClient(f"127.0.0.1:{stack['port']}")
+    (attachment,) = checkpoint.attachments
+    original = dict(attachment.metadata)
+
+    def tampered(**changes: str) -> None:
+        attachment.metadata = {**original, **changes}
+        store.put(checkpoint)
+
+    stack["engine"] = stack["start_engine"]()
+    try:
+        with EngineClient(stack["engine"].address) as engine:
+            cases = [
+                (dict(boundary=str(len(checkpoint.token_ids) - 1)), "can only be restored"),
+                (dict(codec="tandem.cache.v0"), "codec"),
+                (dict(draft_model="other-draft@sha256:0"), "draft_model"),
+            ]
+            for change, message in cases:
+                tampered(**change)
+                with pytest.raises(TandemError) as err:
+                    engine.generate(PROMPT, resume=True, **request)
+                assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, change
+                assert message in str(err.value)
+            # Without speculation the attachment is not needed: the target's caches resume.
+            tampered()
+            plain = engine.generate(PROMPT, resume=True, **{**request, "num_draft_tokens": 0})
+            assert plain.finish_reason == "length"
+    finally:
+        store.close()
