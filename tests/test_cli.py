@@ -62,6 +62,17 @@ def test_generate_text_and_json(services: dict[str, str]) -> None:
     doc = json.loads(as_json.stdout)
     assert doc["finish_reason"] == "length" and len(doc["token_ids"]) == 8
     assert doc["usage"]["generated_tokens"] == 8 and isinstance(doc["text"], str)
+    # Per-request KV codec: 8-bit KV gives this model's greedy tokens here too.
+    plain = json.loads(
+        tandem(services, "generate", "Hello world", "--max-tokens", "8", "--json").stdout
+    )
+    q8 = tandem(
+        services, "generate", "Hello world", "--max-tokens", "8", "--json", "--kv-bits", "8"
+    )
+    assert q8.returncode == 0, q8.stderr
+    assert json.loads(q8.stdout)["token_ids"] == plain["token_ids"]
+    no_draft = tandem(services, "generate", "hi", "--num-draft-tokens", "2")
+    assert no_draft.returncode == 1 and "--draft-model" in _one_error_line(no_draft)
 
 
 def test_bad_input_unreachable_and_bad_flags(services: dict[str, str]) -> None:

@@ -26,6 +26,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-group-size", type=int, default=0)
     p.add_argument("--quantized-kv-start", type=int, help="tokens kept plain before converting")
+    p.add_argument(
+        "--num-draft-tokens", type=int, help="speculative decoding: draft tokens per round"
+    )
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -41,6 +44,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
         quantized_kv_start=args.quantized_kv_start,
+        num_draft_tokens=args.num_draft_tokens,
     )
     if args.top_p is not None:
         options["top_p"] = args.top_p
