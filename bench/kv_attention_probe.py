@@ -4,7 +4,9 @@ One decode step's attention (one query per row) over `--context` cached position
 step-grown buffer, repeated for `--layers` layers, for: mlx's fused SDPA on the plain slice
 (what mlx-lm's BatchKVCache gives attention: the baseline); mlx-lm's
 quantized_scaled_dot_product_attention on the packed planes (sliced, or copied contiguous
-first, as MLX-CUDA needs); and dequantize-then-fused-SDPA. Prints ms per step and the ratio.
+first, as MLX-CUDA needs); and dequantize-then-fused-SDPA. Then whole cache steps (update one
+position per row, attend through the cache) for mlx-lm's BatchKVCache and ours. Prints ms per
+step and the ratio.
 
     python bench/kv_attention_probe.py [--batch 32] [--context 2112] [--heads 16] [--kv-heads 8]
 """
@@ -28,8 +30,12 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.base import (  # noqa: E402
     create_causal_mask,
     quantized_scaled_dot_product_attention,
+    scaled_dot_product_attention,
 )
+from mlx_lm.models.cache import KVCache  # noqa: E402
 # isort: on
+
+from engine_service.quantized_kv import BatchQuantizedKVCache, KVCodec, PlainRow  # noqa: E402
 
 
 def timed(fn: Any, repeat: int) -> float:
@@ -42,7 +48,7 @@ def timed(fn: Any, repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def main() -> None:
+def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=2112)
@@ -51,7 +57,10 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--repeat", type=int, default=10)
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def main(a: argparse.Namespace) -> None:
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
     cap = (a.context + 255) // 256 * 256
     n = a.context
@@ -113,5 +122,63 @@ def main() -> None:
                 print(f"  {bits}-bit {name:<32} failed: {str(exc)[:80]}")
 
 
+def cache_steps(a: argparse.Namespace, dtype: mx.Dtype) -> None:
+    """Decode steps through the caches themselves: per layer, update_and_fetch one position
+    per row, then mlx-lm's scaled_dot_product_attention with the cache (as a model layer
+    does); mlx-lm's BatchKVCache beside ours (plain, 8-bit, 4-bit)."""
+
+    def rows(codec: KVCodec) -> list[Any]:
+        out = []
+        for _ in range(a.batch):
+            row = PlainRow(codec)
+            row.keys = mx.random.normal((1, a.kv_heads, a.context, a.dim)).astype(dtype)
+            row.values = mx.random.normal((1, a.kv_heads, a.context, a.dim)).astype(dtype)
+            row.offset = a.context
+            out.append(row)
+        return out
+
+    q = mx.random.normal((a.batch, a.heads, 1, a.dim)).astype(dtype)
+    k_new = mx.random.normal((a.batch, a.kv_heads, 1, a.dim)).astype(dtype)
+    scale = a.dim**-0.5
+    variants: dict[str, Any] = {}
+    base_rows = rows(KVCodec())
+    plain_solo = []
+    for r in base_rows:
+        c = KVCache()
+        c.keys, c.values, c.offset = r.keys, r.values, r.offset
+        plain_solo.append(c)
+    variants["mlx-lm BatchKVCache"] = lambda: [KVCache.merge(plain_solo) for _ in range(a.layers)]
+    for name, codec in (
+        ("ours plain", KVCodec()),
+        ("ours 8-bit", KVCodec(8, 64, 0)),
+        ("ours 4-bit", KVCodec(4, 64, 0)),
+    ):
+        solo = rows(codec)
+        variants[name] = lambda solo=solo: [
+            BatchQuantizedKVCache.merge(solo) for _ in range(a.layers)
+        ]
+    results = {}
+    for name, make in variants.items():
+        caches = make()
+        for c in caches:  # first step converts quantized rows; not timed
+            c.update_and_fetch(k_new, k_new)
+        mx.eval([c.state for c in caches])
+
+        def step(caches: list[Any] = caches) -> list[mx.array]:
+            outs = []
+            for c in caches:
+                mask = c.make_mask(1, return_array=True)
+                keys, values = c.update_and_fetch(k_new, k_new)
+                outs.append(scaled_dot_product_attention(q, keys, values, c, scale, mask))
+            return outs
+
+        results[name] = timed(step, a.repeat)
+    base = results["mlx-lm BatchKVCache"]
+    for name, ms in results.items():
+        print(f"  cache step {name:<22} {ms:7.2f} ms  (x{base / ms:.2f} of BatchKVCache)")
+
+
 if __name__ == "__main__":
-    main()
+    args = _parse()
+    main(args)
+    cache_steps(args, mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16)
