@@ -39,9 +39,12 @@ from mlx_lm.models.cache import dynamic_roll
 PLAIN = "plain"
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
-# MLX-CUDA's quantized matmul has no kernel for a column slice of a larger buffer; a
-# contiguous copy works (shared/gpu/README.md). Metal and the CPU read slices directly.
-_CONTIGUOUS_PLANES = mx.default_device() == mx.gpu and not mx.metal.is_available()
+# MLX-CUDA's quantized matmul has no kernel for a column slice of a larger buffer
+# (shared/gpu/README.md). A contiguous copy of every plane every step works but costs a fresh
+# buffer of growing size per plane and layer; instead, while a batch holds packed rows,
+# attention reads the whole step-grown planes and the mask hides the columns past the last
+# token (zeros: scales and biases 0). Metal and the CPU read column slices directly.
+FULL_WIDTH_PLANES = mx.default_device() == mx.gpu and not mx.metal.is_available()
 
 
 @dataclass(frozen=True)
@@ -273,6 +276,7 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         # Runs once per layer per step: the common case (one group, nothing to convert)
         # does what BatchKVCache does and little else, as graph building is on the hot path.
+        full = self._full_width()  # before converting, as make_mask decided
         if self._waiting != 0:
             self._convert_due()
         steps = keys.shape[2]
@@ -296,7 +300,7 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
                     plane[..., prev:end, :] = part
         self._idx = end
         self.offset = self.offset + steps
-        return self._fetch(keys.dtype)
+        return self._fetch(keys.dtype, full)
 
     def _make_room(self, keys: mx.array, values: mx.array, prev: int, steps: int) -> None:
         batch, heads, _, kdim = keys.shape
@@ -308,21 +312,17 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
         if prev + steps > self._cap:
             self._grow(prev, steps)
 
-    def _fetch(self, dtype: mx.Dtype) -> tuple[Any, Any]:
-        n = self._idx
+    def _fetch(self, dtype: mx.Dtype, full: bool = False) -> tuple[Any, Any]:
+        n = self._cap if full else self._idx
 
         def live(p: mx.array) -> mx.array:
-            return p[..., :n, :]
+            return p if full else p[..., :n, :]
 
         if len(self._groups) == 1:
             group = self._groups[0]
             if not group.packed:
-                return group.keys[0][..., :n, :], group.values[0][..., :n, :]
-            keep = mx.contiguous if _CONTIGUOUS_PLANES else (lambda p: p)
-            return (
-                tuple(keep(live(p)) for p in group.keys),
-                tuple(keep(live(p)) for p in group.values),
-            )
+                return live(group.keys[0]), live(group.values[0])
+            return tuple(live(p) for p in group.keys), tuple(live(p) for p in group.values)
         # Mixed formats: one plain tensor in batch order for this step.
         ks = [g.decode([live(p) for p in g.keys], dtype) for g in self._groups]
         vs = [g.decode([live(p) for p in g.values], dtype) for g in self._groups]
@@ -334,7 +334,33 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
         mask: mx.array = create_causal_mask(
             N, offset=self._idx, left_padding=self.left_padding, **kwargs
         )
+        if self._full_width():
+            extra = self._cap_after(N) - mask.shape[-1]
+            mask = mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, extra)])
         return mask
+
+    def _full_width(self) -> bool:
+        """Whether this step's attention reads whole planes (FULL_WIDTH_PLANES): decided from
+        the state before the update, so make_mask (first layer) and every layer agree."""
+        if not FULL_WIDTH_PLANES or not self._groups:
+            return False
+        if any(g.packed for g in self._groups):
+            return True
+        plain = self._groups[0]
+        return bool(plain.keys) and any(self._due(row) for row in plain.rows)
+
+    def _due(self, row: int) -> bool:
+        codec = self._codecs[row]
+        held = self._idx - self._lp[row]
+        return codec.quantized and held > 0 and held >= codec.start
+
+    def _cap_after(self, steps: int) -> int:
+        """Columns the planes will have once `steps` more positions are written (_grow)."""
+        prev = self._idx
+        if prev + steps <= self._cap:
+            return self._cap
+        extra = (self.step + steps - 1) // self.step * self.step
+        return (prev if self._cap and prev % self.step != 0 else self._cap) + extra
 
     # -- conversion --------------------------------------------------------------------------
 
@@ -352,10 +378,8 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
             return
         due: dict[Any, list[int]] = {}
         for local, row in enumerate(plain.rows):
-            codec = self._codecs[row]
-            held = self._idx - self._lp[row]
-            if codec.quantized and held > 0 and held >= codec.start:
-                due.setdefault(codec.storage, []).append(local)
+            if self._due(row):
+                due.setdefault(self._codecs[row].storage, []).append(local)
         if not due:
             return
         moved: set[int] = set()

@@ -16,6 +16,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine_service import quantized_kv
 from engine_service.quantized_kv import BatchQuantizedKVCache, KVCodec, PackedRow, adopt_row
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import TandemError
@@ -54,9 +55,13 @@ def _max_diff(a: list[Any], b: list[Any]) -> float:
     return max(float(mx.abs(x - y).max()) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.parametrize("full_width", [False, True], ids=["slices", "full-width"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_all_quantized_batch_matches_mlx_lm_solo(reference: Any, bits: int) -> None:
+def test_all_quantized_batch_matches_mlx_lm_solo(
+    reference: Any, bits: int, full_width: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every row packed: attention runs mlx-lm's quantized SDPA over the batch's planes."""
+    monkeypatch.setattr(quantized_kv, "FULL_WIDTH_PLANES", full_width)
     tok = reference.tokenizer
     prompts = [tok.encode(TEXT * k) for k in (1, 4, 2, 7)]
     codecs = [KVCodec(bits, 64, 0)] * len(prompts)
@@ -72,9 +77,14 @@ def test_all_quantized_batch_matches_mlx_lm_solo(reference: Any, bits: int) -> N
     assert worst < 1e-3
 
 
-def test_mixed_codecs_convert_at_their_own_steps(reference: Any) -> None:
+@pytest.mark.parametrize("full_width", [False, True], ids=["slices", "full-width"])
+def test_mixed_codecs_convert_at_their_own_steps(
+    reference: Any, full_width: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bf16, 8-bit and 4-bit rows in one batch, converting at different token counts; the
-    mixed steps attend over dequantized packed rows."""
+    mixed steps attend over dequantized packed rows. full-width: what MLX-CUDA runs (whole
+    step-grown planes, the mask hiding unused columns), forced here on the CPU."""
+    monkeypatch.setattr(quantized_kv, "FULL_WIDTH_PLANES", full_width)
     tok = reference.tokenizer
     prompts = [tok.encode(TEXT * k) for k in (3, 1, 5, 2)]
     codecs = [KVCodec(), KVCodec(8, 64, 0), KVCodec(4, 64, 30), KVCodec(8, 32, 75)]
