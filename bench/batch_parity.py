@@ -27,8 +27,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import BatchGenerator  # noqa: E402
 # isort: on
 
-from bench.engine_bench import SHAPES  # noqa: E402
-from engine_service.default_model import build_model_dir  # noqa: E402
+from bench.engine_bench import model_spec  # noqa: E402
 from engine_service.model import load_model  # noqa: E402
 
 
@@ -54,11 +53,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        spec = args.model
-        if spec in SHAPES:
-            dtype = "float32" if mx.default_device() == mx.cpu else "bfloat16"
-            build_model_dir(SHAPES[spec], Path(tmp) / spec, dtype=dtype)
-            spec = str(Path(tmp) / spec)
+        spec = model_spec(args.model, Path(tmp))
         loaded = load_model(spec, Path(tmp))
         rng = random.Random(0)
         prompts = [

@@ -39,10 +39,9 @@ import grpc  # noqa: E402
 import lmdb  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from bench.engine_bench import SHAPES  # noqa: E402
+from bench.engine_bench import model_spec  # noqa: E402
 from engine_service import blas  # noqa: E402
 from engine_service.cache_codec import capture, restore, to_host  # noqa: E402
-from engine_service.default_model import build_model_dir  # noqa: E402
 from engine_service.model import load_model  # noqa: E402
 from tandem_client import EngineClient, StoreClient  # noqa: E402
 from tandem_client.pb import engine_pb2, engine_pb2_grpc  # noqa: E402
@@ -313,11 +312,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="tandem-ckpt-bench-") as tmp:
         root = Path(tmp)
-        spec = args.model
-        if spec in SHAPES:
-            dtype = "float32" if mx.default_device() == mx.cpu else "bfloat16"
-            build_model_dir(SHAPES[spec], root / spec, dtype=dtype)
-            spec = str(root / spec)
+        spec = model_spec(args.model, root)
         port = free_port()
         store_proc = start_store_on(
             root / "store", port, "--capacity-bytes", str(64 << 30), "--sync-mode", "none"

@@ -75,6 +75,17 @@ SHAPES = {
 }
 
 
+def model_spec(spec: str, root: Path, shapes: dict[str, dict] | None = None) -> str:
+    """A model spec the engine can load: a shape name (SHAPES) becomes a random-weight
+    directory under root (fp32 on the CPU, bf16 on a GPU); anything else is returned as is."""
+    shapes = SHAPES if shapes is None else shapes
+    if spec not in shapes:
+        return spec
+    dtype = "float32" if mx.default_device() == mx.cpu else "bfloat16"
+    build_model_dir(shapes[spec], root / spec, dtype=dtype)
+    return str(root / spec)
+
+
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
@@ -170,16 +181,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="tandem-engine-bench-") as tmp:
         data_dir = Path(tmp)
-        model_spec = args.model
-        if model_spec in SHAPES:
-            model_dir = data_dir / model_spec
-            build_model_dir(
-                SHAPES[model_spec],
-                model_dir,
-                dtype="float32" if mx.default_device() == mx.cpu else "bfloat16",
-            )
-            model_spec = str(model_dir)
-        loaded = load_model(model_spec, data_dir)
+        spec = model_spec(args.model, data_dir)
+        loaded = load_model(spec, data_dir)
         vocab = loaded.vocab_size
         streams = [int(s) for s in args.streams.split(",")]
         out: dict[str, object] = {
@@ -211,7 +214,7 @@ def main() -> None:
         mx.clear_cache()
 
         proc = start_engine(
-            data_dir, "--model", model_spec, "--max-running", str(max(streams)), log_dir=data_dir
+            data_dir, "--model", spec, "--max-running", str(max(streams)), log_dir=data_dir
         )
         try:
             through_engine(proc.address, prompts(2, args.prompt_tokens, vocab, 0), 8)

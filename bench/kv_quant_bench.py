@@ -38,9 +38,8 @@ from mlx_lm.generate import BatchGenerator  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 # isort: on
 
-from bench.engine_bench import SHAPES  # noqa: E402
+from bench.engine_bench import model_spec  # noqa: E402
 from engine_service import blas  # noqa: E402
-from engine_service.default_model import build_model_dir  # noqa: E402
 from engine_service.model import load_model  # noqa: E402
 from engine_service.quantized_kv import KVCodec, adopt_row  # noqa: E402
 
@@ -97,11 +96,7 @@ def main() -> None:
         "rows": [],
     }
     with tempfile.TemporaryDirectory(prefix="tandem-kvq-bench-") as tmp:
-        spec = args.model
-        if spec in SHAPES:
-            dtype = "float32" if mx.default_device() == mx.cpu else "bfloat16"
-            build_model_dir(SHAPES[spec], Path(tmp) / spec, dtype=dtype)
-            spec = str(Path(tmp) / spec)
+        spec = model_spec(args.model, Path(tmp))
         loaded = load_model(spec, Path(tmp))
         model = loaded.model
         vocab = loaded.vocab_size

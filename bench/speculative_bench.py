@@ -38,9 +38,8 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step, speculative_generate_step  # noqa: E402
 # isort: on
 
-from bench.engine_bench import SHAPES  # noqa: E402
+from bench.engine_bench import SHAPES, model_spec  # noqa: E402
 from engine_service import blas  # noqa: E402
-from engine_service.default_model import build_model_dir  # noqa: E402
 from engine_service.model import load_model  # noqa: E402
 from engine_service.sampling import SamplingOptions  # noqa: E402
 from engine_service.speculative import SpeculativeDecoder  # noqa: E402
@@ -115,15 +114,11 @@ def main() -> None:
         "k": a.k,
         "rows": [],
     }
-    dtype = "float32" if mx.default_device() == mx.cpu else "bfloat16"
     with tempfile.TemporaryDirectory(prefix="tandem-spec-bench-") as tmp:
-        specs = {}
-        for role, name in (("target", a.target), ("draft", a.draft)):
-            shapes = {**SHAPES, **DRAFT_SHAPES} if role == "draft" else SHAPES
-            if name in shapes:
-                build_model_dir(shapes[name], Path(tmp) / role, dtype=dtype)
-                name = str(Path(tmp) / role)
-            specs[role] = name
+        specs = {
+            "target": model_spec(a.target, Path(tmp) / "target"),
+            "draft": model_spec(a.draft, Path(tmp) / "draft", {**SHAPES, **DRAFT_SHAPES}),
+        }
         target = load_model(specs["target"], Path(tmp))
         drafts = {"draft": load_model(specs["draft"], Path(tmp)), "self": target}
         rng = random.Random(0)

@@ -101,41 +101,40 @@ def layout_accepts(expected: list[str], stored: list[str]) -> bool:
     return True
 
 
-class PlainRow(cache_lib.KVCache):
-    """One request's plain KV layer, with the codec it converts to; batches as
-    BatchQuantizedKVCache."""
+class _Row:
+    """What PlainRow and PackedRow share: a codec, adoption of mlx-lm's solo cache (no copy),
+    and batching as a BatchQuantizedKVCache."""
+
+    codec: KVCodec
+    keys: Any
+    values: Any
+    offset: int
+
+    @classmethod
+    def adopt(cls, cache: Any, codec: KVCodec) -> Any:
+        row = cls(codec)  # type: ignore[call-arg]
+        row.keys, row.values, row.offset = cache.keys, cache.values, cache.offset
+        return row
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> BatchQuantizedKVCache:
+        return BatchQuantizedKVCache.merge(caches)
+
+
+class PlainRow(_Row, cache_lib.KVCache):
+    """One request's plain KV layer, with the codec it converts to."""
 
     def __init__(self, codec: KVCodec = PLAIN_KV) -> None:
-        super().__init__()
+        cache_lib.KVCache.__init__(self)
         self.codec = codec
 
-    @classmethod
-    def adopt(cls, cache: cache_lib.KVCache, codec: KVCodec) -> PlainRow:
-        row = cls(codec)
-        row.keys, row.values, row.offset = cache.keys, cache.values, cache.offset
-        return row
 
-    @classmethod
-    def merge(cls, caches: list[Any]) -> BatchQuantizedKVCache:
-        return BatchQuantizedKVCache.merge(caches)
-
-
-class PackedRow(cache_lib.QuantizedKVCache):
-    """One request's converted (quantized) KV layer; batches as BatchQuantizedKVCache."""
+class PackedRow(_Row, cache_lib.QuantizedKVCache):
+    """One request's converted (quantized) KV layer."""
 
     def __init__(self, codec: KVCodec) -> None:
-        super().__init__(group_size=codec.group_size, bits=codec.bits)
+        cache_lib.QuantizedKVCache.__init__(self, group_size=codec.group_size, bits=codec.bits)
         self.codec = codec
-
-    @classmethod
-    def adopt(cls, cache: cache_lib.QuantizedKVCache, codec: KVCodec) -> PackedRow:
-        row = cls(codec)
-        row.keys, row.values, row.offset = cache.keys, cache.values, cache.offset
-        return row
-
-    @classmethod
-    def merge(cls, caches: list[Any]) -> BatchQuantizedKVCache:
-        return BatchQuantizedKVCache.merge(caches)
 
 
 def adopt_row(cache: Any, codec: KVCodec) -> Any:

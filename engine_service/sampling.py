@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -96,3 +97,20 @@ def make_processors(options: SamplingOptions) -> list[Callable[[mx.array, mx.arr
         repetition_penalty=options.repetition_penalty,
         repetition_context_size=options.repetition_context_size or 20,
     )
+
+
+def token_logprobs(
+    logprobs: mx.array, token: int, top_n: int
+) -> tuple[float, list[tuple[int, float]]]:
+    """The token's logprob and the top_n alternatives (best first) from one position's
+    logprobs over the vocabulary."""
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        ids = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]
+        values = logprobs[ids]
+        order = mx.argsort(-values)
+        top_ids: Any = ids[order].tolist()
+        top_values: Any = values[order].tolist()
+        top = [(int(i), float(v)) for i, v in zip(top_ids, top_values, strict=True)]
+    chosen: Any = logprobs[token].item()
+    return float(chosen), top

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -27,7 +26,7 @@ from engine_service.errors import AlreadyExists, Overloaded, Unavailable
 from engine_service.model import LoadedModel
 from engine_service.quantized_kv import KVCodec, adopt_row
 from engine_service.requests import GenerationRequest
-from engine_service.sampling import make_processors, make_sampler
+from engine_service.sampling import make_processors, make_sampler, token_logprobs
 from engine_service.speculative_lane import SpeculativeLane
 
 log = logging.getLogger(__name__)
@@ -435,18 +434,7 @@ class Scheduler:
         """The sampled token's logprob and the top-n alternatives, per row that asked."""
         out = {}
         for r, job in rows:
-            n = job.request.sampling.logprobs
-            lp = r.logprobs
-            if n > 0:
-                top_ids = mx.argpartition(-lp, kth=n - 1)[:n]
-                top_vals = lp[top_ids]
-                order = mx.argsort(-top_vals)
-                ids: Any = top_ids[order].tolist()
-                vals: Any = top_vals[order].tolist()
-                top = [(int(i), float(v)) for i, v in zip(ids, vals, strict=True)]
-            else:
-                top = []
-            out[r.uid] = (float(lp[r.token].item()), top)
+            out[r.uid] = token_logprobs(r.logprobs, r.token, job.request.sampling.logprobs)
         return out
 
     def _checkpoint(self, job: _Job, finished_cache: list[Any] | None) -> None:

@@ -27,7 +27,7 @@ from engine_service.attachments import find as find_attachment
 from engine_service.cache_codec import capture
 from engine_service.checkpoints import ResumePlan
 from engine_service.model import LoadedModel
-from engine_service.sampling import make_processors
+from engine_service.sampling import make_processors, token_logprobs
 from engine_service.speculative import SpeculativeDecoder, _feed
 
 if TYPE_CHECKING:
@@ -198,13 +198,4 @@ def _logprob(
 ) -> tuple[float | None, list[tuple[int, float]] | None]:
     if top_n < 0:
         return None, None
-    top: list[tuple[int, float]] = []
-    if top_n > 0:
-        ids = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]
-        values = logprobs[ids]
-        order = mx.argsort(-values)
-        top_ids: Any = ids[order].tolist()
-        top_values: Any = values[order].tolist()
-        top = [(int(i), float(v)) for i, v in zip(top_ids, top_values, strict=True)]
-    chosen: Any = logprobs[token].item()
-    return float(chosen), top
+    return token_logprobs(logprobs, token, top_n)

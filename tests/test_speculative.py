@@ -145,6 +145,16 @@ def test_no_draft_model_or_untrimmable_caches_are_refused(
         proc.stop()
 
 
+def _checkpointed_request(request_id: str) -> dict[str, Any]:
+    return dict(
+        max_tokens=64,
+        ignore_eos=True,
+        checkpoint_interval=8,
+        request_id=request_id,
+        num_draft_tokens=3,
+    )
+
+
 def _wait_for_checkpoint(store: StoreClient, tokens: int) -> Any:
     deadline = time.monotonic() + 30
     while True:
@@ -177,13 +187,7 @@ def _killed_mid_stream(stack: dict[str, Any], request: dict[str, Any]) -> tuple[
 def test_speculative_generation_resumes_after_sigkill_with_its_draft_cache(
     stack: dict[str, Any],
 ) -> None:
-    request = dict(
-        max_tokens=64,
-        ignore_eos=True,
-        checkpoint_interval=8,
-        request_id="spec-1",
-        num_draft_tokens=3,
-    )
+    request = _checkpointed_request("spec-1")
     received, checkpoint = _killed_mid_stream(stack, request)
     (attachment,) = checkpoint.attachments
     assert attachment.schema == DRAFT_SCHEMA
@@ -202,13 +206,7 @@ def test_speculative_generation_resumes_after_sigkill_with_its_draft_cache(
 def test_attachments_are_refused_off_their_boundary_codec_or_model(
     stack: dict[str, Any],
 ) -> None:
-    request = dict(
-        max_tokens=64,
-        ignore_eos=True,
-        checkpoint_interval=8,
-        request_id="spec-2",
-        num_draft_tokens=3,
-    )
+    request = _checkpointed_request("spec-2")
     _, checkpoint = _killed_mid_stream(stack, request)
     store = StoreClient(f"127.0.0.1:{stack['port']}")
     (attachment,) = checkpoint.attachments
