@@ -46,6 +46,7 @@ class ServiceProcess:
         self.proc.stdout.close()
         if self.banner not in line:
             self.proc.kill()
+            self.proc.wait(10)  # reaped now, not flagged later as still running
             raise RuntimeError(
                 f"{self.module} did not start: {line!r}; log: {self.log_path.read_text()[-2000:]}"
             )
