@@ -628,9 +628,6 @@ class BatchQuantizedKVCache(cache_lib._BaseCache):
 
     # -- mlx-lm's cache contract -------------------------------------------------------------
 
-    def row_codec(self, idx: int) -> KVCodec:
-        return self._codecs[idx]
-
     def row_storage(self, idx: int) -> Any:
         for group in self._groups:
             if idx in group.rows:

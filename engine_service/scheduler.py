@@ -23,6 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine_service.checkpoints import MAX_CHAIN, CheckpointManager, PrefixPlan, ResumePlan
 from engine_service.errors import AlreadyExists, Overloaded, Unavailable
+from engine_service.events import Event, Finished, Sink, Started, Token
 from engine_service.model import LoadedModel
 from engine_service.quantized_kv import KVCodec, adopt_row
 from engine_service.requests import GenerationRequest
@@ -32,37 +33,11 @@ from engine_service.speculative_lane import SpeculativeLane
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Started:
-    prompt_tokens: int
-    cached_prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class Token:
-    token_id: int
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None
-
-
-@dataclass(frozen=True)
-class Finished:
-    # "length", "stop" (a stop token; stop strings are found by the handler), "cancelled",
-    # "deadline" (the client's deadline passed), "error"
-    reason: str
-    error: str = ""
-    stop_token: int | None = None
-    drafted: int = 0  # speculative decoding: draft tokens proposed and kept
-    accepted: int = 0
-
-
 # Generation snapshots are taken on steps that are multiples of this (see _capture_due).
 CHECKPOINT_ALIGN = 8
 # How long the loop lingers for more arrivals before admitting new requests.
 ADMISSION_WINDOW_S = float(os.environ.get("TANDEM_ADMISSION_WINDOW", "0.002"))
 
-Event = Started | Token | Finished
-Sink = Callable[[list[Event]], None]
 # Hands one step's events to their sinks; the server's version crosses into the event loop
 # once per step rather than once per request.
 Deliver = Callable[[list[tuple[Sink, list[Event]]]], None]

@@ -19,6 +19,7 @@ from engine_service import blas
 from engine_service.attachments import DRAFT_SCHEMA
 from engine_service.checkpoints import CheckpointManager, PrefixPlan, ResumePlan
 from engine_service.errors import EngineError, InvalidRequest, NotFound
+from engine_service.events import Event, Finished, Sink, Started, Token
 from engine_service.model import LoadedModel
 from engine_service.prefix_cache import BLOCK_SIZE
 from engine_service.quantized_kv import PLAIN_KV, KVCodec, request_layout
@@ -28,7 +29,7 @@ from engine_service.requests import (
     prompt_tokens,
     request_from_pb,
 )
-from engine_service.scheduler import Deliver, Event, Finished, Scheduler, Sink, Started, Token
+from engine_service.scheduler import Deliver, Scheduler
 from engine_service.text import TextStream
 from tandem_client.pb import engine_pb2, engine_pb2_grpc
 

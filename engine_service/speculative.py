@@ -89,8 +89,8 @@ class SpeculativeDecoder:
         """Feeds prompt[:-1] to both models (skipping what their caches already hold)."""
         target_cache = target_cache if target_cache is not None else make_prompt_cache(target)
         draft_cache = draft_cache if draft_cache is not None else make_prompt_cache(draft)
-        _feed(target, target_cache, prompt[cached:-1], prefill_step)
-        _feed(draft, draft_cache, prompt[draft_cached:-1], prefill_step)
+        feed_prompt(target, target_cache, prompt[cached:-1], prefill_step)
+        feed_prompt(draft, draft_cache, prompt[draft_cached:-1], prefill_step)
         return cls(
             target,
             draft,
@@ -168,7 +168,8 @@ class SpeculativeDecoder:
         return RoundResult(out, [logprobs[i] for i in range(n + 1)], k, n)
 
 
-def _feed(model: Any, cache: list[Any], tokens: list[int], step: int) -> None:
+def feed_prompt(model: Any, cache: list[Any], tokens: list[int], step: int) -> None:
+    """Runs tokens through a model into its cache, `step` at a time (no logits kept)."""
     for start in range(0, len(tokens), step):
         model(mx.array(tokens[start : start + step])[None], cache=cache)
         mx.eval([c.state for c in cache])

@@ -26,9 +26,10 @@ from engine_service.attachments import (
 from engine_service.attachments import find as find_attachment
 from engine_service.cache_codec import capture
 from engine_service.checkpoints import ResumePlan
+from engine_service.events import Event, Finished, Started, Token
 from engine_service.model import LoadedModel
 from engine_service.sampling import make_processors, token_logprobs
-from engine_service.speculative import SpeculativeDecoder, _feed
+from engine_service.speculative import SpeculativeDecoder, feed_prompt
 
 if TYPE_CHECKING:
     from engine_service.scheduler import Scheduler, _Job
@@ -48,8 +49,6 @@ class SpeculativeLane:
 
     def admit(self, job: _Job) -> None:
         """Prefills (or restores) both models for a request; emits Started."""
-        from engine_service.scheduler import Finished, Started
-
         owner, r = self.owner, job.request
         try:
             prompt, history, cache, cached = owner._starting_point(job)
@@ -79,7 +78,7 @@ class SpeculativeLane:
                 owed = draft_pending(attachment)
             else:  # a checkpoint without the draft's state: rebuild it from the tokens
                 draft_cache = make_prompt_cache(self.draft.model)
-                _feed(self.draft.model, draft_cache, history, 2048)
+                feed_prompt(self.draft.model, draft_cache, history, 2048)
                 owed = []
             return SpeculativeDecoder(
                 target,
@@ -114,8 +113,6 @@ class SpeculativeLane:
 
     def step(self) -> int:
         """One round for every speculative request; returns the tokens generated."""
-        from engine_service.scheduler import Finished, Token
-
         owner = self.owner
         produced = 0
         for request_id, job in list(self.jobs.items()):
@@ -129,7 +126,7 @@ class SpeculativeLane:
                 owner._forget(job)
                 owner._emit(job, [Finished("error", error=f"generation failed: {exc}")])
                 continue
-            events: list[Any] = []
+            events: list[Event] = []
             finished = None
             for token, logprobs in zip(result.tokens, result.logprobs, strict=True):
                 job.tokens.append(token)
