@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PROTOS := $(wildcard protos/tandem/v1/*.proto)
-PB_STAMP := clients/python/tandem_client/pb/store_pb2.py
+PB_STAMP := tandem_wire/pb/store_pb2.py
 
 NODE_STAMP := clients/node/node_modules/.package-lock.json
 
@@ -41,12 +41,12 @@ bench: $(PB_STAMP)
 
 lint: $(PB_STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check store_service engine_service clients/python/tandem_client tests bench scripts
+	$(PY) -m ruff format --check store_service engine_service tandem_wire clients/python/tandem_client tests bench scripts
 
 check: lint
-	$(PY) -m mypy store_service engine_service clients/python/tandem_client
+	$(PY) -m mypy store_service engine_service tandem_wire clients/python/tandem_client
 	$(MAKE) test
 
 clean:
-	rm -rf $(VENV) clients/python/tandem_client/pb/*_pb2* .pytest_cache .mypy_cache .ruff_cache \
+	rm -rf $(VENV) tandem_wire/pb/*_pb2* .pytest_cache .mypy_cache .ruff_cache \
 		clients/node/node_modules

@@ -7,6 +7,9 @@
 3. Restore bandwidth, broken down: LMDB read in-process, store Get (read + wire + client),
    deserialization into MLX arrays, host-to-device (evaluation on the default device).
 4. Decode tokens/s with checkpoint_interval 16 vs off, at 1 and 8 streams.
+5. A local (in-memory) prefix hit of --restore-tokens tokens: the engine's restore
+   (materialize_prefix) beside the host round trip it would make through bytes
+   (device arrays -> host buffers -> numpy -> MLX), interleaved, median of paired ratios.
 
     python bench/checkpoint_bench.py [--model tandem-tiny|qwen3-0.6b-shape|PATH]
                                      [--prompts 1024,4096] [--resume-tokens 1000]
@@ -44,8 +47,8 @@ from engine_service import blas  # noqa: E402
 from engine_service.cache_codec import capture, restore, to_host  # noqa: E402
 from engine_service.model import load_model  # noqa: E402
 from tandem_client import EngineClient, StoreClient  # noqa: E402
-from tandem_client.pb import engine_pb2, engine_pb2_grpc  # noqa: E402
 from tandem_client.store_client import Checkpoint, Tensor  # noqa: E402
+from tandem_wire.pb import engine_pb2, engine_pb2_grpc  # noqa: E402
 from tests.servers import free_port, start_engine, start_store_on  # noqa: E402
 
 
@@ -250,6 +253,59 @@ def bench_restore(
     return result
 
 
+def bench_local_hit(loaded, tokens: int, repeat: int) -> dict:  # noqa: ANN001
+    """Restore time of a local prefix hit: the engine's path vs a round trip through host
+    bytes (what a store hit does after its Get), ABAB, both trimmed to the matched length."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    from engine_service.cache_codec import host_view
+    from engine_service.checkpoints import CheckpointManager, CheckpointSettings
+
+    prompt = _prompt(tokens + 64, loaded.vocab_size, seed=11)
+    manager = CheckpointManager(loaded, CheckpointSettings(local_cache_bytes=8 << 30))
+    layout = list(loaded.layout)
+    caches = make_prompt_cache(loaded.model)
+    loaded.model(mx.array([prompt[: tokens + 1]]), cache=caches)
+    mx.eval([c.state for c in caches])
+    manager.save_prefix(caches, prompt[:tokens], "bench", layout)
+    plan = manager.find_prefix(prompt, "bench", layout)
+    assert plan is not None and plan.matched == tokens, plan
+    captured = manager._local.get(plan.key)  # noqa: SLF001  (the bench reads the entry)
+    assert captured is not None
+
+    def ours() -> float:
+        start = time.perf_counter()
+        restored = manager.materialize_prefix(plan)
+        assert restored is not None
+        mx.eval([c.state for c in restored])
+        return time.perf_counter() - start
+
+    def host_round_trip() -> float:
+        start = time.perf_counter()
+        tensors = {
+            n: (captured.dtypes[n], tuple(a.shape), host_view(a))
+            for n, a in captured.arrays.items()
+        }
+        restored = restore(captured.meta(), tensors, layout)
+        if captured.tokens > plan.matched:
+            trim_prompt_cache(restored, captured.tokens - plan.matched)
+        mx.eval([c.state for c in restored])
+        return time.perf_counter() - start
+
+    ours(), host_round_trip()  # warm both
+    pairs = [(host_round_trip(), ours()) for _ in range(max(repeat, 5))]
+    ratios = [base / mine for base, mine in pairs]
+    base = statistics.median(b for b, _ in pairs)
+    mine = statistics.median(m for _, m in pairs)
+    ratio = statistics.median(ratios)
+    print(
+        f"  {tokens}-token local hit ({captured.nbytes / 2**20:.1f} MiB): host round trip "
+        f"{base * 1e3:7.2f} ms   engine restore {mine * 1e3:7.2f} ms   "
+        f"{ratio:5.1f}x (median of {len(pairs)} pairs, {min(ratios):.1f}-{max(ratios):.1f})"
+    )
+    return {"tokens": tokens, "host_round_trip_s": base, "engine_s": mine, "ratio": ratio}
+
+
 async def _decode(address: str, prompts: list[list[int]], tokens: int, interval: int) -> float:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
@@ -299,7 +355,9 @@ def main() -> None:
     parser.add_argument("--resume-tokens", type=int, default=1000)
     parser.add_argument("--restore-tokens", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--skip", default="", help="comma list of ttft,resume,restore,decode")
+    parser.add_argument(
+        "--skip", default="", help="comma list of ttft,resume,batched,decode,restore,local"
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     skip = set(args.skip.split(",")) - {""}
@@ -374,6 +432,11 @@ def main() -> None:
                 out["restore"] = bench_restore(
                     loaded, store, root / "store", args.restore_tokens, args.repeat
                 )
+            if "local" not in skip:
+                stack["engine"].stop()
+                loaded = load_model(spec, root)
+                print("local prefix hit, engine restore vs a host round trip:")
+                out["local_hit"] = bench_local_hit(loaded, args.restore_tokens, args.repeat)
         finally:
             stack["engine"].stop()
             store.close()

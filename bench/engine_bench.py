@@ -39,7 +39,7 @@ import grpc  # noqa: E402
 from engine_service import blas  # noqa: E402
 from engine_service.default_model import build_model_dir  # noqa: E402
 from engine_service.model import load_model  # noqa: E402
-from tandem_client.pb import engine_pb2, engine_pb2_grpc  # noqa: E402
+from tandem_wire.pb import engine_pb2, engine_pb2_grpc  # noqa: E402
 from tests.servers import start_engine  # noqa: E402
 
 SHAPES = {

@@ -12,7 +12,7 @@ from engine_service.model import LoadedModel
 from engine_service.quantized_kv import BITS, GROUP_SIZES, PLAIN_KV, KVCodec, request_layout
 from engine_service.sampling import SamplingOptions
 from engine_service.speculative import MAX_DRAFT
-from tandem_client.pb import engine_pb2
+from tandem_wire.pb import engine_pb2
 
 MAX_STOPS = 16
 MAX_LOGPROBS = 20

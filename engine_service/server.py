@@ -19,8 +19,8 @@ from engine_service.model import IncompatibleDraft, load_draft, load_model
 from engine_service.requests import DraftSupport
 from engine_service.scheduler import Limits, Scheduler
 from engine_service.servicer import EngineServicer, loop_deliver
-from tandem_client.pb import engine_pb2, engine_pb2_grpc
-from tandem_client.tls import bind
+from tandem_wire.pb import engine_pb2, engine_pb2_grpc
+from tandem_wire.tls import bind
 
 log = logging.getLogger("tandem.engine")
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name

@@ -31,7 +31,7 @@ from engine_service.requests import (
 )
 from engine_service.scheduler import Deliver, Scheduler
 from engine_service.text import TextStream
-from tandem_client.pb import engine_pb2, engine_pb2_grpc
+from tandem_wire.pb import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])

@@ -1,8 +1,8 @@
-"""Generate the Python gRPC stubs from protos/ into tandem_client/pb.
+"""Generate the Python gRPC stubs from protos/ into tandem_wire/pb.
 
 Generated code is built, never committed: `make protos` and the package
 build (setup.py) both run this. Imports are rewritten to be package-relative
-so the stubs live inside tandem_client instead of a top-level `tandem` package.
+so the stubs live inside tandem_wire instead of a top-level `tandem` package.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-OUT = ROOT / "clients" / "python" / "tandem_client" / "pb"
+OUT = ROOT / "tandem_wire" / "pb"
 
 
 def _fix_imports(text: str) -> str:

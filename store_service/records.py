@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from store_service.errors import InvalidRequest
-from tandem_client.pb import store_pb2, tensors_pb2
+from tandem_wire.pb import store_pb2, tensors_pb2
 
 DEFAULT_NAMESPACE = "default"
 NS_TAG_BYTES = 8

@@ -16,8 +16,8 @@ from store_service.config import StoreConfig, parse_args
 from store_service.servicer import StoreAdminServicer, StoreServicer, store_handler
 from store_service.storage import StorageError
 from store_service.store import CheckpointStore
-from tandem_client.pb import store_pb2, store_pb2_grpc
-from tandem_client.tls import bind
+from tandem_wire.pb import store_pb2, store_pb2_grpc
+from tandem_wire.tls import bind
 
 log = logging.getLogger("tandem.store")
 

@@ -14,8 +14,8 @@ from google.protobuf.message import DecodeError
 from store_service.errors import InvalidRequest, StoreError
 from store_service.records import RecordFilter
 from store_service.store import CheckpointStore
-from tandem_client.pb import store_pb2, store_pb2_grpc
-from tandem_client.wire import decode_chunk, encode_chunk
+from tandem_wire.chunks import decode_chunk, encode_chunk
+from tandem_wire.pb import store_pb2, store_pb2_grpc
 
 log = logging.getLogger(__name__)
 

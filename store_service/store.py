@@ -43,7 +43,7 @@ from store_service.records import (
     record_key,
 )
 from store_service.storage import LmdbStorage, collect_orphans, delete_prefix, now_ms
-from tandem_client.pb import store_pb2, tensors_pb2
+from tandem_wire.pb import store_pb2, tensors_pb2
 
 log = logging.getLogger(__name__)
 

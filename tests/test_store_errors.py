@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from tandem_client import StoreClient
-from tandem_client.pb import store_pb2, tensors_pb2
+from tandem_wire.pb import store_pb2, tensors_pb2
 from tests.conftest import make_checkpoint
 
 MiB = 1 << 20

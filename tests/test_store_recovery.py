@@ -12,8 +12,8 @@ import lmdb
 import pytest
 
 from tandem_client import DataLoss, NotFound, StoreClient
-from tandem_client.pb import store_pb2, store_pb2_grpc, tensors_pb2
 from tandem_client.store_client import payload_chunks
+from tandem_wire.pb import store_pb2, store_pb2_grpc, tensors_pb2
 from tests.conftest import make_checkpoint
 from tests.servers import start_store
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from store_service.servicer import MALFORMED, parse_put_request
-from tandem_client.pb import store_pb2, tensors_pb2
-from tandem_client.wire import decode_chunk, encode_chunk
+from tandem_wire.chunks import decode_chunk, encode_chunk
+from tandem_wire.pb import store_pb2, tensors_pb2
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,6 @@ import grpc
 from tandem_client.channel import AsyncGrpcClient
 from tandem_client.engine_client import Generation, GenerationChunk, Prompt, generate_request
 from tandem_client.errors import from_rpc_error
-from tandem_client.pb import engine_pb2, engine_pb2_grpc, store_pb2, store_pb2_grpc
 from tandem_client.store_client import (
     DEFAULT_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
@@ -25,6 +24,7 @@ from tandem_client.store_client import (
     lookup_request,
     put_messages,
 )
+from tandem_wire.pb import engine_pb2, engine_pb2_grpc, store_pb2, store_pb2_grpc
 
 
 class AsyncEngineClient(AsyncGrpcClient):

@@ -10,7 +10,7 @@ import grpc
 
 from tandem_client.channel import GrpcClient
 from tandem_client.errors import from_rpc_error
-from tandem_client.pb import engine_pb2, engine_pb2_grpc
+from tandem_wire.pb import engine_pb2, engine_pb2_grpc
 
 T = TypeVar("T")
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]

@@ -13,8 +13,8 @@ import grpc
 
 from tandem_client.channel import GrpcClient
 from tandem_client.errors import DataLoss
-from tandem_client.pb import store_pb2, store_pb2_grpc, tensors_pb2
-from tandem_client.wire import decode_chunk, encode_chunk
+from tandem_wire.chunks import decode_chunk, encode_chunk
+from tandem_wire.pb import store_pb2, store_pb2_grpc, tensors_pb2
 
 Kind = Literal["prefix", "generation", "object"]
 _KINDS: dict[str, int] = {

@@ -19,8 +19,8 @@ from tandem_client.cli.output import (
     table,
 )
 from tandem_client.errors import InvalidArgument
-from tandem_client.pb import tensors_pb2
 from tandem_client.store_client import Checkpoint, RecordSummary, StoreClient
+from tandem_wire.pb import tensors_pb2
 
 # Export file: magic, header length, CheckpointHeader bytes, then the payload (tensors in order).
 MAGIC = b"TANDEMCKPT1\n"
