@@ -47,7 +47,7 @@ from engine_service import blas  # noqa: E402
 from engine_service.cache_codec import capture, restore, to_host  # noqa: E402
 from engine_service.model import load_model  # noqa: E402
 from tandem_client import EngineClient, StoreClient  # noqa: E402
-from tandem_client.store_client import Checkpoint, Tensor  # noqa: E402
+from tandem_client.store_client import Checkpoint  # noqa: E402
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc  # noqa: E402
 from tests.servers import free_port, start_engine, start_store_on  # noqa: E402
 
@@ -210,7 +210,7 @@ def bench_restore(
         model_id="bench",
         layout=captured.layout,
         metadata=captured.meta(),
-        tensors=[Tensor(n, d, s, b) for n, d, s, b in to_host(captured)],
+        tensors=to_host(captured),
     )
     store.put(record)
     store.flush()
@@ -234,10 +234,9 @@ def bench_restore(
         start = time.perf_counter()
         got = store.get(b"restore-bench")
         times["store_get"].append(time.perf_counter() - start)
-        tensors = {t.name: (t.dtype, tuple(t.shape), t.data) for t in got.tensors}
         start = time.perf_counter()
         with mx.stream(mx.cpu):
-            restored = restore(got.metadata, tensors, captured.layout)
+            restored = restore(got.metadata, got.tensors, captured.layout)
         times["deserialize"].append(time.perf_counter() - start)
         start = time.perf_counter()
         moved = [mx.array(a) for c in restored for a in c.state if isinstance(a, mx.array)]
@@ -258,7 +257,6 @@ def bench_local_hit(loaded, tokens: int, repeat: int) -> dict:  # noqa: ANN001
     bytes (what a store hit does after its Get), ABAB, both trimmed to the matched length."""
     from mlx_lm.models.cache import trim_prompt_cache
 
-    from engine_service.cache_codec import host_view
     from engine_service.checkpoints import CheckpointManager, CheckpointSettings
 
     prompt = _prompt(tokens + 64, loaded.vocab_size, seed=11)
@@ -267,26 +265,22 @@ def bench_local_hit(loaded, tokens: int, repeat: int) -> dict:  # noqa: ANN001
     caches = make_prompt_cache(loaded.model)
     loaded.model(mx.array([prompt[: tokens + 1]]), cache=caches)
     mx.eval([c.state for c in caches])
-    manager.save_prefix(caches, prompt[:tokens], "bench", layout)
-    plan = manager.find_prefix(prompt, "bench", layout)
+    manager.prefixes.save(caches, prompt[:tokens], "bench", layout)
+    plan = manager.prefixes.find(prompt, "bench", layout)
     assert plan is not None and plan.matched == tokens, plan
-    captured = manager._local.get(plan.key)  # noqa: SLF001  (the bench reads the entry)
+    captured = plan.local
     assert captured is not None
 
     def ours() -> float:
         start = time.perf_counter()
-        restored = manager.materialize_prefix(plan)
+        restored = manager.prefixes.materialize(plan)
         assert restored is not None
         mx.eval([c.state for c in restored])
         return time.perf_counter() - start
 
     def host_round_trip() -> float:
         start = time.perf_counter()
-        tensors = {
-            n: (captured.dtypes[n], tuple(a.shape), host_view(a))
-            for n, a in captured.arrays.items()
-        }
-        restored = restore(captured.meta(), tensors, layout)
+        restored = restore(captured.meta(), to_host(captured), layout)
         if captured.tokens > plan.matched:
             trim_prompt_cache(restored, captured.tokens - plan.matched)
         mx.eval([c.state for c in restored])

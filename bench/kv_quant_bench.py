@@ -40,8 +40,9 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from bench.engine_bench import model_spec  # noqa: E402
 from engine_service import blas  # noqa: E402
+from engine_service.kv_codec import KVCodec  # noqa: E402
 from engine_service.model import load_model  # noqa: E402
-from engine_service.quantized_kv import KVCodec, adopt_row  # noqa: E402
+from engine_service.quantized_kv import adopt_row  # noqa: E402
 
 CODECS = {"plain": KVCodec(), "8-bit": KVCodec(8, 64, 0), "4-bit": KVCodec(4, 64, 0)}
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from engine_service.cache_codec import CODEC_VERSION, CapturedCache, capture, restore, to_host
 from engine_service.errors import Precondition
-from tandem_client.store_client import Attachment, Tensor
+from tandem_client.store_client import Attachment
 
 DRAFT_SCHEMA = "tandem.speculative.draft.v1"
 
@@ -37,8 +37,9 @@ class CapturedAttachment:
 
     def to_record(self) -> Attachment:
         """The store's form; reads evaluated memory (settle the capture first)."""
-        tensors = [Tensor(n, dt, shape, data) for n, dt, shape, data in to_host(self.captured)]
-        return Attachment(self.schema, tensors, {**self.captured.meta(), **self.metadata})
+        return Attachment(
+            self.schema, to_host(self.captured), {**self.captured.meta(), **self.metadata}
+        )
 
 
 def capture_attachment(
@@ -75,8 +76,7 @@ def check_attachment(
 
 def restore_attachment(attachment: Attachment, layout: list[str]) -> list[Any]:
     """The companion caches (MLX thread); check_attachment first."""
-    tensors = {t.name: (t.dtype, tuple(t.shape), t.data) for t in attachment.tensors}
-    return restore(attachment.metadata, tensors, layout)
+    return restore(attachment.metadata, attachment.tensors, layout)
 
 
 def find(attachments: list[Attachment], schema: str) -> Attachment | None:

@@ -8,12 +8,15 @@ by the name of a tensor record. Tensors keep their dtype name; bfloat16 travels 
 words (viewed as uint16), never through float32.
 
 Capture runs on the MLX thread and returns evaluated arrays (a device copy, so the live batch
-may keep changing); `to_host` turns them into buffers any thread can send.
+may keep changing); `to_host` turns them into the store's `Tensor`s (views, no copy) any
+thread can send. `restore` rebuilds caches from a record's bytes, `restore_captured` from a
+capture still in memory (the local prefix tier) without a trip through host bytes.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +25,10 @@ import numpy as np
 from mlx_lm.models import cache as cache_lib
 
 from engine_service.errors import Precondition
+from engine_service.kv_codec import layout_accepts
 from engine_service.model import layout_codec
-from engine_service.quantized_kv import PackedRow, PlainRow, layout_accepts
+from engine_service.quantized_kv import PackedRow, PlainRow
+from tandem_client.store_client import Tensor
 
 CODEC_VERSION = "tandem.cache.v1"
 # dtypes numpy cannot hold travel as same-width unsigned words.
@@ -133,23 +138,52 @@ def host_view(array: mx.array) -> memoryview:
     return memoryview(array).cast("B")  # type: ignore[arg-type]
 
 
-def to_host(captured: CapturedCache) -> list[tuple[str, str, tuple[int, ...], memoryview]]:
-    """(name, dtype, shape, bytes) per tensor; reads evaluated memory, safe off the MLX thread."""
-    out = []
-    for name, array in captured.arrays.items():
-        out.append((name, captured.dtypes[name], tuple(array.shape), host_view(array)))
-    return out
+def to_host(captured: CapturedCache) -> list[Tensor]:
+    """The capture as the store's tensors, viewing evaluated memory (no copy): safe to send
+    from any thread once the capture is settled."""
+    return [
+        Tensor(name, captured.dtypes[name], tuple(array.shape), host_view(array))
+        for name, array in captured.arrays.items()
+    ]
 
 
 def restore(
-    meta: dict[str, str],
-    tensors: dict[str, tuple[str, tuple[int, ...], Any]],
-    expected_layout: list[str],
+    meta: dict[str, str], tensors: Iterable[Tensor], expected_layout: list[str]
 ) -> list[Any]:
-    """Rebuilds caches from a checkpoint's metadata and tensors (name -> dtype, shape, bytes).
+    """Rebuilds caches from a checkpoint's metadata and tensors (bytes from the store).
 
     Raises Precondition naming what differs when the codec or layout does not match.
     """
+    by_name = {t.name: t for t in tensors}
+
+    def array(name: str) -> mx.array:
+        t = by_name[name]
+        view = _WORD_VIEWS.get(t.dtype)
+        np_dtype = view[1] if view else np.dtype(t.dtype)
+        stored = mx.array(np.frombuffer(t.data, dtype=np_dtype).reshape(t.shape))
+        return stored.view(getattr(mx, t.dtype)) if view else stored
+
+    return _rebuild(meta, array, expected_layout)
+
+
+def restore_captured(captured: CapturedCache, expected_layout: list[str]) -> list[Any]:
+    """Rebuilds caches from a capture still in memory, reusing its arrays: no host round trip.
+
+    The capture keeps its own references, so a cache that writes on gets a fresh buffer
+    (MLX arrays are immutable) and the capture stays as it was.
+    """
+
+    def array(name: str) -> mx.array:
+        stored = captured.arrays[name]
+        dtype = captured.dtypes[name]
+        return stored.view(getattr(mx, dtype)) if dtype in _WORD_VIEWS else stored
+
+    return _rebuild(captured.meta(), array, expected_layout)
+
+
+def _rebuild(
+    meta: dict[str, str], array: Callable[[str], mx.array], expected_layout: list[str]
+) -> list[Any]:
     if meta.get("codec") != CODEC_VERSION:
         raise Precondition(f"checkpoint codec {meta.get('codec')!r} is not {CODEC_VERSION!r}")
     layout = meta.get("layout", "").split("|")
@@ -160,11 +194,7 @@ def restore(
 
     def decode(node: dict[str, Any]) -> Any:
         if "t" in node:
-            dtype, shape, data = tensors[node["t"]]
-            view = _WORD_VIEWS.get(dtype)
-            np_dtype = view[1] if view else np.dtype(dtype)
-            array = mx.array(np.frombuffer(data, dtype=np_dtype).reshape(shape))
-            return array.view(getattr(mx, dtype)) if view else array
+            return array(node["t"])
         if "v" in node:
             return node["v"]
         return [decode(child) for child in node["l"]]

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_service.quantized_kv import BITS, GROUP_SIZES, KVCodec
+from engine_service.kv_codec import BITS, GROUP_SIZES, KVCodec
 from engine_service.speculative import MAX_DRAFT
 
 
@@ -28,6 +28,8 @@ class EngineConfig:
     default_max_tokens: int = 256
     grace_s: float = 10.0
     switch_interval_s: float = 0.001
+    # How long the loop waits for the rest of a burst of arrivals before a prefill.
+    admission_window_s: float = 0.002
     # Checkpoints: every N generated tokens by default (0 = only when a request asks),
     # the in-memory prefix LRU and the spill queue's byte bounds.
     checkpoint_interval: int = 0
@@ -61,6 +63,8 @@ class EngineConfig:
             raise ValueError("--quantized-kv-start must be >= 0")
         if not 0 <= self.num_draft_tokens <= MAX_DRAFT:
             raise ValueError(f"--num-draft-tokens must be in 0..{MAX_DRAFT}")
+        if self.admission_window_s < 0:
+            raise ValueError("--admission-window must be >= 0")
         if self.num_draft_tokens and not self.draft_model:
             raise ValueError("--num-draft-tokens needs --draft-model")
 
@@ -119,6 +123,12 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         help="Python GIL switch interval in seconds (see server.py)",
     )
     p.add_argument(
+        "--admission-window",
+        type=float,
+        default=float(_env("ADMISSION_WINDOW", "0.002")),
+        help="seconds the loop gathers a burst of arrivals into one prefill (0: off)",
+    )
+    p.add_argument(
         "--kv-bits",
         type=int,
         default=int(_env("KV_BITS", "0")),
@@ -160,6 +170,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             default_max_tokens=a.default_max_tokens,
             grace_s=a.grace,
             switch_interval_s=a.switch_interval,
+            admission_window_s=a.admission_window,
             checkpoint_interval=a.checkpoint_interval,
             prefix_cache_bytes=a.prefix_cache_bytes,
             spill_queue_bytes=a.spill_queue_bytes,

@@ -1,4 +1,17 @@
-"""The engine's error hierarchy; servicer.py maps it to gRPC status codes."""
+"""The engine's error hierarchy; servicer.py maps it to gRPC status codes in one place.
+
+    EngineError                 INTERNAL (never raised as such: a bug)
+    ├── InvalidRequest          INVALID_ARGUMENT   the caller sent something malformed
+    ├── NotFound                NOT_FOUND          no such request / checkpoint
+    ├── AlreadyExists           ALREADY_EXISTS     request id already running
+    ├── Overloaded              RESOURCE_EXHAUSTED admission limits
+    ├── Precondition            FAILED_PRECONDITION wrong model, layout, setup
+    ├── Unavailable             UNAVAILABLE        shutting down
+    ├── Corrupt                 DATA_LOSS          a stored checkpoint that cannot be read
+    └── DeadlineExceeded        DEADLINE_EXCEEDED  the client's deadline passed
+
+Anything else reaching an RPC boundary is logged with its traceback and becomes INTERNAL.
+"""
 
 from __future__ import annotations
 
@@ -31,3 +44,15 @@ class Precondition(EngineError):
 
 class Unavailable(EngineError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class Corrupt(EngineError):
+    """A stored checkpoint that cannot be read as one (malformed metadata)."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class DeadlineExceeded(EngineError):
+    """The engine dropped the request because the client's deadline passed."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED

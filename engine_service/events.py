@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
+
+# "stop": a stop token (stop strings are found by the handler); "deadline": the client's
+# deadline passed.
+FinishReason = Literal["length", "stop", "cancelled", "deadline", "error"]
 
 
 @dataclass(frozen=True)
@@ -22,9 +27,7 @@ class Token:
 
 @dataclass(frozen=True)
 class Finished:
-    # "length", "stop" (a stop token; stop strings are found by the handler), "cancelled",
-    # "deadline" (the client's deadline passed), "error"
-    reason: str
+    reason: FinishReason
     error: str = ""
     stop_token: int | None = None
     drafted: int = 0  # speculative decoding: draft tokens proposed and kept

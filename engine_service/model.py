@@ -12,9 +12,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as cache_lib
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import _download, load
+from mlx_lm.utils import load
 
 from engine_service.default_model import DEFAULT_MODEL, ensure_model, is_embedded
+from engine_service.mlx_compat import download
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def resolve(spec: str, data_dir: Path) -> tuple[str, Path]:
     path = Path(spec)
     if path.exists():
         return path.resolve().name, path
-    return spec, _download(spec)
+    return spec, download(spec)
 
 
 def load_model(spec: str, data_dir: Path, dtype: str = "auto") -> LoadedModel:

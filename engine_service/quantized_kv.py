@@ -28,7 +28,6 @@ re-encoded. Sliding-window (rotating) layers are not handled here: they stay pla
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -36,69 +35,15 @@ from mlx_lm.models import cache as cache_lib
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import dynamic_roll
 
-PLAIN = "plain"
-BITS = (4, 8)
-GROUP_SIZES = (32, 64, 128)
+from engine_service.kv_codec import PLAIN, PLAIN_KV, KVCodec
+from engine_service.mlx_compat import BaseCache
+
 # MLX-CUDA's quantized matmul has no kernel for a column slice of a larger buffer
 # (shared/gpu/README.md). A contiguous copy of every plane every step works but costs a fresh
 # buffer of growing size per plane and layer; instead, while a batch holds packed rows,
 # attention reads the whole step-grown planes and the mask hides the columns past the last
 # token (zeros: scales and biases 0). Metal and the CPU read column slices directly.
 FULL_WIDTH_PLANES = mx.default_device() == mx.gpu and not mx.metal.is_available()
-
-
-@dataclass(frozen=True)
-class KVCodec:
-    """How a request's full-attention KV rows are stored: plain, or quantized to `bits` once
-    the row holds `start` tokens."""
-
-    bits: int = 0  # 0: plain (the model's dtype)
-    group_size: int = 64
-    start: int = 0
-
-    @property
-    def quantized(self) -> bool:
-        return self.bits > 0
-
-    @property
-    def storage(self) -> Any:
-        return (self.bits, self.group_size) if self.bits else PLAIN
-
-    def signature(self) -> str:
-        """The layout codec id of a plain KV layer under this codec (DESIGN.md)."""
-        if not self.bits:
-            return "kv:plain"
-        base = f"kv:quant:{self.bits}:{self.group_size}"
-        return f"{base}:from{self.start}" if self.start else base
-
-    def accepts(self, stored: str) -> bool:
-        """Whether a layer captured as `stored` belongs to a row of this codec: a quantized
-        row is plain until it converts."""
-        if not self.bits:
-            return stored == "kv:plain"
-        return stored in ("kv:plain", f"kv:quant:{self.bits}:{self.group_size}")
-
-
-PLAIN_KV = KVCodec()
-
-
-def request_layout(layout: list[str], codec: KVCodec) -> list[str]:
-    """A model's layout signature under a codec: its plain KV layers take the codec's id."""
-    return [codec.signature() if c == "kv:plain" else c for c in layout]
-
-
-def layout_accepts(expected: list[str], stored: list[str]) -> bool:
-    """Whether caches captured with per-layer codecs `stored` fit a request layout."""
-    if len(expected) != len(stored):
-        return False
-    for want, got in zip(expected, stored, strict=True):
-        if want.startswith("kv:quant:"):
-            bits, group = (int(x) for x in want.split(":")[2:4])
-            if not KVCodec(bits, group).accepts(got):
-                return False
-        elif want != got:
-            return False
-    return True
 
 
 class _Row:
@@ -232,7 +177,7 @@ def _zeros_like_storage(
     ]
 
 
-class BatchQuantizedKVCache(cache_lib._BaseCache):
+class BatchQuantizedKVCache(BaseCache):
     """A left-padded batch of KV rows in mixed storage formats (see the module docstring)."""
 
     step = 256

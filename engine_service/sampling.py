@@ -114,3 +114,12 @@ def token_logprobs(
         top = [(int(i), float(v)) for i, v in zip(top_ids, top_values, strict=True)]
     chosen: Any = logprobs[token].item()
     return float(chosen), top
+
+
+def requested_logprobs(
+    logprobs: mx.array, token: int, top_n: int
+) -> tuple[float | None, list[tuple[int, float]] | None]:
+    """token_logprobs for a request that asked (top_n >= 0), else (None, None)."""
+    if top_n < 0:
+        return None, None
+    return token_logprobs(logprobs, token, top_n)

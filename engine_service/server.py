@@ -16,9 +16,10 @@ from engine_service import blas
 from engine_service.checkpoints import CheckpointManager, CheckpointSettings
 from engine_service.config import EngineConfig, parse_args
 from engine_service.model import IncompatibleDraft, load_draft, load_model
-from engine_service.requests import DraftSupport
+from engine_service.requests import DraftSupport, RequestPolicy
+from engine_service.response_stream import loop_deliver
 from engine_service.scheduler import Limits, Scheduler
-from engine_service.servicer import EngineServicer, loop_deliver
+from engine_service.servicer import EngineServicer
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
 from tandem_wire.tls import bind
 
@@ -40,7 +41,11 @@ async def serve(config: EngineConfig) -> None:
     )
     context = min(config.max_context or loaded.context_length, loaded.context_length)
     limits = Limits(
-        config.max_running, config.max_queued, config.prefill_batch_size, config.prefill_step_size
+        config.max_running,
+        config.max_queued,
+        config.prefill_batch_size,
+        config.prefill_step_size,
+        config.admission_window_s,
     )
     checkpoints = CheckpointManager(
         loaded,
@@ -54,19 +59,18 @@ async def serve(config: EngineConfig) -> None:
         loaded, limits, loop_deliver(asyncio.get_running_loop()), checkpoints, draft
     )
     scheduler.start()
+    policy = RequestPolicy(
+        loaded,
+        context,
+        config.default_max_tokens,
+        has_store=checkpoints.has_store,
+        default_checkpoint_interval=config.checkpoint_interval,
+        default_kv=config.kv_codec,
+        drafts=DraftSupport(draft.model_id if draft else "", config.num_draft_tokens),
+    )
     server = grpc.aio.server()
     engine_pb2_grpc.add_EngineServicer_to_server(
-        EngineServicer(
-            loaded,
-            scheduler,
-            context,
-            config.default_max_tokens,
-            checkpoints,
-            config.checkpoint_interval,
-            config.kv_codec,
-            DraftSupport(draft.model_id if draft else "", config.num_draft_tokens),
-        ),
-        server,
+        EngineServicer(policy, scheduler, checkpoints), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -96,6 +100,9 @@ async def serve(config: EngineConfig) -> None:
     while scheduler.pending() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     scheduler.shutdown()
+    # Checkpoints already queued (a prefix, a generation's last snapshot) still reach the
+    # store, within the grace period.
+    await asyncio.to_thread(checkpoints.flush, max(1.0, deadline - time.monotonic()))
     await server.stop(2.0)
     log.info("stopped")
 

@@ -4,17 +4,16 @@ mlx-lm's BatchGenerator has no speculative mode (a batch would need per-row draf
 per-row rollback of every batch cache), so requests with `num_draft_tokens` run solo: after
 each batch step, every speculative request does one round (draft k, verify, keep the agreeing
 prefix). They share the engine's admission limits, cancel, deadlines, stop handling and
-checkpoints with batched requests; their checkpoints carry the draft model's cache as an
-attachment (engine_service/attachments.py).
+checkpoints with batched requests through `LaneHost` (the scheduler); their checkpoints carry
+the draft model's cache as an attachment (engine_service/attachments.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
-import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine_service.attachments import (
@@ -24,70 +23,85 @@ from engine_service.attachments import (
     restore_attachment,
 )
 from engine_service.attachments import find as find_attachment
-from engine_service.cache_codec import capture
-from engine_service.checkpoints import ResumePlan
-from engine_service.events import Event, Finished, Started, Token
+from engine_service.checkpoints import CheckpointManager
+from engine_service.events import Event, Finished, FinishReason, Started, Token
+from engine_service.jobs import Job, StartingPoint
 from engine_service.model import LoadedModel
-from engine_service.sampling import make_processors, token_logprobs
+from engine_service.plans import ResumePlan
+from engine_service.sampling import make_processors, requested_logprobs
 from engine_service.speculative import SpeculativeDecoder, feed_prompt
-
-if TYPE_CHECKING:
-    from engine_service.scheduler import Scheduler, _Job
 
 log = logging.getLogger(__name__)
 
 
+class LaneHost(Protocol):
+    """What the lane needs of the loop that owns it."""
+
+    def starting_point(self, job: Job) -> StartingPoint: ...
+
+    def emit(self, job: Job, events: list[Event]) -> None: ...
+
+    def finish(self, job: Job) -> None: ...
+
+
 class SpeculativeLane:
-    def __init__(self, owner: Scheduler, draft: LoadedModel) -> None:
-        self.owner = owner
+    def __init__(
+        self,
+        host: LaneHost,
+        target: LoadedModel,
+        draft: LoadedModel,
+        checkpoints: CheckpointManager | None = None,
+    ) -> None:
+        self.host = host
+        self.target = target
         self.draft = draft
-        self.jobs: dict[str, _Job] = {}  # by request id
+        self.checkpoints = checkpoints
+        self.jobs: dict[str, Job] = {}  # by request id
         self.decoders: dict[str, SpeculativeDecoder] = {}
 
     def __len__(self) -> int:
         return len(self.jobs)
 
-    def admit(self, job: _Job) -> None:
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self.jobs
+
+    def admit(self, job: Job) -> None:
         """Prefills (or restores) both models for a request; emits Started."""
-        owner, r = self.owner, job.request
+        r = job.request
         try:
-            prompt, history, cache, cached = owner._starting_point(job)
-            decoder = self._decoder(job, history, cache, cached)
+            start = self.host.starting_point(job)
+            decoder = self._decoder(job, start)
         except Exception as exc:  # a failed prefill ends this request, not the engine
             log.exception("speculative prefill failed")
-            owner._forget(job)
-            owner._emit(job, [Finished("error", error=f"generation failed: {exc}")])
+            self._fail(job, exc)
             return
         decoder.step = len(job.tokens)
         self.jobs[r.request_id] = job
         self.decoders[r.request_id] = decoder
-        owner._emit(job, [Started(len(r.prompt), cached)])
+        self.host.emit(job, [Started(len(r.prompt), start.cached_prompt_tokens)])
 
-    def _decoder(
-        self, job: _Job, history: list[int], cache: Any, cached: int
-    ) -> SpeculativeDecoder:
-        target = self.owner.loaded.model
-        req = job.request
+    def _decoder(self, job: Job, start: StartingPoint) -> SpeculativeDecoder:
+        target, req, plan = self.target.model, job.request, job.plan
         processors = make_processors(req.sampling)
-        plan = job.plan
         if isinstance(plan, ResumePlan):
             # The target cache holds prompt + generated; the pending token is fed next.
+            assert start.caches is not None
             attachment = find_attachment(plan.attachments, DRAFT_SCHEMA)
             if attachment is not None:
                 draft_cache = restore_attachment(attachment, self.draft.layout)
                 owed = draft_pending(attachment)
             else:  # a checkpoint without the draft's state: rebuild it from the tokens
                 draft_cache = make_prompt_cache(self.draft.model)
-                feed_prompt(self.draft.model, draft_cache, history, 2048)
+                feed_prompt(self.draft.model, draft_cache, start.history, 2048)
                 owed = []
             return SpeculativeDecoder(
                 target,
                 self.draft.model,
-                cache,
+                start.caches,
                 draft_cache,
                 plan.pending,
                 owed,
-                [*history, plan.pending],
+                [*start.history, plan.pending],
                 req.sampling,
                 processors,
                 req.num_draft,
@@ -99,8 +113,8 @@ class SpeculativeLane:
             req.sampling,
             processors,
             req.num_draft,
-            target_cache=cache,
-            cached=cached,
+            target_cache=start.caches,
+            cached=start.cached_prompt_tokens,
         )
 
     def remove(self, request_id: str) -> None:
@@ -113,27 +127,25 @@ class SpeculativeLane:
 
     def step(self) -> int:
         """One round for every speculative request; returns the tokens generated."""
-        owner = self.owner
         produced = 0
         for request_id, job in list(self.jobs.items()):
             decoder = self.decoders[request_id]
             r = job.request
             try:
-                result = decoder.round(r.max_tokens - len(job.tokens))
+                result = decoder.round(job.remaining)
             except Exception as exc:
                 log.exception("speculative round failed")
                 self.remove(request_id)
-                owner._forget(job)
-                owner._emit(job, [Finished("error", error=f"generation failed: {exc}")])
+                self._fail(job, exc)
                 continue
             events: list[Event] = []
-            finished = None
+            finished: FinishReason | None = None
             for token, logprobs in zip(result.tokens, result.logprobs, strict=True):
                 job.tokens.append(token)
-                job.generated += 1
                 produced += 1
-                events.append(Token(token, *_logprob(logprobs, token, r.sampling.logprobs)))
-                if token in job.stop_ids:
+                extra = requested_logprobs(logprobs, token, r.sampling.logprobs)
+                events.append(Token(token, *extra))
+                if token in r.stop_ids:
                     finished = "stop"
                     break
             if finished is None and len(job.tokens) >= r.max_tokens:
@@ -148,51 +160,32 @@ class SpeculativeLane:
                     )
                 )
                 self.remove(request_id)
-                owner._forget(job)
+                self.host.finish(job)
             else:
                 self._checkpoint(job, decoder)
-            owner._emit(job, events)
+            self.host.emit(job, events)
         return produced
 
-    def _checkpoint(self, job: _Job, decoder: SpeculativeDecoder) -> None:
+    def _fail(self, job: Job, exc: Exception) -> None:
+        self.host.finish(job)
+        self.host.emit(job, [Finished("error", error=f"generation failed: {exc}")])
+
+    def _checkpoint(self, job: Job, decoder: SpeculativeDecoder) -> None:
         """At a round boundary, when due: the target's caches and the draft's as an
         attachment, with the tokens the draft still owes."""
-        ckpt, r = self.owner.checkpoints, job.request
+        ckpt, r = self.checkpoints, job.request
         if ckpt is None or not job.checkpoint_key:
             return
         if len(job.tokens) - job.last_checkpoint_at < r.checkpoint_interval:
             return
         held = len(r.prompt) + len(job.tokens) - 1  # all but the pending token
-        captured = capture(decoder.target_cache, held, wait=False)
-        draft_held = held - len(decoder.draft_pending)
         attachment = capture_attachment(
             DRAFT_SCHEMA,
             decoder.draft_cache,
             boundary=held,
-            held=draft_held,
+            held=held - len(decoder.draft_pending),
             draft_model=self.draft.model_id,
             draft_pending=json.dumps(decoder.draft_pending),
         )
-        ckpt.save_generation(
-            job.checkpoint_key,
-            r.namespace,
-            captured,
-            r.prompt,
-            job.tokens[:-1],
-            job.tokens[-1],
-            r.sampling,
-            r.max_tokens,
-            r.layout,
-            None,
-            [attachment],
-        )
-        job.checkpointed = True
-        job.last_checkpoint_at = len(job.tokens)
-
-
-def _logprob(
-    logprobs: mx.array, token: int, top_n: int
-) -> tuple[float | None, list[tuple[int, float]] | None]:
-    if top_n < 0:
-        return None, None
-    return token_logprobs(logprobs, token, top_n)
+        snapshot = ckpt.generations.capture_whole(job, decoder.target_cache, [attachment])
+        ckpt.generations.save(job, snapshot, pending=job.tokens[-1])

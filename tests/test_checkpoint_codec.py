@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -12,12 +13,12 @@ from mlx_lm.models import cache as cache_lib
 from engine_service.cache_codec import capture, restore, to_host
 from engine_service.errors import Precondition
 from engine_service.model import layout_codec, load_model
-from tandem_client import Checkpoint, StoreClient, Tensor
+from tandem_client import Checkpoint, StoreClient
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 12
 
 
-def _through_store(client: StoreClient, caches: list, tokens: int, key: bytes) -> list:
+def _through_store(client: StoreClient, caches: list[Any], tokens: int, key: bytes) -> list[Any]:
     captured = capture(caches, tokens)
     client.put(
         Checkpoint(
@@ -25,16 +26,16 @@ def _through_store(client: StoreClient, caches: list, tokens: int, key: bytes) -
             model_id="m",
             layout=captured.layout,
             metadata=captured.meta(),
-            tensors=[Tensor(n, d, s, b) for n, d, s, b in to_host(captured)],
+            tensors=to_host(captured),
         )
     )
     got = client.get(key)
-    tensors = {t.name: (t.dtype, tuple(t.shape), t.data) for t in got.tensors}
-    return restore(got.metadata, tensors, captured.layout)
+    return restore(got.metadata, got.tensors, captured.layout)
 
 
-def _next_logits(model, token: mx.array, caches: list) -> mx.array:  # noqa: ANN001
-    return model(token, cache=caches)
+def _next_logits(model, token: mx.array, caches: list[Any]) -> mx.array:  # noqa: ANN001
+    logits: mx.array = model(token, cache=caches)
+    return logits
 
 
 @pytest.mark.parametrize("variant", ["tandem-tiny", "tandem-tiny-swa", "tandem-tiny-hybrid"])
@@ -107,7 +108,7 @@ def test_a_layout_mismatch_is_refused_naming_the_difference(engine_data_dir: Pat
     caches = loaded.model.make_cache()
     loaded.model(mx.array([[1, 2, 3]]), cache=caches)
     captured = capture(caches, 3)
-    tensors = {n: (d, s, b) for n, d, s, b in to_host(captured)}
+    tensors = to_host(captured)
     with pytest.raises(Precondition, match="layout"):
         restore(captured.meta(), tensors, ["kv:rotating:64:0"] * 4)
     with pytest.raises(Precondition, match="codec"):

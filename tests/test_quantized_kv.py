@@ -17,7 +17,8 @@ from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine_service import quantized_kv
-from engine_service.quantized_kv import BatchQuantizedKVCache, KVCodec, PackedRow, adopt_row
+from engine_service.kv_codec import KVCodec
+from engine_service.quantized_kv import BatchQuantizedKVCache, PackedRow, adopt_row
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import TandemError
 from tests.servers import ServiceProcess, free_port, start_engine, start_store_on
@@ -216,7 +217,7 @@ def test_quantized_requests_in_a_running_engine_match_solo(
     ],
 )
 def test_bad_kv_options_are_invalid_argument(
-    engine_client: EngineClient, fields: dict, message: str
+    engine_client: EngineClient, fields: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(TandemError) as err:
         engine_client.generate("hello", max_tokens=2, **fields)
@@ -274,6 +275,7 @@ def test_quantized_checkpoints_resume_exactly_and_never_mix_with_plain(
         first = engine.generate(PROMPT, max_tokens=8, ignore_eos=True, **q8)
         again = engine.generate(PROMPT, max_tokens=8, ignore_eos=True, **q8)
         plain = engine.generate(PROMPT, max_tokens=8, ignore_eos=True, kv_bits=0)
+        assert again.usage is not None and plain.usage is not None
         assert again.usage.cached_prompt_tokens == 256 and again.token_ids == first.token_ids
         assert plain.usage.cached_prompt_tokens == 0
 
@@ -307,6 +309,7 @@ def test_quantized_checkpoints_resume_exactly_and_never_mix_with_plain(
                 engine.generate(PROMPT, resume=True, **{**request, "kv_bits": 4})
             assert err.value.code == grpc.StatusCode.NOT_FOUND
             resumed = engine.generate(PROMPT, resume=True, tokens_held=len(received), **request)
+            assert resumed.usage is not None
             assert resumed.usage.cached_prompt_tokens == len(PROMPT)
             full = engine.generate(PROMPT, **{**request, "request_id": "q-reference"})
     finally:

@@ -177,9 +177,10 @@ def _train_tokenizer() -> Any:
 def _write_weights(config: dict[str, Any], out: Path, dtype: str) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
 
-    model_class, args_class = _get_classes(config)
+    from engine_service.mlx_compat import model_classes
+
+    model_class, args_class = model_classes(config)
     mx.random.seed(SEED)
     model = model_class(args_class.from_dict(config))
     target = getattr(mx, dtype)

@@ -1,0 +1,381 @@
+"""Generation checkpoints: snapshots of a running generation, saved, resumed and forgotten.
+
+Every `checkpoint_interval` tokens the MLX thread captures a row's caches; one step later,
+when the token sampled in between (the pending token) is known, the snapshot is queued for
+the store, pinned while the generation runs, and deleted when it ends.
+
+Chain policy (all of it is here): caches made only of plain KV layers grow only at the end,
+so a snapshot can hold just the positions added since the last one. Such snapshots are
+*segments* of an append-only chain, each its own record; after every segment a small
+*manifest* under the generation key carries the generation's state (tokens, pending token,
+step) and names the live segments. A resume reads the manifest and exactly the segments it
+lists. A chain starts over with a whole snapshot when there is none yet, when it reached
+MAX_CHAIN segments, or when a segment or manifest did not reach the store (a hole is never
+built upon). Other layouts store a whole snapshot under the generation key each time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as cache_lib
+
+from engine_service.attachments import CapturedAttachment, check_attachment
+from engine_service.attachments import find as find_attachment
+from engine_service.cache_codec import capture, restore, settle, to_host
+from engine_service.checkpoint_stats import CheckpointCounters
+from engine_service.errors import Corrupt, NotFound, Precondition
+from engine_service.jobs import Job, PendingSnapshot, Segment
+from engine_service.plans import ResumePlan
+from engine_service.sampling import SamplingOptions
+from engine_service.spill import Put, SpillQueue
+from tandem_client.errors import NotFound as StoreNotFound
+from tandem_client.identity import generation_key, scope_digest
+from tandem_client.store_client import Checkpoint, StoreClient
+
+# A chain holds at most this many segments before a whole snapshot starts a new one.
+MAX_CHAIN = 16
+# Segments of one chain fetched at once on resume.
+FETCH_WORKERS = 8
+
+
+@dataclass(frozen=True)
+class GenerationMeta:
+    """A generation checkpoint's state, as its record's metadata strings."""
+
+    prompt_tokens: int
+    generated: int
+    pending: int
+    seed: int
+    max_tokens: int
+    options: str  # options_digest(...).hex()
+    # Chains only: the live segments are first .. next - 1.
+    chain_first: int | None = None
+    chain_next: int | None = None
+
+    @property
+    def next_step(self) -> int:
+        return self.generated + 1
+
+    def to_metadata(self) -> dict[str, str]:
+        meta = {
+            "prompt_tokens": str(self.prompt_tokens),
+            "generated": str(self.generated),
+            "pending": str(self.pending),
+            "seed": str(self.seed),
+            "next_step": str(self.next_step),
+            "max_tokens": str(self.max_tokens),
+            "options": self.options,
+        }
+        if self.chain_first is not None and self.chain_next is not None:
+            meta["chain_first"] = str(self.chain_first)
+            meta["chain_next"] = str(self.chain_next)
+        return meta
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> GenerationMeta:
+        try:
+            chained = "chain_first" in meta
+            return cls(
+                prompt_tokens=int(meta["prompt_tokens"]),
+                generated=int(meta["generated"]),
+                pending=int(meta["pending"]),
+                seed=int(meta["seed"]),
+                max_tokens=int(meta["max_tokens"]),
+                options=meta["options"],
+                chain_first=int(meta["chain_first"]) if chained else None,
+                chain_next=int(meta["chain_next"]) if chained else None,
+            )
+        except (KeyError, ValueError) as exc:
+            raise Corrupt(f"generation checkpoint metadata is malformed ({exc!r})") from exc
+
+
+def options_digest(options: SamplingOptions) -> bytes:
+    """What a resumed request must share with the original besides prompt and request id."""
+    fields = {
+        k: getattr(options, k)
+        for k in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "repetition_context_size",
+            "seed",
+            "stop",
+            "stop_token_ids",
+            "ignore_eos",
+        )
+    }
+    return hashlib.blake2b(
+        json.dumps(fields, sort_keys=True, default=list).encode(), digest_size=16
+    ).digest()
+
+
+def segment_key(key: bytes, index: int) -> bytes:
+    """The record key of segment `index` of a generation checkpoint's chain."""
+    return hashlib.blake2b(key + index.to_bytes(4, "big"), digest_size=32).digest()
+
+
+def segmentable(layout: list[str]) -> bool:
+    """Plain KV caches only grow at the end, so a checkpoint can append what is new."""
+    return all(codec == "kv:plain" for codec in layout)
+
+
+class GenerationCheckpoints:
+    def __init__(
+        self,
+        model_id: str,
+        counters: CheckpointCounters,
+        store: StoreClient | None = None,
+        spill: SpillQueue | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.counters = counters
+        self.store = store
+        self.spill = spill
+        self._lock = threading.Lock()
+        # Generation key -> first segment of a chain that has a hole (a segment or manifest
+        # that did not reach the store): its later records are not sent, its next snapshot
+        # starts a new chain.
+        self._broken: dict[bytes, int] = {}
+
+    def key(
+        self,
+        namespace: str,
+        prompt: list[int],
+        options: SamplingOptions,
+        request_id: str,
+        layout: list[str],
+    ) -> bytes:
+        scope = scope_digest(self.model_id, layout, namespace)
+        return generation_key(scope, prompt, options_digest(options), request_id)
+
+    # -- the MLX thread ----------------------------------------------------------------------
+
+    def capture(self, job: Job, row_caches: list[Any]) -> PendingSnapshot:
+        """Starts a snapshot of a batch row (no wait: the copies run with the next step)."""
+        r = job.request
+        held = len(r.prompt) + len(job.tokens)
+        segment = None
+        if segmentable(r.layout):
+            segment = self._next_segment(job, held)
+            row_caches = _positions(row_caches, segment.start)
+        captured = capture(row_caches, held, wait=False)
+        job.last_checkpoint_at = len(job.tokens)
+        return PendingSnapshot(captured, list(job.tokens), segment)
+
+    def capture_whole(
+        self, job: Job, caches: list[Any], attachments: list[CapturedAttachment]
+    ) -> PendingSnapshot:
+        """A whole snapshot whose pending token is known already (the last of job.tokens)."""
+        held = len(job.request.prompt) + len(job.tokens) - 1
+        job.last_checkpoint_at = len(job.tokens)
+        captured = capture(caches, held, wait=False)
+        return PendingSnapshot(captured, job.tokens[:-1], None, list(attachments))
+
+    def _next_segment(self, job: Job, held: int) -> Segment:
+        chain = job.chain
+        with self._lock:
+            broken = self._broken.get(job.checkpoint_key) == chain.first
+        start = chain.covered
+        if (
+            chain.next_index == 0
+            or chain.covered == 0
+            or chain.next_index - chain.first >= MAX_CHAIN
+            or broken
+        ):
+            chain.first, start = chain.next_index, 0
+        segment = Segment(chain.next_index, chain.first, start)
+        chain.next_index += 1
+        chain.covered = held
+        return segment
+
+    def save(self, job: Job, snapshot: PendingSnapshot, pending: int) -> None:
+        """Queues a snapshot for the store once its pending token is known (MLX thread)."""
+        if self.spill is None:
+            return
+        r, key = job.request, job.checkpoint_key
+        settle(snapshot.captured)
+        for attachment in snapshot.attachments:
+            settle(attachment.captured)
+        meta = GenerationMeta(
+            prompt_tokens=len(r.prompt),
+            generated=len(snapshot.generated),
+            pending=pending,
+            seed=r.sampling.seed,
+            max_tokens=r.max_tokens,
+            options=options_digest(r.sampling).hex(),
+        )
+        record = self._record(job, key, "generation", [*r.prompt, *snapshot.generated])
+        job.checkpointed = True
+        captured, segment = snapshot.captured, snapshot.segment
+        if segment is None:
+            record.metadata = {**meta.to_metadata(), **captured.meta()}
+            record.tensors = to_host(captured)
+            record.attachments = [a.to_record() for a in snapshot.attachments]
+            nbytes = captured.nbytes + sum(a.nbytes for a in snapshot.attachments)
+            self.spill.put(Put(record, nbytes))
+            return
+        part = self._record(job, segment_key(key, segment.index), "object", record.token_ids)
+        part.metadata = {**captured.meta(), "segment_of": key.hex(), "start": str(segment.start)}
+        part.tensors = to_host(captured)
+        chained = GenerationMeta(
+            **{**meta.__dict__, "chain_first": segment.first, "chain_next": segment.index + 1}
+        )
+        record.metadata = {
+            **chained.to_metadata(),
+            "codec": captured.meta()["codec"],
+            "layout": "|".join(r.layout),
+        }
+
+        def wanted() -> bool:
+            with self._lock:
+                return self._broken.get(key) != segment.first
+
+        def broke() -> None:
+            with self._lock:
+                self._broken[key] = segment.first
+
+        # The segment first, then the manifest naming it: a manifest never lists a segment
+        # that is not stored.
+        for item in (part, record):
+            nbytes = captured.nbytes if item is part else 0
+            if not self.spill.put(Put(item, nbytes, still_wanted=wanted, on_failed=broke)):
+                broke()
+                return
+
+    def _record(self, job: Job, key: bytes, kind: str, token_ids: list[int]) -> Checkpoint:
+        r = job.request
+        return Checkpoint(
+            key=key,
+            kind=kind,
+            namespace=r.namespace,
+            model_id=self.model_id,
+            layout=r.layout,
+            token_ids=list(token_ids),
+            trimmable=False,
+        )
+
+    def forget(self, job: Job) -> None:
+        """Deletes a finished generation's checkpoint: every segment it wrote, then the key."""
+        if self.spill is None:
+            return
+        key, namespace = job.checkpoint_key, job.request.namespace
+        for index in range(job.chain.next_index):
+            self.spill.delete(segment_key(key, index), namespace)
+        self.spill.delete(key, namespace)
+        with self._lock:
+            self._broken.pop(key, None)
+
+    def materialize(self, plan: ResumePlan) -> list[Any]:
+        """The caches of a resume plan (MLX thread): the whole snapshot, or the chain's
+        segments joined in order."""
+        if not plan.chain_next:
+            (whole,) = plan.parts
+            return restore(whole.metadata, whole.tensors, plan.layout)
+        parts = [restore(p.metadata, p.tensors, plan.layout) for p in plan.parts]
+        caches = []
+        for layer in zip(*parts, strict=True):
+            cache = cache_lib.KVCache()
+            cache.keys = mx.concatenate([p.keys[..., : p.offset, :] for p in layer], axis=2)
+            cache.values = mx.concatenate([p.values[..., : p.offset, :] for p in layer], axis=2)
+            cache.offset = sum(p.offset for p in layer)
+            caches.append(cache)
+        return caches
+
+    # -- handler threads ---------------------------------------------------------------------
+
+    def load(
+        self,
+        key: bytes,
+        namespace: str,
+        prompt: list[int],
+        layout: list[str],
+        companions: dict[str, dict[str, str]] | None = None,
+    ) -> ResumePlan:
+        """The checkpoint of a generation to resume, checked against the request.
+
+        companions: attachment schema -> metadata it must carry (e.g. the draft model); the
+        ones present are checked here (FAILED_PRECONDITION) and kept in the plan.
+        """
+        if self.store is None:
+            raise Precondition("resume needs an engine started with --store")
+        start = time.perf_counter()
+        try:
+            record = self.store.get(key, namespace)
+        except StoreNotFound as exc:
+            raise NotFound(
+                "no checkpoint for this request (same request_id, prompt, sampling "
+                "options and kv options are needed to resume)"
+            ) from exc
+        if record.model_id != self.model_id:
+            raise Precondition(
+                f"checkpoint was made by model {record.model_id!r}; this engine "
+                f"serves {self.model_id!r}"
+            )
+        if list(record.layout) != layout:
+            raise Precondition(
+                f"checkpoint cache layout {list(record.layout)} differs from the request's {layout}"
+            )
+        meta = GenerationMeta.from_metadata(record.metadata)
+        if record.token_ids[: meta.prompt_tokens] != list(prompt):
+            raise Precondition("checkpoint prompt differs from the request's")
+        parts = [record]
+        if meta.chain_first is not None and meta.chain_next is not None:
+            parts = self._segments(key, namespace, meta.chain_first, meta.chain_next)
+        kept = []
+        for schema, expect in (companions or {}).items():
+            attachment = find_attachment(record.attachments, schema)
+            if attachment is not None:
+                check_attachment(attachment, schema, len(record.token_ids), expect)
+                kept.append(attachment)
+        self.counters.add(resumes=1)
+        return ResumePlan(
+            key,
+            generated=list(record.token_ids[meta.prompt_tokens :]),
+            pending=meta.pending,
+            layout=layout,
+            parts=parts,
+            chain_first=meta.chain_first or 0,
+            chain_next=meta.chain_next or 0,
+            attachments=kept,
+            fetch_s=time.perf_counter() - start,
+        )
+
+    def _segments(self, key: bytes, namespace: str, first: int, end: int) -> list[Checkpoint]:
+        """Exactly the segments a manifest lists, fetched in parallel."""
+        store = self.store
+        assert store is not None
+        if not 0 <= first < end or end - first > MAX_CHAIN:
+            raise Corrupt(f"generation checkpoint lists segments {first}..{end - 1}")
+
+        def fetch(index: int) -> Checkpoint:
+            try:
+                return store.get(segment_key(key, index), namespace)
+            except StoreNotFound as exc:
+                raise NotFound(f"segment {index} of this checkpoint is not in the store") from exc
+
+        with ThreadPoolExecutor(max_workers=min(FETCH_WORKERS, end - first)) as pool:
+            return list(pool.map(fetch, range(first, end)))
+
+
+def _positions(row_caches: list[Any], start: int) -> list[Any]:
+    """Positions [start, offset) of plain KV caches, as caches of their own (no copy yet)."""
+    if not start:
+        return row_caches
+    segment = []
+    for cache in row_caches:
+        part = cache_lib.KVCache()
+        part.keys = cache.keys[..., start : cache.offset, :]
+        part.values = cache.values[..., start : cache.offset, :]
+        part.offset = cache.offset - start
+        segment.append(part)
+    return segment

@@ -1,0 +1,28 @@
+"""The private parts of mlx-lm the engine needs, in one place.
+
+Pinned to mlx-lm 0.32.2 (pyproject.toml): these names carry a leading underscore upstream and
+may move in any release, so every use goes through here and a version bump is checked here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mlx_lm.models import cache as _cache
+from mlx_lm.utils import _download, _get_classes
+
+# The base of mlx-lm's cache classes: a batch cache of our own (quantized_kv.py) must be one
+# for mlx-lm's model code and BatchGenerator to treat it as a cache.
+BaseCache = _cache._BaseCache
+
+
+def download(repo_id: str) -> Path:
+    """A hub model's local directory, fetched by mlx-lm's own loader (no public wrapper
+    returns the path without loading the weights)."""
+    return Path(_download(repo_id))
+
+
+def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
+    """mlx-lm's (Model, ModelArgs) classes for a config's model_type."""
+    return _get_classes(config)  # type: ignore[no-any-return]

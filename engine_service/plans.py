@@ -1,0 +1,63 @@
+"""Where a request starts from: a cached prefix of its prompt, or its own generation checkpoint.
+
+Made on a handler thread by planner.py (which may read the store), materialized into caches on
+the MLX thread (prefix_reuse.py, generation_checkpoints.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine_service.cache_codec import CapturedCache
+from tandem_client.store_client import Attachment, Checkpoint
+
+
+@dataclass
+class PrefixPlan:
+    """The longest cached prefix of a prompt: a capture in the local tier, or a store record."""
+
+    matched: int  # prompt tokens it serves (after trimming)
+    key: bytes
+    layout: list[str]  # the request's cache layout
+    local: CapturedCache | None = None  # a local hit: device arrays, restored without a copy
+    stored: Checkpoint | None = None  # a store hit: the record's bytes
+    fetch_s: float = 0.0
+
+    @property
+    def source(self) -> Literal["local", "store"]:
+        return "local" if self.local is not None else "store"
+
+    @property
+    def nbytes(self) -> int:
+        if self.local is not None:
+            return self.local.nbytes
+        return sum(t.nbytes for t in self.stored.all_tensors()) if self.stored else 0
+
+
+@dataclass
+class ResumePlan:
+    """A generation checkpoint to continue from, read and checked against the request."""
+
+    key: bytes
+    generated: list[int]  # tokens emitted before the checkpoint
+    pending: int  # sampled, not yet fed
+    layout: list[str]
+    # The cache records, oldest first: one whole snapshot, or the segments of a chain.
+    parts: list[Checkpoint]
+    chain_first: int = 0  # the chain's first live segment and the next index to write
+    chain_next: int = 0
+    attachments: list[Attachment] = field(default_factory=list)  # checked companions
+    fetch_s: float = 0.0
+
+    @property
+    def replay(self) -> list[int]:
+        """Every token the generation emitted, the pending one last."""
+        return [*self.generated, self.pending]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for part in self.parts for t in part.all_tensors())
+
+
+Plan = PrefixPlan | ResumePlan | None

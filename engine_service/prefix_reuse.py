@@ -1,0 +1,176 @@
+"""Prefix reuse: a prompt's longest cached prefix, restored so only the rest is prefilled.
+
+A prompt's block-hash chain is looked up in the in-memory tier (prefix_cache.py) first, then in
+the store; the longest hit wins. A local hit is rebuilt from the captured device arrays
+themselves (no trip through host bytes); a store hit from the record's bytes. Either is trimmed
+to the matched length. After prefill the prompt's caches are kept locally and spilled to the
+store once (deduplicated, `if_absent`).
+
+`find` runs on handler threads (it may call the store); `materialize` and `save` on the MLX
+thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any
+
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+from engine_service.cache_codec import capture, restore, restore_captured, to_host
+from engine_service.checkpoint_stats import CheckpointCounters
+from engine_service.errors import Precondition
+from engine_service.plans import PrefixPlan
+from engine_service.prefix_cache import BLOCK_SIZE, PrefixCache
+from engine_service.spill import Put, SpillQueue
+from tandem_client.errors import DataLoss, TandemError
+from tandem_client.identity import block_hashes, prefix_key, scope_digest
+from tandem_client.store_client import Checkpoint, StoreClient
+
+log = logging.getLogger(__name__)
+
+# Prefix keys already spilled, remembered up to this many (a miss only costs a Put the store
+# answers with ALREADY_EXISTS).
+SAVED_KEYS = 100_000
+
+
+class PrefixReuse:
+    def __init__(
+        self,
+        model_id: str,
+        local: PrefixCache,
+        counters: CheckpointCounters,
+        store: StoreClient | None = None,
+        spill: SpillQueue | None = None,
+        min_prefix_tokens: int = BLOCK_SIZE,
+    ) -> None:
+        self.model_id = model_id
+        self.local = local
+        self.counters = counters
+        self.store = store
+        self.spill = spill
+        self.min_prefix_tokens = min_prefix_tokens
+        self._saved_keys: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+
+    def scope(self, namespace: str, layout: list[str]) -> bytes:
+        return scope_digest(self.model_id, layout, namespace)
+
+    def find(self, prompt: list[int], namespace: str, layout: list[str]) -> PrefixPlan | None:
+        """The longest reusable prefix of prompt[:-1] (one token must be left to prefill)."""
+        usable = prompt[:-1]
+        if len(usable) < BLOCK_SIZE:
+            return None
+        scope = self.scope(namespace, layout)
+        chain = block_hashes(usable, BLOCK_SIZE, scope)
+        lengths = [min((i + 1) * BLOCK_SIZE, len(usable)) for i in range(len(chain))]
+        key, local_len = self.local.match(chain, lengths)
+        captured = self.local.get(key) if local_len else None
+        best = PrefixPlan(local_len, key, layout, local=captured) if captured else None
+        if self.store is not None:
+            try:
+                best = self._from_store(usable, namespace, layout, chain, local_len) or best
+            except DataLoss as exc:  # the store quarantined it; prefill instead
+                log.warning("prefix checkpoint unreadable, prefilling instead: %s", exc)
+                self.counters.add(restore_failures=1)
+            except TandemError as exc:
+                log.warning("store lookup failed, prefilling instead: %s", exc)
+                self.counters.add(restore_failures=1)
+        if best is None:
+            self.counters.add(misses=1)
+        return best
+
+    def _from_store(
+        self,
+        usable: list[int],
+        namespace: str,
+        layout: list[str],
+        chain: list[bytes],
+        better_than: int,
+    ) -> PrefixPlan | None:
+        assert self.store is not None
+        hit = self.store.lookup(
+            namespace=namespace,
+            model_id=self.model_id,
+            layout=layout,
+            block_size=BLOCK_SIZE,
+            block_hashes=chain,
+            token_count=len(usable),
+        )
+        if not hit.found or hit.matched_tokens <= better_than:
+            return None
+        start = time.perf_counter()
+        record = self.store.get(hit.key, namespace)
+        return PrefixPlan(
+            hit.matched_tokens, hit.key, layout, stored=record, fetch_s=time.perf_counter() - start
+        )
+
+    def materialize(self, plan: PrefixPlan) -> list[Any] | None:
+        """Caches for a plan (MLX thread), trimmed to the matched length; None: prefill."""
+        start = time.perf_counter()
+        try:
+            if plan.local is not None:
+                caches = restore_captured(plan.local, plan.layout)
+                held = plan.local.tokens
+            else:
+                assert plan.stored is not None
+                caches = restore(plan.stored.metadata, plan.stored.tensors, plan.layout)
+                held = int(plan.stored.metadata.get("tokens", plan.matched))
+            if held > plan.matched:
+                if not can_trim_prompt_cache(caches):
+                    return None
+                trim_prompt_cache(caches, held - plan.matched)
+        except (Precondition, KeyError, ValueError) as exc:
+            log.warning("prefix checkpoint not restorable, prefilling instead: %s", exc)
+            self.counters.add(restore_failures=1)
+            return None
+        seconds = plan.fetch_s + time.perf_counter() - start
+        if plan.local is not None:
+            self.counters.add(local_hits=1, restore_seconds=seconds)
+        else:
+            self.counters.add(store_hits=1, restored_bytes=plan.nbytes, restore_seconds=seconds)
+        return caches
+
+    def save(
+        self, row_caches: list[Any], prompt: list[int], namespace: str, layout: list[str]
+    ) -> None:
+        """Keeps a prompt's caches (MLX thread; row_caches hold prompt + 1 token)."""
+        if len(prompt) < self.min_prefix_tokens or not can_trim_prompt_cache(row_caches):
+            return
+        scope = self.scope(namespace, layout)
+        key = prefix_key(scope, prompt)
+        if key in self.local or key in self._saved_keys:
+            return
+        trim_prompt_cache(row_caches, 1)
+        captured = capture(row_caches, len(prompt))
+        chain = block_hashes(prompt, BLOCK_SIZE, scope)
+        self.local.add(key, captured, chain, len(prompt))
+        if self.spill is None:
+            return
+        self._saved_keys[key] = None
+        if len(self._saved_keys) > SAVED_KEYS:
+            self._saved_keys.popitem(last=False)
+        record = Checkpoint(
+            key=key,
+            kind="prefix",
+            namespace=namespace,
+            model_id=self.model_id,
+            layout=layout,
+            token_ids=list(prompt),
+            trimmable=True,
+            block_size=BLOCK_SIZE,
+            block_hashes=chain,
+            metadata={**captured.meta(), "tokens": str(len(prompt))},
+            tensors=to_host(captured),
+        )
+        self.spill.put(
+            Put(
+                record,
+                captured.nbytes,
+                if_absent=True,
+                pinned=False,
+                # Not in the store after all: let a later prompt send it again.
+                on_failed=lambda: self._saved_keys.pop(key, None),
+            )
+        )

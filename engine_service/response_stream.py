@@ -1,0 +1,204 @@
+"""From engine events to what a client receives: text, replayed tokens, logprobs, usage.
+
+Runs on the event loop, per request. The MLX loop sends token ids (events.py); here they are
+detokenized with exact stop strings (text.py), a resumed generation's held tokens are
+replayed from its checkpoint, and the last chunk carries the usage. Chunks are domain values;
+wire.py turns them into GenerateResponse messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engine_service.errors import DeadlineExceeded
+from engine_service.events import Event, Finished, Sink, Started, Token
+from engine_service.requests import GenerationRequest
+from engine_service.text import TextStream
+
+ResponseFinish = Literal["length", "stop", "cancelled", "error"]
+Deliver = Callable[[list[tuple[Sink, list[Event]]]], None]
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+    text: str
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[TopLogprob]
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_seconds: float = 0.0
+    decode_tokens_per_second: float = 0.0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+
+@dataclass
+class ResponseChunk:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: ResponseFinish | None = None
+    matched_stop: str = ""
+    error: str = ""
+    request_id: str = ""
+    usage: Usage | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.token_ids or self.text)
+
+
+class RequestStream:
+    """A request's events, handed over on the event loop, read by its handler."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+
+    def push(self, events: list[Event]) -> None:  # on the event loop (see loop_deliver)
+        self._queue.put_nowait(events)
+
+    async def next(self) -> list[Event]:
+        """Waits for events, then takes everything already queued: a reader that fell
+        behind catches up in one message instead of one per token."""
+        events = await self._queue.get()
+        while not self._queue.empty():
+            events = events + self._queue.get_nowait()
+        return events
+
+
+def loop_deliver(loop: asyncio.AbstractEventLoop) -> Deliver:
+    """The scheduler's delivery: one hop into the event loop per engine step."""
+
+    def fan_out(outbox: list[tuple[Sink, list[Event]]]) -> None:
+        for sink, events in outbox:
+            sink(events)
+
+    def deliver(outbox: list[tuple[Sink, list[Event]]]) -> None:
+        loop.call_soon_threadsafe(fan_out, outbox)
+
+    return deliver
+
+
+class ResponseBuilder:
+    """The text and usage of one generation as its tokens arrive."""
+
+    def __init__(self, req: GenerationRequest, tokenizer: Any, arrival: float) -> None:
+        self.req = req
+        self.tokenizer = tokenizer
+        self.text = TextStream(tokenizer, req.sampling.stop, req.prompt)
+        self.usage = Usage(prompt_tokens=len(req.prompt))
+        self.arrival = arrival
+        self.first_token_at = self.last_token_at = 0.0
+
+    @property
+    def generated(self) -> int:
+        return self.usage.generated_tokens
+
+    def add(self, chunk: ResponseChunk, event: Token) -> None:
+        """One generated token into the chunk (a resumed client already holds the first
+        tokens_held: counted, not sent)."""
+        self.last_token_at = time.monotonic()
+        if not self.generated:
+            self.first_token_at = self.last_token_at
+        self.usage.generated_tokens += 1
+        send = self.generated > self.req.tokens_held
+        if send:
+            chunk.token_ids.append(event.token_id)
+            if event.logprob is not None:
+                chunk.logprobs.append(self._logprob(event))
+        if event.token_id in self.req.stop_ids:
+            return  # ends the generation; its text is not part of the output
+        delta = self.text.add(event.token_id)
+        if send:
+            chunk.text += delta
+
+    def finish(
+        self, chunk: ResponseChunk, reason: ResponseFinish, stop_token: int | None = None
+    ) -> ResponseChunk:
+        chunk.finish_reason = reason
+        chunk.request_id = self.req.request_id
+        if self.text.stopped_by:
+            chunk.matched_stop = self.text.stopped_by
+        elif reason in ("length", "stop"):
+            chunk.text += self.text.finish()
+        if stop_token is not None:
+            chunk.matched_stop = self.tokenizer.decode([stop_token])
+        u = self.usage
+        if u.generated_tokens:
+            u.ttft_seconds = self.first_token_at - self.arrival
+        if u.generated_tokens > 1 and self.last_token_at > self.first_token_at:
+            u.decode_tokens_per_second = (u.generated_tokens - 1) / (
+                self.last_token_at - self.first_token_at
+            )
+        chunk.usage = u
+        return chunk
+
+    def _logprob(self, event: Token) -> TokenLogprob:
+        decode = self.tokenizer.decode
+        top = [TopLogprob(t, v, decode([t])) for t, v in (event.top or [])]
+        return TokenLogprob(event.token_id, event.logprob or 0.0, top)
+
+
+async def respond(
+    req: GenerationRequest,
+    tokenizer: Any,
+    events: RequestStream,
+    arrival: float,
+    replay: list[int],
+    stop_row: Callable[[], None],
+) -> AsyncIterator[ResponseChunk]:
+    """The chunks of one generation: replayed tokens first (resume), then the engine's.
+
+    stop_row: called when a stop string ends the text, so the loop drops the row.
+    Raises DeadlineExceeded when the engine dropped the request at its deadline.
+    """
+    out = ResponseBuilder(req, tokenizer, arrival)
+    if replay:
+        out.usage.cached_prompt_tokens = len(req.prompt)
+        chunk = ResponseChunk()
+        for token in replay:
+            out.add(chunk, Token(token))
+        if req.finished_by(replay):
+            stop = replay[-1] in req.stop_ids
+            yield out.finish(chunk, "stop" if stop else "length")
+            return
+        if chunk.token_ids:
+            yield chunk
+    while True:
+        chunk = ResponseChunk()
+        for event in await events.next():
+            if isinstance(event, Started):
+                out.usage.cached_prompt_tokens = event.cached_prompt_tokens
+            elif isinstance(event, Token):
+                out.add(chunk, event)
+                if out.text.stopped_by:
+                    # A stop string: the text is cut exactly; the row is dropped.
+                    stop_row()
+                    yield out.finish(chunk, "stop")
+                    return
+            elif isinstance(event, Finished):
+                if event.reason == "deadline":
+                    raise DeadlineExceeded("deadline exceeded")
+                out.usage.draft_tokens = event.drafted
+                out.usage.accepted_draft_tokens = event.accepted
+                chunk.error = event.error
+                yield out.finish(chunk, event.reason, event.stop_token)
+                return
+        if not chunk.empty:
+            yield chunk
