@@ -13,13 +13,14 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine_service.checkpoints import CheckpointManager, starting_point
+from engine_service.engine_stats import EngineStats
 from engine_service.errors import AlreadyExists, Overloaded, Unavailable
 from engine_service.events import Event, Finished, FinishReason, Sink, Started, Token
 from engine_service.jobs import Job, StartingPoint
@@ -51,25 +52,6 @@ class Limits:
     prefill_step_size: int = 2048
     # How long the loop lingers for more arrivals before admitting new requests.
     admission_window_s: float = 0.002
-
-
-@dataclass
-class EngineStats:
-    running: int = 0
-    queued: int = 0
-    requests_total: int = 0
-    generated_tokens_total: int = 0
-    prompt_tokens_total: int = 0
-    decode_tokens_per_second: float = 0.0
-    batch_size: int = 0
-    max_batch_size_seen: int = 0
-    mean_batch_size: float = 0.0
-    cancelled_total: int = 0
-    rejected_total: int = 0
-    steps_total: int = 0
-    recent: collections.deque[tuple[float, int]] = field(
-        default_factory=lambda: collections.deque(maxlen=256)
-    )
 
 
 # What other threads ask of the loop, through its inbox.
@@ -184,27 +166,7 @@ class Scheduler:
 
     def stats(self) -> EngineStats:
         with self._lock:
-            s = self._stats
-            now = time.monotonic()
-            window = [(t, n) for t, n in s.recent if now - t <= 5.0]
-            tps = 0.0
-            if len(window) >= 2:
-                span = window[-1][0] - window[0][0]
-                tps = sum(n for _, n in window[1:]) / span if span > 0 else 0.0
-            return EngineStats(
-                running=s.running,
-                queued=s.queued,
-                requests_total=s.requests_total,
-                generated_tokens_total=s.generated_tokens_total,
-                prompt_tokens_total=s.prompt_tokens_total,
-                decode_tokens_per_second=tps,
-                batch_size=s.batch_size,
-                max_batch_size_seen=s.max_batch_size_seen,
-                mean_batch_size=s.generated_tokens_total / s.steps_total if s.steps_total else 0,
-                cancelled_total=s.cancelled_total,
-                rejected_total=s.rejected_total,
-                steps_total=s.steps_total,
-            )
+            return self._stats.snapshot(time.monotonic())
 
     # -- what the speculative lane uses (LaneHost) -------------------------------------------
 
@@ -287,8 +249,7 @@ class Scheduler:
         assert self._speculative is not None
         produced = self._speculative.step()
         with self._lock:
-            self._stats.generated_tokens_total += produced
-            self._stats.recent.append((time.monotonic(), produced))
+            self._stats.add_tokens(produced, time.monotonic())
 
     def _admit(self) -> None:
         free = self.limits.max_running - self._running()
@@ -374,12 +335,7 @@ class Scheduler:
         if self.checkpoints is not None:
             self._capture_due()
         with self._lock:
-            s = self._stats
-            s.generated_tokens_total += len(responses)
-            s.steps_total += 1
-            s.batch_size = len(responses)
-            s.max_batch_size_seen = max(s.max_batch_size_seen, len(responses))
-            s.recent.append((time.monotonic(), len(responses)))
+            self._stats.add_step(len(responses), time.monotonic())
 
     def _checkpoint(self, job: Job, finished_cache: list[Any] | None) -> None:
         """After a token: the prompt's prefix (first token), the generation every N tokens.

@@ -1,0 +1,310 @@
+"""The engine's domain in-process, without gRPC: the scheduler on the tiny model delivering
+tokens directly, the spill queue against a fake sink, local prefix reuse, and generation
+checkpoints against a store served in this process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from engine_service.cache_codec import restore, to_host
+from engine_service.checkpoint_stats import CheckpointCounters
+from engine_service.checkpoints import CheckpointManager, CheckpointSettings
+from engine_service.errors import AlreadyExists, Overloaded, Unavailable
+from engine_service.events import Event, Finished, Started, Token
+from engine_service.model import LoadedModel, load_model
+from engine_service.prefix_cache import PrefixCache
+from engine_service.prefix_reuse import PrefixReuse
+from engine_service.requests import GenerationRequest, stop_token_ids
+from engine_service.sampling import SamplingOptions
+from engine_service.scheduler import Limits, Scheduler
+from engine_service.spill import Put, SpillQueue
+from store_service.config import StoreConfig
+from store_service.server import create_server
+from store_service.store import CheckpointStore
+from tandem_client import Checkpoint, StoreClient, Tensor
+from tandem_client.errors import Unavailable as StoreUnavailable
+
+
+@pytest.fixture(scope="module")
+def tiny(engine_data_dir: Path) -> LoadedModel:
+    return load_model("", engine_data_dir)
+
+
+class Collector:
+    """A request's sink: events arrive on the MLX thread, tests wait for Finished."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.done = threading.Event()
+
+    def __call__(self, events: list[Event]) -> None:
+        self.events.extend(events)
+        if any(isinstance(e, Finished) for e in events):
+            self.done.set()
+
+    def wait(self, timeout: float = 60.0) -> Finished:
+        assert self.done.wait(timeout), "no Finished event"
+        finished = [e for e in self.events if isinstance(e, Finished)]
+        assert len(finished) == 1 and self.events[-1] is finished[0]
+        return finished[0]
+
+    @property
+    def tokens(self) -> list[int]:
+        return [e.token_id for e in self.events if isinstance(e, Token)]
+
+
+def _request(
+    loaded: LoadedModel, rid: str, prompt: list[int], max_tokens: int, **sampling: object
+) -> GenerationRequest:
+    options = SamplingOptions(ignore_eos=True, **sampling)  # type: ignore[arg-type]
+    return GenerationRequest(
+        request_id=rid,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        sampling=options,
+        namespace="default",
+        stop_ids=stop_token_ids(options, loaded.eos_token_ids),
+        layout=list(loaded.layout),
+    )
+
+
+@pytest.fixture
+def scheduler(tiny: LoadedModel) -> Iterator[Scheduler]:
+    s = Scheduler(tiny, Limits(max_running=4, max_queued=2))
+    s.start()
+    try:
+        yield s
+    finally:
+        s.shutdown()
+
+
+def _greedy(loaded: LoadedModel, prompt: list[int], n: int) -> list[int]:
+    return [int(t) for t, _ in generate_step(mx.array(prompt), loaded.model, max_tokens=n)]
+
+
+def test_scheduler_delivers_what_mlx_lm_generates(tiny: LoadedModel, scheduler: Scheduler) -> None:
+    prompts = [[5, 6, 7, 8], list(range(20, 70)), [300, 301]]
+    sinks = [Collector() for _ in prompts]
+    for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
+        scheduler.submit(_request(tiny, f"r{i}", prompt, 12 + i), sink)
+    for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
+        finished = sink.wait()
+        assert finished.reason == "length"
+        assert isinstance(sink.events[0], Started) and sink.events[0].prompt_tokens == len(prompt)
+        assert sink.tokens == _greedy(tiny, prompt, 12 + i)
+    stats = scheduler.stats()
+    assert stats.requests_total == 3 and stats.generated_tokens_total == 12 + 13 + 14
+    assert scheduler.pending() == 0
+
+
+def test_scheduler_seeded_rows_are_reproducible(tiny: LoadedModel, scheduler: Scheduler) -> None:
+    runs = []
+    for rid in ("a", "b"):
+        sink = Collector()
+        scheduler.submit(_request(tiny, rid, [9, 10, 11], 16, temperature=1.0, seed=7), sink)
+        sink.wait()
+        runs.append(sink.tokens)
+    assert runs[0] == runs[1] and len(runs[0]) == 16
+
+
+def test_scheduler_cancel_deadline_and_limits(tiny: LoadedModel, scheduler: Scheduler) -> None:
+    long = Collector()
+    scheduler.submit(_request(tiny, "long", [1, 2, 3], 4000), long)
+    with pytest.raises(AlreadyExists):
+        scheduler.submit(_request(tiny, "long", [1, 2, 3], 10), Collector())
+    while not long.tokens:
+        time.sleep(0.01)
+    assert scheduler.cancel("long")
+    assert long.wait().reason == "cancelled"
+    assert not scheduler.cancel("long")  # finished: unknown now
+    late = Collector()
+    request = _request(tiny, "late", [1, 2, 3], 4000)
+    request.deadline = time.monotonic() - 1
+    scheduler.submit(request, late)
+    assert late.wait().reason == "deadline"
+    assert scheduler.stats().cancelled_total == 2
+    # 4 running + 2 queued fit; the 7th is refused, naming the limits.
+    sinks = [Collector() for _ in range(6)]
+    for i, sink in enumerate(sinks):
+        scheduler.submit(_request(tiny, f"fill{i}", [4, 5], 4000), sink)
+    with pytest.raises(Overloaded, match="--max-running 4"):
+        scheduler.submit(_request(tiny, "one-too-many", [4, 5], 10), Collector())
+    scheduler.shutdown()
+    for sink in sinks:
+        assert sink.wait().reason == "cancelled"
+    with pytest.raises(Unavailable):
+        scheduler.submit(_request(tiny, "after", [4, 5], 10), Collector())
+
+
+# -- the spill queue against a fake sink -------------------------------------------------------
+
+
+class FakeSink:
+    """Records what reaches it; `gate` holds puts back, `down` makes them fail."""
+
+    def __init__(self) -> None:
+        self.puts: list[bytes] = []
+        self.deletes: list[bytes] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.down = False
+        self.flushes = 0
+
+    def put(
+        self,
+        checkpoint: Checkpoint,
+        *,
+        if_absent: bool = False,
+        pin_ttl_s: int = 0,
+        pin_holder: str = "",
+    ) -> object:
+        assert self.gate.wait(30)
+        if self.down:
+            raise StoreUnavailable("store down")
+        self.puts.append(checkpoint.key)
+        return None
+
+    def delete(self, key: bytes, namespace: str = "", *, force: bool = False) -> int:
+        self.deletes.append(key)
+        return 0
+
+    def flush(self) -> bool:
+        self.flushes += 1
+        return not self.down
+
+
+def _put(key: bytes, nbytes: int, **kw: object) -> Put:
+    record = Checkpoint(key=key, tensors=[Tensor("t", "uint8", (nbytes,), bytes(nbytes))])
+    return Put(record, nbytes, **kw)  # type: ignore[arg-type]
+
+
+def test_spill_queue_is_bounded_and_flush_is_a_barrier() -> None:
+    sink, counters = FakeSink(), CheckpointCounters()
+    spill = SpillQueue(sink, capacity_bytes=100, counters=counters)
+    sink.gate.clear()  # the first put is held at the sink: the rest wait in the queue
+    assert spill.put(_put(b"a", 60))
+    assert not spill.put(_put(b"b", 60))  # 120 > 100 bytes: dropped, counted
+    assert spill.put(_put(b"c", 40))
+    spill.delete(b"a", "default")
+    assert counters.snapshot().dropped == 1
+    assert counters.snapshot().queued_bytes == 100
+    result: list[object] = []
+    barrier = threading.Thread(target=lambda: result.append(spill.flush(timeout=30)))
+    barrier.start()
+    time.sleep(0.2)
+    assert not result  # the barrier waits for what was queued before it
+    sink.gate.set()
+    barrier.join(30)
+    (flushed,) = result
+    assert sink.puts == [b"a", b"c"] and sink.deletes == [b"a"] and sink.flushes == 1
+    assert flushed.flushed == 2 and flushed.missing == 1 and flushed.failed == 0  # type: ignore[attr-defined]
+    assert not flushed.durable  # type: ignore[attr-defined]  # one was dropped
+    assert spill.flush().durable  # nothing lost since the last barrier
+    stats = counters.snapshot()
+    assert stats.saved == 2 and stats.saved_bytes == 100 and stats.queued_bytes == 0
+
+
+def test_spill_queue_counts_failures_and_skips_unwanted_puts() -> None:
+    sink, counters = FakeSink(), CheckpointCounters()
+    spill = SpillQueue(sink, capacity_bytes=1 << 20, counters=counters)
+    failed: list[bytes] = []
+    sink.down = True
+    spill.put(_put(b"x", 10, on_failed=lambda: failed.append(b"x")))
+    spill.put(_put(b"y", 10, on_failed=lambda: failed.append(b"y")))  # fails fast: backoff
+    result = spill.flush()
+    assert not result.durable and result.failed == 2 and failed == [b"x", b"y"]
+    assert counters.snapshot().store_up is False
+    sink.down = False
+    time.sleep(0.3)  # past the first backoff
+    spill.put(_put(b"skip", 10, still_wanted=lambda: False))
+    spill.put(_put(b"z", 10))
+    result = spill.flush()
+    assert sink.puts == [b"z"] and result.failed == 1 and result.flushed == 1
+    assert counters.snapshot().store_up is True
+
+
+# -- prefix reuse: a local hit never leaves the device ------------------------------------------
+
+
+def test_a_local_prefix_hit_reuses_the_captured_arrays(tiny: LoadedModel) -> None:
+    reuse = PrefixReuse("m", PrefixCache(1 << 30), CheckpointCounters())
+    prompt = [(i * 37) % 1900 + 3 for i in range(200)]
+    caches = make_prompt_cache(tiny.model)
+    tiny.model(mx.array([prompt[:129]]), cache=caches)  # a 128-token prompt + its first token
+    reuse.save(caches, prompt[:128], "ns", list(tiny.layout))
+    plan = reuse.find(prompt, "ns", list(tiny.layout))
+    assert plan is not None and plan.source == "local" and plan.matched == 128
+    assert plan.local is not None
+    restored = reuse.materialize(plan)
+    assert restored is not None
+    # The very arrays the local tier holds: no copy through host memory.
+    assert restored[0].keys is plan.local.arrays["l0.0"]
+    assert reuse.counters.snapshot().local_hits == 1
+    # ... and the same caches as the round trip through the record's bytes would give.
+    through_bytes = restore(plan.local.meta(), to_host(plan.local), list(tiny.layout))
+    trim_prompt_cache(through_bytes, plan.local.tokens - plan.matched)
+    rest = mx.array([prompt[128:140]])
+    got = tiny.model(rest, cache=restored)
+    want = tiny.model(rest, cache=through_bytes)
+    assert mx.array_equal(got, want).item()
+
+
+# -- generation checkpoints: a resume reads exactly the segments its manifest lists ------------
+
+
+@pytest.fixture
+def inprocess_store(tmp_path: Path) -> Iterator[str]:
+    store = CheckpointStore(StoreConfig(data_dir=tmp_path / "store"))
+    server, port, _ = create_server(store, "127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None).wait()
+        store.close()
+
+
+def test_resume_reads_only_the_segments_its_manifest_lists(
+    tiny: LoadedModel, inprocess_store: str
+) -> None:
+    # A client that goes away keeps its checkpoint (finished ones are deleted).
+    checkpoints = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
+    scheduler = Scheduler(tiny, Limits(max_running=2), checkpoints=checkpoints)
+    scheduler.start()
+    request = _request(tiny, "kept", [7, 8, 9, 10], 4000)
+    request.checkpoint_interval = 8
+    sink = Collector()
+    scheduler.submit(request, sink)
+    while len(sink.tokens) < 60:
+        time.sleep(0.01)
+    scheduler.cancel("kept", keep_checkpoint=True)
+    sink.wait()
+    scheduler.shutdown()
+    assert checkpoints.flush().durable
+    gens = checkpoints.generations
+    key = gens.key("default", request.prompt, request.sampling, "kept", request.layout)
+    with StoreClient(inprocess_store) as store:
+        manifest = store.get_header(key)
+        first, end = int(manifest.metadata["chain_first"]), int(manifest.metadata["chain_next"])
+        assert end - first >= 2  # a whole snapshot, then segments appending to it
+        before = store.stats()
+        plan = gens.load(key, "default", request.prompt, request.layout)
+        after = store.stats()
+    assert len(plan.parts) == end - first
+    assert after.gets - before.gets == 1 + (end - first)  # the manifest and its segments
+    assert after.misses == before.misses  # no probe for a segment that is not there
+    caches = gens.materialize(plan)
+    assert caches[0].offset == len(request.prompt) + len(plan.generated)
+    # The restored caches continue exactly as the uninterrupted generation did.
+    full = _greedy(tiny, request.prompt, len(plan.replay) + 1)
+    assert plan.replay == full[:-1]
+    logits = tiny.model(mx.array([[plan.pending]]), cache=caches)
+    assert mx.argmax(logits[0, -1]).item() == full[-1]
