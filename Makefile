@@ -39,12 +39,15 @@ bench: $(PB_STAMP)
 	$(PY) bench/store_bench.py
 	$(PY) bench/engine_bench.py
 
+PY_SOURCES := store_service engine_service tandem_wire clients/python/tandem_client
+
+# mypy: the packages strict, the tests with check_untyped_defs (pyproject's [tool.mypy]).
 lint: $(PB_STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check store_service engine_service tandem_wire clients/python/tandem_client tests bench scripts
+	$(PY) -m ruff format --check $(PY_SOURCES) tests bench scripts
+	$(PY) -m mypy $(PY_SOURCES) tests
 
 check: lint
-	$(PY) -m mypy store_service engine_service tandem_wire clients/python/tandem_client
 	$(MAKE) test
 
 clean:

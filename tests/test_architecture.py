@@ -39,7 +39,7 @@ def _modules() -> dict[str, ast.Module]:
 
 def _imports(tree: ast.Module) -> list[tuple[str, list[str]]]:
     """(module, names) per import statement, at any depth (lazy imports count too)."""
-    out = []
+    out: list[tuple[str, list[str]]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.extend((alias.name, []) for alias in node.names)

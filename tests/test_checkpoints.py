@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import lmdb
 import pytest
 
-from tandem_client import EngineClient, StoreClient
+from tandem_client import EngineClient, StoreClient, TandemError
 from tests.servers import ServiceProcess, free_port, start_engine, start_store_on
 
 # 300 scattered token ids: four full 64-token blocks and a partial one
@@ -59,12 +60,14 @@ def _wait_for(predicate, timeout: float = 30.0) -> None:  # noqa: ANN001
 def test_shared_prefix_is_reused_and_survives_an_engine_restart(stack: Stack) -> None:
     with EngineClient(stack.engine.address) as engine:
         cold = engine.generate(PROMPT, max_tokens=12, ignore_eos=True, namespace="cold")
+        assert cold.usage is not None
         assert cold.usage.cached_prompt_tokens == 0
         first = engine.generate(PROMPT, max_tokens=12, ignore_eos=True)
         assert first.token_ids == cold.token_ids
         variant = PROMPT[:260] + [7, 8, 9, 10, 11]
         baseline = engine.generate(variant, max_tokens=12, ignore_eos=True, namespace="cold2")
         again = engine.generate(variant, max_tokens=12, ignore_eos=True)
+        assert again.usage is not None
         assert again.usage.cached_prompt_tokens == 256  # the last block boundary it shares
         assert again.token_ids == baseline.token_ids
         stats = engine.stats().checkpoints
@@ -74,13 +77,16 @@ def test_shared_prefix_is_reused_and_survives_an_engine_restart(stack: Stack) ->
     stack.engine = stack.start_engine()
     with EngineClient(stack.engine.address) as engine:
         warm = engine.generate(PROMPT, max_tokens=12, ignore_eos=True)
+        assert warm.usage is not None
         assert warm.usage.cached_prompt_tokens == 256
         assert warm.token_ids == cold.token_ids
         stats = engine.stats().checkpoints
         assert stats.prefix_hits_store == 1 and stats.restored_bytes > 0
 
 
-def _interrupted_then_resumed(stack: Stack, options: dict, kill_at: int) -> tuple[list, list]:
+def _interrupted_then_resumed(
+    stack: Stack, options: dict[str, Any], kill_at: int
+) -> tuple[list[int], list[int]]:
     """Streams a checkpointed generation, SIGKILLs the engine once a checkpoint past kill_at
     is in the store, resumes on a fresh engine; returns (received + resumed, uninterrupted)."""
     request = dict(
@@ -113,6 +119,7 @@ def _interrupted_then_resumed(stack: Stack, options: dict, kill_at: int) -> tupl
         resumed = engine.generate(
             PROMPT, resume=True, tokens_held=len(received), **{k: v for k, v in request.items()}
         )
+        assert resumed.usage is not None
         assert resumed.usage.cached_prompt_tokens == len(PROMPT)
         full = engine.generate(PROMPT, **{**request, "request_id": "reference"})
     store.close()
@@ -122,7 +129,9 @@ def _interrupted_then_resumed(stack: Stack, options: dict, kill_at: int) -> tupl
 @pytest.mark.parametrize(
     "options", [{}, {"temperature": 0.9, "top_p": 0.95, "seed": 77}], ids=["greedy", "seeded"]
 )
-def test_resume_after_sigkill_equals_the_uninterrupted_run(stack: Stack, options: dict) -> None:
+def test_resume_after_sigkill_equals_the_uninterrupted_run(
+    stack: Stack, options: dict[str, Any]
+) -> None:
     combined, full = _interrupted_then_resumed(stack, options, kill_at=37)
     assert len(full) == 64
     assert combined == full
@@ -168,11 +177,11 @@ def test_checkpoint_of_another_model_is_refused(stack: Stack) -> None:
         ckpt = store.get(record.key, record.namespace)
         ckpt.model_id = "some-other-model@sha256:0000/float32"
         store.put(ckpt)
-        with pytest.raises(Exception) as failure:
+        with pytest.raises(TandemError) as failure:
             engine.generate(PROMPT, resume=True, **request)
         assert failure.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "some-other-model" in str(failure.value)
-        with pytest.raises(Exception) as missing:
+        with pytest.raises(TandemError) as missing:
             engine.generate(PROMPT, resume=True, **{**request, "request_id": "never-ran"})
         assert missing.value.code == grpc.StatusCode.NOT_FOUND
         store.close()
@@ -196,5 +205,6 @@ def test_a_corrupted_prefix_checkpoint_falls_back_to_prefill(stack: Stack) -> No
     with EngineClient(stack.engine.address) as engine:
         got = engine.generate(PROMPT, max_tokens=10, ignore_eos=True)
         assert got.token_ids == reference.token_ids
+        assert got.usage is not None
         assert got.usage.cached_prompt_tokens == 0
         assert engine.stats().checkpoints.restore_failures >= 1

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,7 @@ def services(
     yield from store_and_engine(tmp_path_factory.mktemp("cli"), engine_data_dir)
 
 
-def tandem(env: dict[str, str], *args: str, stdin: str = "") -> subprocess.CompletedProcess:
+def tandem(env: dict[str, str], *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "tandem_client.cli", *args],
         input=stdin,
@@ -35,7 +36,7 @@ def tandem(env: dict[str, str], *args: str, stdin: str = "") -> subprocess.Compl
     )
 
 
-def _one_error_line(result: subprocess.CompletedProcess) -> str:
+def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("tandem: error:"), result.stderr
     assert "Traceback" not in result.stderr
@@ -106,10 +107,11 @@ def test_chat_streams_turns_and_reuses_the_conversation_prefix(services: dict[st
     assert cached[0] == 0 and cached[1] >= 64  # the second turn reuses the first's prefix
 
 
-def _ls(services: dict[str, str], *filters: str) -> list[dict]:
+def _ls(services: dict[str, str], *filters: str) -> list[dict[str, Any]]:
     result = tandem(services, "ckpt", "ls", "--json", *filters)
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    listed: list[dict[str, Any]] = json.loads(result.stdout)
+    return listed
 
 
 def test_ckpt_commands(services: dict[str, str], tmp_path: Path) -> None:

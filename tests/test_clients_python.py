@@ -12,11 +12,17 @@ import pytest
 from tandem_client import (
     AsyncEngineClient,
     AsyncStoreClient,
+    Checkpoint,
     EngineClient,
+    Generation,
+    GenerationChunk,
     NotFound,
+    PutResult,
+    RecordSummary,
     StoreClient,
     Unavailable,
 )
+from tandem_wire.pb import engine_pb2, store_pb2
 from tests.conftest import make_checkpoint
 from tests.servers import ServiceProcess, free_port, start_store_on
 
@@ -24,7 +30,7 @@ from tests.servers import ServiceProcess, free_port, start_store_on
 def test_async_engine_client_matches_the_sync_one(
     engine: ServiceProcess, engine_client: EngineClient
 ) -> None:
-    async def run() -> tuple:
+    async def run() -> tuple[list[GenerationChunk], Generation, str, engine_pb2.ModelInfoResponse]:
         async with AsyncEngineClient(engine.address) as client:
             chunks = [c async for c in client.stream("Hello world", max_tokens=10, ignore_eos=True)]
             whole = await client.generate("Hello world", max_tokens=10, ignore_eos=True)
@@ -43,7 +49,9 @@ def test_async_engine_client_matches_the_sync_one(
 def test_async_store_client_round_trip(client: StoreClient, store: ServiceProcess) -> None:
     ckpt = make_checkpoint(b"async-key", {"k_bf16": 3 << 20, "v_int8": 12345})
 
-    async def run() -> tuple:
+    async def run() -> tuple[
+        PutResult, Checkpoint, list[RecordSummary], store_pb2.StatsResponse, bool, int
+    ]:
         async with AsyncStoreClient(store.address) as aclient:
             put = await aclient.put(ckpt)
             got = await aclient.get(b"async-key")

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem_client import EngineClient
+from tandem_client import EngineClient, Generation, GenerationChunk, TandemError
 from tests.servers import ServiceProcess, start_engine
 
 LONG = dict(max_tokens=4000, ignore_eos=True)
@@ -31,7 +33,7 @@ def _idle(client: EngineClient) -> bool:
 def test_cancel_stops_the_generation_and_frees_the_row(engine_client: EngineClient) -> None:
     _wait_for(lambda: _idle(engine_client))
     before = engine_client.stats().cancelled_total
-    chunks = []
+    chunks: list[GenerationChunk] = []
 
     def consume() -> None:
         chunks.extend(engine_client.stream("Hello", request_id="to-cancel", **LONG))
@@ -45,7 +47,7 @@ def test_cancel_stops_the_generation_and_frees_the_row(engine_client: EngineClie
     assert len(chunks) < 4000
     _wait_for(lambda: _idle(engine_client))
     assert engine_client.stats().cancelled_total == before + 1
-    with pytest.raises(Exception) as failure:
+    with pytest.raises(TandemError) as failure:
         engine_client.cancel("to-cancel")
     assert failure.value.code == grpc.StatusCode.NOT_FOUND
 
@@ -65,7 +67,7 @@ def test_client_disconnect_frees_the_row(engine_client: EngineClient) -> None:
 def test_deadline_is_honoured(engine_client: EngineClient) -> None:
     _wait_for(lambda: _idle(engine_client))
     request = engine_client.request("Hello", **LONG)
-    with pytest.raises(Exception) as failure:
+    with pytest.raises(TandemError) as failure:
         list(engine_client.stream_request(request, timeout=0.5))
     assert failure.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     _wait_for(lambda: _idle(engine_client))
@@ -74,7 +76,7 @@ def test_deadline_is_honoured(engine_client: EngineClient) -> None:
 def test_duplicate_request_id_is_already_exists(engine_client: EngineClient) -> None:
     stream = engine_client.stream("Hello", request_id="dup", **LONG)
     next(stream)
-    with pytest.raises(Exception) as failure:
+    with pytest.raises(TandemError) as failure:
         engine_client.generate("Hello", request_id="dup", max_tokens=2)
     assert failure.value.code == grpc.StatusCode.ALREADY_EXISTS
     stream.close()
@@ -100,10 +102,10 @@ def test_duplicate_request_id_is_already_exists(engine_client: EngineClient) -> 
     ],
 )
 def test_bad_input_is_invalid_argument_and_the_engine_keeps_serving(
-    engine_client: EngineClient, request_kwargs: dict, needle: str
+    engine_client: EngineClient, request_kwargs: dict[str, Any], needle: str
 ) -> None:
     prompt = request_kwargs.pop("prompt")
-    with pytest.raises(Exception) as failure:
+    with pytest.raises(TandemError) as failure:
         engine_client.generate(prompt, **request_kwargs)
     assert failure.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert needle in str(failure.value)
@@ -111,7 +113,7 @@ def test_bad_input_is_invalid_argument_and_the_engine_keeps_serving(
 
 
 def test_prompt_longer_than_the_context_is_invalid_argument(engine_client: EngineClient) -> None:
-    with pytest.raises(Exception) as failure:
+    with pytest.raises(TandemError) as failure:
         engine_client.generate([5] * 8192, max_tokens=4)
     assert failure.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "context" in str(failure.value)
@@ -124,7 +126,7 @@ def test_prompt_longer_than_the_context_is_invalid_argument(engine_client: Engin
 def test_tokenize_detokenize_and_bad_ids(engine_client: EngineClient) -> None:
     ids = engine_client.tokenize("déjà vu 🙂")
     assert engine_client.detokenize(ids) == "déjà vu 🙂"
-    with pytest.raises(Exception) as failure:
+    with pytest.raises(TandemError) as failure:
         engine_client.detokenize([3, 100000])
     assert failure.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
@@ -145,7 +147,7 @@ def test_health_and_reflection(engine: ServiceProcess) -> None:
 
 
 @pytest.fixture
-def small_engine(engine_data_dir: Path, tmp_path: Path) -> ServiceProcess:
+def small_engine(engine_data_dir: Path, tmp_path: Path) -> Iterator[ServiceProcess]:
     proc = start_engine(
         engine_data_dir,
         "--max-running",
@@ -162,7 +164,7 @@ def small_engine(engine_data_dir: Path, tmp_path: Path) -> ServiceProcess:
 
 def test_admission_limits_and_graceful_shutdown(small_engine: ServiceProcess) -> None:
     client = EngineClient(small_engine.address)
-    results: dict[int, object] = {}
+    results: dict[int, Generation | Exception] = {}
 
     def run(i: int, max_tokens: int) -> None:
         try:
@@ -176,7 +178,7 @@ def test_admission_limits_and_graceful_shutdown(small_engine: ServiceProcess) ->
     for t in threads:
         t.start()
     _wait_for(lambda: client.stats().running == 2 and client.stats().queued == 1)
-    with pytest.raises(Exception) as failure:
+    with pytest.raises(TandemError) as failure:
         client.generate("Hello", max_tokens=2)
     assert failure.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "--max-running 2" in str(failure.value)
@@ -185,11 +187,13 @@ def test_admission_limits_and_graceful_shutdown(small_engine: ServiceProcess) ->
     assert small_engine.proc is not None
     small_engine.proc.send_signal(15)
     time.sleep(0.3)
-    with pytest.raises(Exception) as refused:
+    with pytest.raises(TandemError) as refused:
         client.generate("Hello", max_tokens=2)
     assert refused.value.code == grpc.StatusCode.UNAVAILABLE
     for t in threads:
         t.join(60)
-    assert all(results[i].finish_reason == "length" for i in range(3)), results
+    assert all(
+        isinstance(r := results[i], Generation) and r.finish_reason == "length" for i in range(3)
+    ), results
     assert small_engine.proc.wait(30) == 0
     client.close()

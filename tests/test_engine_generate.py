@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from tandem_client import EngineClient
+from tandem_client import EngineClient, Generation
 
 PROMPTS = [
     "Hello world",
@@ -50,7 +51,9 @@ def test_seeded_sampling_is_reproducible(engine_client: EngineClient) -> None:
     assert len(first.token_ids) == 48
 
 
-def _solo_and_concurrent(client: EngineClient, requests: list[dict]) -> tuple[list, list]:
+def _solo_and_concurrent(
+    client: EngineClient, requests: list[dict[str, Any]]
+) -> tuple[list[list[int]], list[Generation]]:
     solo = [client.generate(**r).token_ids for r in requests]
     with ThreadPoolExecutor(len(requests)) as pool:
         together = list(pool.map(lambda r: client.generate(**r), requests))

@@ -98,6 +98,7 @@ def test_speculative_requests_give_the_plain_tokens(stack: dict[str, Any]) -> No
         plain = engine.generate(ids, max_tokens=40, ignore_eos=True, logprobs=2)
         spec = engine.generate(ids, max_tokens=40, ignore_eos=True, logprobs=2, num_draft_tokens=4)
         assert spec.token_ids == plain.token_ids
+        assert spec.usage is not None
         assert spec.usage.draft_tokens > 0
         assert 0 <= spec.usage.accepted_draft_tokens <= spec.usage.draft_tokens
         spec_lps = [lp for c in spec.chunks for lp in c.logprobs]
@@ -197,6 +198,7 @@ def test_speculative_generation_resumes_after_sigkill_with_its_draft_cache(
     stack["engine"] = stack["start_engine"]()
     with EngineClient(stack["engine"].address) as engine:
         resumed = engine.generate(PROMPT, resume=True, tokens_held=len(received), **request)
+        assert resumed.usage is not None
         assert resumed.usage.cached_prompt_tokens == len(PROMPT)
         plain = engine.generate(PROMPT, **{**request, "request_id": "plain", "num_draft_tokens": 0})
     assert len(plain.token_ids) == 64

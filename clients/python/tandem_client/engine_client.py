@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -209,13 +209,13 @@ class EngineClient(GrpcClient):
 
     def stream(
         self, prompt: str | Sequence[int] | Sequence[dict[str, str]], **options: Any
-    ) -> Iterator[GenerationChunk]:
-        """Streams a generation as it is produced."""
+    ) -> Generator[GenerationChunk, None, None]:
+        """Streams a generation as it is produced; close() it to cancel the call."""
         return self.stream_request(self.request(prompt, **options))
 
     def stream_request(
         self, request: engine_pb2.GenerateRequest, timeout: float | None = None
-    ) -> Iterator[GenerationChunk]:
+    ) -> Generator[GenerationChunk, None, None]:
         call = self._stub.Generate(request, timeout=timeout or self.timeout)
         try:
             for message in call:
