@@ -18,7 +18,7 @@ from typing import Any
 
 from engine_service.cache_codec import CODEC_VERSION, CapturedCache, capture, restore, to_host
 from engine_service.errors import Precondition
-from tandem_client.store_client import Attachment
+from tandem_client.records import Attachment
 
 DRAFT_SCHEMA = "tandem.speculative.draft.v1"
 

@@ -28,7 +28,7 @@ from engine_service.errors import Precondition
 from engine_service.kv_codec import layout_accepts
 from engine_service.model import layout_codec
 from engine_service.quantized_kv import PackedRow, PlainRow
-from tandem_client.store_client import Tensor
+from tandem_client.records import Tensor
 
 CODEC_VERSION = "tandem.cache.v1"
 # dtypes numpy cannot hold travel as same-width unsigned words.

@@ -38,7 +38,8 @@ from engine_service.sampling import SamplingOptions
 from engine_service.spill import Put, SpillQueue
 from tandem_client.errors import NotFound as StoreNotFound
 from tandem_client.identity import generation_key, scope_digest
-from tandem_client.store_client import Checkpoint, StoreClient
+from tandem_client.records import Checkpoint
+from tandem_client.store_client import StoreClient
 
 # A chain holds at most this many segments before a whole snapshot starts a new one.
 MAX_CHAIN = 16
@@ -159,6 +160,18 @@ class GenerationCheckpoints:
         return generation_key(scope, prompt, options_digest(options), request_id)
 
     # -- the MLX thread ----------------------------------------------------------------------
+
+    def enroll(self, job: Job) -> None:
+        """Gives an admitted job its checkpoint key when it asked for checkpoints."""
+        r = job.request
+        if self.spill is not None and r.checkpoint_interval:
+            job.checkpoint_key = self.key(r.namespace, r.prompt, r.sampling, r.request_id, r.layout)
+
+    @staticmethod
+    def due(job: Job) -> bool:
+        """Whether a running job's next snapshot is due: N tokens since its last one."""
+        since = len(job.tokens) - job.last_checkpoint_at
+        return bool(job.checkpoint_key) and since >= job.request.checkpoint_interval
 
     def capture(self, job: Job, row_caches: list[Any]) -> PendingSnapshot:
         """Starts a snapshot of a batch row (no wait: the copies run with the next step)."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine_service.cache_codec import CapturedCache
-from tandem_client.store_client import Attachment, Checkpoint
+from tandem_client.records import Attachment, Checkpoint
 
 
 @dataclass

@@ -27,7 +27,8 @@ from engine_service.prefix_cache import BLOCK_SIZE, PrefixCache
 from engine_service.spill import Put, SpillQueue
 from tandem_client.errors import DataLoss, TandemError
 from tandem_client.identity import block_hashes, prefix_key, scope_digest
-from tandem_client.store_client import Checkpoint, StoreClient
+from tandem_client.records import Checkpoint
+from tandem_client.store_client import StoreClient
 
 log = logging.getLogger(__name__)
 

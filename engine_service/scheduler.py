@@ -294,13 +294,9 @@ class Scheduler:
 
     def _prepare(self, job: Job) -> None:
         """What every admitted request needs: its admission time and checkpoint key."""
-        r = job.request
         job.admit()
-        ckpt = self.checkpoints
-        if ckpt is not None and ckpt.has_store and r.checkpoint_interval:
-            job.checkpoint_key = ckpt.generations.key(
-                r.namespace, r.prompt, r.sampling, r.request_id, r.layout
-            )
+        if self.checkpoints is not None:
+            self.checkpoints.generations.enroll(job)
 
     def _row_caches(self, restored: list[Any] | None, kv: KVCodec) -> list[Any]:
         """A request's per-layer caches, its plain KV layers as rows of a
@@ -356,8 +352,7 @@ class Scheduler:
             row = finished_cache or self._row_cache(job)
             if row is not None:
                 ckpt.prefixes.save(row, r.prompt, r.namespace, r.layout)
-        since = len(job.tokens) - job.last_checkpoint_at
-        if job.checkpoint_key and finished_cache is None and since >= r.checkpoint_interval:
+        if finished_cache is None and ckpt.generations.due(job):
             self._due[job.uid] = job
 
     def _capture_due(self) -> None:

@@ -174,9 +174,7 @@ class SpeculativeLane:
         """At a round boundary, when due: the target's caches and the draft's as an
         attachment, with the tokens the draft still owes."""
         ckpt, r = self.checkpoints, job.request
-        if ckpt is None or not job.checkpoint_key:
-            return
-        if len(job.tokens) - job.last_checkpoint_at < r.checkpoint_interval:
+        if ckpt is None or not ckpt.generations.due(job):
             return
         held = len(r.prompt) + len(job.tokens) - 1  # all but the pending token
         attachment = capture_attachment(

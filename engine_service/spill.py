@@ -20,7 +20,7 @@ from typing import Protocol
 from engine_service.checkpoint_stats import CheckpointCounters
 from tandem_client.errors import AlreadyExists, TandemError
 from tandem_client.errors import NotFound as StoreNotFound
-from tandem_client.store_client import Checkpoint
+from tandem_client.records import Checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -8,21 +8,23 @@ from typing import Any
 
 import grpc
 
+from tandem_client.bulk import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_MESSAGE_BYTES,
+    PayloadAssembler,
+    bulk_methods,
+    put_messages,
+)
 from tandem_client.channel import AsyncGrpcClient
 from tandem_client.engine_client import Generation, GenerationChunk, Prompt, generate_request
 from tandem_client.errors import from_rpc_error
-from tandem_client.store_client import (
-    DEFAULT_CHUNK_BYTES,
-    MAX_MESSAGE_BYTES,
+from tandem_client.records import (
     Checkpoint,
     LookupResult,
-    PayloadAssembler,
     PutResult,
     RecordSummary,
-    bulk_methods,
     kind_to_pb,
     lookup_request,
-    put_messages,
 )
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc, store_pb2, store_pb2_grpc
 
