@@ -6,31 +6,10 @@ capacity accounting and filters read it instead of scanning LMDB.
 
 from __future__ import annotations
 
-import struct
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from store_service.records import RecordFilter, RecordInfo
-
-
-@dataclass(frozen=True)
-class Lease:
-    lease_id: str
-    ikey: bytes
-    holder: str
-    expires_ms: int
-
-    def encode(self) -> bytes:
-        head = struct.pack(">qB", self.expires_ms, len(self.ikey))
-        return head + self.ikey + self.holder.encode()
-
-    @classmethod
-    def decode(cls, lease_id: bytes, raw: bytes) -> Lease:
-        expires, klen = struct.unpack_from(">qB", raw)
-        start = struct.calcsize(">qB")
-        ikey = bytes(raw[start : start + klen])
-        return cls(lease_id.decode(), ikey, bytes(raw[start + klen :]).decode(), expires)
+from store_service.records import Lease, RecordFilter, RecordInfo
 
 
 class RecordIndex:

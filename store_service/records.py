@@ -1,4 +1,5 @@
-"""Record types: the on-disk record format, the validated put header, summaries and to_pb.
+"""Record types: the on-disk formats (records, leases), the validated put header, summaries,
+and their from_pb/to_pb.
 
 Keys in LMDB are fixed-width where it matters:
 - a record's key is `namespace tag (8 bytes) + client key`, so tenants can never
@@ -41,6 +42,7 @@ DTYPE_BYTES = {
 }
 
 RecordKind = int  # tensors_pb2.RecordKind values
+KIND_PREFIX: RecordKind = tensors_pb2.RECORD_KIND_PREFIX
 
 
 def normalize_namespace(namespace: str) -> str:
@@ -122,8 +124,29 @@ class PutSpec:
 
     @classmethod
     def from_pb(cls, put: store_pb2.PutHeader) -> PutSpec:
+        return cls.validated(
+            put.checkpoint,
+            if_absent=put.if_absent,
+            pin_ttl_s=put.pin_ttl_seconds,
+            pin_holder=put.pin_holder,
+        )
+
+    @classmethod
+    def validated(
+        cls,
+        checkpoint: tensors_pb2.CheckpointHeader,
+        *,
+        if_absent: bool = False,
+        pin_ttl_s: int = 0,
+        pin_holder: str = "",
+    ) -> PutSpec:
+        """Checks a checkpoint header (key, kind, tensor sizes, block chain) and copies it.
+
+        Raises:
+            InvalidRequest: the header is malformed.
+        """
         header = tensors_pb2.CheckpointHeader()
-        header.CopyFrom(put.checkpoint)
+        header.CopyFrom(checkpoint)
         header.namespace = normalize_namespace(header.namespace)
         ikey = record_key(header.namespace, header.key)
         if header.kind == tensors_pb2.RECORD_KIND_UNSPECIFIED:
@@ -145,9 +168,9 @@ class PutSpec:
             key=bytes(header.key),
             ikey=ikey,
             header=header,
-            if_absent=put.if_absent,
-            pin_ttl_s=put.pin_ttl_seconds,
-            pin_holder=put.pin_holder,
+            if_absent=if_absent,
+            pin_ttl_s=pin_ttl_s,
+            pin_holder=pin_holder,
             sizes=[spec.nbytes for spec in specs],
         )
 
@@ -238,11 +261,40 @@ class StoredRecord:
     def index_keys(self) -> list[bytes]:
         """Prefix-index entries: every block boundary if trimmable, else the exact length."""
         h = self.header
-        if not h.block_hashes or h.kind != tensors_pb2.RECORD_KIND_PREFIX:
+        if not h.block_hashes or h.kind != KIND_PREFIX:
             return []
         scope = prefix_scope(h.namespace, h.model_id, list(h.layout), h.block_size)
         hashes = list(h.block_hashes) if h.trimmable else [h.block_hashes[-1]]
         return [scope + bytes(x) for x in hashes]
+
+
+_LEASE = struct.Struct(">qB")  # expires ms, key length; then the key and the holder
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A lease protecting a record from eviction, as kept in the `leases` table."""
+
+    lease_id: str
+    ikey: bytes
+    holder: str
+    expires_ms: int
+
+    def encode(self) -> bytes:
+        head = _LEASE.pack(self.expires_ms, len(self.ikey))
+        return head + self.ikey + self.holder.encode()
+
+    @classmethod
+    def decode(cls, lease_id: bytes, raw: bytes) -> Lease:
+        expires, klen = _LEASE.unpack_from(raw)
+        start = _LEASE.size
+        ikey = bytes(raw[start : start + klen])
+        return cls(lease_id.decode(), ikey, bytes(raw[start + klen :]).decode(), expires)
+
+    def to_pb(self) -> store_pb2.Lease:
+        return store_pb2.Lease(
+            lease_id=self.lease_id, holder=self.holder, expires_at_unix_ms=self.expires_ms
+        )
 
 
 @dataclass

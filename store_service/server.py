@@ -12,9 +12,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from store_service.admin import StoreAdmin
 from store_service.config import StoreConfig, parse_args
+from store_service.errors import StorageError
 from store_service.servicer import StoreAdminServicer, StoreServicer, store_handler
-from store_service.storage import StorageError
 from store_service.store import CheckpointStore
 from tandem_wire.pb import store_pb2, store_pb2_grpc
 from tandem_wire.tls import bind
@@ -45,7 +46,7 @@ def create_server(
         ],
     )
     server.add_generic_rpc_handlers((store_handler(StoreServicer(store)),))
-    store_pb2_grpc.add_StoreAdminServicer_to_server(StoreAdminServicer(store), server)
+    store_pb2_grpc.add_StoreAdminServicer_to_server(StoreAdminServicer(StoreAdmin(store)), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ["", *SERVICE_NAMES]:

@@ -2,7 +2,8 @@
 
 Every other module reaches LMDB through `LmdbStorage.read` (a short read
 transaction on the calling thread) and `LmdbStorage.submit`/`write` (a write
-transaction run on the single writer thread, in submission order).
+transaction run on the single writer thread, in submission order). What those
+transactions do to the tables is tables.py's business.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import logging
 import os
 import queue
 import shutil
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -23,8 +23,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from store_service.errors import StoreError, Unavailable
-from store_service.records import record_id_prefix
+from store_service.errors import StorageError, Unavailable
 from store_service.rwlock import SharedExclusiveLock
 
 log = logging.getLogger(__name__)
@@ -36,10 +35,6 @@ TABLES = ("headers", "chunks", "access", "leases", "prefix_index", "quarantine")
 MIN_MAP_SIZE = 4 << 20
 # Queued write ops applied before one group sync (bounds ack latency under load).
 MAX_GROUP = 64
-
-
-class StorageError(StoreError):
-    """An LMDB failure that is not the caller's doing."""
 
 
 @dataclass
@@ -63,6 +58,7 @@ class LmdbStorage:
         try:
             fcntl.flock(self._dir_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
+            self._dir_lock.close()
             raise StorageError(f"another store has {self.data_dir} open") from exc
         self._lock = SharedExclusiveLock()
         self._map_size = max(initial_map_size, MIN_MAP_SIZE)
@@ -286,29 +282,3 @@ def _round_up(value: int, unit: int) -> int:
 
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def delete_prefix(txn: Any, db: Any, prefix: bytes) -> int:
-    """Deletes every key starting with prefix (a record's chunks) in a write transaction."""
-    cursor = txn.cursor(db=db)
-    deleted = 0
-    if cursor.set_range(prefix):
-        while bytes(cursor.key()).startswith(prefix) and cursor.delete():
-            deleted += 1
-    return deleted
-
-
-def collect_orphans(txn: Any, chunks: Any, live_ids: set[int]) -> int:
-    """Deletes chunks whose record id no header references (puts cut short by a crash)."""
-    cursor = txn.cursor(db=chunks)
-    orphans = 0
-    found = cursor.first()
-    while found:
-        record_id = struct.unpack(">Q", bytes(cursor.key())[:8])[0]
-        if record_id in live_ids:
-            found = cursor.set_range(record_id_prefix(record_id + 1))
-        else:
-            orphans += 1
-            delete_prefix(txn, chunks, record_id_prefix(record_id))
-            found = cursor.set_range(record_id_prefix(record_id + 1))
-    return orphans

@@ -5,12 +5,13 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import lmdb
 import pytest
 
 # Before anything imports mlx: the engine's BLAS, so in-test references compute alike.
 import engine_service  # noqa: F401, I001
 from tandem_client import Checkpoint, EngineClient, StoreClient, Tensor
-from tests.servers import ServiceProcess, start_engine, start_store
+from tests.servers import InProcessStore, ServiceProcess, serve_store, start_engine
 
 
 @pytest.fixture
@@ -19,17 +20,29 @@ def store_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def store(store_dir: Path) -> Iterator[ServiceProcess]:
-    proc = start_store(store_dir, "--sync-mode", "commit")
-    try:
-        yield proc
-    finally:
-        proc.stop()
+def store(store_dir: Path) -> Iterator[InProcessStore]:
+    """A fresh store of this test's own, served from this process (sync mode commit)."""
+    with serve_store(store_dir) as served:
+        yield served
 
 
 @pytest.fixture
-def client(store: ServiceProcess) -> Iterator[StoreClient]:
+def client(store: InProcessStore) -> Iterator[StoreClient]:
     with StoreClient(store.address) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessStore]:
+    """One store for the session, for tests that change nothing in it (reads, rejected
+    writes) and simulate no crash."""
+    with serve_store(tmp_path_factory.mktemp("shared") / "store") as served:
+        yield served
+
+
+@pytest.fixture(scope="session")
+def shared_client(shared_store: InProcessStore) -> Iterator[StoreClient]:
+    with StoreClient(shared_store.address) as c:
         yield c
 
 
@@ -49,6 +62,20 @@ def make_checkpoint(key: bytes, sizes: dict[str, int], **fields: object) -> Chec
 
 def payload_crc(checkpoint: Checkpoint) -> list[int]:
     return [zlib.crc32(memoryview(t.data)) for t in checkpoint.all_tensors()]
+
+
+def flip_stored_byte(data_dir: Path, chunk: int, at: int) -> None:
+    """Corrupts a closed store's file through lmdb: one byte of its `chunk`-th stored chunk
+    (in key order: record id, then chunk index)."""
+    env = lmdb.open(str(data_dir), max_dbs=8)
+    try:
+        with env.begin(write=True, db=env.open_db(b"chunks")) as txn:
+            key, value = list(txn.cursor())[chunk]
+            corrupted = bytearray(value)
+            corrupted[at] ^= 0xFF
+            txn.put(key, bytes(corrupted))
+    finally:
+        env.close()
 
 
 @pytest.fixture(scope="session")

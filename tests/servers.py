@@ -1,4 +1,6 @@
-"""Real service processes for tests: started on port 0, found through their first line."""
+"""Real services for tests, on port 0: the store in this process where no crash is
+simulated (`InProcessStore`), and service processes found through their first line where
+a crash or a signal is the point (`ServiceProcess`)."""
 
 from __future__ import annotations
 
@@ -8,12 +10,56 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from store_service.config import StoreConfig, SyncMode
+from store_service.server import create_server
+from store_service.store import CheckpointStore
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class InProcessStore:
+    """A store served from this process on a free loopback port.
+
+    Args:
+        data_dir: its LMDB directory.
+        settings: StoreConfig fields (capacity_bytes, chunk_bytes, sync_mode, ...).
+    """
+
+    def __init__(self, data_dir: Path, **settings: Any) -> None:
+        settings.setdefault("sync_mode", SyncMode.COMMIT)
+        self.config = StoreConfig(data_dir=data_dir, listen="127.0.0.1:0", **settings)
+        self.store = CheckpointStore(self.config)
+        try:
+            self.server, port, _ = create_server(
+                self.store, self.config.listen, max_workers=self.config.max_workers
+            )
+            self.server.start()
+        except BaseException:
+            self.store.close()
+            raise
+        self.address = f"127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        """Stops serving (in-flight calls get a moment), then closes the store cleanly."""
+        self.server.stop(grace=5).wait()
+        self.store.close()
+
+
+@contextmanager
+def serve_store(data_dir: Path, **settings: Any) -> Iterator[InProcessStore]:
+    """An InProcessStore for the duration of a with block."""
+    served = InProcessStore(data_dir, **settings)
+    try:
+        yield served
+    finally:
+        served.stop()
 
 
 class ServiceProcess:

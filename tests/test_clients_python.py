@@ -24,7 +24,7 @@ from tandem_client import (
 )
 from tandem_wire.pb import engine_pb2, store_pb2
 from tests.conftest import make_checkpoint
-from tests.servers import ServiceProcess, free_port, start_store_on
+from tests.servers import InProcessStore, ServiceProcess, free_port, start_store_on
 
 
 def test_async_engine_client_matches_the_sync_one(
@@ -46,7 +46,7 @@ def test_async_engine_client_matches_the_sync_one(
     assert text == "déjà vu" and info.model_id.startswith("tandem-tiny@")
 
 
-def test_async_store_client_round_trip(client: StoreClient, store: ServiceProcess) -> None:
+def test_async_store_client_round_trip(client: StoreClient, store: InProcessStore) -> None:
     ckpt = make_checkpoint(b"async-key", {"k_bf16": 3 << 20, "v_int8": 12345})
 
     async def run() -> tuple[
@@ -70,7 +70,7 @@ def test_async_store_client_round_trip(client: StoreClient, store: ServiceProces
     assert durable and freed == put.payload_bytes
 
 
-def test_errors_keep_their_status(store: ServiceProcess) -> None:
+def test_errors_keep_their_status(store: InProcessStore) -> None:
     with StoreClient(store.address) as client:
         with pytest.raises(NotFound) as failure:
             client.inspect(b"missing")

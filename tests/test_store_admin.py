@@ -10,7 +10,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tandem_client import StoreClient
 from tests.conftest import make_checkpoint
-from tests.servers import ServiceProcess, start_store
+from tests.servers import InProcessStore, serve_store, start_store
 
 
 def test_list_filters_and_pages(client: StoreClient) -> None:
@@ -62,8 +62,8 @@ def test_inspect_shows_leases_and_header(client: StoreClient) -> None:
     assert renewed.expires_at_unix_ms > seen.leases[0].expires_at_unix_ms
 
 
-def test_health_and_reflection(store: ServiceProcess) -> None:
-    with grpc.insecure_channel(store.address) as channel:
+def test_health_and_reflection(shared_store: InProcessStore) -> None:
+    with grpc.insecure_channel(shared_store.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "tandem.v1.Store", "tandem.v1.StoreAdmin"):
             reply = health.Check(health_pb2.HealthCheckRequest(service=service))
@@ -93,16 +93,12 @@ def test_periodic_sync_mode_survives_restart_after_flush(tmp_path: Path) -> None
         assert client.flush()
         assert client.stats().sync_mode == "periodic"
     proc.kill()  # no graceful close: only what was synced counts
-    proc = start_store(tmp_path / "periodic")
-    try:
-        with StoreClient(proc.address) as client:
-            assert bytes(client.get(b"periodic").tensors[0].data) == bytes(ckpt.tensors[0].data)
-    finally:
-        proc.stop()
+    with serve_store(tmp_path / "periodic") as restarted, StoreClient(restarted.address) as client:
+        assert bytes(client.get(b"periodic").tensors[0].data) == bytes(ckpt.tensors[0].data)
 
 
 def test_a_second_store_on_the_same_directory_is_refused(
-    store: ServiceProcess, store_dir: Path
+    store: InProcessStore, store_dir: Path
 ) -> None:
     try:
         start_store(store_dir)

@@ -10,21 +10,18 @@ import pytest
 
 from tandem_client import FailedPrecondition, NotFound, ResourceExhausted, StoreClient
 from tests.conftest import make_checkpoint
-from tests.servers import ServiceProcess, start_store
+from tests.servers import serve_store
 
 MiB = 1 << 20
 
 
 @pytest.fixture
 def small_store(tmp_path: Path) -> Iterator[StoreClient]:
-    proc: ServiceProcess = start_store(
-        tmp_path / "small", "--capacity-bytes", str(10 * MiB), "--chunk-bytes", str(256 << 10)
-    )
-    try:
-        with StoreClient(proc.address) as c:
-            yield c
-    finally:
-        proc.stop()
+    with (
+        serve_store(tmp_path / "small", capacity_bytes=10 * MiB, chunk_bytes=256 << 10) as served,
+        StoreClient(served.address) as c,
+    ):
+        yield c
 
 
 def _keys(client: StoreClient) -> set[bytes]:

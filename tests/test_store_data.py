@@ -9,7 +9,9 @@ import pytest
 
 from tandem_client import NotFound, StoreClient
 from tandem_client.identity import block_hashes, scope_digest
+from tandem_client.store_client import LookupResult
 from tests.conftest import make_checkpoint
+from tests.servers import InProcessStore
 
 MiB = 1 << 20
 
@@ -66,7 +68,9 @@ def test_replacing_a_key_is_atomic_and_reported(client: StoreClient) -> None:
     assert client.stats().chunk_entries == 2  # the old record's chunks are gone
 
 
-def test_eight_concurrent_clients_put_and_get_byte_exact(client: StoreClient, store) -> None:  # noqa: ANN001
+def test_eight_concurrent_clients_put_and_get_byte_exact(
+    client: StoreClient, store: InProcessStore
+) -> None:
     def worker(i: int) -> bool:
         with StoreClient(store.address) as own:
             ckpt = make_checkpoint(
@@ -116,7 +120,7 @@ def _lookup(
     namespace: str = "",
     model: str = "m@1",
     block: int = 16,
-):  # noqa: ANN202
+) -> LookupResult:
     scope = scope_digest(model, ["kv:plain"], namespace)
     return client.lookup(
         namespace=namespace,

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
 
-from tandem_client import StoreClient
+from store_service import errors
+from store_service.errors import status_of, status_on_error
+from tandem_client import Checkpoint, StoreClient, TandemError
 from tandem_wire.pb import store_pb2, tensors_pb2
 from tests.conftest import make_checkpoint
 
 MiB = 1 << 20
 
 
-def _messages(ckpt, chunks):  # noqa: ANN001, ANN202
+def _messages(ckpt: Checkpoint, chunks: list[tuple[int, bytes]]) -> Iterator[store_pb2.PutRequest]:
     yield store_pb2.PutRequest(header=store_pb2.PutHeader(checkpoint=ckpt.header_pb()))
     for offset, data in chunks:
         yield store_pb2.PutRequest(chunk=tensors_pb2.Chunk(offset=offset, data=data))
@@ -29,11 +31,12 @@ def _status(client: StoreClient, requests: Iterator[store_pb2.PutRequest]) -> gr
     return grpc.StatusCode.OK
 
 
-@pytest.fixture
-def seeded(client: StoreClient) -> StoreClient:
-    client.put(make_checkpoint(b"existing", {"kv_int8": 2 * MiB}))
-    client.flush()
-    return client
+@pytest.fixture(scope="module")
+def seeded(shared_client: StoreClient) -> StoreClient:
+    """The session's shared store with one record: every test here must leave it as is."""
+    shared_client.put(make_checkpoint(b"existing", {"kv_int8": 2 * MiB}))
+    shared_client.flush()
+    return shared_client
 
 
 def _unchanged(client: StoreClient, before: store_pb2.StatsResponse) -> None:
@@ -103,7 +106,7 @@ def test_bad_headers_are_invalid_argument(seeded: StoreClient) -> None:
 def test_if_absent_answers_already_exists(seeded: StoreClient) -> None:
     client = seeded
     before = client.stats()
-    with pytest.raises(Exception) as failure:
+    with pytest.raises(TandemError) as failure:
         client.put(make_checkpoint(b"existing", {"kv_int8": MiB}), if_absent=True)
     assert failure.value.code == grpc.StatusCode.ALREADY_EXISTS
     _unchanged(client, before)
@@ -112,17 +115,18 @@ def test_if_absent_answers_already_exists(seeded: StoreClient) -> None:
 def test_unknown_keys_and_bad_queries(seeded: StoreClient) -> None:
     client = seeded
     unknown = b"no-such-key"
-    for call in (
+    missing: tuple[Callable[[], object], ...] = (
         lambda: client.get(unknown),
         lambda: client.inspect(unknown),
         lambda: client.delete(unknown),
         lambda: client.pin(unknown),
         lambda: client.get_header(unknown),
-    ):
-        with pytest.raises(Exception) as failure:
+    )
+    for call in missing:
+        with pytest.raises(TandemError) as failure:
             call()
         assert failure.value.code == grpc.StatusCode.NOT_FOUND
-    invalid = (
+    invalid: tuple[Callable[[], object], ...] = (
         lambda: client.get(b""),
         lambda: client.list(page_size=-1),
         lambda: client.list(page_token="not-hex"),
@@ -140,7 +144,52 @@ def test_unknown_keys_and_bad_queries(seeded: StoreClient) -> None:
         lambda: client.get(b"k", namespace="bad\nnamespace"),
     )
     for call in invalid:
-        with pytest.raises(Exception) as failure:
+        with pytest.raises(TandemError) as failure:
             call()
         assert failure.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert client.stats().records == 1
+
+
+class _FakeContext:
+    """Just enough of grpc.ServicerContext: abort raises, as grpc's does."""
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(code, details)
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, details)
+        self.code, self.details = code, details
+
+
+def _aborted_with(exc: Exception) -> _Aborted:
+    with pytest.raises(_Aborted) as aborted, status_on_error(_FakeContext(), "Get"):
+        raise exc
+    return aborted.value
+
+
+def test_each_error_maps_to_the_status_of_its_most_specific_class(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class NoSuchLease(errors.NotFound):
+        pass
+
+    assert status_of(NoSuchLease("x")) == grpc.StatusCode.NOT_FOUND
+    assert status_of(errors.Corrupt("x")) == grpc.StatusCode.DATA_LOSS
+    assert status_of(errors.StorageError("x")) == grpc.StatusCode.INTERNAL
+    assert status_of(KeyError("x")) is None
+    defined = {
+        cls
+        for cls in vars(errors).values()
+        if isinstance(cls, type) and issubclass(cls, errors.StoreError)
+    }
+    assert defined == set(errors.STATUS)
+
+    assert (_aborted_with(errors.Overloaded("full")).code, caplog.records) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        [],
+    )
+    bug = _aborted_with(KeyError("oops"))
+    assert (bug.code, bug.details) == (grpc.StatusCode.INTERNAL, "internal error in Get: 'oops'")
+    assert caplog.records[-1].exc_info is not None  # logged with its traceback

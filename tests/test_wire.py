@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from store_service.servicer import MALFORMED, parse_put_request
+from store_service.wire import MALFORMED, parse_put_request
 from tandem_wire.chunks import decode_chunk, encode_chunk
 from tandem_wire.pb import store_pb2, tensors_pb2
 
@@ -19,7 +19,9 @@ def test_encoding_matches_protobuf(offset: int, data: bytes) -> None:
         parsed = cls.FromString(ours)
         assert (parsed.chunk.offset, parsed.chunk.data) == (offset, data)
         theirs = cls(chunk=tensors_pb2.Chunk(offset=offset, data=data)).SerializeToString()
-        got_offset, got_data = decode_chunk(theirs)
+        decoded = decode_chunk(theirs)
+        assert decoded is not None
+        got_offset, got_data = decoded
         assert (got_offset, bytes(got_data)) == (offset, data)
 
 

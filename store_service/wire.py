@@ -1,0 +1,213 @@
+"""The RPCs' typed requests and results with their from_pb/to_pb, and the bulk codecs.
+
+Beside records.py (whose types carry their own from_pb/to_pb) and the servicer, this is
+the only module that imports `*_pb2`: the domain (store.py, admin.py, capacity.py) takes
+and returns these dataclasses. Put and Get payload chunks skip protobuf's copies
+(tandem_wire.chunks): `parse_put_request` and `serialize_response` are the gRPC
+(de)serializers installed for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from store_service.errors import InvalidRequest
+from store_service.records import KIND_PREFIX, Lease, RecordInfo, RecordKind, StoredRecord
+from tandem_wire.chunks import decode_chunk
+from tandem_wire.pb import store_pb2
+
+# -- Put ---------------------------------------------------------------------------------------
+
+MALFORMED = object()
+
+
+def parse_put_request(raw: bytes) -> Any:
+    """PutRequest deserializer: a bare chunk becomes (offset, view) without protobuf's copies.
+
+    Never raises: a message that cannot be parsed becomes MALFORMED, which `put_chunks`
+    answers with INVALID_ARGUMENT (grpc would turn a raising deserializer into INTERNAL).
+    """
+    try:
+        chunk = decode_chunk(raw)
+        return chunk if chunk is not None else store_pb2.PutRequest.FromString(raw)
+    except (ValueError, DecodeError):
+        return MALFORMED
+
+
+def put_header(messages: Iterator[Any]) -> store_pb2.PutHeader:
+    """The header a Put stream must open with."""
+    first = next(messages, None)
+    if not isinstance(first, store_pb2.PutRequest) or not first.HasField("header"):
+        raise InvalidRequest("the first message of a Put must be its header")
+    return first.header
+
+
+def put_chunks(messages: Iterable[Any]) -> Iterator[tuple[int, Any]]:
+    """(offset, data) of each chunk after the header, whichever way it was parsed."""
+    for message in messages:
+        if isinstance(message, tuple):  # the fast path: see parse_put_request
+            yield message
+        elif isinstance(message, store_pb2.PutRequest) and message.HasField("chunk"):
+            yield message.chunk.offset, message.chunk.data
+        elif message is MALFORMED:
+            raise InvalidRequest("a Put message could not be parsed")
+        else:
+            raise InvalidRequest("a Put carries one header, then only chunks")
+
+
+@dataclass(frozen=True)
+class PutResult:
+    key: bytes
+    payload_bytes: int
+    replaced: bool
+    evicted: int
+    lease_id: str
+
+    def to_pb(self) -> store_pb2.PutResponse:
+        return store_pb2.PutResponse(
+            key=self.key,
+            payload_bytes=self.payload_bytes,
+            replaced=self.replaced,
+            evicted=self.evicted,
+            lease_id=self.lease_id,
+        )
+
+
+def serialize_response(message: Any) -> bytes:
+    """Get response serializer: passes pre-encoded chunk bytes on; serializes messages."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+# -- Lookup ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LookupQuery:
+    """A token sequence by its block-hash chain, and what a record must share to serve it."""
+
+    namespace: str
+    model_id: str
+    layout: tuple[str, ...]
+    block_size: int
+    block_hashes: tuple[bytes, ...]
+    token_count: int
+    kind: RecordKind = KIND_PREFIX
+
+    @classmethod
+    def from_pb(cls, req: store_pb2.LookupRequest) -> LookupQuery:
+        return cls(
+            namespace=req.namespace,
+            model_id=req.model_id,
+            layout=tuple(req.layout),
+            block_size=req.block_size,
+            block_hashes=tuple(bytes(h) for h in req.block_hashes),
+            token_count=req.token_count,
+            kind=req.kind or KIND_PREFIX,
+        )
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    found: bool
+    key: bytes = b""
+    matched_tokens: int = 0
+    record_tokens: int = 0
+    trimmable: bool = False
+
+    def to_pb(self) -> store_pb2.LookupResponse:
+        return store_pb2.LookupResponse(
+            found=self.found,
+            key=self.key,
+            matched_tokens=self.matched_tokens,
+            record_tokens=self.record_tokens,
+            trimmable=self.trimmable,
+        )
+
+
+# -- Admin -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Page:
+    records: list[RecordInfo]
+    next_page_token: str
+
+    def to_pb(self) -> store_pb2.ListResponse:
+        return store_pb2.ListResponse(
+            records=[r.to_pb() for r in self.records], next_page_token=self.next_page_token
+        )
+
+
+@dataclass(frozen=True)
+class Inspection:
+    record: StoredRecord
+    summary: RecordInfo
+    leases: list[Lease]
+
+    def to_pb(self) -> store_pb2.InspectResponse:
+        return store_pb2.InspectResponse(
+            summary=self.summary.to_pb(),
+            header=self.record.header,
+            leases=[lease.to_pb() for lease in self.leases],
+            chunk_count=len(self.record.chunk_crcs),
+            chunk_bytes=self.record.chunk_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class Purged:
+    removed: list[RecordInfo]
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(x.payload_bytes for x in self.removed)
+
+    def to_pb(self) -> store_pb2.PurgeResponse:
+        return store_pb2.PurgeResponse(
+            records=len(self.removed),
+            freed_bytes=self.freed_bytes,
+            removed=[x.to_pb() for x in self.removed],
+        )
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Counters and sizes; the counters are per process lifetime."""
+
+    records: int
+    payload_bytes: int
+    capacity_bytes: int
+    map_size_bytes: int
+    file_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    evicted_bytes: int
+    quarantined: int
+    pinned_records: int
+    pending_puts: int
+    pending_bytes: int
+    chunk_entries: int
+    orphans_collected: int
+    puts: int
+    gets: int
+    sync_mode: str
+    chunk_bytes: int
+    map_resizes: int
+
+    def to_pb(self) -> store_pb2.StatsResponse:
+        return store_pb2.StatsResponse(**vars(self))
+
+
+@dataclass(frozen=True)
+class Compaction:
+    file_bytes_before: int
+    file_bytes_after: int
+    seconds: float
+
+    def to_pb(self) -> store_pb2.CompactResponse:
+        return store_pb2.CompactResponse(**vars(self))
