@@ -21,6 +21,7 @@ from engine_service.response_stream import loop_deliver
 from engine_service.scheduler import Limits, Scheduler
 from engine_service.servicer import EngineServicer
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
+from tandem_wire.service import configure_logging
 from tandem_wire.tls import bind
 
 log = logging.getLogger("tandem.engine")
@@ -108,11 +109,7 @@ async def serve(config: EngineConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging()
     config = parse_args(argv)
     try:
         asyncio.run(serve(config))

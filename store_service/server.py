@@ -18,6 +18,7 @@ from store_service.errors import StorageError
 from store_service.servicer import StoreAdminServicer, StoreServicer, store_handler
 from store_service.store import CheckpointStore
 from tandem_wire.pb import store_pb2, store_pb2_grpc
+from tandem_wire.service import configure_logging
 from tandem_wire.tls import bind
 
 log = logging.getLogger("tandem.store")
@@ -79,11 +80,7 @@ def serve(config: StoreConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging()
     config = parse_args(argv)
     try:
         serve(config)
