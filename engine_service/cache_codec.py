@@ -16,6 +16,7 @@ capture still in memory (the local prefix tier) without a trip through host byte
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as cache_lib
 
-from engine_service.errors import Precondition
+from engine_service.errors import Corrupt, Precondition
 from engine_service.kv_codec import layout_accepts
 from engine_service.model import layout_codec
 from engine_service.quantized_kv import PackedRow, PlainRow
@@ -166,6 +167,45 @@ def restore(
     return _rebuild(meta, array, expected_layout)
 
 
+def check_restorable(
+    meta: dict[str, str], tensors: Iterable[Tensor], expected_layout: list[str]
+) -> None:
+    """What `restore` would refuse, found without building anything (any thread): a codec or
+    layout mismatch is Precondition; a skeleton that names a missing tensor, an unknown cache
+    class or bytes that do not fit a tensor's shape is Corrupt."""
+    _check_header(meta, expected_layout)
+    by_name = {t.name: t for t in tensors}
+
+    def visit(node: Any) -> None:
+        if not isinstance(node, dict):
+            raise Corrupt("checkpoint cache skeleton is malformed")
+        if "t" in node:
+            t = by_name.get(node["t"])
+            if t is None:
+                raise Corrupt(f"checkpoint names tensor {node['t']!r} but does not hold it")
+            view = _WORD_VIEWS.get(t.dtype)
+            try:
+                width = np.dtype(view[1] if view else t.dtype).itemsize
+            except TypeError as exc:
+                raise Corrupt(f"tensor {t.name!r} has unknown dtype {t.dtype!r}") from exc
+            if math.prod(t.shape) * width != memoryview(t.data).nbytes:
+                raise Corrupt(f"tensor {t.name!r} holds bytes that do not fit {list(t.shape)}")
+        elif "l" in node:
+            for child in node["l"]:
+                visit(child)
+        elif "v" not in node:
+            raise Corrupt("checkpoint cache skeleton is malformed")
+
+    try:
+        layers = json.loads(meta["cache"])
+    except (KeyError, ValueError) as exc:
+        raise Corrupt("checkpoint has no readable cache skeleton") from exc
+    for layer in layers:
+        if not isinstance(layer, dict) or not hasattr(cache_lib, str(layer.get("class"))):
+            raise Corrupt(f"checkpoint names an unknown cache class {layer!r:.80}")
+        visit(layer.get("state"))
+
+
 def restore_captured(captured: CapturedCache, expected_layout: list[str]) -> list[Any]:
     """Rebuilds caches from a capture still in memory, reusing its arrays: no host round trip.
 
@@ -181,9 +221,7 @@ def restore_captured(captured: CapturedCache, expected_layout: list[str]) -> lis
     return _rebuild(captured.meta(), array, expected_layout)
 
 
-def _rebuild(
-    meta: dict[str, str], array: Callable[[str], mx.array], expected_layout: list[str]
-) -> list[Any]:
+def _check_header(meta: dict[str, str], expected_layout: list[str]) -> None:
     if meta.get("codec") != CODEC_VERSION:
         raise Precondition(f"checkpoint codec {meta.get('codec')!r} is not {CODEC_VERSION!r}")
     layout = meta.get("layout", "").split("|")
@@ -191,6 +229,12 @@ def _rebuild(
         raise Precondition(
             f"checkpoint cache layout {layout} differs from the request's {list(expected_layout)}"
         )
+
+
+def _rebuild(
+    meta: dict[str, str], array: Callable[[str], mx.array], expected_layout: list[str]
+) -> list[Any]:
+    _check_header(meta, expected_layout)
 
     def decode(node: dict[str, Any]) -> Any:
         if "t" in node:

@@ -16,6 +16,7 @@ built upon). Other layouts store a whole snapshot under the generation key each 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import threading
@@ -29,7 +30,7 @@ from mlx_lm.models import cache as cache_lib
 
 from engine_service.attachments import CapturedAttachment, check_attachment
 from engine_service.attachments import find as find_attachment
-from engine_service.cache_codec import capture, restore, settle, to_host
+from engine_service.cache_codec import capture, check_restorable, restore, settle, to_host
 from engine_service.checkpoint_stats import CheckpointCounters
 from engine_service.errors import Corrupt, NotFound, Precondition
 from engine_service.jobs import Job, PendingSnapshot, Segment
@@ -82,6 +83,11 @@ class GenerationMeta:
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> GenerationMeta:
+        if "segments_first" in meta:
+            raise Precondition(
+                "this checkpoint chain was written by an older engine (no segment list); "
+                "it cannot be resumed by this one"
+            )
         try:
             chained = "chain_first" in meta
             return cls(
@@ -240,9 +246,7 @@ class GenerationCheckpoints:
         part = self._record(job, segment_key(key, segment.index), "object", record.token_ids)
         part.metadata = {**captured.meta(), "segment_of": key.hex(), "start": str(segment.start)}
         part.tensors = to_host(captured)
-        chained = GenerationMeta(
-            **{**meta.__dict__, "chain_first": segment.first, "chain_next": segment.index + 1}
-        )
+        chained = dataclasses.replace(meta, chain_first=segment.first, chain_next=segment.index + 1)
         record.metadata = {
             **chained.to_metadata(),
             "codec": captured.meta()["codec"],
@@ -344,6 +348,9 @@ class GenerationCheckpoints:
         parts = [record]
         if meta.chain_first is not None and meta.chain_next is not None:
             parts = self._segments(key, namespace, meta.chain_first, meta.chain_next)
+        # Refuse here, with a status, what the MLX thread could not restore.
+        for part in parts:
+            check_restorable(part.metadata, part.tensors, layout)
         kept = []
         for schema, expect in (companions or {}).items():
             attachment = find_attachment(record.attachments, schema)

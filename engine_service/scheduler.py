@@ -266,9 +266,16 @@ class Scheduler:
             return
         prompts, histories, caches, max_tokens = [], [], [], []
         samplers, processors, stops = [], [], []
-        for job in batch:
+        for job in list(batch):
             r = job.request
-            start = self.starting_point(job)
+            try:
+                start = self.starting_point(job)
+            except Exception as exc:  # a checkpoint that cannot be restored ends its request
+                log.exception("restoring %s failed", r.request_id)
+                batch.remove(job)
+                self.finish(job)
+                self.emit(job, [Finished("error", error=f"restoring the checkpoint failed: {exc}")])
+                continue
             prompts.append(start.feed)
             histories.append(start.history)
             caches.append(self._row_caches(start.caches, r.kv))
@@ -277,6 +284,8 @@ class Scheduler:
             processors.append(make_processors(r.sampling))
             stops.append(StopSequences([[t] for t in sorted(r.stop_ids)]))
             self.emit(job, [Started(len(r.prompt), start.cached_prompt_tokens)])
+        if not batch:
+            return
         uids = self._bg.insert(
             prompts,
             max_tokens=max_tokens,

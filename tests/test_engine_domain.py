@@ -4,6 +4,7 @@ checkpoints against a store served in this process."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -14,11 +15,19 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from engine_service.cache_codec import restore, to_host
+from engine_service.cache_codec import CODEC_VERSION, restore, to_host
 from engine_service.checkpoint_stats import CheckpointCounters
 from engine_service.checkpoints import CheckpointManager, CheckpointSettings
-from engine_service.errors import AlreadyExists, Overloaded, Unavailable
+from engine_service.errors import (
+    AlreadyExists,
+    Corrupt,
+    NotFound,
+    Overloaded,
+    Precondition,
+    Unavailable,
+)
 from engine_service.events import Event, Finished, Started, Token
+from engine_service.generation_checkpoints import GenerationMeta
 from engine_service.model import LoadedModel, load_model
 from engine_service.prefix_cache import PrefixCache
 from engine_service.prefix_reuse import PrefixReuse
@@ -308,3 +317,44 @@ def test_resume_reads_only_the_segments_its_manifest_lists(
     assert plan.replay == full[:-1]
     logits = tiny.model(mx.array([[plan.pending]]), cache=caches)
     assert mx.argmax(logits[0, -1]).item() == full[-1]
+
+
+def test_a_damaged_generation_checkpoint_is_refused_with_a_status(
+    tiny: LoadedModel, inprocess_store: str
+) -> None:
+    """Whatever the MLX thread could not restore is refused on the handler thread, each with
+    the error that becomes its status (DATA_LOSS, FAILED_PRECONDITION, NOT_FOUND)."""
+    gens = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store)).generations
+    prompt, layout = [7, 8, 9, 10], list(tiny.layout)
+    key = gens.key("default", prompt, SamplingOptions(), "damaged", layout)
+    state = GenerationMeta(
+        prompt_tokens=4, generated=2, pending=5, seed=0, max_tokens=10, options="00"
+    ).to_metadata()
+    skeleton = [{"class": "KVCache", "meta": [], "state": {"l": [{"t": "l0.0"}]}}]
+    cache = {"codec": CODEC_VERSION, "layout": "|".join(layout), "cache": json.dumps(skeleton)}
+    valid = Tensor("l0.0", "float32", (2, 8), bytes(64))
+    opaque = Tensor("l0.0", "float7", (2, 8), bytes(64))  # the store keeps unknown dtypes
+    cases: list[tuple[dict[str, str], list[Tensor], type[Exception]]] = [
+        ({**state, "generated": "two"}, [], Corrupt),
+        ({**state, "segments_first": "0"}, [], Precondition),  # an older engine's chain
+        ({**state, **cache}, [], Corrupt),  # the skeleton names a tensor it lacks
+        ({**state, **cache}, [opaque], Corrupt),
+        ({**state, **cache, "codec": "tandem.cache.v0"}, [valid], Precondition),
+        ({**state, "chain_first": "0", "chain_next": "2"}, [], NotFound),  # segments absent
+        ({**state, "chain_first": "0", "chain_next": "99"}, [], Corrupt),
+    ]
+    with StoreClient(inprocess_store) as store:
+        for metadata, tensors, error in cases:
+            record = Checkpoint(
+                key=key,
+                kind="generation",
+                model_id=gens.model_id,
+                layout=layout,
+                token_ids=[*prompt, 1, 2],
+                trimmable=False,
+                metadata=metadata,
+                tensors=tensors,
+            )
+            store.put(record)
+            with pytest.raises(error):
+                gens.load(key, "default", prompt, layout)
