@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_service.attachments import CapturedAttachment
 from engine_service.cache_codec import CapturedCache
 from engine_service.events import Sink
 from engine_service.plans import Plan, ResumePlan
@@ -41,7 +42,7 @@ class PendingSnapshot:
     captured: CapturedCache
     generated: list[int]  # tokens emitted when it was taken
     segment: Segment | None  # None: a whole snapshot under the generation key
-    attachments: list[Any] = field(default_factory=list)  # CapturedAttachment
+    attachments: list[CapturedAttachment] = field(default_factory=list)
 
 
 @dataclass
