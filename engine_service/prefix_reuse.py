@@ -19,9 +19,15 @@ from typing import Any
 
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from engine_service.cache_codec import capture, restore, restore_captured, to_host
+from engine_service.cache_codec import (
+    capture,
+    check_restorable,
+    restore,
+    restore_captured,
+    to_host,
+)
 from engine_service.checkpoint_stats import CheckpointCounters
-from engine_service.errors import Precondition
+from engine_service.errors import Corrupt, Precondition
 from engine_service.plans import PrefixPlan
 from engine_service.prefix_cache import BLOCK_SIZE, PrefixCache
 from engine_service.spill import Put, SpillQueue
@@ -72,8 +78,8 @@ class PrefixReuse:
         if self.store is not None:
             try:
                 best = self._from_store(usable, namespace, layout, chain, local_len) or best
-            except DataLoss as exc:  # the store quarantined it; prefill instead
-                log.warning("prefix checkpoint unreadable, prefilling instead: %s", exc)
+            except (DataLoss, Corrupt, Precondition) as exc:  # quarantined, or not restorable
+                log.warning("prefix checkpoint unusable, prefilling instead: %s", exc)
                 self.counters.add(restore_failures=1)
             except TandemError as exc:
                 log.warning("store lookup failed, prefilling instead: %s", exc)
@@ -103,6 +109,8 @@ class PrefixReuse:
             return None
         start = time.perf_counter()
         record = self.store.get(hit.key, namespace)
+        # What the MLX thread could not restore is refused here, as a miss.
+        check_restorable(record.metadata, record.tensors, layout)
         return PrefixPlan(
             hit.matched_tokens, hit.key, layout, stored=record, fetch_s=time.perf_counter() - start
         )
