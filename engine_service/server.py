@@ -21,7 +21,7 @@ from engine_service.response_stream import loop_deliver
 from engine_service.scheduler import Limits, Scheduler
 from engine_service.servicer import EngineServicer
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
-from tandem_wire.service import configure_logging
+from tandem_wire.service import SERVER_OPTIONS, configure_logging, guarded
 from tandem_wire.tls import bind
 
 log = logging.getLogger("tandem.engine")
@@ -69,12 +69,12 @@ async def serve(config: EngineConfig) -> None:
         default_kv=config.kv_codec,
         drafts=DraftSupport(draft.model_id if draft else "", config.num_draft_tokens),
     )
-    server = grpc.aio.server()
-    engine_pb2_grpc.add_EngineServicer_to_server(
-        EngineServicer(policy, scheduler, checkpoints), server
-    )
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    registrar = guarded(server)  # malformed requests: INVALID_ARGUMENT on every RPC
+    servicer = EngineServicer(policy, scheduler, checkpoints)
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, registrar)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registrar)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(

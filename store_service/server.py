@@ -18,7 +18,7 @@ from store_service.errors import StorageError
 from store_service.servicer import StoreAdminServicer, StoreServicer, store_handler
 from store_service.store import CheckpointStore
 from tandem_wire.pb import store_pb2, store_pb2_grpc
-from tandem_wire.service import configure_logging
+from tandem_wire.service import SERVER_OPTIONS, configure_logging, guarded
 from tandem_wire.tls import bind
 
 log = logging.getLogger("tandem.store")
@@ -42,14 +42,17 @@ def create_server(
     server = grpc.server(
         ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="store-rpc"),
         options=[
+            *SERVER_OPTIONS,
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    server.add_generic_rpc_handlers((store_handler(StoreServicer(store)),))
-    store_pb2_grpc.add_StoreAdminServicer_to_server(StoreAdminServicer(StoreAdmin(store)), server)
+    registrar = guarded(server)  # malformed requests: INVALID_ARGUMENT on every RPC
+    registrar.add_generic_rpc_handlers((store_handler(StoreServicer(store)),))
+    admin = StoreAdminServicer(StoreAdmin(store))
+    store_pb2_grpc.add_StoreAdminServicer_to_server(admin, registrar)
     health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registrar)
     for name in ["", *SERVICE_NAMES]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(

@@ -16,13 +16,22 @@ def bind(server: Any, listen: str, cert: str = "", key: str = "") -> int:
 
     if bool(cert) != bool(key):
         raise OSError("--tls-cert and --tls-key go together")
-    if cert:
-        credentials = grpc.ssl_server_credentials(
-            [(Path(key).read_bytes(), Path(cert).read_bytes())]
-        )
-        port = server.add_secure_port(listen, credentials)
-    else:
-        port = server.add_insecure_port(listen)
+    try:
+        if cert:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(key).read_bytes(), Path(cert).read_bytes())]
+            )
+            port = server.add_secure_port(listen, credentials)
+        else:
+            port = server.add_insecure_port(listen)
+    except RuntimeError as exc:  # grpc >= 1.5x raises where older releases returned 0
+        raise OSError(_cannot_bind(listen)) from exc
     if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+        raise OSError(_cannot_bind(listen))
     return int(port)
+
+
+def _cannot_bind(listen: str) -> str:
+    # Servers bind without SO_REUSEPORT (tandem_wire.service), so a port that is taken
+    # refuses the bind instead of being shared.
+    return f"cannot listen on {listen}: the address is in use (or not this host's)"

@@ -173,6 +173,10 @@ def test_checkpoint_of_another_model_is_refused(stack: Stack) -> None:
         stream.close()  # a disconnect keeps the checkpoint for a resume
         store = StoreClient(f"127.0.0.1:{stack.port}")
         _wait_for(lambda: bool(store.list_all(kind="generation")))
+        # Every checkpoint rewrites the chain's manifest: let the row go and the spill queue
+        # drain before tampering with it, or a later manifest would undo the change.
+        _wait_for(lambda: engine.stats().running == 0)
+        engine.flush()
         (record,) = store.list_all(kind="generation")
         ckpt = store.get(record.key, record.namespace)
         ckpt.model_id = "some-other-model@sha256:0000/float32"

@@ -40,7 +40,10 @@ class _Service:
         self.proc.stdout.close()
         if " listening on " not in line:
             self.stop()
-            raise TandemError(f"{module} did not start; see {log}")
+            # Its last words say why (e.g. "cannot listen on ...: the address is in use").
+            lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+            reason = lines[-1] if lines else "no output"
+            raise TandemError(f"{module} did not start: {reason} (log: {log})")
         self.address = line.rsplit(" ", 1)[-1]
 
     def stop(self) -> int:
