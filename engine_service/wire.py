@@ -21,11 +21,12 @@ from engine_service.response_stream import ResponseChunk
 from engine_service.sampling import SamplingOptions
 from engine_service.speculative import MAX_DRAFT
 from engine_service.spill import FlushResult
+from tandem_wire.limits import MAX_REQUEST_ID_CHARS, namespace_problem
 from tandem_wire.pb import engine_pb2
 
 MAX_STOPS = 16
 MAX_LOGPROBS = 20
-MAX_REQUEST_ID = 128
+MAX_REQUEST_ID = MAX_REQUEST_ID_CHARS
 
 _FINISH = {
     "length": engine_pb2.FINISH_REASON_LENGTH,
@@ -60,8 +61,8 @@ def sampling_from_pb(p: engine_pb2.SamplingParams, vocab: int) -> SamplingOption
         raise InvalidRequest(f"repetition_penalty must be >= 0, got {p.repetition_penalty}")
     if p.repetition_context_size < 0:
         raise InvalidRequest("repetition_context_size must be >= 0")
-    logprobs = p.logprobs if p.HasField("logprobs") else -1
-    if not -1 <= logprobs <= MAX_LOGPROBS:
+    logprobs = p.logprobs if p.HasField("logprobs") else -1  # -1: unset, internally
+    if p.HasField("logprobs") and not 0 <= logprobs <= MAX_LOGPROBS:
         raise InvalidRequest(f"logprobs must be in 0..{MAX_LOGPROBS} (or unset), got {logprobs}")
     if len(p.stop) > MAX_STOPS or any(not s for s in p.stop):
         raise InvalidRequest(f"stop takes at most {MAX_STOPS} non-empty strings")
@@ -178,6 +179,9 @@ def request_from_pb(
         raise InvalidRequest(f"max_tokens must be > 0, got {request.max_tokens}")
     if len(request.request_id) > MAX_REQUEST_ID or not request.request_id.isprintable():
         raise InvalidRequest(f"request_id must be up to {MAX_REQUEST_ID} printable characters")
+    problem = namespace_problem(request.namespace)
+    if problem:
+        raise InvalidRequest(problem)
     sampling = sampling_from_pb(request.sampling, loaded.vocab_size)
     kv = kv_codec_from_pb(request, loaded, policy.default_kv)
     num_draft = num_draft_from_pb(request, policy, kv)

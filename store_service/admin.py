@@ -17,6 +17,7 @@ from store_service.records import (
 from store_service.storage import now_ms
 from store_service.store import CheckpointStore
 from store_service.wire import Compaction, Inspection, Page, Purged, StoreStats
+from tandem_wire.limits import MAX_PAGE_TOKEN_CHARS
 
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100
@@ -38,6 +39,8 @@ class StoreAdmin:
         if page_size < 0:
             raise InvalidRequest("page_size must not be negative")
         page_size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        if len(page_token) > MAX_PAGE_TOKEN_CHARS:
+            raise InvalidRequest(f"page_token is longer than {MAX_PAGE_TOKEN_CHARS} characters")
         try:
             after = bytes.fromhex(page_token)
         except ValueError as exc:

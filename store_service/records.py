@@ -17,37 +17,19 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from store_service.errors import InvalidRequest
+from tandem_wire.limits import DTYPE_BYTES, MAX_KEY_BYTES, MAX_METADATA_BYTES, namespace_problem
 from tandem_wire.pb import store_pb2, tensors_pb2
 
 DEFAULT_NAMESPACE = "default"
 NS_TAG_BYTES = 8
-MAX_KEY_BYTES = 64
-MAX_NAMESPACE_CHARS = 128
-# Widths of the element types we can check nbytes against; others stay opaque.
-DTYPE_BYTES = {
-    "bool": 1,
-    "int8": 1,
-    "uint8": 1,
-    "int16": 2,
-    "uint16": 2,
-    "float16": 2,
-    "bfloat16": 2,
-    "int32": 4,
-    "uint32": 4,
-    "float32": 4,
-    "int64": 8,
-    "uint64": 8,
-    "float64": 8,
-    "complex64": 8,
-}
-
 RecordKind = int  # tensors_pb2.RecordKind values
 KIND_PREFIX: RecordKind = tensors_pb2.RECORD_KIND_PREFIX
 
 
 def normalize_namespace(namespace: str) -> str:
-    if len(namespace) > MAX_NAMESPACE_CHARS or not namespace.isprintable():
-        raise InvalidRequest(f"namespace must be up to {MAX_NAMESPACE_CHARS} printable characters")
+    problem = namespace_problem(namespace)
+    if problem:
+        raise InvalidRequest(problem)
     return namespace or DEFAULT_NAMESPACE
 
 
@@ -151,6 +133,16 @@ class PutSpec:
         ikey = record_key(header.namespace, header.key)
         if header.kind == tensors_pb2.RECORD_KIND_UNSPECIFIED:
             raise InvalidRequest("header.kind is required")
+        if header.kind not in tensors_pb2.RecordKind.values():
+            raise InvalidRequest(f"header.kind {header.kind} is not a RecordKind")
+        if any(t < 0 for t in header.token_ids):
+            raise InvalidRequest("header.token_ids must be >= 0")
+        metadata = [header.metadata, *(a.metadata for a in header.attachments)]
+        size = sum(len(k.encode()) + len(v.encode()) for m in metadata for k, v in m.items())
+        if size > MAX_METADATA_BYTES:
+            raise InvalidRequest(
+                f"header.metadata is {size} bytes; the limit is {MAX_METADATA_BYTES}"
+            )
         if header.token_ids:
             if header.token_count not in (0, len(header.token_ids)):
                 raise InvalidRequest("token_count disagrees with token_ids")
@@ -181,7 +173,11 @@ def _check_tensor(spec: tensors_pb2.TensorSpec) -> None:
     if any(dim < 0 for dim in spec.shape):
         raise InvalidRequest(f"tensor {spec.name!r} has a negative dimension")
     width = DTYPE_BYTES.get(spec.dtype)
-    if width is not None and math.prod(spec.shape) * width != spec.nbytes:
+    if width is None:
+        raise InvalidRequest(
+            f"tensor {spec.name!r}: dtype {spec.dtype[:32]!r} is not one of {sorted(DTYPE_BYTES)}"
+        )
+    if math.prod(spec.shape) * width != spec.nbytes:
         raise InvalidRequest(
             f"tensor {spec.name!r}: {spec.dtype}{list(spec.shape)} is "
             f"{math.prod(spec.shape) * width} bytes, header says {spec.nbytes}"

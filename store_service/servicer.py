@@ -15,6 +15,7 @@ from store_service.records import PutSpec, RecordFilter
 from store_service.store import CheckpointStore
 from store_service.wire import (
     LookupQuery,
+    get_piece_bytes,
     parse_put_request,
     put_chunks,
     put_header,
@@ -85,11 +86,12 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def Get(
         self, request: store_pb2.GetRequest, context: grpc.ServicerContext
     ) -> Iterator[store_pb2.GetResponse]:
+        piece = get_piece_bytes(request)
         record = self.store.open_record(request.namespace, request.key)
         yield store_pb2.GetResponse(header=record.header)
         if not request.header_only:
             # Chunks leave as ready wire bytes; serialize_response passes them on.
-            yield from self.store.read_payload(record, request.max_chunk_bytes, encode_chunk)
+            yield from self.store.read_payload(record, piece, encode_chunk)
 
     @rpc_errors
     def Lookup(

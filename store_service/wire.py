@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from store_service.errors import InvalidRequest
 from store_service.records import KIND_PREFIX, Lease, RecordInfo, RecordKind, StoredRecord
 from tandem_wire.chunks import decode_chunk
+from tandem_wire.limits import MIN_GET_CHUNK_BYTES
 from tandem_wire.pb import store_pb2
 
 # -- Put ---------------------------------------------------------------------------------------
@@ -211,3 +212,17 @@ class Compaction:
 
     def to_pb(self) -> store_pb2.CompactResponse:
         return store_pb2.CompactResponse(**vars(self))
+
+
+def get_piece_bytes(request: store_pb2.GetRequest) -> int:
+    """The piece size a Get answers in: 0 (the stored chunks) or at least MIN_GET_CHUNK_BYTES.
+
+    Raises:
+        InvalidRequest: a smaller positive size (one read would become that many messages).
+    """
+    n = request.max_chunk_bytes
+    if 0 < n < MIN_GET_CHUNK_BYTES:
+        raise InvalidRequest(
+            f"max_chunk_bytes must be 0 (the stored chunks) or >= {MIN_GET_CHUNK_BYTES}, got {n}"
+        )
+    return n

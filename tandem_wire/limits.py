@@ -1,0 +1,37 @@
+"""Limits both sides of the wire check alike: the store, the engine and the clients."""
+
+from __future__ import annotations
+
+MAX_NAMESPACE_CHARS = 128
+MAX_KEY_BYTES = 64
+MAX_REQUEST_ID_CHARS = 128
+# A record's metadata strings (its own and its attachments'), keys and values together.
+MAX_METADATA_BYTES = 1 << 20
+MAX_PAGE_TOKEN_CHARS = 256
+# Get answers in pieces of at least this size (0 = the stored chunks): smaller ones would turn
+# one read into millions of messages.
+MIN_GET_CHUNK_BYTES = 64 << 10
+# Element types a tensor may have, with their widths (the store checks nbytes against them).
+DTYPE_BYTES = {
+    "bool": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
+    "complex64": 8,
+}
+
+
+def namespace_problem(namespace: str) -> str | None:
+    """Why a namespace is refused, or None."""
+    if len(namespace) > MAX_NAMESPACE_CHARS or not namespace.isprintable():
+        return f"namespace must be up to {MAX_NAMESPACE_CHARS} printable characters"
+    return None
