@@ -32,11 +32,12 @@ from engine_service.attachments import CapturedAttachment, check_attachment
 from engine_service.attachments import find as find_attachment
 from engine_service.cache_codec import capture, check_restorable, restore, settle, to_host
 from engine_service.checkpoint_stats import CheckpointCounters
-from engine_service.errors import Corrupt, NotFound, Precondition
+from engine_service.errors import Corrupt, EngineError, NotFound, Precondition, Unavailable
 from engine_service.jobs import Job, PendingSnapshot, Segment
 from engine_service.plans import ResumePlan
 from engine_service.sampling import SamplingOptions
 from engine_service.spill import Put, SpillQueue
+from tandem_client.errors import DataLoss, TandemError
 from tandem_client.errors import NotFound as StoreNotFound
 from tandem_client.identity import generation_key, scope_digest
 from tandem_client.records import Checkpoint
@@ -333,6 +334,8 @@ class GenerationCheckpoints:
                 "no checkpoint for this request (same request_id, prompt, sampling "
                 "options and kv options are needed to resume)"
             ) from exc
+        except TandemError as exc:
+            raise _store_failure(exc) from exc
         if record.model_id != self.model_id:
             raise Precondition(
                 f"checkpoint was made by model {record.model_id!r}; this engine "
@@ -382,9 +385,19 @@ class GenerationCheckpoints:
                 return store.get(segment_key(key, index), namespace)
             except StoreNotFound as exc:
                 raise NotFound(f"segment {index} of this checkpoint is not in the store") from exc
+            except TandemError as exc:
+                raise _store_failure(exc) from exc
 
         with ThreadPoolExecutor(max_workers=min(FETCH_WORKERS, end - first)) as pool:
             return list(pool.map(fetch, range(first, end)))
+
+
+def _store_failure(exc: TandemError) -> EngineError:
+    """What a resume answers when the store could not give it the checkpoint: its bytes are
+    damaged (DATA_LOSS, never tokens), or the store cannot be reached (UNAVAILABLE)."""
+    if isinstance(exc, DataLoss):
+        return Corrupt(f"the checkpoint is damaged in the store: {exc}")
+    return Unavailable(f"the store could not serve the checkpoint: {exc}")
 
 
 def _positions(row_caches: list[Any], start: int) -> list[Any]:

@@ -10,7 +10,6 @@ from store_service.errors import InvalidRequest, NotFound, Precondition
 from store_service.records import (
     RecordFilter,
     RecordInfo,
-    StoredRecord,
     normalize_namespace,
     record_key,
 )
@@ -68,7 +67,9 @@ class StoreAdmin:
             if raw is None or info is None:
                 raise NotFound(f"no record {key.hex()} in namespace {namespace!r}")
             info.pinned = st.index.is_pinned(ikey, now_ms())
-            return Inspection(StoredRecord.decode(raw), info, st.index.leases_of(ikey))
+            leases = st.index.leases_of(ikey)
+        table = "headers" if live is not None else "quarantine"
+        return Inspection(self.store.decode_header(ikey, raw, table), info, leases)
 
     def delete(self, namespace: str, key: bytes, force: bool) -> int:
         """Removes a record; returns the payload bytes freed.
@@ -131,7 +132,7 @@ class StoreAdmin:
                 misses=c.misses,
                 evictions=c.evictions,
                 evicted_bytes=c.evicted_bytes,
-                quarantined=index.quarantined_count(),
+                quarantined=index.quarantined_count() + storage.entries("damaged"),
                 pinned_records=index.pinned_count(now),
                 pending_puts=len(self.store.capacity.pending),
                 pending_bytes=self.store.capacity.pending_bytes,

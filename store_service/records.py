@@ -13,10 +13,13 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+import zlib
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from store_service.errors import InvalidRequest
+from google.protobuf.message import DecodeError
+
+from store_service.errors import Corrupt, InvalidRequest
 from tandem_wire.limits import DTYPE_BYTES, MAX_KEY_BYTES, MAX_METADATA_BYTES, namespace_problem
 from tandem_wire.pb import store_pb2, tensors_pb2
 
@@ -203,8 +206,16 @@ def chain_lengths(block_size: int, token_count: int, count: int) -> list[int]:
 
 
 _META = struct.Struct(">BBQqQII")  # version, flags, record id, created ms, bytes, chunk, n
-_FORMAT_VERSION = 1
+# 2: the value ends with a CRC-32 of everything before it. 1 (before 2026-12-01): no
+# checksum; such records are read once at start-up and rewritten as 2 (recovery.py).
+_FORMAT_VERSION = 2
+_LEGACY_VERSION = 1
+_CRC = struct.Struct(">I")
 _QUARANTINED = 1
+
+
+def _undecodable(what: str, exc: Exception) -> Corrupt:
+    return Corrupt(f"{what} cannot be decoded ({type(exc).__name__}: {exc})")
 
 
 @dataclass
@@ -219,6 +230,8 @@ class StoredRecord:
     header: tensors_pb2.CheckpointHeader
     quarantined: bool = False
     last_access_ms: int = 0
+    # Read from format 1 (no header checksum): recovery rewrites it in the current format.
+    legacy: bool = field(default=False, compare=False)
 
     def encode(self) -> bytes:
         flags = _QUARANTINED if self.quarantined else 0
@@ -232,19 +245,38 @@ class StoredRecord:
             len(self.chunk_crcs),
         )
         crcs = struct.pack(f">{len(self.chunk_crcs)}I", *self.chunk_crcs)
-        return head + crcs + self.header.SerializeToString()
+        body = head + crcs + self.header.SerializeToString()
+        return body + _CRC.pack(zlib.crc32(body))
 
     @classmethod
     def decode(cls, raw: bytes) -> StoredRecord:
-        version, flags, record_id, created, nbytes, chunk, n = _META.unpack_from(raw)
-        if version != _FORMAT_VERSION:
-            raise ValueError(f"unknown record format {version}")
-        start = _META.size
-        crcs = list(struct.unpack_from(f">{n}I", raw, start))
-        header = tensors_pb2.CheckpointHeader.FromString(bytes(raw[start + 4 * n :]))
-        return cls(
+        """Raises Corrupt when the value fails its checksum or does not parse."""
+        raw = bytes(raw)
+        if not raw:
+            raise Corrupt("record header is empty")
+        version = raw[0]
+        if version == _FORMAT_VERSION:
+            if len(raw) < _META.size + _CRC.size:
+                raise Corrupt("record header is truncated")
+            body = raw[: -_CRC.size]
+            if zlib.crc32(body) != _CRC.unpack_from(raw, len(body))[0]:
+                raise Corrupt("record header failed its checksum")
+        elif version == _LEGACY_VERSION:
+            body = raw
+        else:
+            raise Corrupt(f"record header has unknown format {version}")
+        try:
+            _, flags, record_id, created, nbytes, chunk, n = _META.unpack_from(body)
+            start = _META.size
+            crcs = list(struct.unpack_from(f">{n}I", body, start))
+            header = tensors_pb2.CheckpointHeader.FromString(body[start + 4 * n :])
+        except (struct.error, DecodeError, ValueError) as exc:
+            raise _undecodable("record header", exc) from exc
+        record = cls(
             record_id, created, nbytes, chunk, crcs, header, bool(flags & _QUARANTINED), created
         )
+        record.legacy = version == _LEGACY_VERSION
+        return record
 
     @cached_property
     def slots(self) -> list[ChunkSlot]:
@@ -265,6 +297,7 @@ class StoredRecord:
 
 
 _LEASE = struct.Struct(">qB")  # expires ms, key length; then the key and the holder
+_LEASE_MARK = b"\xff"  # then a CRC-32 of the rest
 
 
 @dataclass(frozen=True)
@@ -277,15 +310,28 @@ class Lease:
     expires_ms: int
 
     def encode(self) -> bytes:
-        head = _LEASE.pack(self.expires_ms, len(self.ikey))
-        return head + self.ikey + self.holder.encode()
+        body = _LEASE.pack(self.expires_ms, len(self.ikey)) + self.ikey + self.holder.encode()
+        return _LEASE_MARK + _CRC.pack(zlib.crc32(body)) + body
 
     @classmethod
     def decode(cls, lease_id: bytes, raw: bytes) -> Lease:
-        expires, klen = _LEASE.unpack_from(raw)
-        start = _LEASE.size
-        ikey = bytes(raw[start : start + klen])
-        return cls(lease_id.decode(), ikey, bytes(raw[start + klen :]).decode(), expires)
+        """Raises Corrupt when the value fails its checksum or does not parse. Leases written
+        before checksums (no mark: their first byte is the expiry's, never 0xFF) are read
+        as they are."""
+        raw = bytes(raw)
+        if raw[:1] == _LEASE_MARK:
+            body = raw[1 + _CRC.size :]
+            if len(raw) < 1 + _CRC.size or zlib.crc32(body) != _CRC.unpack_from(raw, 1)[0]:
+                raise Corrupt(f"lease {lease_id!r} failed its checksum")
+        else:
+            body = raw
+        try:
+            expires, klen = _LEASE.unpack_from(body)
+            start = _LEASE.size
+            ikey = body[start : start + klen]
+            return cls(lease_id.decode(), ikey, body[start + klen :].decode(), expires)
+        except (struct.error, UnicodeDecodeError) as exc:
+            raise _undecodable(f"lease {lease_id!r}", exc) from exc
 
     def to_pb(self) -> store_pb2.Lease:
         return store_pb2.Lease(

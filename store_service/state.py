@@ -26,6 +26,7 @@ class Counters:
     puts: int = 0
     gets: int = 0
     orphans_collected: int = 0
+    damaged: int = 0  # header values found damaged and set aside
 
 
 class StoreState:

@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # One named sub-database per record kind (fixed-width keys, see records.py).
-TABLES = ("headers", "chunks", "access", "leases", "prefix_index", "quarantine")
+# `damaged`: header values that failed their checksum or did not parse, kept as they were
+# (record key -> raw value) for an operator; their chunks are collected as orphans.
+TABLES = ("headers", "chunks", "access", "leases", "prefix_index", "quarantine", "damaged")
 MIN_MAP_SIZE = 4 << 20
 # Queued write ops applied before one group sync (bounds ack latency under load).
 MAX_GROUP = 64

@@ -192,7 +192,24 @@ class CheckpointStore:
             st.counters.hits += 1
             st.counters.gets += 1
             st.index.touch(ikey, now_ms())
-        return StoredRecord.decode(raw)
+        return self.decode_header(ikey, raw)
+
+    def decode_header(self, ikey: bytes, raw: bytes, table: str = "headers") -> StoredRecord:
+        """A stored header, verified; one that fails is set aside (`damaged`), leaves the
+        index and raises Corrupt: its bytes are never served."""
+        try:
+            return StoredRecord.decode(raw)
+        except Corrupt as exc:
+            st = self.state
+            damaged = tables.Damaged(table, ikey, bytes(raw), str(exc))
+            st.storage.write(lambda txn: tables.set_aside(txn, st.storage.db, damaged), sync=True)
+            with st.mutex:
+                st.index.remove(ikey)
+                st.counters.damaged += 1
+            log.error("record %s is damaged (%s): set aside", ikey.hex(), exc)
+            raise Corrupt(
+                f"the record's stored header is damaged ({exc}); it is set aside"
+            ) from exc
 
     def read_payload(
         self, record: StoredRecord, max_chunk: int = 0, encode: Encoder = copy_piece

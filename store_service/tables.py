@@ -14,37 +14,81 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from store_service.errors import Corrupt, InvalidRequest
 from store_service.records import Lease, StoredRecord, record_id_prefix
 
 Tables = dict[str, Any]
 ACCESS = struct.Struct(">q")  # last access, unix ms
 
 
+@dataclass(frozen=True)
+class Damaged:
+    """A header value that failed its checksum or did not parse, where it was found."""
+
+    table: str
+    ikey: bytes
+    raw: bytes
+    reason: str
+
+
 @dataclass
 class Contents:
     """Everything start-up needs from the tables."""
 
-    records: list[StoredRecord]  # live and quarantined
+    records: list[StoredRecord]  # live and quarantined, each verified
     access: dict[bytes, int]
     leases: list[Lease]
     last_chunk_id: int
+    damaged: list[Damaged]
+    bad_leases: list[bytes]  # lease ids whose value failed its checksum
 
 
 def load(txn: Any, db: Tables) -> Contents:
-    records = []
+    records, damaged = [], []
     for table in ("headers", "quarantine"):
-        for _, raw in txn.cursor(db=db[table]):
-            records.append(StoredRecord.decode(raw))
-    access = {bytes(k): ACCESS.unpack(v)[0] for k, v in txn.cursor(db=db["access"])}
-    leases = [Lease.decode(k, v) for k, v in txn.cursor(db=db["leases"])]
+        for key, raw in txn.cursor(db=db[table]):
+            ikey = bytes(key)
+            try:
+                record = StoredRecord.decode(raw)
+                if record.ikey != ikey:
+                    raise Corrupt("record header names another key than it is stored under")
+            except (Corrupt, InvalidRequest) as exc:
+                damaged.append(Damaged(table, ikey, bytes(raw), str(exc)))
+                continue
+            records.append(record)
+    access = {}
+    for key, value in txn.cursor(db=db["access"]):
+        if len(value) == ACCESS.size:  # a damaged time is forgotten: the record looks new
+            access[bytes(key)] = ACCESS.unpack(value)[0]
+    leases, bad_leases = [], []
+    for key, value in txn.cursor(db=db["leases"]):
+        try:
+            leases.append(Lease.decode(key, value))
+        except Corrupt:
+            bad_leases.append(bytes(key))
     cursor = txn.cursor(db=db["chunks"])
     last = struct.unpack(">Q", cursor.key()[:8])[0] if cursor.last() else 0
-    return Contents(records, access, leases, last)
+    return Contents(records, access, leases, last, damaged, bad_leases)
+
+
+def set_aside(txn: Any, db: Tables, damaged: Damaged) -> None:
+    """Moves a damaged header value into `damaged`, out of the tables that serve."""
+    txn.put(damaged.ikey, damaged.raw, db=db["damaged"])
+    txn.delete(damaged.ikey, db=db[damaged.table])
+    txn.delete(damaged.ikey, db=db["access"])
+
+
+def rewrite(txn: Any, db: Tables, record: StoredRecord) -> None:
+    """Stores a record's header again in the current format (legacy records at start-up)."""
+    table = "quarantine" if record.quarantined else "headers"
+    txn.put(record.ikey, record.encode(), db=db[table])
 
 
 def read_header(txn: Any, db: Tables, ikey: bytes) -> tuple[bytes | None, bytes | None]:
-    """A record's encoded header from `headers`, and from `quarantine` (one is None)."""
-    return txn.get(ikey, db=db["headers"]), txn.get(ikey, db=db["quarantine"])
+    """A record's encoded header from `headers`, and from `quarantine` or `damaged` (at most
+    one of the two is not None)."""
+    set_apart = txn.get(ikey, db=db["quarantine"]) or txn.get(ikey, db=db["damaged"])
+    return txn.get(ikey, db=db["headers"]), set_apart
 
 
 def prefix_candidates(
@@ -80,8 +124,14 @@ def delete_record(
         table = "quarantine"
         raw = txn.get(ikey, db=db[table])
     if raw is None:
+        txn.delete(ikey, db=db["damaged"])
         return None
-    record = StoredRecord.decode(raw)
+    try:
+        record = StoredRecord.decode(raw)
+    except Corrupt:  # its chunks can't be found from it: they are orphans from now on
+        txn.delete(ikey, db=db[table])
+        txn.delete(ikey, db=db["access"])
+        return None
     delete_prefix(txn, db["chunks"], record_id_prefix(record.record_id))
     for index_key in record.index_keys():
         txn.delete(index_key, ikey, db=db["prefix_index"])
@@ -89,17 +139,29 @@ def delete_record(
     txn.delete(ikey, db=db["access"])
     if not keep_leases:
         # Scan rather than ask the index: it may already have forgotten the record.
-        stale = [k for k, v in txn.cursor(db=db["leases"]) if Lease.decode(k, v).ikey == ikey]
+        stale = [k for k, v in txn.cursor(db=db["leases"]) if _lease_of(k, v) in (ikey, None)]
         for lease_id in stale:
             txn.delete(lease_id, db=db["leases"])
     return record
+
+
+def _lease_of(lease_id: bytes, raw: bytes) -> bytes | None:
+    """The record a lease protects; None for a damaged lease (dropped with the record)."""
+    try:
+        return Lease.decode(lease_id, raw).ikey
+    except Corrupt:
+        return None
 
 
 def quarantine_record(txn: Any, db: Tables, record: StoredRecord) -> StoredRecord | None:
     """Moves a record to `quarantine`, freeing its chunks; returns it as now stored, or None
     if it was already replaced or removed."""
     current = txn.get(record.ikey, db=db["headers"])
-    if current is None or StoredRecord.decode(current).record_id != record.record_id:
+    try:
+        same = current is not None and StoredRecord.decode(current).record_id == record.record_id
+    except Corrupt:
+        same = False
+    if not same:
         return None
     delete_record(txn, db, record.ikey)
     quarantined = dataclasses.replace(record, quarantined=True)
