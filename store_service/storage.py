@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from store_service import datafile
+from store_service.datafile import DamagedDataFile
 from store_service.errors import StorageError, Unavailable
 from store_service.rwlock import SharedExclusiveLock
 
@@ -65,7 +67,11 @@ class LmdbStorage:
         self._lock = SharedExclusiveLock()
         self._map_size = max(initial_map_size, MIN_MAP_SIZE)
         shutil.rmtree(self._compact_dir, ignore_errors=True)  # an interrupted compaction
-        self._open()
+        try:
+            self._open()
+        except StorageError:
+            self._dir_lock.close()
+            raise
         self.map_resizes = 0
         self._queue: queue.SimpleQueue[_WriteOp | None] = queue.SimpleQueue()
         self._closed = False
@@ -83,6 +89,10 @@ class LmdbStorage:
         return self.data_dir / "data.mdb"
 
     def _open(self) -> None:
+        try:
+            datafile.check(self.data_file)  # before mapping: a short file is a SIGBUS later
+        except DamagedDataFile as exc:
+            raise StorageError(str(exc)) from exc
         existing = self.data_file.stat().st_size if self.data_file.exists() else 0
         self._map_size = max(self._map_size, _round_up(existing * 2, 1 << 20))
         try:
