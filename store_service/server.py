@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from store_service import salvage
 from store_service.admin import StoreAdmin
 from store_service.config import StoreConfig, parse_args
 from store_service.errors import StorageError
@@ -84,6 +85,9 @@ def serve(config: StoreConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["verify"], ["salvage"]):  # an operator's tools, with the store stopped
+        sys.exit(salvage.main(argv))
     config = parse_args(argv)
     try:
         serve(config)

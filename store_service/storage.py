@@ -8,6 +8,7 @@ transactions do to the tables is tables.py's business.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -15,7 +16,7 @@ import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -286,6 +287,36 @@ class LmdbStorage:
             self.env.sync(True)
             self.env.close()
         self._dir_lock.close()
+
+
+@contextlib.contextmanager
+def read_only(data_dir: Path) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """The environment of a store that is not running, opened read-only (verify, salvage):
+    the data file checked first, the store's directory lock held meanwhile."""
+    data_file = data_dir / "data.mdb"
+    if not data_file.exists():
+        raise StorageError(f"{data_file} does not exist")
+    try:
+        datafile.check(data_file)
+    except DamagedDataFile as exc:
+        raise StorageError(str(exc)) from exc
+    with open(data_dir / "store.lock", "a") as dir_lock:
+        try:
+            fcntl.flock(dir_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            raise StorageError(f"a store has {data_dir} open; stop it first") from exc
+        try:
+            env = lmdb.open(str(data_dir), readonly=True, lock=False, max_dbs=len(TABLES) + 1)
+        except lmdb.Error as exc:
+            raise StorageError(f"cannot open LMDB at {data_dir}: {exc}") from exc
+        try:
+            with env.begin() as txn:
+                names = {bytes(k) for k, _ in txn.cursor()}
+            wanted = ("headers", "chunks", "quarantine", "damaged")  # not the dupsort index
+            db = {n: env.open_db(n.encode(), create=False) for n in wanted if n.encode() in names}
+            yield env, db
+        finally:
+            env.close()
 
 
 def _round_up(value: int, unit: int) -> int:
