@@ -8,6 +8,7 @@ the most specific, so a subclass added later inherits its parent's status)::
     ├── NotFound                NOT_FOUND            no such record, or no such lease
     ├── AlreadyExists           ALREADY_EXISTS       Put with if_absent, and the key is taken
     ├── Overloaded              RESOURCE_EXHAUSTED   no room under the byte budget
+    │   └── DiskFull            RESOURCE_EXHAUSTED   the disk or the map has no room left
     ├── Corrupt                 DATA_LOSS            stored bytes failed their checksum
     ├── Precondition            FAILED_PRECONDITION  e.g. Delete of a pinned record
     ├── Aborted                 ABORTED              a concurrent change overtook a read
@@ -69,12 +70,18 @@ class StorageError(StoreError):
     """An LMDB failure that is not the caller's doing."""
 
 
+class DiskFull(Overloaded):
+    """The data directory's disk (or the LMDB map) has no room for a write: the store stays
+    up, earlier records stay intact, the write is refused."""
+
+
 STATUS: dict[type[StoreError], grpc.StatusCode] = {
     StoreError: grpc.StatusCode.INTERNAL,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DiskFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Corrupt: grpc.StatusCode.DATA_LOSS,
     Precondition: grpc.StatusCode.FAILED_PRECONDITION,
     Aborted: grpc.StatusCode.ABORTED,

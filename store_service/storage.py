@@ -9,6 +9,7 @@ transactions do to the tables is tables.py's business.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -26,7 +27,7 @@ import lmdb
 
 from store_service import datafile
 from store_service.datafile import DamagedDataFile
-from store_service.errors import StorageError, Unavailable
+from store_service.errors import DiskFull, StorageError, StoreError, Unavailable
 from store_service.rwlock import SharedExclusiveLock
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ T = TypeVar("T")
 # (record key -> raw value) for an operator; their chunks are collected as orphans.
 TABLES = ("headers", "chunks", "access", "leases", "prefix_index", "quarantine", "damaged")
 MIN_MAP_SIZE = 4 << 20
+# What a full disk answers a write with (EIO too: some devices report a full disk so).
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 # Queued write ops applied before one group sync (bounds ack latency under load).
 MAX_GROUP = 64
 
@@ -230,18 +233,33 @@ class LmdbStorage:
                 self._grow()
                 continue
             except lmdb.Error as exc:
-                raise StorageError(f"LMDB write failed: {exc}") from exc
+                raise self._failure("write", exc) from exc
             if op.on_commit is not None:
                 op.on_commit(result)
             return result
-        raise StorageError("LMDB map could not grow enough")
+        raise self._disk_full("the LMDB map could not grow enough")
+
+    def _failure(self, what: str, exc: lmdb.Error) -> StoreError:
+        """A disk that is full (or failing the way a full one does) is the caller's
+        RESOURCE_EXHAUSTED; anything else from LMDB is ours."""
+        text = str(exc)
+        if any(os.strerror(code) in text for code in _DISK_FULL_ERRNOS):
+            return self._disk_full(f"LMDB {what}: {text}")
+        return StorageError(f"LMDB {what} failed: {exc}")
+
+    def _disk_full(self, detail: str) -> DiskFull:
+        try:
+            free = shutil.disk_usage(self.data_dir).free
+        except OSError:
+            free = 0
+        return DiskFull(f"disk full: {free} bytes free in {self.data_dir} ({detail})")
 
     def _group_sync(self, ops: list[tuple[_WriteOp, Any]]) -> None:
         try:
             self.env.sync(True)
         except lmdb.Error as exc:
             for op, _ in ops:
-                op.future.set_exception(StorageError(f"LMDB sync failed: {exc}"))
+                op.future.set_exception(self._failure("sync", exc))
             return
         for op, result in ops:
             op.future.set_result(result)
