@@ -287,9 +287,11 @@ class GenerationCheckpoints:
         if self.spill is None:
             return
         key, namespace = job.checkpoint_key, job.request.namespace
+        # The manifest first: a resume then finds no checkpoint, or one whose segments are
+        # all still there (load() re-reads it when one went missing meanwhile).
+        self.spill.delete(key, namespace)
         for index in range(job.chain.next_index):
             self.spill.delete(segment_key(key, index), namespace)
-        self.spill.delete(key, namespace)
         with self._lock:
             self._broken.pop(key, None)
 
@@ -350,7 +352,15 @@ class GenerationCheckpoints:
             raise Precondition("checkpoint prompt differs from the request's")
         parts = [record]
         if meta.chain_first is not None and meta.chain_next is not None:
-            parts = self._segments(key, namespace, meta.chain_first, meta.chain_next)
+            try:
+                parts = self._segments(key, namespace, meta.chain_first, meta.chain_next)
+            except NotFound:
+                if not self._still_there(key, namespace):
+                    raise NotFound(
+                        "no checkpoint for this request: the generation ended (finished or "
+                        "cancelled) and its checkpoint was deleted"
+                    ) from None
+                raise
         # Refuse here, with a status, what the MLX thread could not restore.
         for part in parts:
             check_restorable(part.metadata, part.tensors, layout)
@@ -372,6 +382,14 @@ class GenerationCheckpoints:
             attachments=kept,
             fetch_s=time.perf_counter() - start,
         )
+
+    def _still_there(self, key: bytes, namespace: str) -> bool:
+        assert self.store is not None
+        try:
+            self.store.get_header(key, namespace)
+        except TandemError:
+            return False
+        return True
 
     def _segments(self, key: bytes, namespace: str, first: int, end: int) -> list[Checkpoint]:
         """Exactly the segments a manifest lists, fetched in parallel."""

@@ -195,6 +195,12 @@ def request_from_pb(
             "(limit: --max-context)"
         )
     max_tokens = min(request.max_tokens or policy.default_max_tokens, policy.context - len(prompt))
+    if request.tokens_held > max_tokens:
+        # A client can't hold more tokens than the generation can make. It may hold more than
+        # the checkpoint covers: those are made again (same numbers) and not sent twice.
+        raise InvalidRequest(
+            f"tokens_held {request.tokens_held} exceeds the generation's max_tokens {max_tokens}"
+        )
     interval = request.checkpoint_interval or (
         policy.default_checkpoint_interval if policy.has_store else 0
     )

@@ -57,6 +57,9 @@ def test_bad_fields_are_refused_by_the_engine(engine_client: EngineClient) -> No
             "namespace": engine_pb2.GenerateRequest(
                 token_ids=[5, 6], max_tokens=2, namespace="n" * (1 << 20)
             ),
+            "tokens_held": engine_pb2.GenerateRequest(
+                token_ids=[5, 6], max_tokens=64, tokens_held=1000
+            ),
         }
         for field, request in bad.items():
             with pytest.raises(grpc.RpcError) as caught:
