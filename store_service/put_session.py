@@ -6,6 +6,7 @@ then the chunks are unreachable, and a crash leaves them as orphans that start-u
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -20,14 +21,50 @@ from store_service.records import PutSpec, all_tensors, chunk_key, chunk_layout
 # LMDB write overlapping). Chosen by bench/store_bench.py.
 GROUP_BYTES = 8 << 20
 MAX_INFLIGHT_BYTES = 32 << 20
+# The most bytes all Puts together may have queued at the writer: with many concurrent Puts
+# the writer is the bottleneck, and without this each would hold MAX_INFLIGHT_BYTES of its own
+# (16 x 64 MiB Puts peaked at ~1 GiB of heap). A Put over the budget waits, so its stream
+# stops being read and gRPC's flow control slows its client.
+TOTAL_INFLIGHT_BYTES = 96 << 20
 
 WriteChunks = Callable[[list[tuple[bytes, bytes]]], "Future[Any]"]
 
 
+class InflightBudget:
+    """Bytes queued at the writer by every Put, bounded; one Put may always go ahead."""
+
+    def __init__(self, limit: int = TOTAL_INFLIGHT_BYTES) -> None:
+        self.limit = limit
+        self._used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int) -> None:
+        with self._cond:
+            while self._used and self._used + nbytes > self.limit:
+                self._cond.wait()
+            self._used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self._used -= nbytes
+            self._cond.notify_all()
+
+    @property
+    def used(self) -> int:
+        with self._cond:
+            return self._used
+
+
 class PutSession:
     def __init__(
-        self, spec: PutSpec, record_id: int, chunk_bytes: int, write_chunks: WriteChunks
+        self,
+        spec: PutSpec,
+        record_id: int,
+        chunk_bytes: int,
+        write_chunks: WriteChunks,
+        budget: InflightBudget | None = None,
     ) -> None:
+        self._budget = budget or InflightBudget()
         self.spec = spec
         self.record_id = record_id
         self.chunk_bytes = chunk_bytes
@@ -102,7 +139,11 @@ class PutSession:
     def _flush_group(self) -> None:
         if not self._group:
             return
-        self._inflight.append((self._write_chunks(self._group), self._group_bytes))
+        nbytes = self._group_bytes
+        self._budget.acquire(nbytes)
+        future = self._write_chunks(self._group)
+        future.add_done_callback(lambda _: self._budget.release(nbytes))
+        self._inflight.append((future, nbytes))
         self.wrote_any = True
         self._inflight_bytes += self._group_bytes
         self._group, self._group_bytes = [], 0

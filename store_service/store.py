@@ -19,7 +19,7 @@ from store_service import tables
 from store_service.capacity import Capacity, Maintenance
 from store_service.config import StoreConfig
 from store_service.errors import Aborted, AlreadyExists, Corrupt, InvalidRequest, NotFound
-from store_service.put_session import PutSession
+from store_service.put_session import InflightBudget, PutSession
 from store_service.records import (
     ChunkSlot,
     Lease,
@@ -59,7 +59,8 @@ class CheckpointStore:
             self.state.storage.close()  # the directory lock and the writer thread
             raise
         self.capacity = Capacity(self.state)
-        self.maintenance = Maintenance(self.state)
+        self.put_budget = InflightBudget()  # bytes all Puts together queue at the writer
+        self.maintenance = Maintenance(self.state, idle=lambda: not self.capacity.pending)
         self.maintenance.start()
 
     @property
@@ -97,7 +98,9 @@ class CheckpointStore:
                 raise AlreadyExists("a record with this key exists")
             freeable = existing.payload_bytes if existing is not None else 0
             record_id = self.capacity.reserve(spec.ikey, spec.payload_bytes, freeable)
-        return PutSession(spec, record_id, self.config.chunk_bytes, self._write_chunks)
+        return PutSession(
+            spec, record_id, self.config.chunk_bytes, self._write_chunks, self.put_budget
+        )
 
     def _write_chunks(self, items: list[tuple[bytes, bytes]]) -> Any:
         chunks = self.state.storage.db["chunks"]
