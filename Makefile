@@ -9,7 +9,7 @@ PB_STAMP := tandem_wire/pb/store_pb2.py
 
 NODE_STAMP := clients/node/node_modules/.package-lock.json
 
-.PHONY: run test bench protos lint check clean
+.PHONY: run test soak bench protos lint check clean
 
 $(STAMP): pyproject.toml setup.py
 	@scripts/install-blas.sh
@@ -34,6 +34,11 @@ $(NODE_STAMP): clients/node/package.json clients/node/package-lock.json
 
 test: $(PB_STAMP) $(NODE_STAMP)
 	$(PY) -m pytest -q
+
+# The fault-injection suite at length: many store and engine SIGKILLs (tests/test_faults.py).
+SOAK_KILLS ?= 30
+soak: $(PB_STAMP) $(NODE_STAMP)
+	TANDEM_SOAK_KILLS=$(SOAK_KILLS) $(PY) -m pytest -q -s tests/test_faults.py
 
 bench: $(PB_STAMP)
 	$(PY) bench/store_bench.py
