@@ -205,3 +205,15 @@ def store_and_engine(root: Path, engine_data_dir: Path) -> Iterator[dict[str, st
     finally:
         engine.stop()
         store.stop()
+
+
+def run_module(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Runs `python -m module args` to completion (a command that is not a server, or one
+    expected to refuse to start) and returns its exit status and output."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )

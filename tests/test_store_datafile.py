@@ -5,24 +5,16 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 from store_service.datafile import check
 from tests.conftest import make_checkpoint
-from tests.servers import ROOT
+from tests.servers import run_module
 from tests.test_store_domain import open_store, put
 
 
 def _start(data_dir: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "store_service", "--data-dir", str(data_dir)]
-        + ["--listen", "127.0.0.1:0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    return run_module("store_service", "--data-dir", str(data_dir), "--listen", "127.0.0.1:0")
 
 
 def test_a_truncated_data_file_is_refused_with_a_clear_line(tmp_path: Path) -> None:

@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from store_service.errors import NotFound
 from tests.conftest import flip_stored_byte, make_checkpoint
-from tests.servers import ROOT, InProcessStore
+from tests.servers import InProcessStore, run_module
 from tests.test_store_domain import open_store, payload, put
 from tests.test_store_integrity import flip_in_file
 
 
 def _tool(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "store_service", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    return run_module("store_service", *args)
 
 
 def test_verify_finds_the_damage_and_salvage_copies_what_verifies(tmp_path: Path) -> None:

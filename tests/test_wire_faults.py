@@ -4,7 +4,6 @@ server on a busy port refuses to start."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import grpc
 import pytest
 
 from tandem_wire.pb import engine_pb2, store_pb2
-from tests.servers import ROOT, InProcessStore, ServiceProcess
+from tests.servers import InProcessStore, ServiceProcess, run_module
 
 GARBAGE = b"\xff\xff\xff"  # a truncated varint: no message parses from it
 
@@ -67,13 +66,7 @@ def test_malformed_requests_are_invalid_argument_on_every_engine_rpc(
 
 
 def _second(module: str, address: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", module, "--listen", address, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    return run_module(module, "--listen", address, *args)
 
 
 def test_a_second_server_on_a_busy_port_exits_clearly(
