@@ -36,6 +36,13 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import dynamic_roll
 
 from engine_service.kv_codec import PLAIN, PLAIN_KV, KVCodec
+from engine_service.kv_planes import (
+    PlaneGroup,
+    dtype_name,
+    row_shape,
+    storage_of,
+    zeros_like_storage,
+)
 from engine_service.mlx_compat import BaseCache
 
 # MLX-CUDA's quantized matmul has no kernel for a column slice of a larger buffer
@@ -110,73 +117,6 @@ def _codec_of(cache: Any) -> KVCodec:
     return KVCodec()
 
 
-class _Group:
-    """Rows of one storage format: planes of shape (rows, heads, columns, width)."""
-
-    def __init__(self, storage: Any, rows: list[int], keys: list[mx.array], values: list[mx.array]):
-        self.storage = storage
-        self.rows = rows  # batch row of each plane row, ascending
-        self.keys = keys  # [tensor] when plain, [packed, scales, biases] when quantized
-        self.values = values
-        self._index: mx.array | None = None
-
-    @property
-    def packed(self) -> bool:
-        return bool(self.storage != PLAIN)
-
-    @property
-    def planes(self) -> list[mx.array]:
-        return [*self.keys, *self.values]
-
-    def index(self) -> mx.array:
-        if self._index is None:
-            self._index = mx.array(self.rows, dtype=mx.int32)
-        return self._index
-
-    def map_planes(self, fn: Any) -> None:
-        self.keys = [fn(p) for p in self.keys]
-        self.values = [fn(p) for p in self.values]
-
-    def take(self, local: list[int]) -> None:
-        """Keeps the plane rows at `local` positions, in that order."""
-        if local == list(range(len(self.rows))):
-            return
-        idx = mx.array(local, dtype=mx.int32)
-        self.map_planes(lambda p: p[idx])
-        self.rows = [self.rows[i] for i in local]
-        self._index = None
-
-    def sort(self) -> None:
-        order = sorted(range(len(self.rows)), key=self.rows.__getitem__)
-        self.take(order)
-
-    def encode(self, x: mx.array) -> list[mx.array]:
-        if not self.packed:
-            return [x]
-        bits, group = self.storage
-        return list(mx.quantize(x, group_size=group, bits=bits))
-
-    def decode(self, planes: list[mx.array], dtype: mx.Dtype) -> mx.array:
-        if not self.packed:
-            return planes[0]
-        bits, group = self.storage
-        packed, scales, biases = planes
-        return mx.dequantize(packed, scales, biases, group_size=group, bits=bits).astype(dtype)
-
-
-def _zeros_like_storage(
-    storage: Any, rows: int, heads: int, columns: int, dim: int, dtype: mx.Dtype
-) -> list[mx.array]:
-    if storage == PLAIN:
-        return [mx.zeros((rows, heads, columns, dim), dtype=dtype)]
-    bits, group = storage
-    return [
-        mx.zeros((rows, heads, columns, dim * bits // 32), dtype=mx.uint32),
-        mx.zeros((rows, heads, columns, dim // group), dtype=dtype),
-        mx.zeros((rows, heads, columns, dim // group), dtype=dtype),
-    ]
-
-
 class BatchQuantizedKVCache(BaseCache):
     """A left-padded batch of KV rows in mixed storage formats (see the module docstring)."""
 
@@ -189,7 +129,7 @@ class BatchQuantizedKVCache(BaseCache):
         self.left_padding = mx.array(self._lp)
         self.offset = mx.array([-p for p in left_padding])
         self._codecs = list(codecs) if codecs is not None else [PLAIN_KV] * len(left_padding)
-        self._groups: list[_Group] = []
+        self._groups: list[PlaneGroup] = []
         self._idx = 0
         self._cap = 0
         self._right_padding: list[int] | None = None
@@ -249,9 +189,9 @@ class BatchQuantizedKVCache(BaseCache):
     def _make_room(self, keys: mx.array, values: mx.array, prev: int, steps: int) -> None:
         batch, heads, _, kdim = keys.shape
         if self._shape is None:
-            self._shape = (heads, kdim, values.shape[3], _dtype_name(keys.dtype))
+            self._shape = (heads, kdim, values.shape[3], dtype_name(keys.dtype))
         if not self._groups:
-            self._groups = [_Group(PLAIN, list(range(batch)), [], [])]
+            self._groups = [PlaneGroup(PLAIN, list(range(batch)), [], [])]
             self._cap = 0
         if prev + steps > self._cap:
             self._grow(prev, steps)
@@ -328,7 +268,7 @@ class BatchQuantizedKVCache(BaseCache):
             return
         moved: set[int] = set()
         for storage, positions in due.items():
-            moving = _Group(storage, [plain.rows[i] for i in positions], [], [])
+            moving = PlaneGroup(storage, [plain.rows[i] for i in positions], [], [])
             idx = mx.array(positions, dtype=mx.int32)
             # Quantization works per position, so whole columns quantize as the live ones
             # would; padding columns (zeros or masked activations) stay finite.
@@ -340,27 +280,19 @@ class BatchQuantizedKVCache(BaseCache):
         self._waiting = None
         self._groups = [g for g in self._groups if g.rows]
 
-    def _group(self, storage: Any) -> _Group | None:
+    def _group(self, storage: Any) -> PlaneGroup | None:
         for group in self._groups:
             if group.storage == storage:
                 return group
         return None
 
-    def _join(self, incoming: _Group) -> None:
+    def _join(self, incoming: PlaneGroup) -> None:
         """Adds rows to the group of their format (planes of equal column count)."""
         group = self._group(incoming.storage)
         if group is None:
             self._groups.append(incoming)
-            return
-        group.keys = [
-            mx.concatenate([a, b]) for a, b in zip(group.keys, incoming.keys, strict=True)
-        ]
-        group.values = [
-            mx.concatenate([a, b]) for a, b in zip(group.values, incoming.values, strict=True)
-        ]
-        group.rows = group.rows + incoming.rows
-        group._index = None
-        group.sort()
+        else:
+            group.concat(incoming)
 
     # -- growth and padding ------------------------------------------------------------------
 
@@ -372,8 +304,8 @@ class BatchQuantizedKVCache(BaseCache):
             n = len(group.rows)
             if self._cap and prev % self.step != 0:
                 group.map_planes(lambda p: p[..., :prev, :])
-            new_k = _zeros_like_storage(group.storage, n, heads, extra, kdim, dtype)
-            new_v = _zeros_like_storage(group.storage, n, heads, extra, vdim, dtype)
+            new_k = zeros_like_storage(group.storage, n, heads, extra, kdim, dtype)
+            new_v = zeros_like_storage(group.storage, n, heads, extra, vdim, dtype)
             if group.keys:
                 group.keys = [
                     mx.concatenate([p, z], axis=2) for p, z in zip(group.keys, new_k, strict=True)
@@ -457,7 +389,9 @@ class BatchQuantizedKVCache(BaseCache):
                 side._pad_columns(left, right)
             for group in other._groups:
                 self._join(
-                    _Group(group.storage, [r + base for r in group.rows], group.keys, group.values)
+                    PlaneGroup(
+                        group.storage, [r + base for r in group.rows], group.keys, group.values
+                    )
                 )
             self._idx, self._cap = width, columns
         self._lp += other._lp
@@ -480,26 +414,18 @@ class BatchQuantizedKVCache(BaseCache):
         dtype = getattr(mx, shape[3])
         n = len(self._lp)
         self._groups = [
-            _Group(
+            PlaneGroup(
                 PLAIN,
                 list(range(n)),
-                _zeros_like_storage(PLAIN, n, heads, 0, kdim, dtype),
-                _zeros_like_storage(PLAIN, n, heads, 0, vdim, dtype),
+                zeros_like_storage(PLAIN, n, heads, 0, kdim, dtype),
+                zeros_like_storage(PLAIN, n, heads, 0, vdim, dtype),
             )
         ]
         self._idx = self._cap = 0
 
     def _pad_columns(self, left: int, right: int) -> None:
-        def pad(p: mx.array) -> mx.array:
-            r = right
-            if r < 0:
-                p, r = p[..., :r, :], 0
-            if left or r:
-                p = mx.pad(p, [(0, 0), (0, 0), (left, r), (0, 0)])
-            return p
-
         for group in self._groups:
-            group.map_planes(pad)
+            group.pad_columns(left, right)
         self._lp = [p + left for p in self._lp]
         self._idx += left
         self._cap += left + right
@@ -515,36 +441,14 @@ class BatchQuantizedKVCache(BaseCache):
             return cls([0] * len(caches), codecs)
         padding = [width - n for n in lengths]
         batch = cls(padding, codecs)
-        batch._shape = _row_shape(caches)
-        heads, kdim, vdim = batch._shape[:3]
-        dtype = getattr(mx, batch._shape[3])
+        batch._shape = row_shape(caches)
         formats: dict[Any, list[int]] = {}
         for row, cache in enumerate(caches):
-            stored = (
-                PLAIN
-                if not isinstance(cache, cache_lib.QuantizedKVCache)
-                else (
-                    cache.bits,
-                    cache.group_size,
-                )
-            )
-            if cache.keys is None:
-                stored = PLAIN
-            formats.setdefault(stored, []).append(row)
+            formats.setdefault(storage_of(cache), []).append(row)
         for storage, rows in formats.items():
-            keys = _zeros_like_storage(storage, len(rows), heads, width, kdim, dtype)
-            values = _zeros_like_storage(storage, len(rows), heads, width, vdim, dtype)
-            for local, row in enumerate(rows):
-                cache, p, n = caches[row], padding[row], lengths[row]
-                if cache.keys is None:
-                    continue
-                src_k = [cache.keys] if storage == PLAIN else list(cache.keys)
-                src_v = [cache.values] if storage == PLAIN else list(cache.values)
-                for dst, src in zip(keys, src_k, strict=True):
-                    dst[local : local + 1, :, p : p + n] = src[..., :n, :]
-                for dst, src in zip(values, src_v, strict=True):
-                    dst[local : local + 1, :, p : p + n] = src[..., :n, :]
-            batch._groups.append(_Group(storage, rows, keys, values))
+            batch._groups.append(
+                PlaneGroup.gather(storage, rows, caches, padding, lengths, width, batch._shape)
+            )
         batch._idx = batch._cap = width
         batch._sync_positions()
         return batch
@@ -555,18 +459,13 @@ class BatchQuantizedKVCache(BaseCache):
         start, end = self._lp[idx], self._idx
         for group in self._groups:
             if idx in group.rows:
-                local = group.rows.index(idx)
-
-                def cut(p: mx.array, local: int = local) -> mx.array:
-                    return mx.contiguous(p[local : local + 1, :, start:end])
-
+                keys, values = group.cut(group.rows.index(idx), start, end)
                 if group.packed:
                     row: PlainRow | PackedRow = PackedRow(codec)
-                    row.keys = tuple(cut(p) for p in group.keys)
-                    row.values = tuple(cut(p) for p in group.values)
+                    row.keys, row.values = tuple(keys), tuple(values)
                 else:
                     row = PlainRow(codec)
-                    row.keys, row.values = cut(group.keys[0]), cut(group.values[0])
+                    row.keys, row.values = keys[0], values[0]
                 row.offset = end - start
                 return row
         return PlainRow(codec)
@@ -634,7 +533,7 @@ class BatchQuantizedKVCache(BaseCache):
         for storage, rows, n in meta["groups"]:
             storage = PLAIN if storage == PLAIN else tuple(storage)
             planes = arrays[at : at + 2 * n]
-            self._groups.append(_Group(storage, rows, planes[:n], planes[n:]))
+            self._groups.append(PlaneGroup(storage, rows, planes[:n], planes[n:]))
             at += 2 * n
         self.offset, self.left_padding = arrays[at], arrays[at + 1]
         self._right_padding = None
@@ -646,27 +545,3 @@ class BatchQuantizedKVCache(BaseCache):
         cache.state = state
         cache.meta_state = meta_state
         return cache
-
-
-def _dtype_name(dtype: mx.Dtype) -> str:
-    return str(dtype).removeprefix("mlx.core.")
-
-
-def _row_shape(caches: list[Any]) -> tuple[int, int, int, str]:
-    """(heads, key width, value width, dtype) of the first row holding anything."""
-    for cache in caches:
-        if cache.keys is None:
-            continue
-        if isinstance(cache, cache_lib.QuantizedKVCache):
-            assert cache.keys is not None and cache.values is not None
-            packed, scales, _ = cache.keys
-            per_word = 32 // cache.bits
-            return (
-                packed.shape[1],
-                packed.shape[-1] * per_word,
-                cache.values[0].shape[-1] * per_word,
-                _dtype_name(scales.dtype),
-            )
-        keys, values = cache.keys, cache.values
-        return keys.shape[1], keys.shape[3], values.shape[3], _dtype_name(keys.dtype)
-    raise ValueError("no row holds any tokens")
