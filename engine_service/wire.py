@@ -26,7 +26,7 @@ from tandem_wire.pb import engine_pb2
 
 MAX_STOPS = 16
 MAX_LOGPROBS = 20
-MAX_REQUEST_ID = MAX_REQUEST_ID_CHARS
+
 
 _FINISH = {
     "length": engine_pb2.FINISH_REASON_LENGTH,
@@ -177,8 +177,10 @@ def request_from_pb(
         raise InvalidRequest("checkpoint_interval and tokens_held must be >= 0")
     if request.max_tokens < 0 or (request.max_tokens == 0 and request.HasField("max_tokens")):
         raise InvalidRequest(f"max_tokens must be > 0, got {request.max_tokens}")
-    if len(request.request_id) > MAX_REQUEST_ID or not request.request_id.isprintable():
-        raise InvalidRequest(f"request_id must be up to {MAX_REQUEST_ID} printable characters")
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS or not request.request_id.isprintable():
+        raise InvalidRequest(
+            f"request_id must be up to {MAX_REQUEST_ID_CHARS} printable characters"
+        )
     problem = namespace_problem(request.namespace)
     if problem:
         raise InvalidRequest(problem)
