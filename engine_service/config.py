@@ -30,6 +30,11 @@ class EngineConfig:
     switch_interval_s: float = 0.001
     # How long the loop waits for the rest of a burst of arrivals before a prefill.
     admission_window_s: float = 0.002
+    # Slow readers (preemption.py): unread tokens before a row gives its slot up (0: never),
+    # the bytes parked rows may hold, and how long one may stay parked.
+    park_after_tokens: int = 256
+    park_bytes: int = 1 << 30
+    park_idle_timeout_s: float = 300.0
     # Checkpoints: every N generated tokens by default (0 = only when a request asks),
     # the in-memory prefix LRU and the spill queue's byte bounds.
     checkpoint_interval: int = 0
@@ -65,6 +70,10 @@ class EngineConfig:
             raise ValueError(f"--num-draft-tokens must be in 0..{MAX_DRAFT}")
         if self.admission_window_s < 0:
             raise ValueError("--admission-window must be >= 0")
+        if self.park_after_tokens < 0 or self.park_bytes < 0 or self.park_idle_timeout_s <= 0:
+            raise ValueError(
+                "--park-after-tokens and --park-bytes must be >= 0, --park-idle-timeout > 0"
+            )
         if self.num_draft_tokens and not self.draft_model:
             raise ValueError("--num-draft-tokens needs --draft-model")
 
@@ -129,6 +138,24 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         help="seconds the loop gathers a burst of arrivals into one prefill (0: off)",
     )
     p.add_argument(
+        "--park-after-tokens",
+        type=int,
+        default=int(_env("PARK_AFTER_TOKENS", "256")),
+        help="a stream whose client has not read this many tokens gives its slot up (0: never)",
+    )
+    p.add_argument(
+        "--park-bytes",
+        type=int,
+        default=int(_env("PARK_BYTES", str(1 << 30))),
+        help="bytes of caches parked rows may hold at once",
+    )
+    p.add_argument(
+        "--park-idle-timeout",
+        type=float,
+        default=float(_env("PARK_IDLE_TIMEOUT", "300")),
+        help="seconds a parked stream waits for its client before it is cancelled",
+    )
+    p.add_argument(
         "--kv-bits",
         type=int,
         default=int(_env("KV_BITS", "0")),
@@ -171,6 +198,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             grace_s=a.grace,
             switch_interval_s=a.switch_interval,
             admission_window_s=a.admission_window,
+            park_after_tokens=a.park_after_tokens,
+            park_bytes=a.park_bytes,
+            park_idle_timeout_s=a.park_idle_timeout,
             checkpoint_interval=a.checkpoint_interval,
             prefix_cache_bytes=a.prefix_cache_bytes,
             spill_queue_bytes=a.spill_queue_bytes,

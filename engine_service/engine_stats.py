@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass, field
+
+from engine_service.preemption import ParkCounters
 
 # Decode rate: tokens over the last this many seconds.
 RATE_WINDOW_S = 5.0
@@ -23,6 +26,7 @@ class EngineStats:
     cancelled_total: int = 0
     rejected_total: int = 0
     steps_total: int = 0
+    parking: ParkCounters = field(default_factory=ParkCounters)
     # (time.monotonic(), tokens) of recent steps, for the decode rate.
     recent: collections.deque[tuple[float, int]] = field(
         default_factory=lambda: collections.deque(maxlen=256)
@@ -61,4 +65,5 @@ class EngineStats:
             cancelled_total=self.cancelled_total,
             rejected_total=self.rejected_total,
             steps_total=self.steps_total,
+            parking=dataclasses.replace(self.parking),
         )

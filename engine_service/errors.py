@@ -8,7 +8,8 @@
     ├── Precondition            FAILED_PRECONDITION wrong model, layout, setup
     ├── Unavailable             UNAVAILABLE        shutting down
     ├── Corrupt                 DATA_LOSS          a stored checkpoint that cannot be read
-    └── DeadlineExceeded        DEADLINE_EXCEEDED  the client's deadline passed
+    ├── DeadlineExceeded        DEADLINE_EXCEEDED  the client's deadline passed
+    └── Abandoned               CANCELLED          the client read nothing for the idle timeout
 
 Anything else reaching an RPC boundary is logged with its traceback and becomes INTERNAL.
 """
@@ -56,3 +57,10 @@ class DeadlineExceeded(EngineError):
     """The engine dropped the request because the client's deadline passed."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Abandoned(EngineError):
+    """The engine stopped a generation whose client read nothing for the park idle timeout
+    (its checkpoint, if any, is kept for a resume)."""
+
+    code = grpc.StatusCode.CANCELLED

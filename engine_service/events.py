@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 # "stop": a stop token (stop strings are found by the handler); "deadline": the client's
-# deadline passed.
-FinishReason = Literal["length", "stop", "cancelled", "deadline", "error"]
+# deadline passed; "idle": the client read nothing for the park timeout (preemption.py).
+FinishReason = Literal["length", "stop", "cancelled", "deadline", "idle", "error"]
 
 
 @dataclass(frozen=True)

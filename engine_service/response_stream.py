@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine_service.errors import DeadlineExceeded
+from engine_service.errors import Abandoned, DeadlineExceeded
 from engine_service.events import Event, Finished, Sink, Started, Token
 from engine_service.requests import GenerationRequest
 from engine_service.text import TextStream
@@ -64,14 +64,43 @@ class ResponseChunk:
         return not (self.token_ids or self.text)
 
 
-class RequestStream:
-    """A request's events, handed over on the event loop, read by its handler."""
+@dataclass(frozen=True)
+class Backpressure:
+    """What a stream tells the engine loop about its reader (preemption.py)."""
 
-    def __init__(self) -> None:
+    unread_limit: int  # tokens waiting here before `stalled` is called
+    stalled: Callable[[], None]  # the client's window is full and it fell that far behind
+    reading: Callable[[], None]  # it read again
+    abandoned: Callable[[str], None]  # the loop gave up on it (idle timeout): end the call
+
+
+class RequestStream:
+    """A request's events, handed over on the event loop, read by its handler.
+
+    Tokens wait here only when the handler cannot hand them to gRPC: the client's HTTP/2
+    window is full, i.e. the client stopped reading (a gRPC client's library buffers up
+    to its window, 64 KiB or more, before that shows). Their count is the backlog.
+    """
+
+    def __init__(self, backpressure: Backpressure | None = None) -> None:
         self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+        self._backpressure = backpressure
+        self._unread = 0
+        self._stalled = False
 
     def push(self, events: list[Event]) -> None:  # on the event loop (see loop_deliver)
         self._queue.put_nowait(events)
+        bp = self._backpressure
+        if bp is None:
+            return
+        for event in events:
+            if isinstance(event, Finished) and event.reason == "idle":
+                bp.abandoned(event.error)
+                return
+        self._unread += sum(isinstance(e, Token) for e in events)
+        if not self._stalled and self._unread >= bp.unread_limit:
+            self._stalled = True
+            bp.stalled()
 
     async def next(self) -> list[Event]:
         """Waits for events, then takes everything already queued: a reader that fell
@@ -79,6 +108,10 @@ class RequestStream:
         events = await self._queue.get()
         while not self._queue.empty():
             events = events + self._queue.get_nowait()
+        self._unread = 0
+        if self._stalled and self._backpressure is not None:
+            self._stalled = False
+            self._backpressure.reading()
         return events
 
 
@@ -195,6 +228,8 @@ async def respond(
             elif isinstance(event, Finished):
                 if event.reason == "deadline":
                     raise DeadlineExceeded("deadline exceeded")
+                if event.reason == "idle":
+                    raise Abandoned(event.error)
                 out.usage.draft_tokens = event.drafted
                 out.usage.accepted_draft_tokens = event.accepted
                 chunk.error = event.error

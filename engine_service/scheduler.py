@@ -9,16 +9,18 @@ generated token, and exactly one Finished. The loop never waits on the network.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine_service.cache_codec import capture
 from engine_service.checkpoints import CheckpointManager, starting_point
 from engine_service.engine_stats import EngineStats
 from engine_service.errors import AlreadyExists, Overloaded, Unavailable
@@ -27,6 +29,7 @@ from engine_service.jobs import Job, StartingPoint
 from engine_service.kv_codec import KVCodec
 from engine_service.model import LoadedModel
 from engine_service.plans import Plan
+from engine_service.preemption import ParkSettings, Preemption, restart_point
 from engine_service.quantized_kv import adopt_row
 from engine_service.requests import GenerationRequest
 from engine_service.response_stream import Deliver
@@ -52,6 +55,8 @@ class Limits:
     prefill_step_size: int = 2048
     # How long the loop lingers for more arrivals before admitting new requests.
     admission_window_s: float = 0.002
+    # Rows whose clients stopped reading leave their slots (preemption.py).
+    park: ParkSettings = field(default_factory=ParkSettings)
 
 
 # What other threads ask of the loop, through its inbox.
@@ -67,11 +72,21 @@ class _Cancel:
 
 
 @dataclass(frozen=True)
+class _Park:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Unpark:
+    request_id: str
+
+
+@dataclass(frozen=True)
 class _Stop:
     pass
 
 
-_Command = _Submit | _Cancel | _Stop
+_Command = _Submit | _Cancel | _Park | _Unpark | _Stop
 
 
 class Scheduler:
@@ -102,6 +117,7 @@ class Scheduler:
         self._rows: dict[int, Job] = {}
         self._by_id: dict[str, Job] = {}
         self._accepting = True
+        self._preemption = Preemption(limits.park)
         self._bg: BatchGenerator  # made on the engine thread: MLX streams are per thread
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
 
@@ -150,6 +166,14 @@ class Scheduler:
             self._inbox.put(_Cancel(request_id, keep_checkpoint))
         return known
 
+    def park(self, request_id: str) -> None:
+        """Its client stopped reading: the row is to give its slot up (preemption.py)."""
+        self._inbox.put(_Park(request_id))
+
+    def unpark(self, request_id: str) -> None:
+        """Its client reads again: a parked row goes back to the waiting queue."""
+        self._inbox.put(_Unpark(request_id))
+
     def stop_accepting(self) -> None:
         with self._lock:
             self._accepting = False
@@ -180,11 +204,15 @@ class Scheduler:
             self.checkpoints.generations.forget(job)
         self._rows.pop(job.uid, None)
         self._by_id.pop(job.request.request_id, None)
+        self._preemption.forget(job)
         with self._lock:
             self._ids.discard(job.request.request_id)
             self._pending -= 1
 
     def starting_point(self, job: Job) -> StartingPoint:
+        parked = self._preemption.restart_from(job)
+        if parked is not None:
+            return restart_point(job, parked)
         return starting_point(job, self.checkpoints)
 
     # -- the engine thread -------------------------------------------------------------------
@@ -206,6 +234,7 @@ class Scheduler:
                     break
             self._admit()
             self._expire_deadlines()
+            self._expire_idle()
             if self._rows:
                 self._step()
             if self._speculating():
@@ -236,6 +265,8 @@ class Scheduler:
                 if job is not None:
                     job.keep_checkpoint = command.keep_checkpoint
                 self._cancel(command.request_id)
+            elif isinstance(command, (_Park, _Unpark)):
+                self._park_command(command)
             else:
                 return False
 
@@ -257,7 +288,8 @@ class Scheduler:
         while free > 0 and self._waiting:
             job = self._waiting.popleft()
             free -= 1
-            self._prepare(job)
+            if not job.admitted_at:
+                self._prepare(job)
             if job.request.num_draft and self._speculative is not None:
                 self._speculative.admit(job)
             else:
@@ -268,6 +300,7 @@ class Scheduler:
         samplers, processors, stops = [], [], []
         for job in list(batch):
             r = job.request
+            fresh = not job.tokens  # not a parked row coming back
             try:
                 start = self.starting_point(job)
             except Exception as exc:  # a checkpoint that cannot be restored ends its request
@@ -283,7 +316,8 @@ class Scheduler:
             samplers.append(make_sampler(r.sampling, start_step=len(job.tokens)))
             processors.append(make_processors(r.sampling))
             stops.append(StopSequences([[t] for t in sorted(r.stop_ids)]))
-            self.emit(job, [Started(len(r.prompt), start.cached_prompt_tokens)])
+            if fresh:
+                self.emit(job, [Started(len(r.prompt), start.cached_prompt_tokens)])
         if not batch:
             return
         uids = self._bg.insert(
@@ -339,6 +373,8 @@ class Scheduler:
             self.emit(job, events)
         if self.checkpoints is not None:
             self._capture_due()
+        if self._preemption.busy:
+            self._preempt()
         with self._lock:
             self._stats.add_step(len(responses), time.monotonic())
 
@@ -383,6 +419,44 @@ class Scheduler:
             if found is not None:
                 job.snapshot = ckpt.generations.capture(job, found[0])
 
+    def _park_command(self, command: _Park | _Unpark) -> None:
+        job = self._by_id.get(command.request_id)
+        if job is None or not self._preemption.enabled:
+            return
+        if isinstance(command, _Park):
+            self._preemption.ask(job)
+        elif self._preemption.release(job):
+            self._waiting.append(job)
+
+    def _preempt(self) -> None:
+        """Rows asked to leave: captured on this step, out of the batch on the next one,
+        when their pending token is known (the same timing as a generation snapshot)."""
+        p = self._preemption
+        leaving = p.ready(self._rows)
+        if leaving:
+            self._bg.remove([job.uid for job in leaving])
+            now = time.monotonic()
+            for job in leaving:
+                self._rows.pop(job.uid)
+                job.uid = -1
+                p.park(job, now)
+        wanted = p.to_capture(self._rows)
+        if wanted:
+            rows = self._bg.extract_cache([job.uid for job in wanted])
+            for job in wanted:
+                found = rows.get(job.uid)
+                if found is not None:
+                    held = len(job.request.prompt) + len(job.tokens)
+                    p.captured(job, capture(found[0], held, wait=False))
+
+    def _expire_idle(self) -> None:
+        for request_id in self._preemption.idle(time.monotonic()):
+            job = self._by_id[request_id]
+            job.keep_checkpoint = True  # the client may come back and resume
+            self._preemption.counters.idle_cancelled_total += 1
+            timeout = self.limits.park.idle_timeout_s
+            self._cancel(request_id, "idle", f"the client read nothing for {timeout:g} s")
+
     def _row_cache(self, job: Job) -> list[Any] | None:
         found = self._bg.extract_cache([job.uid]).get(job.uid)
         return found[0] if found is not None else None
@@ -395,7 +469,7 @@ class Scheduler:
             self._bg.remove([job.uid])
         elif self._speculative is not None and request_id in self._speculative:
             self._speculative.remove(request_id)
-        else:
+        elif not self._preemption.is_parked(job):
             self._waiting.remove(job)
         self.finish(job)
         with self._lock:
@@ -425,3 +499,4 @@ class Scheduler:
         with self._lock:
             self._stats.running = self._running()
             self._stats.queued = len(self._waiting)
+            self._stats.parking = dataclasses.replace(self._preemption.counters)

@@ -16,6 +16,7 @@ from engine_service import blas
 from engine_service.checkpoints import CheckpointManager, CheckpointSettings
 from engine_service.config import EngineConfig, parse_args
 from engine_service.model import IncompatibleDraft, load_draft, load_model
+from engine_service.preemption import ParkSettings
 from engine_service.requests import DraftSupport, RequestPolicy
 from engine_service.response_stream import loop_deliver
 from engine_service.scheduler import Limits, Scheduler
@@ -47,6 +48,7 @@ async def serve(config: EngineConfig) -> None:
         config.prefill_batch_size,
         config.prefill_step_size,
         config.admission_window_s,
+        ParkSettings(config.park_after_tokens, config.park_bytes, config.park_idle_timeout_s),
     )
     checkpoints = CheckpointManager(
         loaded,

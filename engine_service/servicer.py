@@ -23,7 +23,7 @@ from engine_service.errors import EngineError, NotFound
 from engine_service.planner import Planner
 from engine_service.plans import ResumePlan
 from engine_service.requests import GenerationRequest, RequestPolicy
-from engine_service.response_stream import RequestStream, respond
+from engine_service.response_stream import Backpressure, RequestStream, respond
 from engine_service.scheduler import Scheduler
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
 
@@ -70,6 +70,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.scheduler = scheduler
         self.checkpoints = checkpoints
         self.planner = Planner(checkpoints, policy.drafts)
+        self._aborts: set[asyncio.Task[None]] = set()  # calls being ended (kept referenced)
 
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -83,7 +84,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 else None
             )
             replay = plan.replay if isinstance(plan, ResumePlan) else []
-            events = RequestStream()
+            events = RequestStream(self._backpressure(req, context))
             if not req.finished_by(replay):
                 self.scheduler.submit(req, events.push, plan)
             completed = False
@@ -109,6 +110,33 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         convert = asyncio.to_thread if wire.needs_tokenizer(request) else _inline
         req: GenerationRequest = await convert(wire.request_from_pb, request, self.policy, deadline)
         return req
+
+    def _backpressure(
+        self, req: GenerationRequest, context: grpc.aio.ServicerContext
+    ) -> Backpressure | None:
+        """A client that stops reading parks its row; one that stays away is cut off."""
+        limit = self.scheduler.limits.park.after_tokens
+        if not limit:
+            return None
+        rid = req.request_id
+
+        def abandoned(reason: str) -> None:
+            # The handler is stuck writing to that client; ending the call from beside it
+            # sends the status at once (cancelling the handler's task would not).
+            async def abort() -> None:
+                with contextlib.suppress(Exception):  # any failure: the call ended already
+                    await context.abort(grpc.StatusCode.CANCELLED, reason)
+
+            task = asyncio.get_running_loop().create_task(abort())
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+
+        return Backpressure(
+            limit,
+            stalled=lambda: self.scheduler.park(rid),
+            reading=lambda: self.scheduler.unpark(rid),
+            abandoned=abandoned,
+        )
 
     def _stopper(self, req: GenerationRequest) -> Callable[[], None]:
         """Drops a row whose text hit a stop string (its checkpoint goes with it)."""

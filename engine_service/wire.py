@@ -308,6 +308,12 @@ def stats_to_pb(
         cancelled_total=s.cancelled_total,
         rejected_total=s.rejected_total,
         steps_total=s.steps_total,
+        preempted_total=s.parking.preempted_total,
+        unparked_total=s.parking.unparked_total,
+        idle_cancelled_total=s.parking.idle_cancelled_total,
+        park_over_budget_total=s.parking.over_budget_total,
+        parked=s.parking.parked,
+        parked_bytes=s.parking.parked_bytes,
     )
     if checkpoints is not None:
         c = checkpoints
