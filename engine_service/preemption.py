@@ -10,14 +10,16 @@ pending token is fed over the restored caches and its sampler goes on at the sam
 its tokens are those of an uninterrupted run. A row parked longer than `idle_timeout_s` is
 cancelled (its generation checkpoint, if any, is kept for a resume).
 
-This module is bookkeeping only; the scheduler makes the BatchGenerator calls.
+The scheduler turns commands into ask/release and calls step() after each batch step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_service.cache_codec import CapturedCache, restore_captured
+from mlx_lm.generate import BatchGenerator
+
+from engine_service.cache_codec import CapturedCache, capture, restore_captured
 from engine_service.jobs import Job, PendingSnapshot, StartingPoint
 
 
@@ -84,6 +86,25 @@ class Preemption:
         self.counters.unparked_total += 1
         self._count()
         return True
+
+    def step(self, bg: BatchGenerator, rows: dict[int, Job], now: float) -> None:
+        """Rows asked to leave: captured on this step, out of the batch on the next one,
+        when their pending token is known (the same timing as a generation snapshot)."""
+        leaving = self.ready(rows)
+        if leaving:
+            bg.remove([job.uid for job in leaving])
+            for job in leaving:
+                rows.pop(job.uid)
+                job.uid = -1
+                self.park(job, now)
+        wanted = self.to_capture(rows)
+        if wanted:
+            extracted = bg.extract_cache([job.uid for job in wanted])
+            for job in wanted:
+                found = extracted.get(job.uid)
+                if found is not None:
+                    held = len(job.request.prompt) + len(job.tokens)
+                    self.captured(job, capture(found[0], held, wait=False))
 
     def to_capture(self, rows: dict[int, Job]) -> list[Job]:
         """Rows asked to leave whose caches are not captured yet."""

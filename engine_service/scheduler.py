@@ -15,31 +15,25 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.generate import BatchGenerator
 
-from engine_service.cache_codec import capture
 from engine_service.checkpoints import CheckpointManager, starting_point
 from engine_service.engine_stats import EngineStats
 from engine_service.errors import AlreadyExists, Overloaded, Unavailable
 from engine_service.events import Event, Finished, FinishReason, Sink, Started, Token
 from engine_service.jobs import Job, StartingPoint
-from engine_service.kv_codec import KVCodec
 from engine_service.model import LoadedModel
+from engine_service.new_rows import NewRows
 from engine_service.plans import Plan
 from engine_service.preemption import ParkSettings, Preemption, restart_point
-from engine_service.quantized_kv import adopt_row
 from engine_service.requests import GenerationRequest
 from engine_service.response_stream import Deliver
-from engine_service.sampling import make_processors, make_sampler, requested_logprobs
+from engine_service.sampling import requested_logprobs
 from engine_service.speculative_lane import SpeculativeLane
+from engine_service.step_checkpoints import StepCheckpoints
 
 log = logging.getLogger(__name__)
-
-# Generation snapshots are taken on steps that are multiples of this (see _capture_due).
-CHECKPOINT_ALIGN = 8
 
 
 def deliver_directly(outbox: list[tuple[Sink, list[Event]]]) -> None:
@@ -107,7 +101,7 @@ class Scheduler:
         self.limits = limits
         self.deliver = deliver
         self._outbox: list[tuple[Sink, list[Event]]] = []
-        self._due: dict[int, Job] = {}  # rows whose generation checkpoint is due, by uid
+        self._step_checkpoints = StepCheckpoints(checkpoints) if checkpoints else None
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards admission counters and stats
         self._ids: set[str] = set()
@@ -296,57 +290,32 @@ class Scheduler:
                 batch.append(job)
         if not batch:
             return
-        prompts, histories, caches, max_tokens = [], [], [], []
-        samplers, processors, stops = [], [], []
-        for job in list(batch):
-            r = job.request
+        rows = NewRows(self.loaded.model)
+        for job in batch:
             fresh = not job.tokens  # not a parked row coming back
             try:
                 start = self.starting_point(job)
             except Exception as exc:  # a checkpoint that cannot be restored ends its request
-                log.exception("restoring %s failed", r.request_id)
-                batch.remove(job)
+                log.exception("restoring %s failed", job.request.request_id)
                 self.finish(job)
                 self.emit(job, [Finished("error", error=f"restoring the checkpoint failed: {exc}")])
                 continue
-            prompts.append(start.feed)
-            histories.append(start.history)
-            caches.append(self._row_caches(start.caches, r.kv))
-            max_tokens.append(job.remaining)
-            samplers.append(make_sampler(r.sampling, start_step=len(job.tokens)))
-            processors.append(make_processors(r.sampling))
-            stops.append(StopSequences([[t] for t in sorted(r.stop_ids)]))
+            rows.add(job, start)
             if fresh:
-                self.emit(job, [Started(len(r.prompt), start.cached_prompt_tokens)])
-        if not batch:
+                self.emit(job, [Started(len(job.request.prompt), start.cached_prompt_tokens)])
+        if not rows.jobs:
             return
-        uids = self._bg.insert(
-            prompts,
-            max_tokens=max_tokens,
-            caches=caches,
-            all_tokens=histories,
-            samplers=samplers,  # type: ignore[arg-type]  # None = the shared greedy one
-            logits_processors=processors,
-            stop_sequences=stops,
-        )
-        for job, uid in zip(batch, uids, strict=True):
-            job.uid = uid
-            self._rows[uid] = job
+        rows.insert(self._bg)
+        for job in rows.jobs:
+            self._rows[job.uid] = job
         with self._lock:
-            self._stats.prompt_tokens_total += sum(len(p) for p in prompts)
+            self._stats.prompt_tokens_total += rows.prompt_tokens
 
     def _prepare(self, job: Job) -> None:
         """What every admitted request needs: its admission time and checkpoint key."""
         job.admit()
         if self.checkpoints is not None:
             self.checkpoints.generations.enroll(job)
-
-    def _row_caches(self, restored: list[Any] | None, kv: KVCodec) -> list[Any]:
-        """A request's per-layer caches, its plain KV layers as rows of a
-        BatchQuantizedKVCache carrying its codec (plain requests too: any two requests may
-        then share a batch)."""
-        caches = restored if restored is not None else make_prompt_cache(self.loaded.model)
-        return [adopt_row(c, kv) for c in caches]
 
     def _step(self) -> None:
         try:
@@ -364,60 +333,20 @@ class Scheduler:
             job.tokens.append(r.token)
             extra = requested_logprobs(r.logprobs, r.token, job.request.sampling.logprobs)
             events: list[Event] = [Token(r.token, *extra)]
-            if self.checkpoints is not None:
-                self._checkpoint(job, r.prompt_cache if r.finish_reason is not None else None)
+            if self._step_checkpoints is not None:
+                finished_cache = r.prompt_cache if r.finish_reason is not None else None
+                self._step_checkpoints.after_token(job, self._bg, finished_cache)
             if r.finish_reason is not None:
                 stop = r.token if r.finish_reason == "stop" else None
                 events.append(Finished("stop" if stop is not None else "length", stop_token=stop))
                 self.finish(job)
             self.emit(job, events)
-        if self.checkpoints is not None:
-            self._capture_due()
+        if self._step_checkpoints is not None:
+            self._step_checkpoints.capture_due(self._bg, self._rows, self._stats.steps_total)
         if self._preemption.busy:
-            self._preempt()
+            self._preemption.step(self._bg, self._rows, time.monotonic())
         with self._lock:
             self._stats.add_step(len(responses), time.monotonic())
-
-    def _checkpoint(self, job: Job, finished_cache: list[Any] | None) -> None:
-        """After a token: the prompt's prefix (first token), the generation every N tokens.
-
-        A generation snapshot is taken when its N-th token is out, but only queued one step
-        later: the token sampled in between is the checkpoint's pending token (sampled, not
-        yet fed), known then without forcing the batch's look-ahead to finish early.
-        """
-        ckpt = self.checkpoints
-        assert ckpt is not None
-        r = job.request
-        if job.snapshot is not None:
-            snapshot, job.snapshot = job.snapshot, None
-            if finished_cache is None:  # a finishing job deletes its checkpoint anyway
-                ckpt.generations.save(job, snapshot, pending=job.tokens[-1])
-        if len(job.tokens) == 1 and not job.resumed:
-            ckpt.add_prefill_time(time.monotonic() - job.admitted_at)
-            row = finished_cache or self._row_cache(job)
-            if row is not None:
-                ckpt.prefixes.save(row, r.prompt, r.namespace, r.layout)
-        if finished_cache is None and ckpt.generations.due(job):
-            self._due[job.uid] = job
-
-    def _capture_due(self) -> None:
-        """Snapshots every row whose checkpoint is due, together, on aligned steps.
-
-        Extracting a row from mlx-lm's batch cache evaluates the batch's padding, a sync with
-        the step in flight; rows captured one at a time paid it each (~11% of decode at 8
-        streams every 16 tokens), rows captured together pay it once (~4%). A checkpoint is
-        therefore up to CHECKPOINT_ALIGN - 1 tokens later than its interval.
-        """
-        ckpt = self.checkpoints
-        if not self._due or ckpt is None or self._stats.steps_total % CHECKPOINT_ALIGN:
-            return
-        jobs = [job for uid, job in self._due.items() if uid in self._rows]
-        self._due = {}
-        rows = self._bg.extract_cache([job.uid for job in jobs])
-        for job in jobs:
-            found = rows.get(job.uid)
-            if found is not None:
-                job.snapshot = ckpt.generations.capture(job, found[0])
 
     def _park_command(self, command: _Park | _Unpark) -> None:
         job = self._by_id.get(command.request_id)
@@ -428,27 +357,6 @@ class Scheduler:
         elif self._preemption.release(job):
             self._waiting.append(job)
 
-    def _preempt(self) -> None:
-        """Rows asked to leave: captured on this step, out of the batch on the next one,
-        when their pending token is known (the same timing as a generation snapshot)."""
-        p = self._preemption
-        leaving = p.ready(self._rows)
-        if leaving:
-            self._bg.remove([job.uid for job in leaving])
-            now = time.monotonic()
-            for job in leaving:
-                self._rows.pop(job.uid)
-                job.uid = -1
-                p.park(job, now)
-        wanted = p.to_capture(self._rows)
-        if wanted:
-            rows = self._bg.extract_cache([job.uid for job in wanted])
-            for job in wanted:
-                found = rows.get(job.uid)
-                if found is not None:
-                    held = len(job.request.prompt) + len(job.tokens)
-                    p.captured(job, capture(found[0], held, wait=False))
-
     def _expire_idle(self) -> None:
         for request_id in self._preemption.idle(time.monotonic()):
             job = self._by_id[request_id]
@@ -456,10 +364,6 @@ class Scheduler:
             self._preemption.counters.idle_cancelled_total += 1
             timeout = self.limits.park.idle_timeout_s
             self._cancel(request_id, "idle", f"the client read nothing for {timeout:g} s")
-
-    def _row_cache(self, job: Job) -> list[Any] | None:
-        found = self._bg.extract_cache([job.uid]).get(job.uid)
-        return found[0] if found is not None else None
 
     def _cancel(self, request_id: str, reason: FinishReason = "cancelled", error: str = "") -> None:
         job = self._by_id.get(request_id)
