@@ -47,6 +47,8 @@ from tandem_client.store_client import StoreClient
 MAX_CHAIN = 16
 # Segments of one chain fetched at once on resume.
 FETCH_WORKERS = 8
+# The metadata key of an ended generation's tombstone: how it ended.
+ENDED = "tandem.ended"
 
 
 @dataclass(frozen=True)
@@ -283,13 +285,28 @@ class GenerationCheckpoints:
         )
 
     def forget(self, job: Job) -> None:
-        """Deletes a finished generation's checkpoint: every segment it wrote, then the key."""
+        """An ended generation: its checkpoint becomes a small tombstone under the same key
+        (so a resume answers "finished; N tokens", not NOT_FOUND) and every segment goes.
+
+        The tombstone is an unpinned metadata-only "object" record once the generation's
+        lease lapses: it lives until the store's LRU evicts it, and is not listed among the
+        generations in flight.
+        """
         if self.spill is None:
             return
-        key, namespace = job.checkpoint_key, job.request.namespace
-        # The manifest first: a resume then finds no checkpoint, or one whose segments are
-        # all still there (load() re-reads it when one went missing meanwhile).
-        self.spill.delete(key, namespace)
+        key, namespace, spill = job.checkpoint_key, job.request.namespace, self.spill
+        tombstone = self._record(job, key, "object", [*job.request.prompt, *job.tokens])
+        tombstone.metadata = {
+            ENDED: job.ended,
+            "prompt_tokens": str(len(job.request.prompt)),
+            "generated": str(len(job.tokens)),
+        }
+        # The tombstone first, replacing the manifest: a resume then finds it, or a manifest
+        # whose segments are all still there (load() re-reads the key when one went missing).
+        # If it cannot land, the manifest is deleted instead.
+        spill.put(
+            Put(tombstone, 0, pinned=False, on_failed=lambda: spill.delete(key, namespace))
+        )
         for index in range(job.chain.next_index):
             self.spill.delete(segment_key(key, index), namespace)
         with self._lock:
@@ -338,6 +355,7 @@ class GenerationCheckpoints:
             ) from exc
         except TandemError as exc:
             raise _store_failure(exc) from exc
+        _refuse_ended(record)
         if record.model_id != self.model_id:
             raise Precondition(
                 f"checkpoint was made by model {record.model_id!r}; this engine "
@@ -355,11 +373,13 @@ class GenerationCheckpoints:
             try:
                 parts = self._segments(key, namespace, meta.chain_first, meta.chain_next)
             except NotFound:
-                if not self._still_there(key, namespace):
+                now = self._reread(key, namespace)  # it may have ended meanwhile
+                if now is None:
                     raise NotFound(
                         "no checkpoint for this request: the generation ended (finished or "
                         "cancelled) and its checkpoint was deleted"
                     ) from None
+                _refuse_ended(now)
                 raise
         # Refuse here, with a status, what the MLX thread could not restore.
         for part in parts:
@@ -383,13 +403,12 @@ class GenerationCheckpoints:
             fetch_s=time.perf_counter() - start,
         )
 
-    def _still_there(self, key: bytes, namespace: str) -> bool:
+    def _reread(self, key: bytes, namespace: str) -> Checkpoint | None:
         assert self.store is not None
         try:
-            self.store.get_header(key, namespace)
+            return self.store.get_header(key, namespace)
         except TandemError:
-            return False
-        return True
+            return None
 
     def _segments(self, key: bytes, namespace: str, first: int, end: int) -> list[Checkpoint]:
         """Exactly the segments a manifest lists, fetched in parallel."""
@@ -408,6 +427,14 @@ class GenerationCheckpoints:
 
         with ThreadPoolExecutor(max_workers=min(FETCH_WORKERS, end - first)) as pool:
             return list(pool.map(fetch, range(first, end)))
+
+
+def _refuse_ended(record: Checkpoint) -> None:
+    """A tombstone: the generation ended; there is nothing to resume."""
+    ended = record.metadata.get(ENDED)
+    if ended is not None:
+        tokens = record.metadata.get("generated", "?")
+        raise Precondition(f"this generation {ended}; {tokens} tokens (nothing to resume)")
 
 
 def _store_failure(exc: TandemError) -> EngineError:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from engine_service.attachments import CapturedAttachment
 from engine_service.cache_codec import CapturedCache
@@ -59,6 +59,8 @@ class Job:
     last_checkpoint_at: int = 0  # len(tokens) at the last generation snapshot
     chain: ChainCursor = field(default_factory=ChainCursor)
     admitted_at: float = 0.0
+    # How it ended, for the tombstone a resume reads (generation_checkpoints.forget).
+    ended: Literal["finished", "was cancelled", "failed"] = "finished"
 
     @property
     def resumed(self) -> bool:

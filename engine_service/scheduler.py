@@ -63,6 +63,7 @@ class _Submit:
 class _Cancel:
     request_id: str
     keep_checkpoint: bool
+    stopped: bool  # a stop string ended the text: the generation finished
 
 
 @dataclass(frozen=True)
@@ -148,16 +149,16 @@ class Scheduler:
             self._stats.requests_total += 1
         self._inbox.put(_Submit(Job(request, sink, plan)))
 
-    def cancel(self, request_id: str, keep_checkpoint: bool = False) -> bool:
+    def cancel(self, request_id: str, keep_checkpoint: bool = False, stopped: bool = False) -> bool:
         """Asks the loop to stop a request; False if it is not known (already finished).
 
         keep_checkpoint: leave its generation checkpoint in the store, for a client that went
-        away and may resume; otherwise it is deleted.
+        away and may resume; otherwise it is deleted. stopped: a stop string ended it.
         """
         with self._lock:
             known = request_id in self._ids
         if known:
-            self._inbox.put(_Cancel(request_id, keep_checkpoint))
+            self._inbox.put(_Cancel(request_id, keep_checkpoint, stopped))
         return known
 
     def park(self, request_id: str) -> None:
@@ -258,6 +259,7 @@ class Scheduler:
                 job = self._by_id.get(command.request_id)
                 if job is not None:
                     job.keep_checkpoint = command.keep_checkpoint
+                    job.ended = "finished" if command.stopped else "was cancelled"
                 self._cancel(command.request_id)
             elif isinstance(command, (_Park, _Unpark)):
                 self._park_command(command)
@@ -297,6 +299,7 @@ class Scheduler:
                 start = self.starting_point(job)
             except Exception as exc:  # a checkpoint that cannot be restored ends its request
                 log.exception("restoring %s failed", job.request.request_id)
+                job.ended = "failed"
                 self.finish(job)
                 self.emit(job, [Finished("error", error=f"restoring the checkpoint failed: {exc}")])
                 continue
@@ -384,10 +387,12 @@ class Scheduler:
         now = time.monotonic()
         for job in list(self._by_id.values()):
             if job.request.deadline is not None and now > job.request.deadline:
+                job.keep_checkpoint = True  # the client may retry with resume
                 self._cancel(job.request.request_id, "deadline", "deadline exceeded")
 
     def _fail_all(self, message: str) -> None:
         for job in list(self._by_id.values()):
+            job.ended = "failed"
             self.finish(job)
             self.emit(job, [Finished("error", error=message)])
         self._waiting.clear()
@@ -396,8 +401,9 @@ class Scheduler:
         self._bg = self._new_batch_generator()
 
     def _cancel_all(self, message: str) -> None:
-        for request_id in list(self._by_id):
-            self._cancel(request_id, "cancelled", message)
+        for job in list(self._by_id.values()):
+            job.keep_checkpoint = True  # shutting down: resumable on another engine
+            self._cancel(job.request.request_id, "cancelled", message)
 
     def _publish_counts(self) -> None:
         with self._lock:

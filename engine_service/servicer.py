@@ -142,7 +142,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         """Drops a row whose text hit a stop string (its checkpoint goes with it)."""
 
         def stop() -> None:
-            self.scheduler.cancel(req.request_id, keep_checkpoint=False)
+            self.scheduler.cancel(req.request_id, keep_checkpoint=False, stopped=True)
 
         return stop
 

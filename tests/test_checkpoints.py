@@ -212,3 +212,37 @@ def test_a_corrupted_prefix_checkpoint_falls_back_to_prefill(stack: Stack) -> No
         assert got.usage is not None
         assert got.usage.cached_prompt_tokens == 0
         assert engine.stats().checkpoints.restore_failures >= 1
+
+
+def test_resume_of_an_ended_generation_says_how_it_ended(stack: Stack) -> None:
+    """A generation that finished (or was cancelled) leaves a tombstone: a resume answers
+    FAILED_PRECONDITION with how it ended and its token count, never NOT_FOUND nor tokens."""
+    with EngineClient(stack.engine.address) as engine:
+        request = dict(max_tokens=40, ignore_eos=True, checkpoint_interval=8, request_id="done")
+        done = engine.generate(PROMPT[:80], **request)
+        assert len(done.token_ids) == 40
+        engine.flush()  # the tombstone is queued on the spill thread like any checkpoint
+        with pytest.raises(TandemError) as ended:
+            engine.generate(PROMPT[:80], resume=True, **request)
+        assert ended.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "this generation finished; 40 tokens" in str(ended.value)
+
+        request = dict(max_tokens=400, ignore_eos=True, checkpoint_interval=8, request_id="cut")
+        stream = engine.stream_request(engine.request(PROMPT[:80], **request))
+        chunks = []
+        for i, chunk in enumerate(stream):
+            chunks.append(chunk)
+            if i == 20:
+                engine.cancel("cut")
+        assert chunks[-1].finish_reason == "cancelled"
+        engine.flush()
+        with pytest.raises(TandemError) as cancelled:
+            engine.generate(PROMPT[:80], resume=True, **request)
+        assert cancelled.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "this generation was cancelled;" in str(cancelled.value)
+
+        # Tombstones are not generations in flight, and carry no cache.
+        with StoreClient(f"127.0.0.1:{stack.port}") as store:
+            assert store.list_all(kind="generation") == []
+            tombstones = [r for r in store.list_all(kind="object") if r.payload_bytes == 0]
+            assert len(tombstones) == 2
