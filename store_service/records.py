@@ -357,6 +357,9 @@ class RecordInfo:
     trimmable: bool
     quarantined: bool = False
     pinned: bool = field(default=False, compare=False)
+    # The prefix-index entries its (checksummed) header implies: an entry read from the
+    # index table is served only if its record agrees (store.lookup).
+    index_keys: frozenset[bytes] = field(default=frozenset(), compare=False, repr=False)
 
     @classmethod
     def of(cls, record: StoredRecord) -> RecordInfo:
@@ -375,6 +378,7 @@ class RecordInfo:
             last_access_ms=record.last_access_ms,
             trimmable=h.trimmable,
             quarantined=record.quarantined,
+            index_keys=frozenset(record.index_keys()),
         )
 
     def to_pb(self) -> store_pb2.RecordSummary:

@@ -27,6 +27,7 @@ class Counters:
     gets: int = 0
     orphans_collected: int = 0
     damaged: int = 0  # header values found damaged and set aside
+    bad_index_entries: int = 0  # prefix-index entries a lookup found disagreeing with a header
 
 
 class StoreState:

@@ -306,6 +306,11 @@ class CheckpointStore:
                     info = st.index.get(ikey)
                     if info is None or info.quarantined or info.kind != query.kind:
                         continue
+                    if scope + hashes[i] not in info.index_keys:
+                        # A damaged index entry naming another record: never served.
+                        st.counters.bad_index_entries += 1
+                        log.warning("prefix index entry names %r, whose header disagrees", ikey)
+                        continue
                     st.counters.hits += 1
                     st.index.touch(ikey, now_ms())
                     return LookupResult(

@@ -22,7 +22,14 @@ from store_service.errors import (
     Precondition,
     StorageError,
 )
-from store_service.records import PutSpec, RecordFilter, chunk_layout
+from store_service.records import (
+    PutSpec,
+    RecordFilter,
+    chunk_layout,
+    normalize_namespace,
+    prefix_scope,
+    record_key,
+)
 from store_service.storage import now_ms
 from store_service.store import CheckpointStore
 from store_service.wire import LookupQuery, PutResult, StoreStats
@@ -212,6 +219,21 @@ def test_lookup_finds_the_longest_stored_prefix(core: CheckpointStore, admin: St
             core.lookup(bad)
     stats = admin.stats()
     assert (stats.hits, stats.misses) == (5, 4)
+
+
+def test_a_damaged_prefix_index_entry_is_never_served(core: CheckpointStore) -> None:
+    """An index entry naming a record whose (checksummed) header does not hold that chain
+    position is skipped and counted: the lookup misses rather than serve another prompt."""
+    other = _prefix(core, list(range(5000, 5048)))
+    query = _query(list(range(100, 148)))
+    storage = core.state.storage
+    namespace = normalize_namespace("")
+    entry = prefix_scope(namespace, "m@1", ["kv:plain"], 16) + query.block_hashes[-1]
+    with storage.env.begin(write=True) as txn:
+        txn.put(entry, record_key(namespace, other), db=storage.db["prefix_index"])
+    assert not core.lookup(query).found
+    assert core.state.counters.bad_index_entries == 1
+    assert core.lookup(_query(list(range(5000, 5048)))).key == other  # the record is fine
 
 
 def test_eviction_takes_least_recently_used_unpinned_records_first(
