@@ -304,9 +304,7 @@ class GenerationCheckpoints:
         # The tombstone first, replacing the manifest: a resume then finds it, or a manifest
         # whose segments are all still there (load() re-reads the key when one went missing).
         # If it cannot land, the manifest is deleted instead.
-        spill.put(
-            Put(tombstone, 0, pinned=False, on_failed=lambda: spill.delete(key, namespace))
-        )
+        spill.put(Put(tombstone, 0, pinned=False, on_failed=lambda: spill.delete(key, namespace)))
         for index in range(job.chain.next_index):
             self.spill.delete(segment_key(key, index), namespace)
         with self._lock:
