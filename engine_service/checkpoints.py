@@ -22,6 +22,8 @@ from engine_service.prefix_reuse import PrefixReuse
 from engine_service.spill import FlushResult, SpillQueue
 from tandem_client.store_client import StoreClient
 
+STORE_BULK_CALLS = 8
+
 
 @dataclass
 class CheckpointSettings:
@@ -39,7 +41,13 @@ class CheckpointManager:
         # The compute dtype is part of what a cache was computed under.
         self.model_id = f"{loaded.model_id}/{loaded.dtype}"
         self.counters = CheckpointCounters()
-        self.store = StoreClient(settings.store, timeout=60) if settings.store else None
+        # Below the store's per-connection bound of bulk calls (16 by default): the engine's
+        # resumes, prefix reads and spill share one connection.
+        self.store = (
+            StoreClient(settings.store, timeout=60, max_bulk_calls=STORE_BULK_CALLS)
+            if settings.store
+            else None
+        )
         self.spill = (
             SpillQueue(self.store, settings.spill_queue_bytes, self.counters, settings.lease_s)
             if self.store is not None

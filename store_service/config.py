@@ -32,6 +32,8 @@ class StoreConfig:
     # Payload bytes per stored LMDB value (1-4 MiB values write fastest, see docs/performance.md).
     chunk_bytes: int = 1 * MiB
     max_workers: int = 32
+    # Concurrent Put/Get calls one client connection may have; 0 = max_workers / 2.
+    bulk_calls_per_connection: int = 0
     default_lease_s: int = 300
     max_lease_s: int = 24 * 3600
     grace_s: float = 10.0
@@ -48,6 +50,8 @@ class StoreConfig:
             raise ValueError("--chunk-bytes must be between 4 KiB and 4 MiB")
         if self.sync_interval_s <= 0:
             raise ValueError("--sync-interval must be positive")
+        if self.bulk_calls_per_connection < 0:
+            raise ValueError("--max-bulk-calls-per-connection must be >= 0")
 
 
 def _env(name: str, default: str) -> str:
@@ -79,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
     parser.add_argument("--chunk-bytes", type=int, default=int(_env("CHUNK_BYTES", str(MiB))))
     parser.add_argument("--max-workers", type=int, default=int(_env("MAX_WORKERS", "32")))
     parser.add_argument(
+        "--max-bulk-calls-per-connection",
+        type=int,
+        default=int(_env("MAX_BULK_CALLS_PER_CONNECTION", "0")),
+        help="concurrent Put/Get calls one client connection may have (0: max-workers / 2)",
+    )
+    parser.add_argument(
         "--grace",
         type=float,
         default=float(_env("GRACE", "10")),
@@ -102,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
             sync_interval_s=args.sync_interval,
             chunk_bytes=args.chunk_bytes,
             max_workers=args.max_workers,
+            bulk_calls_per_connection=args.max_bulk_calls_per_connection,
             grace_s=args.grace,
             map_size_bytes=args.map_size,
             tls_cert=args.tls_cert,

@@ -16,6 +16,7 @@ from store_service import salvage
 from store_service.admin import StoreAdmin
 from store_service.config import StoreConfig, parse_args
 from store_service.errors import StorageError
+from store_service.fair_share import BulkCallLimit
 from store_service.servicer import StoreAdminServicer, StoreServicer, store_handler
 from store_service.store import CheckpointStore
 from tandem_wire.pb import store_pb2, store_pb2_grpc
@@ -38,6 +39,7 @@ def create_server(
     max_workers: int = 32,
     tls_cert: str = "",
     tls_key: str = "",
+    bulk_calls_per_connection: int = 0,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Builds (not starts) a server for `store`; returns it, its bound port and its health."""
     server = grpc.server(
@@ -54,7 +56,9 @@ def create_server(
         ],
     )
     registrar = guarded(server)  # malformed requests: INVALID_ARGUMENT on every RPC
-    registrar.add_generic_rpc_handlers((store_handler(StoreServicer(store)),))
+    # 0: half the workers, so one connection never holds them all.
+    bulk_limit = BulkCallLimit(bulk_calls_per_connection or max(1, max_workers // 2))
+    registrar.add_generic_rpc_handlers((store_handler(StoreServicer(store, bulk_limit)),))
     admin = StoreAdminServicer(StoreAdmin(store))
     store_pb2_grpc.add_StoreAdminServicer_to_server(admin, registrar)
     health_servicer = health.HealthServicer()
@@ -71,7 +75,12 @@ def create_server(
 def serve(config: StoreConfig) -> None:
     store = CheckpointStore(config)
     server, port, health_servicer = create_server(
-        store, config.listen, config.max_workers, config.tls_cert, config.tls_key
+        store,
+        config.listen,
+        config.max_workers,
+        config.tls_cert,
+        config.tls_key,
+        config.bulk_calls_per_connection,
     )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

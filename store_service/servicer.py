@@ -11,6 +11,7 @@ import grpc
 
 from store_service.admin import StoreAdmin
 from store_service.errors import status_on_error
+from store_service.fair_share import BulkCallLimit
 from store_service.records import PutSpec, RecordFilter
 from store_service.store import CheckpointStore
 from store_service.wire import (
@@ -72,13 +73,15 @@ def rpc_errors(method: F) -> F:
 
 
 class StoreServicer(store_pb2_grpc.StoreServicer):
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(self, store: CheckpointStore, bulk_limit: BulkCallLimit) -> None:
         self.store = store
+        self.bulk_limit = bulk_limit
 
     @rpc_errors
     def Put(
         self, requests: Iterator[store_pb2.PutRequest], context: grpc.ServicerContext
     ) -> store_pb2.PutResponse:
+        self.bulk_limit.enter(context)
         spec = PutSpec.from_pb(put_header(requests))
         return self.store.put(spec, put_chunks(requests)).to_pb()
 
@@ -87,6 +90,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.GetRequest, context: grpc.ServicerContext
     ) -> Iterator[store_pb2.GetResponse]:
         piece = get_piece_bytes(request)
+        self.bulk_limit.enter(context)
         record = self.store.open_record(request.namespace, request.key)
         yield store_pb2.GetResponse(header=record.header)
         if not request.header_only:

@@ -7,6 +7,8 @@ asyncio client); both are re-exported here, where callers have always imported t
 from __future__ import annotations
 
 import builtins
+import contextlib
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,7 +73,11 @@ class StoreClient(GrpcClient):
         *,
         timeout: float | None = 60.0,
         credentials: grpc.ChannelCredentials | None = None,
+        max_bulk_calls: int = 0,
     ) -> None:
+        """max_bulk_calls: at most this many Put/Get calls of this client at once (0: no
+        bound); a store refuses a connection more than --max-bulk-calls-per-connection."""
+        self._bulk = threading.BoundedSemaphore(max_bulk_calls) if max_bulk_calls else None
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -94,23 +100,29 @@ class StoreClient(GrpcClient):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> PutResult:
         requests = put_messages(checkpoint, if_absent, pin_ttl_s, pin_holder, chunk_bytes)
-        r: store_pb2.PutResponse = self._call(lambda: self._put(requests, timeout=self.timeout))
+        with self._bulk_slot():
+            r: store_pb2.PutResponse = self._call(lambda: self._put(requests, timeout=self.timeout))
         return PutResult(r.key, r.payload_bytes, r.replaced, r.lease_id)
 
     def get(self, key: bytes, namespace: str = "", *, max_chunk_bytes: int = 0) -> Checkpoint:
         """The checkpoint with its tensors' bytes, each tensor's CRC checked end to end."""
-        stream = self._get(
-            store_pb2.GetRequest(namespace=namespace, key=key, max_chunk_bytes=max_chunk_bytes),
-            timeout=self.timeout,
-        )
-        return self._call(lambda: receive(stream))
+        with self._bulk_slot():
+            stream = self._get(
+                store_pb2.GetRequest(namespace=namespace, key=key, max_chunk_bytes=max_chunk_bytes),
+                timeout=self.timeout,
+            )
+            return self._call(lambda: receive(stream))
+
+    def _bulk_slot(self) -> contextlib.AbstractContextManager[object]:
+        return self._bulk if self._bulk is not None else contextlib.nullcontext()
 
     def get_header(self, key: bytes, namespace: str = "") -> Checkpoint:
-        stream = self._store.Get(
-            store_pb2.GetRequest(namespace=namespace, key=key, header_only=True),
-            timeout=self.timeout,
-        )
-        return self._call(lambda: Checkpoint.from_header(next(iter(stream)).header))
+        with self._bulk_slot():
+            stream = self._store.Get(
+                store_pb2.GetRequest(namespace=namespace, key=key, header_only=True),
+                timeout=self.timeout,
+            )
+            return self._call(lambda: Checkpoint.from_header(next(iter(stream)).header))
 
     def lookup(
         self,
