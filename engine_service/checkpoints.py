@@ -10,9 +10,13 @@ delete), never on the MLX thread.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from engine_service.checkpoint_stats import CheckpointCounters, CheckpointStats
+from engine_service.errors import EngineError, Unavailable
 from engine_service.generation_checkpoints import GenerationCheckpoints
 from engine_service.jobs import Job, StartingPoint
 from engine_service.model import LoadedModel
@@ -22,6 +26,7 @@ from engine_service.prefix_reuse import PrefixReuse
 from engine_service.spill import FlushResult, SpillQueue
 from tandem_client.store_client import StoreClient
 
+log = logging.getLogger(__name__)
 STORE_BULK_CALLS = 8
 
 
@@ -64,6 +69,7 @@ class CheckpointManager:
         self.generations = GenerationCheckpoints(
             self.model_id, self.counters, self.store, self.spill
         )
+        self._loader = ThreadPoolExecutor(2, thread_name_prefix="checkpoint-read-back")
 
     @property
     def has_store(self) -> bool:
@@ -74,6 +80,27 @@ class CheckpointManager:
 
     def snapshot(self) -> CheckpointStats:
         return self.counters.snapshot()
+
+    def read_back(self, job: Job, done: Callable[[ResumePlan | None, str], None]) -> None:
+        """Reads a row parked in the store back, off the MLX thread: once what the spill
+        queue holds was sent, its checkpoint is loaded; done(plan, "") or done(None, why)."""
+        r = job.request
+
+        def run() -> None:
+            try:
+                if self.spill is None or not self.spill.wait_sent(60):
+                    raise Unavailable("its snapshot did not leave the spill queue")
+                plan = self.generations.load(job.checkpoint_key, r.namespace, r.prompt, r.layout)
+            except EngineError as exc:
+                done(None, str(exc))
+                return
+            except Exception as exc:  # noqa: BLE001 - a bug: logged, the stream told
+                log.exception("reading parked %s back failed", r.request_id)
+                done(None, f"internal error: {exc}")
+                return
+            done(plan, "")
+
+        self._loader.submit(run)
 
     def flush(self, timeout: float = 60.0) -> FlushResult:
         """The durability barrier: every checkpoint queued so far, then the store's Flush."""

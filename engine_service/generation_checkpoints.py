@@ -220,10 +220,19 @@ class GenerationCheckpoints:
         chain.covered = held
         return segment
 
-    def save(self, job: Job, snapshot: PendingSnapshot, pending: int) -> None:
-        """Queues a snapshot for the store once its pending token is known (MLX thread)."""
+    def save_parked(self, job: Job, snapshot: PendingSnapshot) -> bool:
+        """A parked row's whole snapshot, its pending token the last of job.tokens (MLX
+        thread); False when it is not queued. Its chain starts over after it."""
+        if not job.checkpoint_key:
+            return False
+        job.chain.covered = 0
+        return self.save(job, snapshot, pending=job.tokens[-1])
+
+    def save(self, job: Job, snapshot: PendingSnapshot, pending: int) -> bool:
+        """Queues a snapshot for the store once its pending token is known (MLX thread);
+        False when it is not queued."""
         if self.spill is None:
-            return
+            return False
         r, key = job.request, job.checkpoint_key
         settle(snapshot.captured)
         for attachment in snapshot.attachments:
@@ -244,8 +253,7 @@ class GenerationCheckpoints:
             record.tensors = to_host(captured)
             record.attachments = [a.to_record() for a in snapshot.attachments]
             nbytes = captured.nbytes + sum(a.nbytes for a in snapshot.attachments)
-            self.spill.put(Put(record, nbytes))
-            return
+            return self.spill.put(Put(record, nbytes))
         part = self._record(job, segment_key(key, segment.index), "object", record.token_ids)
         part.metadata = {**captured.meta(), "segment_of": key.hex(), "start": str(segment.start)}
         part.tensors = to_host(captured)
@@ -270,7 +278,8 @@ class GenerationCheckpoints:
             nbytes = captured.nbytes if item is part else 0
             if not self.spill.put(Put(item, nbytes, still_wanted=wanted, on_failed=broke)):
                 broke()
-                return
+                return False
+        return True
 
     def _record(self, job: Job, key: bytes, kind: str, token_ids: list[int]) -> Checkpoint:
         r = job.request

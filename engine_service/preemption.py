@@ -3,24 +3,35 @@
 A stream's handler counts the tokens it could not hand to gRPC because the client's HTTP/2
 window is full (response_stream.RequestStream). Past `after_tokens` it asks the loop to park
 the row: the loop captures the row's caches exactly as for a generation checkpoint, waits one
-step for the pending token (sampled, not yet fed), then takes the row out of the batch and
-keeps the capture here, within `budget_bytes`. Its slot goes to a waiting request. When the
-client reads again the row goes back to the waiting queue and restarts from the capture: the
-pending token is fed over the restored caches and its sampler goes on at the same step, so
-its tokens are those of an uninterrupted run. A row parked longer than `idle_timeout_s` is
-cancelled (its generation checkpoint, if any, is kept for a resume).
+step for the pending token (sampled, not yet fed), then takes the row out of the batch. Its
+slot goes to a waiting request. A checkpointed generation's park snapshot also goes to the
+store (so it survives an engine crash); the capture stays in memory within `budget_bytes`,
+and beyond it a checkpointed row is parked in the store only (its memory freed). When the
+client reads again the row goes back to the waiting queue and restarts from the capture, or
+from the store once it is read back: the pending token is fed over the restored caches and
+its sampler goes on at the same step, so its tokens are those of an uninterrupted run. A row
+parked longer than `idle_timeout_s` is cancelled (its checkpoint, if any, is kept).
 
-The scheduler turns commands into ask/release and calls step() after each batch step.
+The scheduler turns commands into ask/release/restored and calls step() after each batch
+step; it makes the store calls through its checkpoints (never on the MLX thread).
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from mlx_lm.generate import BatchGenerator
 
 from engine_service.cache_codec import CapturedCache, capture, restore_captured
 from engine_service.jobs import Job, PendingSnapshot, StartingPoint
+from engine_service.plans import ResumePlan
+
+# Queues a parked row's snapshot for the store; False when it cannot (no store, not a
+# checkpointed request, or the spill queue is full).
+SaveToStore = Callable[[Job, PendingSnapshot], bool]
 
 
 @dataclass(frozen=True)
@@ -28,7 +39,8 @@ class ParkSettings:
     # Unread tokens (beyond what the client's HTTP/2 window took) before a row leaves its
     # slot; 0 = never.
     after_tokens: int = 256
-    # Captures of parked rows held at once; a row that would pass it keeps its slot.
+    # Captures of parked rows held in memory at once. Beyond it a checkpointed row is parked
+    # in the store only; any other keeps its slot.
     budget_bytes: int = 1 << 30
     # A row parked this long is cancelled.
     idle_timeout_s: float = 300.0
@@ -40,26 +52,40 @@ class ParkCounters:
     unparked_total: int = 0
     idle_cancelled_total: int = 0
     over_budget_total: int = 0  # asked to park, kept running: the budget was full
+    parked_to_store_total: int = 0  # parked in the store only, memory freed
     parked: int = 0
     parked_bytes: int = 0
 
 
+class Return(enum.Enum):
+    """What a release asks of the scheduler."""
+
+    NOTHING = enum.auto()  # it was not parked
+    WAIT_FOR_SLOT = enum.auto()  # its capture is in memory: back to the waiting queue
+    READ_FROM_STORE = enum.auto()  # parked in the store only: read it back first
+
+
+@dataclass
+class _Leaving:
+    snapshot: PendingSnapshot | None = None  # None until captured
+    store_only: bool = False  # over the memory budget: park in the store, free the capture
+
+
 @dataclass
 class _Parked:
-    snapshot: PendingSnapshot
+    snapshot: PendingSnapshot | None  # None: in the store only
     since: float
+    loading: bool = False  # being read back from the store
 
 
 @dataclass
 class Preemption:
     settings: ParkSettings
     counters: ParkCounters = field(default_factory=ParkCounters)
-    # Asked to park, still in the batch: None until captured, then waiting for the pending
-    # token.
-    _leaving: dict[str, PendingSnapshot | None] = field(default_factory=dict)
+    _leaving: dict[str, _Leaving] = field(default_factory=dict)  # asked, still in the batch
     _parked: dict[str, _Parked] = field(default_factory=dict)
-    # Unparked, waiting for a slot: the capture they restart from.
-    _returning: dict[str, PendingSnapshot] = field(default_factory=dict)
+    # Unparked, waiting for a slot: what they restart from.
+    _returning: dict[str, PendingSnapshot | ResumePlan] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
@@ -73,76 +99,98 @@ class Preemption:
         """The client stopped reading: the row is to leave its slot (if it has one)."""
         rid = job.request.request_id
         if job.uid >= 0 and rid not in self._leaving:
-            self._leaving[rid] = None
+            self._leaving[rid] = _Leaving()
 
-    def release(self, job: Job) -> bool:
-        """The client reads again. True when the job was parked and goes back to waiting."""
+    def release(self, job: Job) -> Return:
+        """The client reads again."""
         rid = job.request.request_id
         self._leaving.pop(rid, None)
-        parked = self._parked.pop(rid, None)
-        if parked is None:
-            return False
-        self._returning[rid] = parked.snapshot
+        parked = self._parked.get(rid)
+        if parked is None or parked.loading:
+            return Return.NOTHING
         self.counters.unparked_total += 1
+        if parked.snapshot is None:
+            parked.loading = True
+            return Return.READ_FROM_STORE
+        del self._parked[rid]
+        self._returning[rid] = parked.snapshot
         self._count()
-        return True
+        return Return.WAIT_FOR_SLOT
 
-    def step(self, bg: BatchGenerator, rows: dict[int, Job], now: float) -> None:
+    def restored(self, job: Job, plan: ResumePlan) -> None:
+        """A row parked in the store was read back: it waits for a slot."""
+        rid = job.request.request_id
+        del self._parked[rid]
+        self._returning[rid] = plan
+        self._count()
+
+    def step(self, bg: BatchGenerator, rows: dict[int, Job], now: float, save: SaveToStore) -> None:
         """Rows asked to leave: captured on this step, out of the batch on the next one,
         when their pending token is known (the same timing as a generation snapshot)."""
-        leaving = self.ready(rows)
+        leaving = self._ready(rows)
         if leaving:
             bg.remove([job.uid for job in leaving])
             for job in leaving:
                 rows.pop(job.uid)
                 job.uid = -1
-                self.park(job, now)
-        wanted = self.to_capture(rows)
+                self._park(job, now, save)
+        wanted = self._to_capture(rows)
         if wanted:
             extracted = bg.extract_cache([job.uid for job in wanted])
             for job in wanted:
                 found = extracted.get(job.uid)
                 if found is not None:
                     held = len(job.request.prompt) + len(job.tokens)
-                    self.captured(job, capture(found[0], held, wait=False))
+                    self._captured(job, capture(found[0], held, wait=False))
 
-    def to_capture(self, rows: dict[int, Job]) -> list[Job]:
-        """Rows asked to leave whose caches are not captured yet."""
+    def _to_capture(self, rows: dict[int, Job]) -> list[Job]:
         by_id = {job.request.request_id: job for job in rows.values()}
-        return [by_id[rid] for rid, snap in self._leaving.items() if snap is None and rid in by_id]
+        return [
+            by_id[rid]
+            for rid, leaving in self._leaving.items()
+            if leaving.snapshot is None and rid in by_id
+        ]
 
-    def captured(self, job: Job, captured: CapturedCache) -> None:
+    def _captured(self, job: Job, captured: CapturedCache) -> None:
         rid = job.request.request_id
-        if self._held_bytes() + captured.nbytes > self.settings.budget_bytes:
+        over = self._held_bytes() + captured.nbytes > self.settings.budget_bytes
+        if over and not job.checkpoint_key:  # nowhere to put it: the row keeps its slot
             del self._leaving[rid]
             self.counters.over_budget_total += 1
             return
-        self._leaving[rid] = PendingSnapshot(captured, list(job.tokens), None)
+        snapshot = PendingSnapshot(captured, list(job.tokens), None)
+        self._leaving[rid] = _Leaving(snapshot, store_only=over)
 
-    def ready(self, rows: dict[int, Job]) -> list[Job]:
+    def _ready(self, rows: dict[int, Job]) -> list[Job]:
         """Rows whose capture's pending token is out: they leave the batch now."""
         ready = []
         for job in rows.values():
             rid = job.request.request_id
-            snap = self._leaving.get(rid)
-            if snap is None or len(job.tokens) == len(snap.generated):
+            leaving = self._leaving.get(rid)
+            if leaving is None or leaving.snapshot is None:
                 continue
-            if len(job.tokens) == len(snap.generated) + 1:
+            taken = len(leaving.snapshot.generated)
+            if len(job.tokens) == taken + 1:
                 ready.append(job)
-            else:  # more than one step since the capture: its pending token is lost
-                self._leaving[rid] = None
+            elif len(job.tokens) > taken + 1:  # more than one step: its pending token is lost
+                leaving.snapshot = None
         return ready
 
-    def park(self, job: Job, now: float) -> None:
-        """The row left the batch; its capture waits here."""
-        snap = self._leaving.pop(job.request.request_id)
-        assert snap is not None, "park() follows ready()"
-        self._parked[job.request.request_id] = _Parked(snap, now)
+    def _park(self, job: Job, now: float, save: SaveToStore) -> None:
+        leaving = self._leaving.pop(job.request.request_id)
+        assert leaving.snapshot is not None, "only captured rows are ready"
+        in_store = bool(job.checkpoint_key) and save(job, leaving.snapshot)
+        # A snapshot the store will not get stays in memory, even over the budget: the row
+        # has left the batch already.
+        keep = leaving.snapshot if not (leaving.store_only and in_store) else None
+        if keep is None:
+            self.counters.parked_to_store_total += 1
+        self._parked[job.request.request_id] = _Parked(keep, now)
         self.counters.preempted_total += 1
         self._count()
 
-    def restart_from(self, job: Job) -> PendingSnapshot | None:
-        """The capture an unparked job restarts from (taken once)."""
+    def restart_from(self, job: Job) -> PendingSnapshot | ResumePlan | None:
+        """What an unparked job restarts from (taken once)."""
         parked = self._returning.pop(job.request.request_id, None)
         self._count()
         return parked
@@ -161,20 +209,31 @@ class Preemption:
     def idle(self, now: float) -> list[str]:
         """Request ids parked longer than the idle timeout."""
         limit = self.settings.idle_timeout_s
-        return [rid for rid, p in self._parked.items() if now - p.since > limit]
+        return [rid for rid, p in self._parked.items() if not p.loading and now - p.since > limit]
 
     def _held_bytes(self) -> int:
-        held = [p.snapshot for p in self._parked.values()] + list(self._returning.values())
-        return sum(s.captured.nbytes for s in held)
+        held = [p.snapshot for p in self._parked.values()] + [
+            r for r in self._returning.values() if isinstance(r, PendingSnapshot)
+        ]
+        return sum(s.captured.nbytes for s in held if s is not None)
 
     def _count(self) -> None:
         self.counters.parked = len(self._parked)
         self.counters.parked_bytes = self._held_bytes()
 
 
-def restart_point(job: Job, parked: PendingSnapshot) -> StartingPoint:
+def restart_point(
+    job: Job,
+    parked: PendingSnapshot | ResumePlan,
+    materialize: Callable[[ResumePlan], list[Any]] | None,
+) -> StartingPoint:
     """Where a parked row starts again (MLX thread): its pending token, fed over the caches
-    captured before it; the sampler goes on at step len(job.tokens)."""
+    captured before it or read back from the store; the sampler goes on at step
+    len(job.tokens)."""
     r = job.request
-    caches = restore_captured(parked.captured, r.layout)
-    return StartingPoint([job.tokens[-1]], [*r.prompt, *parked.generated], caches, len(r.prompt))
+    if isinstance(parked, ResumePlan):
+        assert materialize is not None, "only an engine with a store parks rows there"
+        caches = materialize(parked)
+    else:
+        caches = restore_captured(parked.captured, r.layout)
+    return StartingPoint([job.tokens[-1]], [*r.prompt, *job.tokens[:-1]], caches, len(r.prompt))

@@ -22,11 +22,11 @@ from engine_service.checkpoints import CheckpointManager, starting_point
 from engine_service.engine_stats import EngineStats
 from engine_service.errors import AlreadyExists, Overloaded, Unavailable
 from engine_service.events import Event, Finished, FinishReason, Sink, Started, Token
-from engine_service.jobs import Job, StartingPoint
+from engine_service.jobs import Job, PendingSnapshot, StartingPoint
 from engine_service.model import LoadedModel
 from engine_service.new_rows import NewRows
-from engine_service.plans import Plan
-from engine_service.preemption import ParkSettings, Preemption, restart_point
+from engine_service.plans import Plan, ResumePlan
+from engine_service.preemption import ParkSettings, Preemption, Return, restart_point
 from engine_service.requests import GenerationRequest
 from engine_service.response_stream import Deliver
 from engine_service.sampling import requested_logprobs
@@ -77,11 +77,20 @@ class _Unpark:
 
 
 @dataclass(frozen=True)
+class _Restored:
+    """A row parked in the store, read back (plan) or not (error)."""
+
+    request_id: str
+    plan: ResumePlan | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class _Stop:
     pass
 
 
-_Command = _Submit | _Cancel | _Park | _Unpark | _Stop
+_Command = _Submit | _Cancel | _Park | _Unpark | _Restored | _Stop
 
 
 class Scheduler:
@@ -207,7 +216,8 @@ class Scheduler:
     def starting_point(self, job: Job) -> StartingPoint:
         parked = self._preemption.restart_from(job)
         if parked is not None:
-            return restart_point(job, parked)
+            ckpt = self.checkpoints
+            return restart_point(job, parked, ckpt.generations.materialize if ckpt else None)
         return starting_point(job, self.checkpoints)
 
     # -- the engine thread -------------------------------------------------------------------
@@ -263,6 +273,8 @@ class Scheduler:
                 self._cancel(command.request_id)
             elif isinstance(command, (_Park, _Unpark)):
                 self._park_command(command)
+            elif isinstance(command, _Restored):
+                self._restored(command)
             else:
                 return False
 
@@ -347,7 +359,7 @@ class Scheduler:
         if self._step_checkpoints is not None:
             self._step_checkpoints.capture_due(self._bg, self._rows, self._stats.steps_total)
         if self._preemption.busy:
-            self._preemption.step(self._bg, self._rows, time.monotonic())
+            self._preemption.step(self._bg, self._rows, time.monotonic(), self._save_parked)
         with self._lock:
             self._stats.add_step(len(responses), time.monotonic())
 
@@ -357,8 +369,35 @@ class Scheduler:
             return
         if isinstance(command, _Park):
             self._preemption.ask(job)
-        elif self._preemption.release(job):
+            return
+        back = self._preemption.release(job)
+        if back is Return.WAIT_FOR_SLOT:
             self._waiting.append(job)
+        elif back is Return.READ_FROM_STORE:
+            assert self.checkpoints is not None
+            rid = job.request.request_id
+            self.checkpoints.read_back(
+                job, lambda plan, error: self._inbox.put(_Restored(rid, plan, error))
+            )
+
+    def _save_parked(self, job: Job, snapshot: PendingSnapshot) -> bool:
+        if self.checkpoints is None:
+            return False
+        return self.checkpoints.generations.save_parked(job, snapshot)
+
+    def _restored(self, command: _Restored) -> None:
+        job = self._by_id.get(command.request_id)
+        if job is None or not self._preemption.is_parked(job):
+            return  # cancelled meanwhile
+        plan = command.plan
+        if plan is None or plan.replay != job.tokens:
+            why = command.error or "the store holds an older state than the parked row"
+            job.keep_checkpoint, job.ended = True, "failed"
+            self.finish(job)
+            self.emit(job, [Finished("error", error=f"the parked generation is lost: {why}")])
+            return
+        self._preemption.restored(job, plan)
+        self._waiting.append(job)
 
     def _expire_idle(self) -> None:
         for request_id in self._preemption.idle(time.monotonic()):

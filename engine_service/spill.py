@@ -124,6 +124,12 @@ class SpillQueue:
     def delete(self, key: bytes, namespace: str) -> None:
         self._queue.put(Delete(key, namespace))
 
+    def wait_sent(self, timeout: float = 60.0) -> bool:
+        """Waits until everything queued so far was sent (landed or failed)."""
+        done = threading.Event()
+        self._queue.put(_Barrier(done))
+        return done.wait(timeout)
+
     def flush(self, timeout: float = 60.0) -> FlushResult:
         """Waits for everything queued so far, then the store's Flush."""
         done = threading.Event()

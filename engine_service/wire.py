@@ -314,6 +314,7 @@ def stats_to_pb(
         park_over_budget_total=s.parking.over_budget_total,
         parked=s.parking.parked,
         parked_bytes=s.parking.parked_bytes,
+        parked_to_store_total=s.parking.parked_to_store_total,
     )
     if checkpoints is not None:
         c = checkpoints

@@ -129,6 +129,44 @@ def test_a_stream_parked_past_the_idle_timeout_is_cancelled_and_resumable(tmp_pa
         store.stop()
 
 
+def test_over_the_park_budget_checkpointed_rows_park_in_the_store(tmp_path: Path) -> None:
+    store = start_store(tmp_path / "store")
+    engine = start_engine(
+        tmp_path / "engine",
+        "--store",
+        store.address,
+        "--max-running",
+        "4",
+        "--park-after-tokens",
+        "16",
+        "--park-bytes",
+        "1",
+        log_dir=tmp_path,
+    )
+    try:
+        channel = grpc.insecure_channel(engine.address, options=SMALL_WINDOW)
+        stub = engine_pb2_grpc.EngineStub(channel)
+        unread = [stub.Generate(_request(i, checkpoint_interval=16)) for i in range(4)]
+        s = _wait(engine.address, lambda s: s.parked == 4)
+        assert s.parked_to_store_total == 4 and s.parked_bytes == 0 and s.running == 0
+        with EngineClient(engine.address, timeout=30) as normal:
+            assert len(normal.generate("a normal client", max_tokens=8).token_ids) > 0
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(_read_all, unread))
+        with EngineClient(engine.address, timeout=120) as c:
+            want = []
+            for i in range(4):
+                again = _request(i)
+                again.request_id = f"reference-{i}"
+                want.append([t for m in c.stream_request(again) for t in m.token_ids])
+        assert got == want and all(len(t) == MAX_TOKENS for t in got)
+        assert _stats(engine.address).unparked_total >= 4
+        channel.close()
+    finally:
+        engine.stop()
+        store.stop()
+
+
 def test_a_full_park_budget_keeps_the_row_running(tmp_path: Path) -> None:
     engine = start_engine(tmp_path, "--park-after-tokens", "16", "--park-bytes", "1")
     try:
