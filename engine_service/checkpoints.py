@@ -15,6 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import grpc
+
 from engine_service.checkpoint_stats import CheckpointCounters, CheckpointStats
 from engine_service.errors import EngineError, Unavailable
 from engine_service.generation_checkpoints import GenerationCheckpoints
@@ -24,6 +26,8 @@ from engine_service.plans import PrefixPlan, ResumePlan
 from engine_service.prefix_cache import BLOCK_SIZE, PrefixCache
 from engine_service.prefix_reuse import PrefixReuse
 from engine_service.spill import FlushResult, SpillQueue
+from tandem_client.errors import NotFound as StoreNotFound
+from tandem_client.errors import TandemError
 from tandem_client.store_client import StoreClient
 
 log = logging.getLogger(__name__)
@@ -38,6 +42,9 @@ class CheckpointSettings:
     lease_s: int = 600
     # Smallest prompt worth saving as a prefix checkpoint.
     min_prefix_tokens: int = BLOCK_SIZE
+    # TLS to the store (None: plaintext) and the bearer token it wants ("" = none).
+    store_credentials: grpc.ChannelCredentials | None = None
+    store_token: str = ""
 
 
 class CheckpointManager:
@@ -49,7 +56,13 @@ class CheckpointManager:
         # Below the store's per-connection bound of bulk calls (16 by default): the engine's
         # resumes, prefix reads and spill share one connection.
         self.store = (
-            StoreClient(settings.store, timeout=60, max_bulk_calls=STORE_BULK_CALLS)
+            StoreClient(
+                settings.store,
+                timeout=60,
+                max_bulk_calls=STORE_BULK_CALLS,
+                credentials=settings.store_credentials,
+                token=settings.store_token,
+            )
             if settings.store
             else None
         )
@@ -80,6 +93,19 @@ class CheckpointManager:
 
     def snapshot(self) -> CheckpointStats:
         return self.counters.snapshot()
+
+    def check_store(self) -> str:
+        """Whether the store can be reached and accepts this engine's credentials: "" when
+        it does, else one line saying why (a probe for a key nobody writes)."""
+        if self.store is None:
+            return ""
+        try:
+            self.store.get_header(b"\x00tandem-engine-probe")
+        except StoreNotFound:
+            return ""
+        except TandemError as exc:
+            return f"the store at {self.settings.store} refused or was unreachable: {exc}"
+        return ""
 
     def read_back(self, job: Job, done: Callable[[ResumePlan | None, str], None]) -> None:
         """Reads a row parked in the store back, off the MLX thread: once what the spill

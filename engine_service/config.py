@@ -40,9 +40,19 @@ class EngineConfig:
     checkpoint_interval: int = 0
     prefix_cache_bytes: int = 512 << 20
     spill_queue_bytes: int = 1 << 30
-    # PEM files; both given = listen with TLS.
+    # PEM files; both given = listen with TLS; a client CA = client certificates required.
     tls_cert: str = ""
     tls_key: str = ""
+    tls_client_ca: str = ""
+    # Security (docs/security.md): principals, and the explicit opt-out that allows a
+    # non-loopback address without authentication.
+    auth_file: str = ""
+    insecure_no_auth: bool = False
+    # How the engine reaches a store that wants TLS (a CA, a client certificate) or a token.
+    store_tls_ca: str = ""
+    store_tls_cert: str = ""
+    store_tls_key: str = ""
+    store_token_file: str = ""
     # Default KV codec of requests that do not choose one (0 bits = plain).
     kv_bits: int = 0
     kv_group_size: int = 64
@@ -181,6 +191,30 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     )
     p.add_argument("--tls-cert", default=_env("TLS_CERT", ""), help="PEM certificate")
     p.add_argument("--tls-key", default=_env("TLS_KEY", ""), help="PEM private key")
+    p.add_argument(
+        "--tls-client-ca",
+        default=_env("TLS_CLIENT_CA", ""),
+        help="PEM CA bundle: clients must present a certificate it signed (mTLS)",
+    )
+    p.add_argument(
+        "--auth-file",
+        default=_env("AUTH_FILE", ""),
+        help="JSON file of principals (docs/security.md); reloaded on SIGHUP",
+    )
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        default=_env("INSECURE_NO_AUTH", "") == "1",
+        help="allow a non-loopback address without --auth-file",
+    )
+    p.add_argument("--store-tls-ca", default=_env("STORE_TLS_CA", ""), help="the store's CA")
+    p.add_argument("--store-tls-cert", default=_env("STORE_TLS_CERT", ""), help="client cert")
+    p.add_argument("--store-tls-key", default=_env("STORE_TLS_KEY", ""), help="client key")
+    p.add_argument(
+        "--store-token-file",
+        default=_env("STORE_TOKEN_FILE", ""),
+        help="file holding the bearer token the engine presents to the store",
+    )
     a = p.parse_args(argv)
     try:
         return EngineConfig(
@@ -206,6 +240,13 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             spill_queue_bytes=a.spill_queue_bytes,
             tls_cert=a.tls_cert,
             tls_key=a.tls_key,
+            tls_client_ca=a.tls_client_ca,
+            auth_file=a.auth_file,
+            insecure_no_auth=a.insecure_no_auth,
+            store_tls_ca=a.store_tls_ca,
+            store_tls_cert=a.store_tls_cert,
+            store_tls_key=a.store_tls_key,
+            store_token_file=a.store_token_file,
             kv_bits=a.kv_bits,
             kv_group_size=a.kv_group_size,
             quantized_kv_start=a.quantized_kv_start,

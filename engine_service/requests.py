@@ -41,9 +41,19 @@ def stop_token_ids(sampling: SamplingOptions, eos_token_ids: list[int]) -> froze
     return frozenset(ids)
 
 
+# Between a principal's name and its own request id: request ids are the caller's own (a
+# client's id is printable, so it never holds this).
+OWNER_SEPARATOR = "\x1f"
+
+
+def scoped_id(owner: str, request_id: str) -> str:
+    """The engine's id of a caller's request: callers never see or touch each other's."""
+    return f"{owner}{OWNER_SEPARATOR}{request_id}" if owner else request_id
+
+
 @dataclass
 class GenerationRequest:
-    request_id: str
+    request_id: str  # scoped_id(owner, the client's id)
     prompt: list[int]
     max_tokens: int
     sampling: SamplingOptions
@@ -57,6 +67,11 @@ class GenerationRequest:
     kv: KVCodec = KVCodec()
     layout: list[str] = field(default_factory=list)  # the model's layout under `kv`
     num_draft: int = 0  # speculative decoding: draft tokens per round (0: off)
+
+    @property
+    def shown_id(self) -> str:
+        """The request id as its client knows it."""
+        return self.request_id.rpartition(OWNER_SEPARATOR)[2]
 
     def finished_by(self, tokens: list[int]) -> bool:
         """Whether these generated tokens already end the generation."""

@@ -165,7 +165,7 @@ class ResponseBuilder:
         self, chunk: ResponseChunk, reason: ResponseFinish, stop_token: int | None = None
     ) -> ResponseChunk:
         chunk.finish_reason = reason
-        chunk.request_id = self.req.request_id
+        chunk.request_id = self.req.shown_id
         if self.text.stopped_by:
             chunk.matched_stop = self.text.stopped_by
         elif reason in ("length", "stop"):

@@ -144,7 +144,7 @@ class Scheduler:
             if not self._accepting:
                 raise Unavailable("the engine is shutting down")
             if request.request_id in self._ids:
-                raise AlreadyExists(f"request {request.request_id!r} is already running")
+                raise AlreadyExists(f"request {request.shown_id!r} is already running")
             limit = self.limits.max_running + self.limits.max_queued
             if self._pending >= limit:
                 self._stats.rejected_total += 1

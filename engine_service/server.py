@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,15 +22,54 @@ from engine_service.requests import DraftSupport, RequestPolicy
 from engine_service.response_stream import loop_deliver
 from engine_service.scheduler import Limits, Scheduler
 from engine_service.servicer import EngineServicer
+from tandem_client.credentials import bearer_token, tls_credentials
+from tandem_wire.auth import Authenticator, AuthFileError, Role
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
-from tandem_wire.service import SERVER_OPTIONS, configure_logging, guarded
-from tandem_wire.tls import bind
+from tandem_wire.service import SERVER_OPTIONS, Access, configure_logging, guarded
+from tandem_wire.tls import bind, check_exposure
 
 log = logging.getLogger("tandem.engine")
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 
 
+# What each RPC needs when the engine runs with --auth-file (health and reflection: open).
+ROLES = {
+    "/tandem.v1.Engine/*": Role.GENERATE,
+    "/tandem.v1.Engine/Stats": Role.ADMIN,
+    "/tandem.v1.Engine/Flush": Role.ADMIN,
+}
+
+
+def _access(config: EngineConfig) -> Access | None:
+    check_exposure(
+        "tandem-engine", [config.listen], bool(config.auth_file), config.insecure_no_auth
+    )
+    if not config.auth_file:
+        return None
+    try:
+        return Access(Authenticator(Path(config.auth_file)), ROLES)
+    except AuthFileError as exc:
+        raise OSError(str(exc)) from None
+
+
+def _store_settings(config: EngineConfig) -> tuple[grpc.ChannelCredentials | None, str]:
+    """TLS credentials and token for the engine's store client (files read once, here)."""
+    tls = config.store_tls_ca or config.store_tls_cert
+    try:
+        credentials = (
+            tls_credentials(config.store_tls_ca, config.store_tls_cert, config.store_tls_key)
+            if tls
+            else None
+        )
+        token = bearer_token(config.store_token_file) if config.store_token_file else ""
+    except (OSError, ValueError) as exc:
+        raise OSError(f"store credentials: {exc}") from None
+    return credentials, token
+
+
 async def serve(config: EngineConfig) -> None:
+    access = _access(config)
+    store_credentials, store_token = _store_settings(config)
     log.info("BLAS: %s", blas.in_use())
     # The MLX thread holds the GIL while it builds each step's graph; with the default 5 ms
     # switch interval every hand-off to the gRPC thread can wait that long, and a request
@@ -56,8 +96,13 @@ async def serve(config: EngineConfig) -> None:
             store=config.store,
             local_cache_bytes=config.prefix_cache_bytes,
             spill_queue_bytes=config.spill_queue_bytes,
+            store_credentials=store_credentials,
+            store_token=store_token,
         ),
     )
+    problem = await asyncio.to_thread(checkpoints.check_store)
+    if problem:
+        log.error("%s: checkpoints will not reach it until that is fixed", problem)
     scheduler = Scheduler(
         loaded, limits, loop_deliver(asyncio.get_running_loop()), checkpoints, draft
     )
@@ -72,8 +117,9 @@ async def serve(config: EngineConfig) -> None:
         drafts=DraftSupport(draft.model_id if draft else "", config.num_draft_tokens),
     )
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    registrar = guarded(server)  # malformed requests: INVALID_ARGUMENT on every RPC
-    servicer = EngineServicer(policy, scheduler, checkpoints)
+    # Malformed requests: INVALID_ARGUMENT on every RPC; with access, callers authenticated.
+    registrar = guarded(server, access)
+    servicer = EngineServicer(policy, scheduler, checkpoints, access)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, registrar)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registrar)
@@ -82,7 +128,7 @@ async def serve(config: EngineConfig) -> None:
     reflection.enable_server_reflection(
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = bind(server, config.listen, config.tls_cert, config.tls_key)
+    port = bind(server, config.listen, config.tls_cert, config.tls_key, config.tls_client_ca)
     await server.start()
     host = config.listen.rsplit(":", 1)[0]
     print(f"tandem-engine listening on {host}:{port}", flush=True)
@@ -92,6 +138,8 @@ async def serve(config: EngineConfig) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    if access is not None:
+        loop.add_signal_handler(signal.SIGHUP, access.authenticator.reload)
     await stop.wait()
 
     # Stop admitting, let in-flight generations finish within the grace period, then

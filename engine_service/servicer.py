@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -22,10 +23,12 @@ from engine_service.checkpoints import CheckpointManager
 from engine_service.errors import EngineError, NotFound
 from engine_service.planner import Planner
 from engine_service.plans import ResumePlan
-from engine_service.requests import GenerationRequest, RequestPolicy
+from engine_service.requests import GenerationRequest, RequestPolicy, scoped_id
 from engine_service.response_stream import Backpressure, RequestStream, respond
 from engine_service.scheduler import Scheduler
+from tandem_wire.auth import AuthError, current, namespace_for
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
+from tandem_wire.service import Access
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -40,6 +43,8 @@ async def rpc_status(context: grpc.aio.ServicerContext, rpc: str) -> AsyncIterat
         raise
     except EngineError as exc:
         await context.abort(exc.code, str(exc))
+    except AuthError as exc:  # a namespace the caller may not use
+        await context.abort(grpc.StatusCode[exc.status], str(exc))
     except Exception as exc:  # noqa: BLE001 - a bug: logged, then INTERNAL
         log.exception("%s failed", rpc)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc}: {exc}")
@@ -58,14 +63,22 @@ async def _inline(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
+def _owner() -> str:
+    """Whose requests these are: the calling principal (auth), else everyone's."""
+    principal = current()
+    return principal.name if principal is not None else ""
+
+
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(
         self,
         policy: RequestPolicy,
         scheduler: Scheduler,
         checkpoints: CheckpointManager | None = None,
+        access: Access | None = None,
     ) -> None:
         self.policy = policy
+        self.access = access
         self.loaded = policy.loaded
         self.scheduler = scheduler
         self.checkpoints = checkpoints
@@ -105,11 +118,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     ) -> GenerationRequest:
         remaining = context.time_remaining()
         deadline = arrival + remaining if remaining is not None else None
+        request.namespace = namespace_for(request.namespace)  # PermissionDenied (auth)
         # Tokenizing runs off the event loop; token-id prompts are only checked, inline,
         # saving two thread hand-offs.
         convert = asyncio.to_thread if wire.needs_tokenizer(request) else _inline
         req: GenerationRequest = await convert(wire.request_from_pb, request, self.policy, deadline)
-        return req
+        return dataclasses.replace(req, request_id=scoped_id(_owner(), req.request_id))
 
     def _backpressure(
         self, req: GenerationRequest, context: grpc.aio.ServicerContext
@@ -170,7 +184,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Cancel(
         self, request: engine_pb2.CancelRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.CancelResponse:
-        if not self.scheduler.cancel(request.request_id):
+        if not self.scheduler.cancel(scoped_id(_owner(), request.request_id)):
             raise NotFound(f"no running or queued request {request.request_id!r}")
         return engine_pb2.CancelResponse()
 
@@ -181,7 +195,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         ckpt = self.checkpoints
         snapshot = ckpt.snapshot() if ckpt is not None else None
         has_store = ckpt is not None and ckpt.has_store
-        return wire.stats_to_pb(self.scheduler.stats(), snapshot, has_store)
+        reply = wire.stats_to_pb(self.scheduler.stats(), snapshot, has_store)
+        if self.access is not None:
+            reply.auth_failures = self.access.authenticator.failures_total
+        return reply
 
     @unary
     async def Flush(

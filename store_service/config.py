@@ -39,9 +39,15 @@ class StoreConfig:
     grace_s: float = 10.0
     # Initial LMDB map size; 0 = sized from the capacity. It grows on demand either way.
     map_size_bytes: int = 0
-    # PEM files; both given = listen with TLS.
+    # PEM files; both given = listen with TLS; a client CA = client certificates required.
     tls_cert: str = ""
     tls_key: str = ""
+    tls_client_ca: str = ""
+    # Security (docs/security.md): principals, StoreAdmin on a port of its own, and the
+    # explicit opt-out that allows a non-loopback address without authentication.
+    auth_file: str = ""
+    admin_listen: str = ""
+    insecure_no_auth: bool = False
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -102,6 +108,27 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
     )
     parser.add_argument("--tls-cert", default=_env("TLS_CERT", ""), help="PEM certificate")
     parser.add_argument("--tls-key", default=_env("TLS_KEY", ""), help="PEM private key")
+    parser.add_argument(
+        "--tls-client-ca",
+        default=_env("TLS_CLIENT_CA", ""),
+        help="PEM CA bundle: clients must present a certificate it signed (mTLS)",
+    )
+    parser.add_argument(
+        "--auth-file",
+        default=_env("AUTH_FILE", ""),
+        help="JSON file of principals (docs/security.md); reloaded on SIGHUP",
+    )
+    parser.add_argument(
+        "--admin-listen",
+        default=_env("ADMIN_LISTEN", ""),
+        help="HOST:PORT serving StoreAdmin (then not served on --listen)",
+    )
+    parser.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        default=_env("INSECURE_NO_AUTH", "") == "1",
+        help="allow a non-loopback address without --auth-file",
+    )
     args = parser.parse_args(argv)
     try:
         return StoreConfig(
@@ -112,6 +139,10 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
             sync_interval_s=args.sync_interval,
             chunk_bytes=args.chunk_bytes,
             max_workers=args.max_workers,
+            tls_client_ca=args.tls_client_ca,
+            auth_file=args.auth_file,
+            admin_listen=args.admin_listen,
+            insecure_no_auth=args.insecure_no_auth,
             bulk_calls_per_connection=args.max_bulk_calls_per_connection,
             grace_s=args.grace,
             map_size_bytes=args.map_size,

@@ -27,6 +27,8 @@ from contextlib import contextmanager
 
 import grpc
 
+from tandem_wire.auth import AuthError
+
 log = logging.getLogger(__name__)
 
 
@@ -92,6 +94,8 @@ STATUS: dict[type[StoreError], grpc.StatusCode] = {
 
 def status_of(exc: BaseException) -> grpc.StatusCode | None:
     """The status of the most specific mapped class of exc; None for an unknown error."""
+    if isinstance(exc, AuthError):  # a caller without the right credentials
+        return grpc.StatusCode[exc.status]
     for cls in type(exc).__mro__:
         code = STATUS.get(cls)
         if code is not None:

@@ -14,6 +14,7 @@ import hashlib
 import math
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -406,6 +407,8 @@ class RecordFilter:
     kind: int = 0
     older_than_s: int = 0
     idle_for_s: int = 0
+    # The namespaces the caller may see (auth); None = all.
+    allowed: Callable[[str], bool] | None = None
 
     @classmethod
     def from_pb(cls, f: store_pb2.RecordFilter) -> RecordFilter:
@@ -414,6 +417,7 @@ class RecordFilter:
     def matches(self, info: RecordInfo, now: int) -> bool:
         return (
             (not self.namespace or info.namespace == self.namespace)
+            and (self.allowed is None or self.allowed(info.namespace))
             and (not self.model_id or info.model_id == self.model_id)
             and (not self.kind or info.kind == self.kind)
             and now - info.created_ms >= self.older_than_s * 1000

@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,18 +20,21 @@ from store_service.errors import StorageError
 from store_service.fair_share import BulkCallLimit
 from store_service.servicer import StoreAdminServicer, StoreServicer, store_handler
 from store_service.store import CheckpointStore
+from tandem_wire.auth import Authenticator, AuthFileError, Role
 from tandem_wire.pb import store_pb2, store_pb2_grpc
-from tandem_wire.service import SERVER_OPTIONS, configure_logging, guarded
-from tandem_wire.tls import bind
+from tandem_wire.service import SERVER_OPTIONS, Access, configure_logging, guarded
+from tandem_wire.tls import bind, check_exposure
 
 log = logging.getLogger("tandem.store")
 
-SERVICE_NAMES = [
-    store_pb2.DESCRIPTOR.services_by_name["Store"].full_name,
-    store_pb2.DESCRIPTOR.services_by_name["StoreAdmin"].full_name,
-]
+STORE_SERVICE = store_pb2.DESCRIPTOR.services_by_name["Store"].full_name
+ADMIN_SERVICE = store_pb2.DESCRIPTOR.services_by_name["StoreAdmin"].full_name
 # Chunks are at most 4 MiB of payload; leave room for the envelope.
 MAX_MESSAGE_BYTES = 8 << 20
+
+
+# What each RPC needs when the store runs with --auth-file.
+ROLES = {"/tandem.v1.Store/*": Role.STORE, "/tandem.v1.StoreAdmin/*": Role.ADMIN}
 
 
 def create_server(
@@ -40,8 +44,14 @@ def create_server(
     tls_cert: str = "",
     tls_key: str = "",
     bulk_calls_per_connection: int = 0,
+    *,
+    tls_client_ca: str = "",
+    access: Access | None = None,
+    data_plane: bool = True,
+    admin: bool = True,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """Builds (not starts) a server for `store`; returns it, its bound port and its health."""
+    """Builds (not starts) a server for `store` serving its data plane, its admin RPCs or
+    both; returns it, its bound port and its health."""
     server = grpc.server(
         ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="store-rpc"),
         options=[
@@ -55,44 +65,91 @@ def create_server(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    registrar = guarded(server)  # malformed requests: INVALID_ARGUMENT on every RPC
-    # 0: half the workers, so one connection never holds them all.
-    bulk_limit = BulkCallLimit(bulk_calls_per_connection or max(1, max_workers // 2))
-    registrar.add_generic_rpc_handlers((store_handler(StoreServicer(store, bulk_limit)),))
-    admin = StoreAdminServicer(StoreAdmin(store))
-    store_pb2_grpc.add_StoreAdminServicer_to_server(admin, registrar)
+    # Malformed requests: INVALID_ARGUMENT on every RPC; with access, callers authenticated.
+    registrar = guarded(server, access)
+    names = []
+    if data_plane:
+        # 0: half the workers, so one connection never holds them all.
+        bulk_limit = BulkCallLimit(bulk_calls_per_connection or max(1, max_workers // 2))
+        registrar.add_generic_rpc_handlers((store_handler(StoreServicer(store, bulk_limit)),))
+        names.append(STORE_SERVICE)
+    if admin:
+        store_pb2_grpc.add_StoreAdminServicer_to_server(
+            StoreAdminServicer(StoreAdmin(store), access), registrar
+        )
+        names.append(ADMIN_SERVICE)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registrar)
-    for name in ["", *SERVICE_NAMES]:
+    for name in ["", *names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
-        [*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = bind(server, listen, tls_cert, tls_key)
+    port = bind(server, listen, tls_cert, tls_key, tls_client_ca)
     return server, port, health_servicer
 
 
 def serve(config: StoreConfig) -> None:
-    store = CheckpointStore(config)
-    server, port, health_servicer = create_server(
-        store,
-        config.listen,
-        config.max_workers,
-        config.tls_cert,
-        config.tls_key,
-        config.bulk_calls_per_connection,
+    check_exposure(
+        "tandem-store",
+        [config.listen, config.admin_listen],
+        bool(config.auth_file),
+        config.insecure_no_auth,
     )
+    access = None
+    if config.auth_file:
+        try:
+            access = Access(Authenticator(Path(config.auth_file)), ROLES)
+        except AuthFileError as exc:
+            raise OSError(str(exc)) from None
+    store = CheckpointStore(config)
+    split = bool(config.admin_listen)
+    servers = [
+        create_server(
+            store,
+            config.listen,
+            config.max_workers,
+            config.tls_cert,
+            config.tls_key,
+            config.bulk_calls_per_connection,
+            tls_client_ca=config.tls_client_ca,
+            access=access,
+            admin=not split,
+        )
+    ]
+    if split:
+        servers.append(
+            create_server(
+                store,
+                config.admin_listen,
+                4,
+                config.tls_cert,
+                config.tls_key,
+                tls_client_ca=config.tls_client_ca,
+                access=access,
+                data_plane=False,
+            )
+        )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    server.start()
+    if access is not None:
+        authenticator = access.authenticator
+        signal.signal(signal.SIGHUP, lambda *_: authenticator.reload())
+    for server, _, _ in servers:
+        server.start()
     host = config.listen.rsplit(":", 1)[0]
     # One parseable line: tests and `tandem up` read the port from it.
-    print(f"tandem-store listening on {host}:{port}", flush=True)
+    print(f"tandem-store listening on {host}:{servers[0][1]}", flush=True)
+    if split:
+        admin_host = config.admin_listen.rsplit(":", 1)[0]
+        print(f"tandem-store admin listening on {admin_host}:{servers[1][1]}", flush=True)
     stop.wait()
     log.info("draining (grace %.0fs)", config.grace_s)
-    health_servicer.enter_graceful_shutdown()
-    server.stop(config.grace_s).wait()
+    for _, _, health_servicer in servers:
+        health_servicer.enter_graceful_shutdown()
+    for server, _, _ in servers:
+        server.stop(config.grace_s).wait()
     store.close()
     log.info("stopped cleanly")
 

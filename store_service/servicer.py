@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterator
@@ -22,8 +23,10 @@ from store_service.wire import (
     put_header,
     serialize_response,
 )
+from tandem_wire.auth import PermissionDenied, current, namespace_for
 from tandem_wire.chunks import encode_chunk
 from tandem_wire.pb import store_pb2, store_pb2_grpc
+from tandem_wire.service import Access
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,6 +51,7 @@ def store_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:
             "Lookup": unary(servicer.Lookup, store_pb2.LookupRequest, store_pb2.LookupResponse),
             "Pin": unary(servicer.Pin, store_pb2.PinRequest, store_pb2.PinResponse),
             "Unpin": unary(servicer.Unpin, store_pb2.UnpinRequest, store_pb2.UnpinResponse),
+            "Flush": unary(servicer.Flush, store_pb2.FlushRequest, store_pb2.FlushResponse),
         },
     )
 
@@ -76,13 +80,16 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def __init__(self, store: CheckpointStore, bulk_limit: BulkCallLimit) -> None:
         self.store = store
         self.bulk_limit = bulk_limit
+        self.admin = StoreAdmin(store)  # for Flush
 
     @rpc_errors
     def Put(
         self, requests: Iterator[store_pb2.PutRequest], context: grpc.ServicerContext
     ) -> store_pb2.PutResponse:
         self.bulk_limit.enter(context)
-        spec = PutSpec.from_pb(put_header(requests))
+        header = put_header(requests)
+        header.checkpoint.namespace = namespace_for(header.checkpoint.namespace)
+        spec = PutSpec.from_pb(header)
         return self.store.put(spec, put_chunks(requests)).to_pb()
 
     @rpc_errors
@@ -90,8 +97,9 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.GetRequest, context: grpc.ServicerContext
     ) -> Iterator[store_pb2.GetResponse]:
         piece = get_piece_bytes(request)
+        namespace = namespace_for(request.namespace)
         self.bulk_limit.enter(context)
-        record = self.store.open_record(request.namespace, request.key)
+        record = self.store.open_record(namespace, request.key)
         yield store_pb2.GetResponse(header=record.header)
         if not request.header_only:
             # Chunks leave as ready wire bytes; serialize_response passes them on.
@@ -101,60 +109,25 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def Lookup(
         self, request: store_pb2.LookupRequest, context: grpc.ServicerContext
     ) -> store_pb2.LookupResponse:
-        return self.store.lookup(LookupQuery.from_pb(request)).to_pb()
+        query = LookupQuery.from_pb(request)
+        query = dataclasses.replace(query, namespace=namespace_for(query.namespace))
+        return self.store.lookup(query).to_pb()
 
     @rpc_errors
     def Pin(
         self, request: store_pb2.PinRequest, context: grpc.ServicerContext
     ) -> store_pb2.PinResponse:
         r = request
-        lease = self.store.pin(r.namespace, r.key, r.ttl_seconds, r.holder, r.lease_id)
+        namespace = namespace_for(r.namespace)
+        lease = self.store.pin(namespace, r.key, r.ttl_seconds, r.holder, r.lease_id)
         return store_pb2.PinResponse(lease_id=lease.lease_id, expires_at_unix_ms=lease.expires_ms)
 
     @rpc_errors
     def Unpin(
         self, request: store_pb2.UnpinRequest, context: grpc.ServicerContext
     ) -> store_pb2.UnpinResponse:
-        self.store.unpin(request.namespace, request.key, request.lease_id)
+        self.store.unpin(namespace_for(request.namespace), request.key, request.lease_id)
         return store_pb2.UnpinResponse()
-
-
-class StoreAdminServicer(store_pb2_grpc.StoreAdminServicer):
-    def __init__(self, admin: StoreAdmin) -> None:
-        self.admin = admin
-
-    @rpc_errors
-    def List(
-        self, request: store_pb2.ListRequest, context: grpc.ServicerContext
-    ) -> store_pb2.ListResponse:
-        flt = RecordFilter.from_pb(request.filter)
-        return self.admin.list_records(flt, request.page_size, request.page_token).to_pb()
-
-    @rpc_errors
-    def Inspect(
-        self, request: store_pb2.InspectRequest, context: grpc.ServicerContext
-    ) -> store_pb2.InspectResponse:
-        return self.admin.inspect(request.namespace, request.key).to_pb()
-
-    @rpc_errors
-    def Delete(
-        self, request: store_pb2.DeleteRequest, context: grpc.ServicerContext
-    ) -> store_pb2.DeleteResponse:
-        freed = self.admin.delete(request.namespace, request.key, request.force)
-        return store_pb2.DeleteResponse(freed_bytes=freed)
-
-    @rpc_errors
-    def Purge(
-        self, request: store_pb2.PurgeRequest, context: grpc.ServicerContext
-    ) -> store_pb2.PurgeResponse:
-        flt = RecordFilter.from_pb(request.filter)
-        return self.admin.purge(flt, request.include_pinned, request.dry_run).to_pb()
-
-    @rpc_errors
-    def Stats(
-        self, request: store_pb2.StatsRequest, context: grpc.ServicerContext
-    ) -> store_pb2.StatsResponse:
-        return self.admin.stats().to_pb()
 
     @rpc_errors
     def Flush(
@@ -162,8 +135,81 @@ class StoreAdminServicer(store_pb2_grpc.StoreAdminServicer):
     ) -> store_pb2.FlushResponse:
         return store_pb2.FlushResponse(durable=True, seconds=self.admin.flush())
 
+
+class StoreAdminServicer(store_pb2_grpc.StoreAdminServicer):
+    """Operators' RPCs. With auth every one needs the admin role (the guard checks it); an
+    admin limited to some namespaces lists, inspects, deletes and purges only those, and
+    the store-wide ones (Stats, Flush, Compact) need an admin of every namespace."""
+
+    def __init__(self, admin: StoreAdmin, access: Access | None = None) -> None:
+        self.admin = admin
+        self.access = access
+
+    def _visible(self, flt: RecordFilter) -> RecordFilter:
+        principal = current()
+        if principal is None or principal.sees_everything:
+            return flt
+        if flt.namespace:
+            principal.namespace(flt.namespace)  # PermissionDenied unless allowed
+            return flt
+        return dataclasses.replace(flt, allowed=principal.may_use)
+
+    @staticmethod
+    def _store_wide(rpc: str) -> None:
+        principal = current()
+        if principal is not None and not principal.sees_everything:
+            raise PermissionDenied(f"{rpc} covers every namespace: it needs an admin of '*'")
+
+    @rpc_errors
+    def List(
+        self, request: store_pb2.ListRequest, context: grpc.ServicerContext
+    ) -> store_pb2.ListResponse:
+        flt = self._visible(RecordFilter.from_pb(request.filter))
+        return self.admin.list_records(flt, request.page_size, request.page_token).to_pb()
+
+    @rpc_errors
+    def Inspect(
+        self, request: store_pb2.InspectRequest, context: grpc.ServicerContext
+    ) -> store_pb2.InspectResponse:
+        return self.admin.inspect(namespace_for(request.namespace), request.key).to_pb()
+
+    @rpc_errors
+    def Delete(
+        self, request: store_pb2.DeleteRequest, context: grpc.ServicerContext
+    ) -> store_pb2.DeleteResponse:
+        namespace = namespace_for(request.namespace)
+        freed = self.admin.delete(namespace, request.key, request.force)
+        return store_pb2.DeleteResponse(freed_bytes=freed)
+
+    @rpc_errors
+    def Purge(
+        self, request: store_pb2.PurgeRequest, context: grpc.ServicerContext
+    ) -> store_pb2.PurgeResponse:
+        flt = self._visible(RecordFilter.from_pb(request.filter))
+        return self.admin.purge(flt, request.include_pinned, request.dry_run).to_pb()
+
+    @rpc_errors
+    def Stats(
+        self, request: store_pb2.StatsRequest, context: grpc.ServicerContext
+    ) -> store_pb2.StatsResponse:
+        self._store_wide("Stats")
+        stats = self.admin.stats()
+        if self.access is not None:
+            stats = dataclasses.replace(
+                stats, auth_failures=self.access.authenticator.failures_total
+            )
+        return stats.to_pb()
+
+    @rpc_errors
+    def Flush(
+        self, request: store_pb2.FlushRequest, context: grpc.ServicerContext
+    ) -> store_pb2.FlushResponse:
+        self._store_wide("Flush")
+        return store_pb2.FlushResponse(durable=True, seconds=self.admin.flush())
+
     @rpc_errors
     def Compact(
         self, request: store_pb2.CompactRequest, context: grpc.ServicerContext
     ) -> store_pb2.CompactResponse:
+        self._store_wide("Compact")
         return self.admin.compact().to_pb()

@@ -199,6 +199,7 @@ class StoreStats:
     sync_mode: str
     chunk_bytes: int
     map_resizes: int
+    auth_failures: int = 0  # calls refused UNAUTHENTICATED (with --auth-file)
 
     def to_pb(self) -> store_pb2.StatsResponse:
         return store_pb2.StatsResponse(**vars(self))

@@ -16,10 +16,21 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
+from tandem_wire.auth import (
+    Authenticator,
+    AuthError,
+    Principal,
+    Role,
+    reset_current,
+    set_current,
+    tls_identities,
+)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -31,6 +42,37 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [("grpc.so_reuseport", 0)]
 def configure_logging(level: int = logging.INFO) -> None:
     """Logs go to stderr (stdout carries only the `listening on` banner)."""
     logging.basicConfig(level=level, stream=sys.stderr, format=LOG_FORMAT)
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may call what: the authenticator, and the role each method needs ("/svc/Method",
+    or "/svc/*" for a whole service). Methods it does not name (health, reflection) are
+    open."""
+
+    authenticator: Authenticator
+    roles: Mapping[str, Role]
+
+    def role_of(self, method: str) -> Role | None:
+        found = self.roles.get(method)
+        if found is None:
+            found = self.roles.get(method.rsplit("/", 1)[0] + "/*")
+        return found
+
+    def check(self, method: str, context: Any) -> Principal | None:
+        """The caller's principal, holding the method's role. Raises AuthError."""
+        role = self.role_of(method)
+        if role is None:
+            return None
+        principal = self.authenticator.authenticate(
+            context.invocation_metadata(), tls_identities(context.auth_context()), context.peer()
+        )
+        principal.require(role)
+        return principal
+
+
+def auth_status(exc: AuthError) -> grpc.StatusCode:
+    return grpc.StatusCode[exc.status]
 
 
 class MalformedRequest:
@@ -56,75 +98,123 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
     return parse
 
 
-def _guard_sync(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
-    def call(request: Any, context: grpc.ServicerContext) -> Any:
+def _guard_sync(
+    behavior: Callable[..., Any], method: str, access: Access | None, streaming_out: bool
+) -> Callable[..., Any]:
+    def admit(request: Any, context: grpc.ServicerContext) -> Principal | None:
         if isinstance(request, MalformedRequest):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
-        return behavior(request, context)
+        if access is None:
+            return None
+        try:
+            return access.check(method, context)
+        except AuthError as exc:
+            context.abort(auth_status(exc), str(exc))
+            raise  # not reached: abort raises
+
+    if streaming_out:
+        # The response generator runs after this returns: the principal is set inside it.
+        def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            principal = admit(request, context)
+            token = set_current(principal)
+            try:
+                yield from behavior(request, context)
+            finally:
+                reset_current(token)
+
+        return stream
+
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        principal = admit(request, context)
+        token = set_current(principal)
+        try:
+            return behavior(request, context)
+        finally:
+            reset_current(token)
 
     return call
 
 
-def _guard_async(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+def _guard_async(
+    behavior: Callable[..., Any], method: str, access: Access | None
+) -> Callable[..., Any]:
+    async def admit(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
+        if access is not None:
+            try:
+                set_current(access.check(method, context))
+            except AuthError as exc:
+                await context.abort(auth_status(exc), str(exc))
+
     if inspect.isasyncgenfunction(behavior):
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if isinstance(request, MalformedRequest):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
+            await admit(request, context)
             async for response in behavior(request, context):
                 yield response
 
         return stream
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, MalformedRequest):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
+        await admit(request, context)
         return await behavior(request, context)
 
     return unary
 
 
-def _guard(handler: Any, method: str, asynchronous: bool) -> Any:
-    """The handler with a deserializer that never raises (grpc's RpcMethodHandler is a
-    namedtuple: `_replace` is its public copy-with)."""
+def _guard(handler: Any, method: str, asynchronous: bool, access: Access | None) -> Any:
+    """The handler with a deserializer that never raises and, with `access`, the caller
+    authenticated first (grpc's RpcMethodHandler is a namedtuple: `_replace` is its public
+    copy-with). Each asyncio call runs in a task of its own, so the principal it sets is
+    the call's alone."""
     guarded = handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
-    if handler.request_streaming:
-        return guarded
-    guard = _guard_async if asynchronous else _guard_sync
-    if handler.unary_unary is not None:
-        return guarded._replace(unary_unary=guard(handler.unary_unary, method))
-    return guarded._replace(unary_stream=guard(handler.unary_stream, method))
+    kind = next(
+        k
+        for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+        if getattr(handler, k) is not None
+    )
+    behavior = getattr(handler, kind)
+    if asynchronous:
+        wrapped = _guard_async(behavior, method, access)
+    else:
+        wrapped = _guard_sync(behavior, method, access, kind.endswith("_stream"))
+    return guarded._replace(**{kind: wrapped})
 
 
 class _GuardedGeneric(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc is untyped
-    def __init__(self, inner: grpc.GenericRpcHandler, asynchronous: bool) -> None:
+    def __init__(
+        self, inner: grpc.GenericRpcHandler, asynchronous: bool, access: Access | None
+    ) -> None:
         self.inner = inner
         self.asynchronous = asynchronous
+        self.access = access
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = self.inner.service(handler_call_details)
         if handler is None:
             return None
-        return _guard(handler, handler_call_details.method, self.asynchronous)
+        return _guard(handler, handler_call_details.method, self.asynchronous, self.access)
 
 
 class guarded:  # noqa: N801 - used like a function: guarded(server)
     """Registers handlers on `server` with malformed requests refused (see the module doc)."""
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: Any, access: Access | None = None) -> None:
         self.server = server
         self.asynchronous = isinstance(server, grpc.aio.Server)
+        self.access = access
 
     def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
         self.server.add_generic_rpc_handlers(
-            [_GuardedGeneric(h, self.asynchronous) for h in handlers]
+            [_GuardedGeneric(h, self.asynchronous, self.access) for h in handlers]
         )
 
     def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Any]) -> None:
         self.server.add_registered_method_handlers(
             service,
             {
-                name: _guard(h, f"/{service}/{name}", self.asynchronous)
+                name: _guard(h, f"/{service}/{name}", self.asynchronous, self.access)
                 for name, h in handlers.items()
             },
         )

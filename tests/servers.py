@@ -72,8 +72,10 @@ class ServiceProcess:
         self.log_path = log_path
         self.proc: subprocess.Popen[str] | None = None
         self.address = ""
-        # Root certificate to check a TLS server's health with (None: plaintext).
+        # Root certificate to check a TLS server's health with (None: plaintext), and the
+        # client certificate and key an mTLS server wants.
         self.tls_root: bytes | None = None
+        self.tls_client: tuple[bytes, bytes] | None = None
 
     def start(self, timeout: float = 60.0, listen: str = "127.0.0.1:0") -> ServiceProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -102,8 +104,11 @@ class ServiceProcess:
 
     def _wait_serving(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        key, cert = self.tls_client or (None, None)
         channel = (
-            grpc.secure_channel(self.address, grpc.ssl_channel_credentials(self.tls_root))
+            grpc.secure_channel(
+                self.address, grpc.ssl_channel_credentials(self.tls_root, key, cert)
+            )
             if self.tls_root
             else grpc.insecure_channel(self.address)
         )

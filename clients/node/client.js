@@ -18,12 +18,45 @@ function loadServices() {
 
 const tandem = loadServices();
 
-/** Clients for an engine and a store address (insecure loopback by default). */
-function connect({ engine, store, credentials = grpc.credentials.createInsecure() } = {}) {
+const fs = require("node:fs");
+
+/** The bearer token: from tokenFile (keeps it out of `ps`), else token, else TANDEM_TOKEN_FILE
+ * or TANDEM_TOKEN; "" when none. */
+function bearerToken({ token = "", tokenFile = "" } = {}) {
+  const file = tokenFile || process.env.TANDEM_TOKEN_FILE || "";
+  if (file) return fs.readFileSync(file, "utf8").trim();
+  return token || process.env.TANDEM_TOKEN || "";
+}
+
+/** Adds `authorization: Bearer <token>` to every call (grpc-js refuses call credentials on a
+ * plaintext channel, so an interceptor carries it). */
+function tokenInterceptor(token) {
+  return (options, nextCall) => new grpc.InterceptingCall(nextCall(options), {
+    start(metadata, listener, next) {
+      metadata.set("authorization", `Bearer ${token}`);
+      next(metadata, listener);
+    },
+  });
+}
+
+/**
+ * Clients for an engine and a store address: plaintext loopback by default; TLS with tlsCa (PEM
+ * path; system roots when only tlsCert/tlsKey are given), a client certificate with tlsCert and
+ * tlsKey (mTLS), a bearer token with token / tokenFile (or TANDEM_TOKEN[_FILE]).
+ */
+function connect({ engine, store, credentials, tlsCa, tlsCert, tlsKey, token, tokenFile } = {}) {
+  if (!credentials) {
+    const read = (p) => (p ? fs.readFileSync(p) : null);
+    credentials = tlsCa || tlsCert
+      ? grpc.credentials.createSsl(read(tlsCa), read(tlsKey), read(tlsCert))
+      : grpc.credentials.createInsecure();
+  }
+  const bearer = bearerToken({ token, tokenFile });
+  const options = bearer ? { interceptors: [tokenInterceptor(bearer)] } : {};
   return {
-    engine: engine ? new tandem.Engine(engine, credentials) : null,
-    store: store ? new tandem.Store(store, credentials) : null,
-    admin: store ? new tandem.StoreAdmin(store, credentials) : null,
+    engine: engine ? new tandem.Engine(engine, credentials, options) : null,
+    store: store ? new tandem.Store(store, credentials, options) : null,
+    admin: store ? new tandem.StoreAdmin(store, credentials, options) : null,
   };
 }
 

@@ -38,8 +38,9 @@ class AsyncEngineClient(AsyncGrpcClient):
         *,
         timeout: float | None = 300.0,
         credentials: grpc.ChannelCredentials | None = None,
+        token: str = "",
     ) -> None:
-        super().__init__(address, timeout, credentials)
+        super().__init__(address, timeout, credentials, token=token)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
 
     def request(self, prompt: Prompt, **options: Any) -> engine_pb2.GenerateRequest:
@@ -106,6 +107,7 @@ class AsyncStoreClient(AsyncGrpcClient):
         *,
         timeout: float | None = 60.0,
         credentials: grpc.ChannelCredentials | None = None,
+        token: str = "",
     ) -> None:
         super().__init__(
             address,
@@ -115,6 +117,7 @@ class AsyncStoreClient(AsyncGrpcClient):
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ],
+            token,
         )
         self._store = store_pb2_grpc.StoreStub(self._channel)
         self._admin = store_pb2_grpc.StoreAdminStub(self._channel)
@@ -197,5 +200,5 @@ class AsyncStoreClient(AsyncGrpcClient):
         return r
 
     async def flush(self) -> bool:
-        r = await self._call(self._admin.Flush(store_pb2.FlushRequest(), timeout=self.timeout))
+        r = await self._call(self._store.Flush(store_pb2.FlushRequest(), timeout=self.timeout))
         return bool(r.durable)

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from tandem_client.credentials import BearerToken, aio_interceptors
 from tandem_client.errors import from_rpc_error
 
 T = TypeVar("T")
@@ -47,12 +48,21 @@ def _open(
     address: str,
     credentials: grpc.ChannelCredentials | None,
     options: Sequence[tuple[str, Any]],
+    token: str,
 ) -> Any:
-    """A channel from `grpc` or `grpc.aio`, with the retry policy, TLS when credentials."""
+    """A channel from `grpc` or `grpc.aio`, with the retry policy, TLS when credentials,
+    and the bearer token on every call when one is given."""
     opts = channel_options(options)
+    extra: dict[str, Any] = {}
+    if module is grpc.aio and token:
+        extra["interceptors"] = aio_interceptors(token)
     if credentials:
-        return module.secure_channel(address, credentials, opts)
-    return module.insecure_channel(address, opts)
+        channel = module.secure_channel(address, credentials, opts, **extra)
+    else:
+        channel = module.insecure_channel(address, opts, **extra)
+    if module is grpc and token:
+        channel = grpc.intercept_channel(channel, BearerToken(token))
+    return channel
 
 
 class GrpcClient:
@@ -62,10 +72,11 @@ class GrpcClient:
         timeout: float | None,
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        token: str = "",
     ) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = _open(grpc, address, credentials, options)
+        self._channel = _open(grpc, address, credentials, options, token)
 
     def close(self) -> None:
         self._channel.close()
@@ -92,10 +103,11 @@ class AsyncGrpcClient:
         timeout: float | None,
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        token: str = "",
     ) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = _open(grpc.aio, address, credentials, options)
+        self._channel = _open(grpc.aio, address, credentials, options, token)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -199,8 +199,9 @@ class EngineClient(GrpcClient):
         *,
         timeout: float | None = 300.0,
         credentials: grpc.ChannelCredentials | None = None,
+        token: str = "",
     ) -> None:
-        super().__init__(address, timeout, credentials)
+        super().__init__(address, timeout, credentials, token=token)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
 
     def request(self, prompt: Prompt, **options: Any) -> engine_pb2.GenerateRequest:

@@ -42,6 +42,14 @@ class Unavailable(TandemError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Unauthenticated(TandemError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(TandemError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
@@ -52,6 +60,8 @@ _BY_CODE = {
         ResourceExhausted,
         DataLoss,
         Unavailable,
+        Unauthenticated,
+        PermissionDenied,
     )
 }
 

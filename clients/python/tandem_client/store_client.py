@@ -74,6 +74,7 @@ class StoreClient(GrpcClient):
         timeout: float | None = 60.0,
         credentials: grpc.ChannelCredentials | None = None,
         max_bulk_calls: int = 0,
+        token: str = "",
     ) -> None:
         """max_bulk_calls: at most this many Put/Get calls of this client at once (0: no
         bound); a store refuses a connection more than --max-bulk-calls-per-connection."""
@@ -82,7 +83,7 @@ class StoreClient(GrpcClient):
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
-        super().__init__(address, timeout, credentials, options)
+        super().__init__(address, timeout, credentials, options, token)
         self._store = store_pb2_grpc.StoreStub(self._channel)
         # Bulk paths with hand-encoded chunks (see wire.py).
         self._put, self._get = bulk_methods(self._channel)
@@ -259,7 +260,7 @@ class StoreClient(GrpcClient):
     def flush(self) -> bool:
         """The store's durability barrier: True once everything acknowledged is on disk."""
         r: store_pb2.FlushResponse = self._call(
-            lambda: self._admin.Flush(store_pb2.FlushRequest(), timeout=self.timeout)
+            lambda: self._store.Flush(store_pb2.FlushRequest(), timeout=self.timeout)
         )
         return r.durable
 

@@ -8,7 +8,8 @@
 
 Addresses come from --engine / --store, else TANDEM_ENGINE / TANDEM_STORE, else the defaults
 127.0.0.1:50051 / 127.0.0.1:50061. Exit codes: 0 ok, 2 bad usage or invalid argument,
-3 not found, 4 service unreachable, 5 data loss, 1 any other error. Errors are one line on
+3 not found, 4 service unreachable, 5 data loss, 6 not authenticated or not allowed, 1 any
+other error. Errors are one line on
 stderr.
 """
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
+from tandem_client.cli.connection import add_connection_args, connection
 from tandem_client.cli.output import (
     console,
     human_age,
@@ -35,6 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     def command(name: str, helptext: str, func: Any, json_flag: bool = True) -> Any:
         p = cmds.add_parser(name, help=helptext)
         p.add_argument("--store", help="store address (env TANDEM_STORE)")
+        add_connection_args(p)
         if json_flag:
             p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=func)
@@ -73,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def _client(args: argparse.Namespace) -> StoreClient:
-    return StoreClient(store_address(args.store), timeout=600)
+    return StoreClient(store_address(args.store), timeout=600, **connection(args))
 
 
 def _key(text: str) -> bytes:

@@ -6,12 +6,14 @@ import argparse
 import sys
 from typing import Any
 
+from tandem_client.cli.connection import add_connection_args, connection
 from tandem_client.cli.output import console, engine_address, print_json
 from tandem_client.engine_client import EngineClient, GenerationChunk
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", help="engine address (env TANDEM_ENGINE)")
+    add_connection_args(p)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float)
@@ -80,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     options = _options(args)
     if args.logprobs is not None:
         options["logprobs"] = args.logprobs
-    with EngineClient(engine_address(args.engine)) as client:
+    with EngineClient(engine_address(args.engine), **connection(args)) as client:
         chunks = []
         for chunk in client.stream(args.prompt, request_id=args.request_id, **options):
             chunks.append(chunk)
@@ -110,7 +112,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     then the store), so a long conversation is not recomputed turn after turn."""
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
-    with EngineClient(engine_address(args.engine)) as client:
+    with EngineClient(engine_address(args.engine), **connection(args)) as client:
         while True:
             if interactive:
                 console.print("[bold]you>[/bold] ", end="")

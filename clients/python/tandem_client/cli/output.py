@@ -22,6 +22,8 @@ _EXIT = {
     grpc.StatusCode.UNAVAILABLE: 4,
     grpc.StatusCode.DEADLINE_EXCEEDED: 4,
     grpc.StatusCode.DATA_LOSS: 5,
+    grpc.StatusCode.UNAUTHENTICATED: 6,
+    grpc.StatusCode.PERMISSION_DENIED: 6,
 }
 
 
