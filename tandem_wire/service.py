@@ -65,7 +65,9 @@ class Access:
         if role is None:
             return None
         principal = self.authenticator.authenticate(
-            context.invocation_metadata(), tls_identities(context.auth_context()), context.peer()
+            context.invocation_metadata(),
+            lambda: tls_identities(context.auth_context()),  # only without a token: costly
+            context.peer(),
         )
         principal.require(role)
         return principal

@@ -310,6 +310,9 @@ def test_engine_tenancy_and_engine_to_store_over_tls_with_a_token(
             assert status(calls[rpc], bearer("engine")) == DENIED, rpc
         foreign = engine_pb2.GenerateRequest(token_ids=[5, 6], max_tokens=2, namespace="acme")
         assert code_of(lambda: stub.Generate(foreign, metadata=bearer("beta"))) == DENIED
+        refused_stats = stub.Stats(engine_pb2.EngineStatsRequest(), metadata=bearer("ops"))
+        assert refused_stats.requests_total == 0  # nothing refused reached the engine loop
+        assert refused_stats.auth_failures == 2 * len(calls)
 
         prompt = [(i * 977) % 2000 + 3 for i in range(200)]
         with (
@@ -347,7 +350,16 @@ def test_engine_tenancy_and_engine_to_store_over_tls_with_a_token(
             resumed = acme.generate(prompt[:40], resume=True, **options)
             reference = acme.generate(prompt[:40], **{**options, "request_id": "ref"})
             assert resumed.token_ids == reference.token_ids
-            assert ops.stats().auth_failures > 0
+        # SIGHUP: beta is removed live; acme goes on.
+        write_auth_file(auth, ["acme", "ops", "engine", "gen"])
+        assert eng.proc is not None
+        eng.proc.send_signal(signal.SIGHUP)
+        info = engine_pb2.ModelInfoRequest()
+        deadline = time.monotonic() + 30
+        while code_of(lambda: stub.ModelInfo(info, metadata=bearer("beta"))) != UNAUTHENTICATED:
+            assert time.monotonic() < deadline, "the engine never reloaded its auth file"
+            time.sleep(0.1)
+        assert code_of(lambda: stub.ModelInfo(info, metadata=bearer("acme"))) == grpc.StatusCode.OK
         channel.close()
     finally:
         eng.stop()

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from tandem_client.credentials import BearerToken, aio_interceptors
+from tandem_client.credentials import TokenChannel, aio_interceptors
 from tandem_client.errors import from_rpc_error
 
 T = TypeVar("T")
@@ -61,7 +61,7 @@ def _open(
     else:
         channel = module.insecure_channel(address, opts, **extra)
     if module is grpc and token:
-        channel = grpc.intercept_channel(channel, BearerToken(token))
+        channel = TokenChannel(channel, token)
     return channel
 
 
