@@ -143,6 +143,7 @@ class StoreAdmin:
                 sync_mode=config.sync_mode.value,
                 chunk_bytes=config.chunk_bytes,
                 map_resizes=storage.map_resizes,
+                regions=self.store.regions.count(now),
             )
 
     def flush(self) -> float:

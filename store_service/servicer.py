@@ -11,9 +11,11 @@ from typing import Any, TypeVar
 import grpc
 
 from store_service.admin import StoreAdmin
-from store_service.errors import status_on_error
+from store_service.errors import Precondition, status_on_error
 from store_service.fair_share import BulkCallLimit
 from store_service.records import PutSpec, RecordFilter
+from store_service.regions import copy_payload
+from store_service.storage import now_ms
 from store_service.store import CheckpointStore
 from store_service.wire import (
     LookupQuery,
@@ -27,6 +29,7 @@ from tandem_wire.auth import PermissionDenied, current, namespace_for
 from tandem_wire.chunks import encode_chunk
 from tandem_wire.pb import store_pb2, store_pb2_grpc
 from tandem_wire.service import Access
+from tandem_wire.tls import is_loopback_peer
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -52,6 +55,16 @@ def store_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:
             "Pin": unary(servicer.Pin, store_pb2.PinRequest, store_pb2.PinResponse),
             "Unpin": unary(servicer.Unpin, store_pb2.UnpinRequest, store_pb2.UnpinResponse),
             "Flush": unary(servicer.Flush, store_pb2.FlushRequest, store_pb2.FlushResponse),
+            "RegisterRegion": unary(
+                servicer.RegisterRegion,
+                store_pb2.RegisterRegionRequest,
+                store_pb2.RegisterRegionResponse,
+            ),
+            "UnregisterRegion": unary(
+                servicer.UnregisterRegion,
+                store_pb2.UnregisterRegionRequest,
+                store_pb2.UnregisterRegionResponse,
+            ),
         },
     )
 
@@ -99,7 +112,28 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         piece = get_piece_bytes(request)
         namespace = namespace_for(request.namespace)
         self.bulk_limit.enter(context)
+        region = None
+        if request.region:
+            region = self.store.regions.get(_caller(context), request.region, now_ms())
         record = self.store.open_record(namespace, request.key)
+        if region is not None and not request.header_only:
+            # Verified into the region before anything is answered: a damaged chunk is
+            # DATA_LOSS, never a header saying the bytes are there.
+            copy_payload(
+                self.store.state.storage,
+                record,
+                region,
+                request.region_offset,
+                self.store.quarantine,
+            )
+            yield store_pb2.GetResponse(header=record.header)
+            placed = store_pb2.RegionPlacement(
+                region=region.name,
+                offset=request.region_offset,
+                payload_bytes=record.payload_bytes,
+            )
+            yield store_pb2.GetResponse(placed=placed)
+            return
         yield store_pb2.GetResponse(header=record.header)
         if not request.header_only:
             # Chunks leave as ready wire bytes; serialize_response passes them on.
@@ -134,6 +168,31 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.FlushRequest, context: grpc.ServicerContext
     ) -> store_pb2.FlushResponse:
         return store_pb2.FlushResponse(durable=True, seconds=self.admin.flush())
+
+    @rpc_errors
+    def RegisterRegion(
+        self, request: store_pb2.RegisterRegionRequest, context: grpc.ServicerContext
+    ) -> store_pb2.RegisterRegionResponse:
+        r = request
+        expires = self.store.regions.register(
+            _caller(context), r.name, r.size_bytes, r.proof, r.ttl_seconds, now_ms()
+        )
+        return store_pb2.RegisterRegionResponse(expires_at_unix_ms=expires)
+
+    @rpc_errors
+    def UnregisterRegion(
+        self, request: store_pb2.UnregisterRegionRequest, context: grpc.ServicerContext
+    ) -> store_pb2.UnregisterRegionResponse:
+        self.store.regions.unregister(_caller(context), request.name)
+        return store_pb2.UnregisterRegionResponse()
+
+
+def _caller(context: grpc.ServicerContext) -> str:
+    """Whose regions a call may name: its principal's (auth), and only from this host."""
+    if not is_loopback_peer(context.peer()):
+        raise Precondition("shared-memory regions are for callers on the store's host")
+    principal = current()
+    return principal.name if principal is not None else ""
 
 
 class StoreAdminServicer(store_pb2_grpc.StoreAdminServicer):

@@ -34,6 +34,7 @@ from store_service.records import (
     record_key,
 )
 from store_service.recovery import recover
+from store_service.regions import Regions
 from store_service.state import StoreState
 from store_service.storage import now_ms
 from store_service.wire import LookupQuery, LookupResult, PutResult
@@ -62,6 +63,7 @@ class CheckpointStore:
         self.put_budget = InflightBudget()  # bytes all Puts together queue at the writer
         self.maintenance = Maintenance(self.state, idle=lambda: not self.capacity.pending)
         self.maintenance.start()
+        self.regions = Regions()  # same-host callers' shared memory (regions.py)
 
     @property
     def config(self) -> StoreConfig:
@@ -355,4 +357,5 @@ class CheckpointStore:
     def close(self) -> None:
         """Stops maintenance, finishes queued writes, syncs and closes LMDB."""
         self.maintenance.stop()
+        self.regions.close()
         self.state.storage.close()

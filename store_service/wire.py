@@ -200,6 +200,7 @@ class StoreStats:
     chunk_bytes: int
     map_resizes: int
     auth_failures: int = 0  # calls refused UNAUTHENTICATED (with --auth-file)
+    regions: int = 0  # shared-memory regions registered now
 
     def to_pb(self) -> store_pb2.StatsResponse:
         return store_pb2.StatsResponse(**vars(self))

@@ -50,6 +50,17 @@ def is_loopback(listen: str) -> bool:
         return False  # a host name: it may resolve anywhere
 
 
+def is_loopback_peer(peer: str) -> bool:
+    """Whether a gRPC peer string ("ipv4:127.0.0.1:5555", "ipv6:[::1]:5555", "unix:...")
+    is on this host."""
+    kind, _, rest = peer.partition(":")
+    if kind == "unix":
+        return True
+    if kind not in ("ipv4", "ipv6"):
+        return False
+    return is_loopback(rest)
+
+
 def check_exposure(prog: str, listens: list[str], auth: bool, insecure_no_auth: bool) -> None:
     """Without --auth-file a server listens on loopback only, unless told otherwise.
 

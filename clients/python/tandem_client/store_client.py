@@ -24,6 +24,7 @@ from tandem_client.bulk import (
     receive,
 )
 from tandem_client.channel import GrpcClient
+from tandem_client.errors import DataLoss
 from tandem_client.records import (
     Attachment,
     Checkpoint,
@@ -39,6 +40,7 @@ from tandem_client.records import (
     lookup_request,
     record_filter,
 )
+from tandem_client.regions import DEFAULT_OFFSET, SharedRegion
 from tandem_wire.pb import store_pb2, store_pb2_grpc
 
 __all__ = [
@@ -113,6 +115,48 @@ class StoreClient(GrpcClient):
                 timeout=self.timeout,
             )
             return self._call(lambda: receive(stream))
+
+    # -- same-host data plane (regions.py) ----------------------------------------------------
+
+    def register_region(self, region: SharedRegion, ttl_s: int = 60) -> int:
+        """Lets the store write into `region` (renew before ttl_s passes); returns when the
+        lease ends, unix ms."""
+        request = store_pb2.RegisterRegionRequest(
+            name=region.name, size_bytes=region.size, proof=region.proof, ttl_seconds=ttl_s
+        )
+        r = self._call(lambda: self._store.RegisterRegion(request, timeout=self.timeout))
+        return int(r.expires_at_unix_ms)
+
+    def unregister_region(self, region: SharedRegion) -> None:
+        request = store_pb2.UnregisterRegionRequest(name=region.name)
+        self._call(lambda: self._store.UnregisterRegion(request, timeout=self.timeout))
+
+    def get_into(
+        self, key: bytes, region: SharedRegion, namespace: str = "", offset: int = DEFAULT_OFFSET
+    ) -> Checkpoint:
+        """The checkpoint, its payload written by the store into `region` from `offset`: the
+        tensors' data are views of the region (valid until the region is reused)."""
+        request = store_pb2.GetRequest(
+            namespace=namespace, key=key, region=region.name, region_offset=offset
+        )
+
+        def call() -> Checkpoint:
+            messages = iter(self._store.Get(request, timeout=self.timeout))
+            header = next(messages).header
+            placed = next(messages).placed
+            if placed.region != region.name or placed.offset != offset:
+                raise DataLoss("the store placed the payload elsewhere than asked")
+            checkpoint = Checkpoint.from_header(header)
+            at = offset
+            for tensor in checkpoint.all_tensors():
+                tensor.data = region.buf[at : at + tensor.nbytes]
+                at += tensor.nbytes
+            if at - offset != placed.payload_bytes:
+                raise DataLoss("the placed payload's size disagrees with the header")
+            return checkpoint
+
+        with self._bulk_slot():
+            return self._call(call)
 
     def _bulk_slot(self) -> contextlib.AbstractContextManager[object]:
         return self._bulk if self._bulk is not None else contextlib.nullcontext()

@@ -1,0 +1,55 @@
+"""A shared-memory region for the store's same-host data plane (docs/store.md).
+
+`SharedRegion(size)` creates /dev/shm/NAME (mode 0600: the store must run as the same user,
+or the operator widens it), writes 32 random bytes at its start (the proof the store checks
+when it is registered) and unlinks it on close. `StoreClient.register_region(region)` then
+`get_into(key, namespace, region)` has the store copy a record's payload straight into it:
+the tensors come back as views of the region, checked chunk by chunk by the store as it
+copied. Linux only (POSIX shared memory under /dev/shm).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+PROOF_BYTES = 32
+# Where get_into puts a payload by default: past the proof, page-aligned.
+DEFAULT_OFFSET = 4096
+
+
+class SharedRegion:
+    def __init__(self, size: int, name: str = "") -> None:
+        if size < DEFAULT_OFFSET:
+            raise ValueError(f"a region needs at least {DEFAULT_OFFSET} bytes")
+        self.name = name or f"tandem-{os.getpid()}-{secrets.token_hex(8)}"
+        self.size = size
+        self._path = SHM_DIR / self.name
+        fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.proof = secrets.token_bytes(PROOF_BYTES)
+        self._map[:PROOF_BYTES] = self.proof
+        self.buf = memoryview(self._map)
+
+    def close(self) -> None:
+        """Removes the region; it is unmapped now, or when the last view of it goes (a
+        checkpoint's tensors may still point into it)."""
+        self._path.unlink(missing_ok=True)
+        try:
+            self.buf.release()
+            self._map.close()
+        except BufferError:
+            pass  # views remain: the mapping goes with them
+
+    def __enter__(self) -> SharedRegion:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,211 @@
+"""Shared-memory regions: the same-host data plane (docs/store.md, "Shared-memory regions").
+
+A caller on the store's host creates a POSIX shared-memory file (/dev/shm/NAME), writes 32
+random bytes at its start and registers it (name, size, those bytes as proof). A Get naming
+the region then has the store copy the record's payload straight from its LMDB map into the
+region, with several threads, each stored chunk checked against its CRC as it is copied; the
+reply carries only the header. Regions belong to the principal that registered them (auth) and
+hold a lease: a caller that goes away without unregistering loses its region when the lease
+lapses, and the store unmaps it. The store never unlinks a region: its creator owns it.
+
+Hand-written on mmap because multiprocessing.shared_memory's resource tracker (Python < 3.13)
+would unlink the creator's region when the store exits.
+"""
+
+from __future__ import annotations
+
+import hmac
+import mmap
+import os
+import threading
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from store_service.errors import (
+    Aborted,
+    Corrupt,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    Precondition,
+)
+from store_service.records import StoredRecord, chunk_key
+from store_service.storage import LmdbStorage
+
+SHM_DIR = Path("/dev/shm")
+PROOF_BYTES = 32
+DEFAULT_TTL_S = 60
+MAX_TTL_S = 3600
+MAX_REGIONS = 64  # per store: each is a mapping the store holds open
+# Threads copying one Get's chunks (the copies and CRCs release the GIL).
+COPY_THREADS = 4
+
+
+@dataclass
+class Region:
+    name: str
+    owner: str
+    map: mmap.mmap
+    size: int
+    expires_ms: int
+
+    def check_room(self, offset: int, nbytes: int) -> None:
+        if offset < 0 or offset + nbytes > self.size:
+            raise Overloaded(
+                f"region {self.name!r} holds {self.size} bytes; {nbytes} bytes from offset "
+                f"{offset} do not fit"
+            )
+
+
+class Regions:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._regions: dict[tuple[str, str], Region] = {}
+        self._closing: list[mmap.mmap] = []  # released while a Get was copying into them
+
+    def register(
+        self, owner: str, name: str, size: int, proof: bytes, ttl_s: int, now_ms: int
+    ) -> int:
+        """Maps a caller's region (or renews its lease); returns when the lease ends."""
+        if not name or "/" in name or name.startswith(".") or len(name) > 200:
+            raise InvalidRequest("region name: a file name under /dev/shm, without slashes")
+        if len(proof) != PROOF_BYTES:
+            raise InvalidRequest(f"region proof: the region's first {PROOF_BYTES} bytes")
+        ttl = min(ttl_s or DEFAULT_TTL_S, MAX_TTL_S)
+        expires = now_ms + ttl * 1000
+        with self._lock:
+            self._expire(now_ms)
+            held = self._regions.get((owner, name))
+            if held is not None and held.size == size:
+                if not hmac.compare_digest(held.map[:PROOF_BYTES], proof):
+                    raise Precondition(f"region {name!r}: the proof does not match its bytes")
+                held.expires_ms = expires
+                return expires
+            if len(self._regions) >= MAX_REGIONS:
+                raise Overloaded(f"the store holds {MAX_REGIONS} regions already")
+        mapped = _map(name, size, proof)
+        with self._lock:
+            old = self._regions.pop((owner, name), None)
+            self._regions[(owner, name)] = Region(name, owner, mapped, size, expires)
+        if old is not None:
+            self._release(old.map)
+        return expires
+
+    def unregister(self, owner: str, name: str) -> None:
+        with self._lock:
+            region = self._regions.pop((owner, name), None)
+        if region is None:
+            raise NotFound(f"no region {name!r} registered by this caller")
+        with self._lock:
+            self._release(region.map)
+
+    def get(self, owner: str, name: str, now_ms: int) -> Region:
+        """A caller's own live region (another caller's name is simply not found)."""
+        with self._lock:
+            self._expire(now_ms)
+            region = self._regions.get((owner, name))
+        if region is None:
+            raise NotFound(f"no region {name!r} registered by this caller (or its lease lapsed)")
+        return region
+
+    def count(self, now_ms: int) -> int:
+        with self._lock:
+            self._expire(now_ms)
+            return len(self._regions)
+
+    def close(self) -> None:
+        with self._lock:
+            regions, self._regions = list(self._regions.values()), {}
+        with self._lock:
+            for region in regions:
+                self._release(region.map)
+
+    def _expire(self, now_ms: int) -> None:
+        for key in [k for k, r in self._regions.items() if r.expires_ms <= now_ms]:
+            self._release(self._regions.pop(key).map)
+        for mapped in list(self._closing):
+            self._closing.remove(mapped)
+            self._release(mapped)
+
+    def _release(self, mapped: mmap.mmap) -> None:
+        try:
+            mapped.close()
+        except BufferError:  # a Get is copying into it: closed on a later pass
+            self._closing.append(mapped)
+
+
+def _map(name: str, size: int, proof: bytes) -> mmap.mmap:
+    path = SHM_DIR / name
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise NotFound(f"no shared-memory region {name!r} on the store's host") from None
+    except OSError as exc:
+        raise Precondition(f"region {name!r} cannot be opened: {exc.strerror}") from None
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size or size < PROOF_BYTES:
+            raise InvalidRequest(f"region {name!r} is {actual} bytes, not {size}")
+        mapped = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    if not hmac.compare_digest(mapped[:PROOF_BYTES], proof):
+        mapped.close()
+        raise Precondition(f"region {name!r}: the proof does not match its first bytes")
+    return mapped
+
+
+def copy_payload(
+    storage: LmdbStorage,
+    record: StoredRecord,
+    region: Region,
+    offset: int,
+    quarantine: Callable[[StoredRecord, str], None],
+) -> None:
+    """The record's payload into region at offset, chunk by chunk on several threads, each
+    chunk checked against its stored CRC before it counts (chunk CRCs run per tensor, and
+    every expected value is known, so chunks verify independently).
+
+    Raises Corrupt (the record is quarantined; the region's bytes are not to be used) or
+    Aborted (replaced or removed meanwhile).
+    """
+    region.check_room(offset, record.payload_bytes)
+    chunks = storage.db["chunks"]
+    slots = list(zip(record.slots, record.chunk_crcs, strict=True))
+    prevs = [0 if s.starts_tensor else record.chunk_crcs[i - 1] for i, (s, _) in enumerate(slots)]
+    target = np.frombuffer(region.map, dtype=np.uint8, count=region.size)
+
+    def copy(part: range) -> str:
+        def read(txn: Any) -> str:
+            for i in part:
+                slot, expected = slots[i]
+                buf = txn.get(chunk_key(record.record_id, slot.index), db=chunks)
+                if buf is None:
+                    return "gone"
+                if len(buf) != slot.length or zlib.crc32(buf, prevs[i]) != expected:
+                    return f"chunk {slot.index} failed its checksum"
+                start = offset + slot.offset
+                np.copyto(target[start : start + slot.length], np.frombuffer(buf, np.uint8))
+            return ""
+
+        return str(storage.read(read, buffers=True))
+
+    workers = max(1, min(COPY_THREADS, len(slots)))
+    parts = [range(w, len(slots), workers) for w in range(workers)]
+    # (The view of the region goes with this call: a lapsed region is unmapped after.)
+    with ThreadPoolExecutor(workers, thread_name_prefix="region-copy") as pool:
+        problems = [p for p in pool.map(copy, parts) if p]
+    if "gone" in problems:
+        raise Aborted("the record was replaced or removed while it was being read")
+    if problems:
+        quarantine(record, problems[0])
+        raise Corrupt(
+            f"stored {problems[0]} ({record.header.key.hex()}); the record is quarantined "
+            "and the region's bytes are not to be used"
+        )

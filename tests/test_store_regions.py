@@ -1,0 +1,159 @@
+"""The same-host data plane: a Get written by the store straight into the caller's shared
+memory region, against a real store process (store_service/regions.py)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tandem_client import Checkpoint, StoreClient, Tensor
+from tandem_client.errors import TandemError
+from tandem_client.regions import SharedRegion
+from tandem_wire.auth import token_sha256
+from tests.conftest import flip_stored_byte
+from tests.servers import ROOT, start_store
+
+
+def _record(key: bytes) -> Checkpoint:
+    rng = secrets.SystemRandom()
+    big = bytes(rng.getrandbits(8) for _ in range(1 << 12)) * 1500  # 6 MiB, several chunks
+    small = b"tail bytes"
+    return Checkpoint(
+        key=key,
+        kind="object",
+        metadata={"note": "regions"},
+        tensors=[
+            Tensor("big", "uint8", (len(big),), big),
+            Tensor("small", "uint8", (len(small),), small),
+        ],
+    )
+
+
+def _code(exc: pytest.ExceptionInfo[TandemError]) -> grpc.StatusCode:
+    return exc.value.code
+
+
+def test_a_get_into_a_region_equals_the_streamed_get_and_refuses_what_it_must(
+    tmp_path: Path,
+) -> None:
+    store = start_store(tmp_path / "store")
+    try:
+        with StoreClient(store.address) as client, SharedRegion(16 << 20) as region:
+            client.put(_record(b"r1"))
+            client.register_region(region)
+            streamed = client.get(b"r1")
+            placed = client.get_into(b"r1", region)
+            assert [bytes(t.data) for t in placed.tensors] == [
+                bytes(t.data) for t in streamed.tensors
+            ]
+            assert placed.metadata == streamed.metadata and placed.key == b"r1"
+            assert client.stats().regions == 1
+
+            with pytest.raises(TandemError) as small:  # does not fit from this offset
+                client.get_into(b"r1", region, offset=(16 << 20) - 1024)
+            assert _code(small) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with SharedRegion(1 << 20) as unregistered:
+                with pytest.raises(TandemError) as unknown:
+                    client.get_into(b"r1", unregistered)
+                assert _code(unknown) == grpc.StatusCode.NOT_FOUND
+                forged = SharedRegion.__new__(SharedRegion)
+                forged.name, forged.size, forged.proof = (
+                    unregistered.name,
+                    unregistered.size,
+                    (bytes(32)),
+                )
+                with pytest.raises(TandemError) as wrong_proof:  # not the caller's region
+                    client.register_region(forged)
+                assert _code(wrong_proof) == grpc.StatusCode.FAILED_PRECONDITION
+            client.unregister_region(region)
+            with pytest.raises(TandemError) as gone:
+                client.get_into(b"r1", region)
+            assert _code(gone) == grpc.StatusCode.NOT_FOUND
+    finally:
+        store.stop()
+
+
+def test_a_damaged_chunk_read_into_a_region_is_data_loss(tmp_path: Path) -> None:
+    data = tmp_path / "store"
+    store = start_store(data)
+    with StoreClient(store.address) as client:
+        client.put(_record(b"r2"))
+        client.flush()
+    store.stop()
+    flip_stored_byte(data, chunk=2, at=100)
+    store = start_store(data)
+    try:
+        with StoreClient(store.address) as client, SharedRegion(16 << 20) as region:
+            client.register_region(region)
+            with pytest.raises(TandemError) as damaged:
+                client.get_into(b"r2", region)
+            assert _code(damaged) == grpc.StatusCode.DATA_LOSS
+            assert "not to be used" in str(damaged.value)
+            with pytest.raises(TandemError) as after:  # quarantined: never served again
+                client.get(b"r2")
+            assert _code(after) == grpc.StatusCode.DATA_LOSS
+    finally:
+        store.stop()
+
+
+def test_regions_are_the_callers_own_and_lapse_when_the_caller_dies(tmp_path: Path) -> None:
+    tokens = {n: secrets.token_urlsafe(24) for n in ("a", "b")}
+    auth = tmp_path / "auth.json"
+    roles = ["store", "admin"]
+    principals = [
+        {"name": n, "token_sha256": token_sha256(t), "namespaces": ["*"], "roles": roles}
+        for n, t in tokens.items()
+    ]
+    auth.write_text(json.dumps({"principals": principals}))
+    store = start_store(tmp_path / "store", "--auth-file", str(auth))
+    try:
+        with (
+            StoreClient(store.address, token=tokens["a"]) as a,
+            StoreClient(store.address, token=tokens["b"]) as b,
+            SharedRegion(16 << 20) as region,
+        ):
+            a.put(_record(b"r3"))
+            a.register_region(region)
+            with pytest.raises(TandemError) as foreign:  # b names a's region
+                b.get_into(b"r3", region)
+            assert _code(foreign) == grpc.StatusCode.NOT_FOUND
+            a.unregister_region(region)
+
+            # A caller that registers a region and is killed: its lease lapses, the store
+            # lets the region go.
+            script = (
+                "import sys, time; sys.path[:0] = sys.argv[3:]\n"
+                "from tandem_client import StoreClient\n"
+                "from tandem_client.regions import SharedRegion\n"
+                "r = SharedRegion(1 << 20)\n"
+                "with StoreClient(sys.argv[1], token=sys.argv[2]) as c:\n"
+                "    c.register_region(r, ttl_s=1)\n"
+                "print('registered', flush=True)\n"
+                "time.sleep(600)\n"
+            )
+            child = subprocess.Popen(
+                [sys.executable, "-c", script, store.address, tokens["a"],
+                 str(ROOT), str(ROOT / "clients" / "python")],
+                stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            assert child.stdout is not None and child.stdout.readline().strip() == "registered"
+            assert a.stats().regions == 1
+            child.send_signal(signal.SIGKILL)
+            child.wait(10)
+            child.stdout.close()
+            deadline = time.monotonic() + 30
+            while a.stats().regions:
+                assert time.monotonic() < deadline, "the dead caller's region was never let go"
+                time.sleep(0.2)
+            for leftover in Path("/dev/shm").glob(f"tandem-{child.pid}-*"):
+                leftover.unlink()  # the killed creator could not unlink its own
+    finally:
+        store.stop()
