@@ -7,7 +7,6 @@ then the chunks are unreachable, and a crash leaves them as orphans that start-u
 from __future__ import annotations
 
 import threading
-import zlib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -15,6 +14,7 @@ from typing import Any
 
 from store_service.errors import InvalidRequest
 from store_service.records import PutSpec, all_tensors, chunk_key, chunk_layout
+from tandem_wire.checksum import crc32
 
 # Chunks handed to the writer per LMDB transaction, and the most bytes one Put may have
 # queued at the writer before it waits (bounds memory; keeps the gRPC receive and the
@@ -108,7 +108,7 @@ class PutSession:
             slot = self._slots[self._slot]
             piece = view[pos : pos + slot.length - len(self._fill)]
             first_piece = not self._fill
-            self._crc = zlib.crc32(piece, 0 if slot.starts_tensor and first_piece else self._crc)
+            self._crc = crc32(piece, 0 if slot.starts_tensor and first_piece else self._crc)
             if first_piece and len(piece) == slot.length:
                 # A whole stored chunk in one slice: keep the received bytes, no copy.
                 self._complete(data if len(piece) == len(data) else bytes(piece))

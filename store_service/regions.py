@@ -18,7 +18,6 @@ import hmac
 import mmap
 import os
 import threading
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from store_service.errors import (
 )
 from store_service.records import StoredRecord, chunk_key
 from store_service.storage import LmdbStorage
+from tandem_wire.checksum import crc32
 
 SHM_DIR = Path("/dev/shm")
 PROOF_BYTES = 32
@@ -188,7 +188,7 @@ def copy_payload(
                 buf = txn.get(chunk_key(record.record_id, slot.index), db=chunks)
                 if buf is None:
                     return "gone"
-                if len(buf) != slot.length or zlib.crc32(buf, prevs[i]) != expected:
+                if len(buf) != slot.length or crc32(buf, prevs[i]) != expected:
                     return f"chunk {slot.index} failed its checksum"
                 start = offset + slot.offset
                 np.copyto(target[start : start + slot.length], np.frombuffer(buf, np.uint8))

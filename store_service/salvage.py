@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from store_service.errors import Corrupt, InvalidRequest, StoreError
 from store_service.records import PutSpec, StoredRecord, chunk_key
 from store_service.storage import read_only
 from store_service.store import CheckpointStore
+from tandem_wire.checksum import crc32
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def _chunks(txn: Any, db: dict[str, Any], record: StoredRecord) -> Iterator[tupl
         if buf is None:
             raise Corrupt(f"chunk {slot.index} is missing")
         prev = 0 if slot.starts_tensor else crc
-        if len(buf) != slot.length or zlib.crc32(buf, prev) != expected:
+        if len(buf) != slot.length or crc32(buf, prev) != expected:
             raise Corrupt(f"chunk {slot.index} failed its checksum")
         crc = expected
         yield slot.offset, bytes(buf)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -38,6 +37,7 @@ from store_service.regions import Regions
 from store_service.state import StoreState
 from store_service.storage import now_ms
 from store_service.wire import LookupQuery, LookupResult, PutResult
+from tandem_wire.checksum import crc32
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class CheckpointStore:
                 buf = txn.get(key, db=chunks)
                 if buf is None:
                     return None
-                if len(buf) != slot.length or zlib.crc32(buf, prev) != expected:
+                if len(buf) != slot.length or crc32(buf, prev) != expected:
                     return -1
                 return [
                     encode(slot.offset + i, buf[i : i + step]) for i in range(0, slot.length, step)

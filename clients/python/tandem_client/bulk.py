@@ -5,12 +5,12 @@ assembly of a Get stream into one buffer with each tensor's CRC checked as its b
 from __future__ import annotations
 
 import mmap
-import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tandem_client.errors import DataLoss
 from tandem_client.records import Checkpoint, Tensor
+from tandem_wire.checksum import crc32
 from tandem_wire.chunks import decode_chunk, encode_chunk
 from tandem_wire.pb import store_pb2, tensors_pb2
 
@@ -105,7 +105,7 @@ class _TensorChecker:
         pos = 0
         while pos < len(data):
             take = min(self._left, len(data) - pos)
-            self._crc = zlib.crc32(data[pos : pos + take], self._crc)
+            self._crc = crc32(data[pos : pos + take], self._crc)
             pos += take
             self._left -= take
             if self._left == 0:

@@ -3,11 +3,11 @@ protobuf forms. Shared by the sync and asyncio clients, the CLI and the engine."
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tandem_wire.checksum import crc32
 from tandem_wire.pb import store_pb2, tensors_pb2
 
 Kind = Literal["prefix", "generation", "object"]
@@ -50,7 +50,7 @@ class Tensor:
 
     def to_pb(self) -> tensors_pb2.TensorSpec:
         view = memoryview(self.data).cast("B")
-        crc = zlib.crc32(view) if self.crc32 is None else self.crc32
+        crc = crc32(view, 0) if self.crc32 is None else self.crc32
         return tensors_pb2.TensorSpec(
             name=self.name, dtype=self.dtype, shape=list(self.shape), nbytes=view.nbytes, crc32=crc
         )
