@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -112,32 +112,40 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         piece = get_piece_bytes(request)
         namespace = namespace_for(request.namespace)
         self.bulk_limit.enter(context)
-        region = None
-        if request.region:
-            region = self.store.regions.get(_caller(context), request.region, now_ms())
+        if request.region and not request.header_only:
+            placed = yield from self._get_into_region(request, namespace, context)
+            if placed:
+                return
         record = self.store.open_record(namespace, request.key)
-        if region is not None and not request.header_only:
-            # Verified into the region before anything is answered: a damaged chunk is
-            # DATA_LOSS, never a header saying the bytes are there.
-            copy_payload(
-                self.store.state.storage,
-                record,
-                region,
-                request.region_offset,
-                self.store.quarantine,
-            )
-            yield store_pb2.GetResponse(header=record.header)
-            placed = store_pb2.RegionPlacement(
-                region=region.name,
-                offset=request.region_offset,
-                payload_bytes=record.payload_bytes,
-            )
-            yield store_pb2.GetResponse(placed=placed)
-            return
         yield store_pb2.GetResponse(header=record.header)
         if not request.header_only:
             # Chunks leave as ready wire bytes; serialize_response passes them on.
             yield from self.store.read_payload(record, piece, encode_chunk)
+
+    def _get_into_region(
+        self, request: store_pb2.GetRequest, namespace: str, context: grpc.ServicerContext
+    ) -> Generator[store_pb2.GetResponse, None, bool]:
+        """Writes the payload into the caller's region and answers header + placement;
+        returns False (sending nothing) when it does not fit and may be streamed instead."""
+        region = self.store.regions.get(_caller(context), request.region, now_ms())
+        try:
+            record = self.store.open_record(namespace, request.key)
+            offset, span = request.region_offset, request.region_bytes
+            if request.stream_if_larger and not region.fits(offset, span, record.payload_bytes):
+                return False
+            # Verified into the region before anything is answered: a damaged chunk is
+            # DATA_LOSS, never a header saying the bytes are there.
+            copy_payload(
+                self.store.state.storage, record, region, offset, span, self.store.quarantine
+            )
+        finally:
+            self.store.regions.done(region)
+        yield store_pb2.GetResponse(header=record.header)
+        placed = store_pb2.RegionPlacement(
+            region=region.name, offset=offset, payload_bytes=record.payload_bytes
+        )
+        yield store_pb2.GetResponse(placed=placed)
+        return True
 
     @rpc_errors
     def Lookup(

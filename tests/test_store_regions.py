@@ -4,6 +4,7 @@ memory region, against a real store process (store_service/regions.py)."""
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import signal
 import subprocess
@@ -60,6 +61,11 @@ def test_a_get_into_a_region_equals_the_streamed_get_and_refuses_what_it_must(
             with pytest.raises(TandemError) as small:  # does not fit from this offset
                 client.get_into(b"r1", region, offset=(16 << 20) - 1024)
             assert _code(small) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # ...unless asked to stream what does not fit in the span.
+            spilled = client.get_into(b"r1", region, span=1 << 20, stream_if_larger=True)
+            assert [bytes(t.data) for t in spilled.tensors] == [
+                bytes(t.data) for t in streamed.tensors
+            ]
             with SharedRegion(1 << 20) as unregistered:
                 with pytest.raises(TandemError) as unknown:
                     client.get_into(b"r1", unregistered)
@@ -155,5 +161,31 @@ def test_regions_are_the_callers_own_and_lapse_when_the_caller_dies(tmp_path: Pa
                 time.sleep(0.2)
             for leftover in Path("/dev/shm").glob(f"tandem-{child.pid}-*"):
                 leftover.unlink()  # the killed creator could not unlink its own
+    finally:
+        store.stop()
+
+
+def test_a_region_of_another_user_truncated_under_the_store_costs_the_store_nothing(
+    tmp_path: Path,
+) -> None:
+    """Written with pwrite (never mapped), a region its owner shrinks cannot SIGBUS the store."""
+    store = start_store(tmp_path / "store")
+    try:
+        with StoreClient(store.address) as client, SharedRegion(16 << 20) as region:
+            os.chown(Path("/dev/shm") / region.name, 65534, 65534)  # tests run as root
+            client.put(_record(b"r4"))
+            client.register_region(region)
+            streamed = client.get(b"r4")
+            placed = client.get_into(b"r4", region)
+            assert [bytes(t.data) for t in placed.tensors] == [
+                bytes(t.data) for t in streamed.tensors
+            ]
+            del placed
+            os.truncate(Path("/dev/shm") / region.name, 0)
+            try:
+                client.get_into(b"r4", region)
+            except TandemError as exc:  # the owner's loss, reported
+                assert exc.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert client.stats().regions == 1  # the store is up and serving
     finally:
         store.stop()

@@ -30,8 +30,16 @@ class SharedRegion:
         self._path = SHM_DIR / self.name
         fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Every page reserved now: a full /dev/shm fails here (OSError), never as a
+            # SIGBUS in the store when it writes.
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            else:  # macOS
+                os.ftruncate(fd, size)
             self._map = mmap.mmap(fd, size)
+        except BaseException:
+            self._path.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
         self.proof = secrets.token_bytes(PROOF_BYTES)

@@ -41,6 +41,7 @@ from tandem_client.records import (
     record_filter,
 )
 from tandem_client.regions import DEFAULT_OFFSET, SharedRegion
+from tandem_wire.chunks import decode_chunk
 from tandem_wire.pb import store_pb2, store_pb2_grpc
 
 __all__ = [
@@ -64,6 +65,14 @@ __all__ = [
     "payload_chunks",
     "put_messages",
 ]
+
+
+def _placement(raw: bytes | None) -> store_pb2.RegionPlacement | None:
+    """The `placed` message of a Get into a region; None when the payload was streamed."""
+    if raw is None or decode_chunk(raw) is not None:
+        return None
+    message = store_pb2.GetResponse.FromString(raw)
+    return message.placed if message.WhichOneof("item") == "placed" else None
 
 
 class StoreClient(GrpcClient):
@@ -132,21 +141,42 @@ class StoreClient(GrpcClient):
         self._call(lambda: self._store.UnregisterRegion(request, timeout=self.timeout))
 
     def get_into(
-        self, key: bytes, region: SharedRegion, namespace: str = "", offset: int = DEFAULT_OFFSET
+        self,
+        key: bytes,
+        region: SharedRegion,
+        namespace: str = "",
+        offset: int = DEFAULT_OFFSET,
+        span: int = 0,
+        stream_if_larger: bool = False,
     ) -> Checkpoint:
-        """The checkpoint, its payload written by the store into `region` from `offset`: the
-        tensors' data are views of the region (valid until the region is reused)."""
+        """The checkpoint, its payload written by the store into `region` from `offset`
+        (within `span` bytes, 0 = to the region's end): the tensors' data are views of the
+        region, valid until the region is reused. With stream_if_larger a payload that does
+        not fit arrives streamed instead (tensors in a buffer of their own)."""
         request = store_pb2.GetRequest(
-            namespace=namespace, key=key, region=region.name, region_offset=offset
+            namespace=namespace,
+            key=key,
+            region=region.name,
+            region_offset=offset,
+            region_bytes=span,
+            stream_if_larger=stream_if_larger,
         )
 
         def call() -> Checkpoint:
-            messages = iter(self._store.Get(request, timeout=self.timeout))
-            header = next(messages).header
-            placed = next(messages).placed
+            messages = iter(self._get(request, timeout=self.timeout))
+            first = next(messages)
+            second = next(messages, None)
+            placed = _placement(second)
+            if placed is None:  # streamed: header, then chunks
+                assembler = PayloadAssembler(first)
+                for raw in [second] if second is not None else []:
+                    assembler.feed(raw)
+                for raw in messages:
+                    assembler.feed(raw)
+                return assembler.finish()
             if placed.region != region.name or placed.offset != offset:
                 raise DataLoss("the store placed the payload elsewhere than asked")
-            checkpoint = Checkpoint.from_header(header)
+            checkpoint = Checkpoint.from_header(store_pb2.GetResponse.FromString(first).header)
             at = offset
             for tensor in checkpoint.all_tensors():
                 tensor.data = region.buf[at : at + tensor.nbytes]
