@@ -23,6 +23,7 @@ class CheckpointStats:
     queued_bytes: int = 0
     resumes: int = 0
     store_up: bool = True
+    shared_memory_reads: int = 0  # store reads through the same-host region
 
 
 class CheckpointCounters:

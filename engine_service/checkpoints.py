@@ -28,7 +28,9 @@ from engine_service.prefix_reuse import PrefixReuse
 from engine_service.spill import FlushResult, SpillQueue
 from tandem_client.errors import NotFound as StoreNotFound
 from tandem_client.errors import TandemError
+from tandem_client.regions import SHM_DIR, SharedRegion, remove_stale_regions
 from tandem_client.store_client import StoreClient
+from tandem_wire.tls import is_loopback
 
 log = logging.getLogger(__name__)
 STORE_BULK_CALLS = 8
@@ -45,6 +47,9 @@ class CheckpointSettings:
     # TLS to the store (None: plaintext) and the bearer token it wants ("" = none).
     store_credentials: grpc.ChannelCredentials | None = None
     store_token: str = ""
+    # Same-host data plane: a shared-memory region the store writes restores into (0: off;
+    # used only when the store's address is loopback).
+    store_region_bytes: int = 256 << 20
 
 
 class CheckpointManager:
@@ -83,6 +88,36 @@ class CheckpointManager:
             self.model_id, self.counters, self.store, self.spill
         )
         self._loader = ThreadPoolExecutor(2, thread_name_prefix="checkpoint-read-back")
+        self.region = self._attach_region() if self.store is not None else None
+
+    def _attach_region(self) -> SharedRegion | None:
+        """The same-host data plane, when the store is on this host and takes the region;
+        otherwise reads stream over gRPC (logged, never fatal)."""
+        size, store = self.settings.store_region_bytes, self.store
+        if not size or store is None or not is_loopback(self.settings.store):
+            return None
+        if not SHM_DIR.is_dir():
+            return None
+        for name in remove_stale_regions():
+            log.info("removed shared-memory region %s left by a process that is gone", name)
+        region = None
+        try:
+            region = SharedRegion(size)
+            store.attach_region(region)
+        except (OSError, ValueError, TandemError) as exc:
+            log.warning("store reads stream over gRPC (no shared-memory region: %s)", exc)
+            if region is not None:
+                region.close()
+            return None
+        log.info("store reads go through shared-memory region %s (%d MiB)", region.name, size >> 20)
+        return region
+
+    def close(self) -> None:
+        """Gives the region back (at shutdown)."""
+        if self.store is not None and self.region is not None:
+            self.store.detach_region()
+            self.region.close()
+            self.region = None
 
     @property
     def has_store(self) -> bool:
@@ -92,7 +127,10 @@ class CheckpointManager:
         self.counters.add(prefill_seconds=seconds)
 
     def snapshot(self) -> CheckpointStats:
-        return self.counters.snapshot()
+        stats = self.counters.snapshot()
+        if self.store is not None:
+            stats.shared_memory_reads = self.store.region_reads
+        return stats
 
     def check_store(self) -> str:
         """Whether the store can be reached and accepts this engine's credentials: "" when

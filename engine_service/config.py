@@ -53,6 +53,8 @@ class EngineConfig:
     store_tls_cert: str = ""
     store_tls_key: str = ""
     store_token_file: str = ""
+    # Same-host data plane (docs/store.md): bytes of shared memory for restores; 0 = off.
+    store_region_bytes: int = 256 << 20
     # Default KV codec of requests that do not choose one (0 bits = plain).
     kv_bits: int = 0
     kv_group_size: int = 64
@@ -215,6 +217,12 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         default=_env("STORE_TOKEN_FILE", ""),
         help="file holding the bearer token the engine presents to the store",
     )
+    p.add_argument(
+        "--store-region-bytes",
+        type=int,
+        default=int(_env("STORE_REGION_BYTES", str(256 << 20))),
+        help="shared memory the store writes restores into when it is on this host (0: off)",
+    )
     a = p.parse_args(argv)
     try:
         return EngineConfig(
@@ -247,6 +255,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             store_tls_cert=a.store_tls_cert,
             store_tls_key=a.store_tls_key,
             store_token_file=a.store_token_file,
+            store_region_bytes=a.store_region_bytes,
             kv_bits=a.kv_bits,
             kv_group_size=a.kv_group_size,
             quantized_kv_start=a.quantized_kv_start,

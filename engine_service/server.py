@@ -98,6 +98,7 @@ async def serve(config: EngineConfig) -> None:
             spill_queue_bytes=config.spill_queue_bytes,
             store_credentials=store_credentials,
             store_token=store_token,
+            store_region_bytes=config.store_region_bytes,
         ),
     )
     problem = await asyncio.to_thread(checkpoints.check_store)
@@ -154,6 +155,7 @@ async def serve(config: EngineConfig) -> None:
     # Checkpoints already queued (a prefix, a generation's last snapshot) still reach the
     # store, within the grace period.
     await asyncio.to_thread(checkpoints.flush, max(1.0, deadline - time.monotonic()))
+    checkpoints.close()
     await server.stop(2.0)
     log.info("stopped")
 

@@ -335,6 +335,7 @@ def stats_to_pb(
                 resumes=c.resumes,
                 store_up=c.store_up,
                 store_configured=store_configured,
+                shared_memory_reads=c.shared_memory_reads,
             )
         )
     return reply

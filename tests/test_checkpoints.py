@@ -246,3 +246,28 @@ def test_resume_of_an_ended_generation_says_how_it_ended(stack: Stack) -> None:
             assert store.list_all(kind="generation") == []
             tombstones = [r for r in store.list_all(kind="object") if r.payload_bytes == 0]
             assert len(tombstones) == 2
+
+
+def test_a_same_host_restore_equals_a_streamed_one(stack: Stack) -> None:
+    """Through the shared-memory region or over gRPC, a store hit restores the same cache:
+    the same tokens and the same logprobs."""
+    request = dict(max_tokens=12, ignore_eos=True, logprobs=3)
+    with EngineClient(stack.engine.address) as engine:
+        engine.generate(PROMPT, **request)  # saves the prompt's prefix
+        assert engine.flush().durable
+    results = {}
+    for name, extra in (("region", ()), ("streamed", ("--store-region-bytes", "0"))):
+        fresh = stack.start_engine(*extra)  # an empty local tier: the hit is the store's
+        try:
+            with EngineClient(fresh.address) as engine:
+                got = engine.generate(PROMPT, **request)
+                stats = engine.stats().checkpoints
+            assert got.usage is not None and got.usage.cached_prompt_tokens >= 256, name
+            assert stats.prefix_hits_store == 1, name
+            logprobs = [(lp.token_id, lp.logprob) for c in got.chunks for lp in c.logprobs]
+            assert len(logprobs) == 12, name
+            results[name] = (got.token_ids, logprobs)
+            assert (stats.shared_memory_reads > 0) == (name == "region"), name
+        finally:
+            fresh.stop()
+    assert results["region"] == results["streamed"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import queue
 import secrets
 from pathlib import Path
 
@@ -61,3 +62,46 @@ class SharedRegion:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RegionReads:
+    """A region shared by a client's concurrent Gets: `slots` spans, each held by one read
+    while the store writes into it and the tensors are copied out."""
+
+    def __init__(self, region: SharedRegion, slots: int = 4) -> None:
+        self.region = region
+        self.span = (region.size - DEFAULT_OFFSET) // slots // 4096 * 4096
+        if self.span <= 0:
+            raise ValueError("the region is too small for its slots")
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(slots):
+            self._free.put(DEFAULT_OFFSET + i * self.span)
+        self.reads = 0  # Gets the store wrote into the region
+
+    def acquire(self) -> int | None:
+        """A free span's offset; None when every span is in use (stream instead)."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return None
+
+    def release(self, offset: int) -> None:
+        self._free.put(offset)
+
+
+def remove_stale_regions() -> list[str]:
+    """Unlinks regions whose creating process is gone (one killed before it could close
+    them: /dev/shm keeps them until reboot otherwise). Returns their names."""
+    removed = []
+    for path in SHM_DIR.glob("tandem-*-*"):
+        pid = path.name.split("-")[1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+        except PermissionError:
+            pass  # alive, another user's
+    return removed

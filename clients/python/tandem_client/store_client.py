@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 
 from tandem_client.bulk import (
     DEFAULT_CHUNK_BYTES,
@@ -24,7 +25,7 @@ from tandem_client.bulk import (
     receive,
 )
 from tandem_client.channel import GrpcClient
-from tandem_client.errors import DataLoss
+from tandem_client.errors import DataLoss, TandemError
 from tandem_client.records import (
     Attachment,
     Checkpoint,
@@ -40,7 +41,7 @@ from tandem_client.records import (
     lookup_request,
     record_filter,
 )
-from tandem_client.regions import DEFAULT_OFFSET, SharedRegion
+from tandem_client.regions import DEFAULT_OFFSET, RegionReads, SharedRegion
 from tandem_wire.chunks import decode_chunk
 from tandem_wire.pb import store_pb2, store_pb2_grpc
 
@@ -90,6 +91,8 @@ class StoreClient(GrpcClient):
         """max_bulk_calls: at most this many Put/Get calls of this client at once (0: no
         bound); a store refuses a connection more than --max-bulk-calls-per-connection."""
         self._bulk = threading.BoundedSemaphore(max_bulk_calls) if max_bulk_calls else None
+        self._reads: RegionReads | None = None  # same-host mode (attach_region)
+        self._renewing = threading.Event()
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -117,13 +120,19 @@ class StoreClient(GrpcClient):
         return PutResult(r.key, r.payload_bytes, r.replaced, r.lease_id)
 
     def get(self, key: bytes, namespace: str = "", *, max_chunk_bytes: int = 0) -> Checkpoint:
-        """The checkpoint with its tensors' bytes, each tensor's CRC checked end to end."""
+        """The checkpoint with its tensors' bytes, each tensor's CRC checked end to end (or,
+        with a region attached, by the store as it wrote them into the region)."""
+        reads = self._reads
         with self._bulk_slot():
-            stream = self._get(
-                store_pb2.GetRequest(namespace=namespace, key=key, max_chunk_bytes=max_chunk_bytes),
-                timeout=self.timeout,
-            )
-            return self._call(lambda: receive(stream))
+            if reads is not None and not max_chunk_bytes:
+                return self._call(lambda: self._get_through_region(reads, key, namespace))
+            return self._call(lambda: self._get_streamed(key, namespace, max_chunk_bytes))
+
+    def _get_streamed(self, key: bytes, namespace: str, max_chunk_bytes: int = 0) -> Checkpoint:
+        request = store_pb2.GetRequest(
+            namespace=namespace, key=key, max_chunk_bytes=max_chunk_bytes
+        )
+        return receive(self._get(request, timeout=self.timeout))
 
     # -- same-host data plane (regions.py) ----------------------------------------------------
 
@@ -153,6 +162,75 @@ class StoreClient(GrpcClient):
         (within `span` bytes, 0 = to the region's end): the tensors' data are views of the
         region, valid until the region is reused. With stream_if_larger a payload that does
         not fit arrives streamed instead (tensors in a buffer of their own)."""
+        with self._bulk_slot():
+            return self._call(
+                lambda: self._read_region(key, region, namespace, offset, span, stream_if_larger)[0]
+            )
+
+    def attach_region(self, region: SharedRegion, slots: int = 4, ttl_s: int = 60) -> None:
+        """Same-host mode: from now on get() has the store write payloads into `region`
+        (registered here, its lease renewed every ttl_s / 3) and copies them out, streaming
+        only what does not fit a slot or when every slot is busy."""
+        self.register_region(region, ttl_s)
+        self._reads = RegionReads(region, slots)
+        stop = self._renewing = threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(ttl_s / 3):
+                with contextlib.suppress(TandemError):  # the next read re-registers
+                    self.register_region(region, ttl_s)
+
+        threading.Thread(target=renew, name="region-lease", daemon=True).start()
+
+    def detach_region(self) -> None:
+        if self._reads is None:
+            return
+        self._renewing.set()
+        with contextlib.suppress(TandemError):
+            self.unregister_region(self._reads.region)
+        self._reads = None
+
+    @property
+    def region_reads(self) -> int:
+        return self._reads.reads if self._reads is not None else 0
+
+    def _get_through_region(self, reads: RegionReads, key: bytes, namespace: str) -> Checkpoint:
+        offset = reads.acquire()
+        if offset is None:  # every slot busy
+            return self._get_streamed(key, namespace)
+        try:
+            try:
+                checkpoint, placed = self._read_region(
+                    key, reads.region, namespace, offset, reads.span, True
+                )
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND or "no region" not in str(exc.details()):
+                    raise
+                # The store forgot the region (it restarted): register it again.
+                self.register_region(reads.region)
+                checkpoint, placed = self._read_region(
+                    key, reads.region, namespace, offset, reads.span, True
+                )
+            if placed:  # copied out: the slot is free again once this returns
+                for tensor in checkpoint.all_tensors():
+                    owned = np.empty(tensor.nbytes, np.uint8)
+                    np.copyto(owned, np.frombuffer(tensor.data, np.uint8))
+                    tensor.data = memoryview(owned.data)
+                reads.reads += 1
+            return checkpoint
+        finally:
+            reads.release(offset)
+
+    def _read_region(
+        self,
+        key: bytes,
+        region: SharedRegion,
+        namespace: str,
+        offset: int,
+        span: int,
+        stream_if_larger: bool,
+    ) -> tuple[Checkpoint, bool]:
+        """(checkpoint, whether its payload is in the region)."""
         request = store_pb2.GetRequest(
             namespace=namespace,
             key=key,
@@ -161,32 +239,27 @@ class StoreClient(GrpcClient):
             region_bytes=span,
             stream_if_larger=stream_if_larger,
         )
-
-        def call() -> Checkpoint:
-            messages = iter(self._get(request, timeout=self.timeout))
-            first = next(messages)
-            second = next(messages, None)
-            placed = _placement(second)
-            if placed is None:  # streamed: header, then chunks
-                assembler = PayloadAssembler(first)
-                for raw in [second] if second is not None else []:
-                    assembler.feed(raw)
-                for raw in messages:
-                    assembler.feed(raw)
-                return assembler.finish()
-            if placed.region != region.name or placed.offset != offset:
-                raise DataLoss("the store placed the payload elsewhere than asked")
-            checkpoint = Checkpoint.from_header(store_pb2.GetResponse.FromString(first).header)
-            at = offset
-            for tensor in checkpoint.all_tensors():
-                tensor.data = region.buf[at : at + tensor.nbytes]
-                at += tensor.nbytes
-            if at - offset != placed.payload_bytes:
-                raise DataLoss("the placed payload's size disagrees with the header")
-            return checkpoint
-
-        with self._bulk_slot():
-            return self._call(call)
+        messages = iter(self._get(request, timeout=self.timeout))
+        first = next(messages)
+        second = next(messages, None)
+        placed = _placement(second)
+        if placed is None:  # streamed: header, then chunks
+            assembler = PayloadAssembler(first)
+            for raw in [second] if second is not None else []:
+                assembler.feed(raw)
+            for raw in messages:
+                assembler.feed(raw)
+            return assembler.finish(), False
+        if placed.region != region.name or placed.offset != offset:
+            raise DataLoss("the store placed the payload elsewhere than asked")
+        checkpoint = Checkpoint.from_header(store_pb2.GetResponse.FromString(first).header)
+        at = offset
+        for tensor in checkpoint.all_tensors():
+            tensor.data = region.buf[at : at + tensor.nbytes]
+            at += tensor.nbytes
+        if at - offset != placed.payload_bytes:
+            raise DataLoss("the placed payload's size disagrees with the header")
+        return checkpoint, True
 
     def _bulk_slot(self) -> contextlib.AbstractContextManager[object]:
         return self._bulk if self._bulk is not None else contextlib.nullcontext()
