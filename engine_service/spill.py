@@ -13,14 +13,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from engine_service.checkpoint_stats import CheckpointCounters
-from tandem_client.errors import AlreadyExists, TandemError
+from tandem_client.errors import AlreadyExists, PutManyFailed, TandemError
 from tandem_client.errors import NotFound as StoreNotFound
-from tandem_client.records import Checkpoint
+from tandem_client.records import Checkpoint, PutItem
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ class CheckpointSink(Protocol):
     ) -> object: ...
 
     def delete(self, key: bytes, namespace: str = "", *, force: bool = False) -> int: ...
+
+    def put_many(self, items: Sequence[PutItem]) -> object: ...
 
     def flush(self) -> bool: ...
 
@@ -72,6 +74,20 @@ class FlushResult:
     flushed: int = 0  # puts that landed since the last barrier
     missing: int = 0  # dropped for lack of queue room
     failed: int = 0  # sent and refused or unreachable
+
+
+# Puts queued back to back leave in one PutMany call of at most this many records / bytes: a
+# step's segments and manifests cost one call's overhead, not one each.
+BATCH_RECORDS = 32
+BATCH_BYTES = 64 << 20
+
+
+class BatchFailed(TandemError):
+    """A PutMany that stopped; every one of its items is already accounted for."""
+
+    def __init__(self, cause: TandemError) -> None:
+        super().__init__(str(cause), cause.code)
+        self.cause = cause
 
 
 class StoreDown(TandemError):
@@ -148,32 +164,105 @@ class SpillQueue:
 
     def _run(self) -> None:
         backoff, retry_at = 0.0, 0.0
+        carry: _Item | None = None  # read past the end of a batch
         while True:
-            item = self._queue.get()
+            item = carry if carry is not None else self._queue.get()
+            carry = None
             if isinstance(item, _Barrier):
                 item.done.set()
                 continue
+            batch: list[Put | Delete] = [item]
+            if isinstance(item, Put):
+                carry = self._more_puts(batch)
+            sent = 0
             try:
                 if time.monotonic() < retry_at:
                     # The store was down moments ago: fail fast instead of waiting per item;
                     # newer checkpoints supersede these.
                     raise StoreDown("store unreachable; backing off")
-                self._send(item)
+                sent = self._send_batch(batch)
                 backoff = 0.0
                 self.counters.set_store_up(True)
             except TandemError as exc:
-                if isinstance(item, Put):
-                    self._failed(item)
+                if isinstance(exc, BatchFailed):  # its items are accounted for
+                    exc = exc.cause
+                else:
+                    for failed in batch[sent:]:
+                        if isinstance(failed, Put):
+                            self._failed(failed)
                 if not isinstance(exc, StoreDown):
                     backoff = min(max(backoff * 2, 0.25), 5.0)
                     retry_at = time.monotonic() + backoff
                     log.warning("checkpoint spill failed (%s); retrying in %.2fs", exc, backoff)
                 self.counters.set_store_up(False)
             finally:
-                if isinstance(item, Put) and item.nbytes:
-                    with self._lock:
-                        self._queued_bytes -= item.nbytes
-                    self.counters.add(queued_bytes=-item.nbytes)
+                for done in batch:
+                    if isinstance(done, Put) and done.nbytes:
+                        with self._lock:
+                            self._queued_bytes -= done.nbytes
+                        self.counters.add(queued_bytes=-done.nbytes)
+
+    def _more_puts(self, batch: list[Put | Delete]) -> _Item | None:
+        """Adds the Puts queued right behind the first, within the batch bounds; returns
+        the first item that does not belong (a Delete or a barrier keeps its place)."""
+        nbytes = sum(p.nbytes for p in batch if isinstance(p, Put))
+        while len(batch) < BATCH_RECORDS and nbytes < BATCH_BYTES:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return None
+            if not isinstance(item, Put):
+                return item
+            batch.append(item)
+            nbytes += item.nbytes
+        return None
+
+    def _send_batch(self, batch: list[Put | Delete]) -> int:
+        """Sends a batch (several Puts: one PutMany call); returns how many items it
+        accounted for. Raises BatchFailed, every item accounted for, when the store refused
+        or could not be reached (the caller backs off)."""
+        if len(batch) == 1:
+            self._send(batch[0])
+            return 1
+        wanted = []
+        for put in batch:
+            assert isinstance(put, Put), "batches hold Puts only"
+            if put.still_wanted is not None and not put.still_wanted():
+                self._failed(put)  # skipped, as a single Put would be
+            else:
+                wanted.append(put)
+        try:
+            self.sink.put_many([self._item(p) for p in wanted])
+        except PutManyFailed as exc:
+            self._landed(wanted[: exc.stored])
+            rest = wanted[exc.stored + 1 :]
+            if isinstance(exc.cause, AlreadyExists):  # if_absent: an equal record is there
+                self._landed(wanted[exc.stored : exc.stored + 1])
+                for put in rest:
+                    self._send_or_fail(put)
+                return len(batch)
+            for put in wanted[exc.stored :]:
+                self._failed(put)
+            raise BatchFailed(exc.cause) from None
+        self._landed(wanted)
+        return len(batch)
+
+    def _send_or_fail(self, put: Put) -> None:
+        try:
+            self._send(put)
+        except TandemError:
+            self._failed(put)
+
+    def _item(self, put: Put) -> PutItem:
+        if put.pinned:
+            holder = f"engine/{put.record.key.hex()[:12]}"
+            return PutItem(put.record, put.if_absent, self.lease_s, holder)
+        return PutItem(put.record, put.if_absent)
+
+    def _landed(self, puts: list[Put]) -> None:
+        with self._lock:
+            self._since_flush.flushed += len(puts)
+        self.counters.add(saved=len(puts), saved_bytes=sum(p.nbytes for p in puts))
 
     def _send(self, item: Put | Delete) -> None:
         if isinstance(item, Delete):

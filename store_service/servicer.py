@@ -19,6 +19,7 @@ from store_service.storage import now_ms
 from store_service.store import CheckpointStore
 from store_service.wire import (
     LookupQuery,
+    PutStreams,
     get_piece_bytes,
     parse_put_request,
     put_chunks,
@@ -47,6 +48,9 @@ def store_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:
         {
             "Put": grpc.stream_unary_rpc_method_handler(
                 servicer.Put, parse_put_request, store_pb2.PutResponse.SerializeToString
+            ),
+            "PutMany": grpc.stream_unary_rpc_method_handler(
+                servicer.PutMany, parse_put_request, store_pb2.PutManyResponse.SerializeToString
             ),
             "Get": grpc.unary_stream_rpc_method_handler(
                 servicer.Get, store_pb2.GetRequest.FromString, serialize_response
@@ -104,6 +108,21 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         header.checkpoint.namespace = namespace_for(header.checkpoint.namespace)
         spec = PutSpec.from_pb(header)
         return self.store.put(spec, put_chunks(requests)).to_pb()
+
+    def PutMany(
+        self, requests: Iterator[store_pb2.PutRequest], context: grpc.ServicerContext
+    ) -> store_pb2.PutManyResponse:
+        self.bulk_limit.enter(context)
+        results = []
+        with status_on_error(context, "PutMany"):
+            try:
+                for header, chunks in PutStreams(requests):
+                    header.checkpoint.namespace = namespace_for(header.checkpoint.namespace)
+                    results.append(self.store.put(PutSpec.from_pb(header), chunks).to_pb())
+            finally:
+                # How many landed: a caller resends only the rest after a failure.
+                context.set_trailing_metadata((("tandem-stored", str(len(results))),))
+        return store_pb2.PutManyResponse(results=results)
 
     @rpc_errors
     def Get(

@@ -60,6 +60,33 @@ def put_chunks(messages: Iterable[Any]) -> Iterator[tuple[int, Any]]:
             raise InvalidRequest("a Put carries one header, then only chunks")
 
 
+class PutStreams:
+    """The records of a PutMany stream, one at a time: (header, its chunks). A record's
+    chunks end at the next header; the caller consumes them before asking for the next."""
+
+    def __init__(self, messages: Iterator[Any]) -> None:
+        self._messages = messages
+        self._next: Any = None  # a header read past the end of the previous record
+
+    def __iter__(self) -> Iterator[tuple[store_pb2.PutHeader, Iterator[tuple[int, Any]]]]:
+        first = next(self._messages, None)
+        if first is None:
+            return
+        self._next = first
+        while self._next is not None:
+            opening, self._next = self._next, None
+            if not isinstance(opening, store_pb2.PutRequest) or not opening.HasField("header"):
+                raise InvalidRequest("each record of a PutMany opens with its header")
+            yield opening.header, put_chunks(self._chunks())
+
+    def _chunks(self) -> Iterator[Any]:
+        for message in self._messages:
+            if isinstance(message, store_pb2.PutRequest) and message.HasField("header"):
+                self._next = message
+                return
+            yield message
+
+
 @dataclass(frozen=True)
 class PutResult:
     key: bytes

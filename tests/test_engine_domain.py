@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -39,7 +39,9 @@ from store_service.config import StoreConfig
 from store_service.server import create_server
 from store_service.store import CheckpointStore
 from tandem_client import Checkpoint, StoreClient, Tensor
+from tandem_client.errors import PutManyFailed, TandemError
 from tandem_client.errors import Unavailable as StoreUnavailable
+from tandem_client.records import PutItem
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +168,7 @@ class FakeSink:
         self.gate.set()
         self.down = False
         self.flushes = 0
+        self.batches: list[int] = []  # records per put_many call
 
     def put(
         self,
@@ -179,6 +182,15 @@ class FakeSink:
         if self.down:
             raise StoreUnavailable("store down")
         self.puts.append(checkpoint.key)
+        return None
+
+    def put_many(self, items: Sequence[PutItem]) -> object:
+        self.batches.append(len(items))
+        for stored, item in enumerate(items):
+            try:
+                self.put(item.checkpoint)
+            except TandemError as exc:
+                raise PutManyFailed(exc, stored) from None
         return None
 
     def delete(self, key: bytes, namespace: str = "", *, force: bool = False) -> int:
@@ -219,6 +231,23 @@ def test_spill_queue_is_bounded_and_flush_is_a_barrier() -> None:
     assert spill.flush().durable  # nothing lost since the last barrier
     stats = counters.snapshot()
     assert stats.saved == 2 and stats.saved_bytes == 100 and stats.queued_bytes == 0
+
+
+def test_puts_queued_together_leave_in_one_call_and_keep_their_order() -> None:
+    sink, counters = FakeSink(), CheckpointCounters()
+    spill = SpillQueue(sink, capacity_bytes=1 << 20, counters=counters)
+    sink.gate.clear()
+    spill.put(_put(b"first", 10))  # taken at once, held at the sink
+    time.sleep(0.2)
+    for i in range(5):
+        spill.put(_put(b"p%d" % i, 10))
+    spill.delete(b"p0", "default")  # a delete ends a batch: it keeps its place
+    spill.put(_put(b"last", 10))
+    sink.gate.set()
+    result = spill.flush()
+    assert sink.puts == [b"first", b"p0", b"p1", b"p2", b"p3", b"p4", b"last"]
+    assert sink.batches == [5] and sink.deletes == [b"p0"]
+    assert result.durable and result.flushed == 7
 
 
 def test_spill_queue_counts_failures_and_skips_unwanted_puts() -> None:

@@ -122,7 +122,7 @@ def test_store_rpcs_refuse_missing_wrong_foreign_and_roleless_credentials(
         data = grpc.insecure_channel(store.address)
         admin = grpc.insecure_channel(f"127.0.0.1:{admin_port}")
         st, ad = store_pb2_grpc.StoreStub(data), store_pb2_grpc.StoreAdminStub(admin)
-        raw_put, _ = bulk_methods(data)  # Put's chunks are hand-encoded bytes
+        raw_put, _, _ = bulk_methods(data)  # Put's chunks are hand-encoded bytes
         with StoreClient(store.address, token=TOKENS["acme"]) as acme:
             acme.put(_record(b"k1"))  # "" = acme's first namespace
             assert acme.get(b"k1", "acme").tensors[0].data == b"secret of k1"

@@ -8,7 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tandem_client import NotFound, StoreClient
+from tandem_client.errors import PutManyFailed
 from tandem_client.identity import block_hashes, scope_digest
+from tandem_client.records import PutItem
 from tandem_client.store_client import LookupResult
 from tests.conftest import make_checkpoint
 from tests.servers import InProcessStore
@@ -176,3 +178,24 @@ def test_namespaces_isolate_records_with_the_same_key(client: StoreClient) -> No
         client.get(b"shared-key", "tenant-c")
     assert {r.namespace for r in client.list_all()} == {"tenant-a", "tenant-b"}
     assert [r.namespace for r in client.list_all(namespace="tenant-b")] == ["tenant-b"]
+
+
+def test_put_many_stores_records_in_order_and_says_how_many_on_a_failure(
+    client: StoreClient,
+) -> None:
+    records = [make_checkpoint(b"batch-%d" % i, {"kv_int8": 3000 + i}) for i in range(3)]
+    results = client.put_many([PutItem(r) for r in records])
+    assert [r.key for r in results] == [b"batch-0", b"batch-1", b"batch-2"]
+    for record in records:
+        got = client.get(record.key)
+        assert bytes(got.tensors[0].data) == bytes(record.tensors[0].data)
+    # The second record may not replace its key: the first is stored, the third is not.
+    again = [make_checkpoint(b"batch-new", {"kv_int8": 10}), records[1], records[2]]
+    again[2] = make_checkpoint(b"batch-never", {"kv_int8": 10})
+    items = [PutItem(again[0]), PutItem(again[1], if_absent=True), PutItem(again[2])]
+    with pytest.raises(PutManyFailed) as failed:
+        client.put_many(items)
+    assert failed.value.stored == 1 and failed.value.code.name == "ALREADY_EXISTS"
+    assert client.get(b"batch-new").key == b"batch-new"
+    with pytest.raises(NotFound):
+        client.get(b"batch-never")

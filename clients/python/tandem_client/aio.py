@@ -121,7 +121,7 @@ class AsyncStoreClient(AsyncGrpcClient):
         )
         self._store = store_pb2_grpc.StoreStub(self._channel)
         self._admin = store_pb2_grpc.StoreAdminStub(self._channel)
-        self._put, self._get = bulk_methods(self._channel)
+        self._put, self._get, _ = bulk_methods(self._channel)
 
     async def put(
         self,

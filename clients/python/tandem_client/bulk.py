@@ -43,19 +43,24 @@ def payload_chunks(tensors: Sequence[Tensor], chunk_bytes: int) -> Iterator[tupl
         yield offset, bytes(pending)
 
 
-def bulk_methods(channel: Any) -> tuple[Any, Any]:
+def bulk_methods(channel: Any) -> tuple[Any, Any, Any]:
     """Put and Get with hand-encoded chunks (see wire.py), on a sync or an aio channel."""
     put = channel.stream_unary(
         "/tandem.v1.Store/Put",
         request_serializer=_serialize,
         response_deserializer=store_pb2.PutResponse.FromString,
     )
+    put_many = channel.stream_unary(
+        "/tandem.v1.Store/PutMany",
+        request_serializer=_serialize,
+        response_deserializer=store_pb2.PutManyResponse.FromString,
+    )
     get = channel.unary_stream(
         "/tandem.v1.Store/Get",
         request_serializer=store_pb2.GetRequest.SerializeToString,
         response_deserializer=_raw,
     )
-    return put, get
+    return put, get, put_many
 
 
 def put_messages(

@@ -50,6 +50,15 @@ class PermissionDenied(TandemError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class PutManyFailed(TandemError):
+    """A put_many call stopped at a record: the first `stored` records are in the store."""
+
+    def __init__(self, cause: TandemError, stored: int) -> None:
+        super().__init__(f"{cause} (after {stored} stored)", cause.code)
+        self.cause = cause
+        self.stored = stored
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (

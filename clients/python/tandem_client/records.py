@@ -130,6 +130,16 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
+class PutItem:
+    """One record of a put_many call, with its Put options."""
+
+    checkpoint: Checkpoint
+    if_absent: bool = False
+    pin_ttl_s: int = 0
+    pin_holder: str = ""
+
+
+@dataclass(frozen=True)
 class PutResult:
     key: bytes
     payload_bytes: int

@@ -9,7 +9,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -25,7 +25,7 @@ from tandem_client.bulk import (
     receive,
 )
 from tandem_client.channel import GrpcClient
-from tandem_client.errors import DataLoss, TandemError
+from tandem_client.errors import DataLoss, PutManyFailed, TandemError, from_rpc_error
 from tandem_client.records import (
     Attachment,
     Checkpoint,
@@ -33,6 +33,7 @@ from tandem_client.records import (
     Kind,
     Lease,
     LookupResult,
+    PutItem,
     PutResult,
     RecordSummary,
     Tensor,
@@ -55,6 +56,7 @@ __all__ = [
     "Lease",
     "LookupResult",
     "PayloadAssembler",
+    "PutItem",
     "PutResult",
     "RecordSummary",
     "StoreClient",
@@ -100,7 +102,7 @@ class StoreClient(GrpcClient):
         super().__init__(address, timeout, credentials, options, token)
         self._store = store_pb2_grpc.StoreStub(self._channel)
         # Bulk paths with hand-encoded chunks (see wire.py).
-        self._put, self._get = bulk_methods(self._channel)
+        self._put, self._get, self._put_many = bulk_methods(self._channel)
         self._admin = store_pb2_grpc.StoreAdminStub(self._channel)
 
     # -- data plane --------------------------------------------------------------------------
@@ -118,6 +120,27 @@ class StoreClient(GrpcClient):
         with self._bulk_slot():
             r: store_pb2.PutResponse = self._call(lambda: self._put(requests, timeout=self.timeout))
         return PutResult(r.key, r.payload_bytes, r.replaced, r.lease_id)
+
+    def put_many(
+        self, items: Sequence[PutItem], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    ) -> list[PutResult]:
+        """Several records in one call, stored in order, each atomically (one call's
+        overhead instead of one per record). Raises PutManyFailed saying how many landed."""
+
+        def messages() -> Iterator[store_pb2.PutRequest | bytes]:
+            for i in items:
+                yield from put_messages(
+                    i.checkpoint, i.if_absent, i.pin_ttl_s, i.pin_holder, chunk_bytes
+                )
+
+        with self._bulk_slot():
+            try:
+                r: store_pb2.PutManyResponse = self._put_many(messages(), timeout=self.timeout)
+            except grpc.RpcError as exc:
+                trailing = dict(exc.trailing_metadata() or ())
+                stored = int(trailing.get("tandem-stored", "0"))
+                raise PutManyFailed(from_rpc_error(exc), stored) from None
+        return [PutResult(x.key, x.payload_bytes, x.replaced, x.lease_id) for x in r.results]
 
     def get(self, key: bytes, namespace: str = "", *, max_chunk_bytes: int = 0) -> Checkpoint:
         """The checkpoint with its tensors' bytes, each tensor's CRC checked end to end (or,
