@@ -14,7 +14,16 @@ import mmap
 import os
 import queue
 import secrets
+from collections.abc import Iterable
 from pathlib import Path
+
+import numpy as np
+
+from tandem_client.bulk import PayloadAssembler
+from tandem_client.errors import DataLoss
+from tandem_client.records import Checkpoint
+from tandem_wire.chunks import decode_chunk
+from tandem_wire.pb import store_pb2
 
 SHM_DIR = Path("/dev/shm")
 PROOF_BYTES = 32
@@ -105,3 +114,47 @@ def remove_stale_regions() -> list[str]:
         except PermissionError:
             pass  # alive, another user's
     return removed
+
+
+def read_placed(
+    messages: Iterable[bytes], region: SharedRegion, offset: int
+) -> tuple[Checkpoint, bool]:
+    """A Get-into-region's answer: (checkpoint, True) with tensors viewing the region where
+    the store placed them, or (checkpoint, False) when the store streamed it instead."""
+    stream = iter(messages)
+    first = next(stream)
+    second = next(stream, None)
+    placed = _placement(second)
+    if placed is None:  # streamed: header, then chunks
+        assembler = PayloadAssembler(first)
+        for raw in [second] if second is not None else []:
+            assembler.feed(raw)
+        for raw in stream:
+            assembler.feed(raw)
+        return assembler.finish(), False
+    if placed.region != region.name or placed.offset != offset:
+        raise DataLoss("the store placed the payload elsewhere than asked")
+    checkpoint = Checkpoint.from_header(store_pb2.GetResponse.FromString(first).header)
+    at = offset
+    for tensor in checkpoint.all_tensors():
+        tensor.data = region.buf[at : at + tensor.nbytes]
+        at += tensor.nbytes
+    if at - offset != placed.payload_bytes:
+        raise DataLoss("the placed payload's size disagrees with the header")
+    return checkpoint, True
+
+
+def own_tensors(checkpoint: Checkpoint) -> None:
+    """Copies a checkpoint's tensors out of the region into buffers of their own."""
+    for tensor in checkpoint.all_tensors():
+        owned = np.empty(tensor.nbytes, np.uint8)
+        np.copyto(owned, np.frombuffer(tensor.data, np.uint8))
+        tensor.data = memoryview(owned.data)
+
+
+def _placement(raw: bytes | None) -> store_pb2.RegionPlacement | None:
+    """The `placed` message of a Get into a region; None when the payload was streamed."""
+    if raw is None or decode_chunk(raw) is not None:
+        return None
+    message = store_pb2.GetResponse.FromString(raw)
+    return message.placed if message.WhichOneof("item") == "placed" else None

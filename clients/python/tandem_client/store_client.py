@@ -13,7 +13,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
-import numpy as np
 
 from tandem_client.bulk import (
     DEFAULT_CHUNK_BYTES,
@@ -25,7 +24,7 @@ from tandem_client.bulk import (
     receive,
 )
 from tandem_client.channel import GrpcClient
-from tandem_client.errors import DataLoss, PutManyFailed, TandemError, from_rpc_error
+from tandem_client.errors import PutManyFailed, TandemError, from_rpc_error
 from tandem_client.records import (
     Attachment,
     Checkpoint,
@@ -42,8 +41,13 @@ from tandem_client.records import (
     lookup_request,
     record_filter,
 )
-from tandem_client.regions import DEFAULT_OFFSET, RegionReads, SharedRegion
-from tandem_wire.chunks import decode_chunk
+from tandem_client.regions import (
+    DEFAULT_OFFSET,
+    RegionReads,
+    SharedRegion,
+    own_tensors,
+    read_placed,
+)
 from tandem_wire.pb import store_pb2, store_pb2_grpc
 
 __all__ = [
@@ -68,14 +72,6 @@ __all__ = [
     "payload_chunks",
     "put_messages",
 ]
-
-
-def _placement(raw: bytes | None) -> store_pb2.RegionPlacement | None:
-    """The `placed` message of a Get into a region; None when the payload was streamed."""
-    if raw is None or decode_chunk(raw) is not None:
-        return None
-    message = store_pb2.GetResponse.FromString(raw)
-    return message.placed if message.WhichOneof("item") == "placed" else None
 
 
 class StoreClient(GrpcClient):
@@ -235,10 +231,7 @@ class StoreClient(GrpcClient):
                     key, reads.region, namespace, offset, reads.span, True
                 )
             if placed:  # copied out: the slot is free again once this returns
-                for tensor in checkpoint.all_tensors():
-                    owned = np.empty(tensor.nbytes, np.uint8)
-                    np.copyto(owned, np.frombuffer(tensor.data, np.uint8))
-                    tensor.data = memoryview(owned.data)
+                own_tensors(checkpoint)
                 reads.reads += 1
             return checkpoint
         finally:
@@ -253,7 +246,6 @@ class StoreClient(GrpcClient):
         span: int,
         stream_if_larger: bool,
     ) -> tuple[Checkpoint, bool]:
-        """(checkpoint, whether its payload is in the region)."""
         request = store_pb2.GetRequest(
             namespace=namespace,
             key=key,
@@ -262,27 +254,7 @@ class StoreClient(GrpcClient):
             region_bytes=span,
             stream_if_larger=stream_if_larger,
         )
-        messages = iter(self._get(request, timeout=self.timeout))
-        first = next(messages)
-        second = next(messages, None)
-        placed = _placement(second)
-        if placed is None:  # streamed: header, then chunks
-            assembler = PayloadAssembler(first)
-            for raw in [second] if second is not None else []:
-                assembler.feed(raw)
-            for raw in messages:
-                assembler.feed(raw)
-            return assembler.finish(), False
-        if placed.region != region.name or placed.offset != offset:
-            raise DataLoss("the store placed the payload elsewhere than asked")
-        checkpoint = Checkpoint.from_header(store_pb2.GetResponse.FromString(first).header)
-        at = offset
-        for tensor in checkpoint.all_tensors():
-            tensor.data = region.buf[at : at + tensor.nbytes]
-            at += tensor.nbytes
-        if at - offset != placed.payload_bytes:
-            raise DataLoss("the placed payload's size disagrees with the header")
-        return checkpoint, True
+        return read_placed(self._get(request, timeout=self.timeout), region, offset)
 
     def _bulk_slot(self) -> contextlib.AbstractContextManager[object]:
         return self._bulk if self._bulk is not None else contextlib.nullcontext()
