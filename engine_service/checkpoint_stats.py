@@ -24,6 +24,11 @@ class CheckpointStats:
     resumes: int = 0
     store_up: bool = True
     shared_memory_reads: int = 0  # store reads through the same-host region
+    # The restore-or-prefill choice (restore_cost.py): its two measured rates and counts.
+    restore_bytes_per_second: float = 0.0
+    prefill_tokens_per_second: float = 0.0
+    restore_chosen: int = 0
+    prefill_chosen: int = 0
 
 
 class CheckpointCounters:

@@ -130,6 +130,10 @@ class CheckpointManager:
         stats = self.counters.snapshot()
         if self.store is not None:
             stats.shared_memory_reads = self.store.region_reads
+        cost = self.prefixes.cost.snapshot()
+        stats.restore_bytes_per_second = cost.restore_bytes_per_second
+        stats.prefill_tokens_per_second = cost.prefill_tokens_per_second
+        stats.restore_chosen, stats.prefill_chosen = cost.restore_chosen, cost.prefill_chosen
         return stats
 
     def check_store(self) -> str:

@@ -30,6 +30,7 @@ from engine_service.checkpoint_stats import CheckpointCounters
 from engine_service.errors import Corrupt, Precondition
 from engine_service.plans import PrefixPlan
 from engine_service.prefix_cache import BLOCK_SIZE, PrefixCache
+from engine_service.restore_cost import RestoreCost
 from engine_service.spill import Put, SpillQueue
 from tandem_client.errors import DataLoss, TandemError
 from tandem_client.identity import block_hashes, prefix_key, scope_digest
@@ -59,6 +60,7 @@ class PrefixReuse:
         self.store = store
         self.spill = spill
         self.min_prefix_tokens = min_prefix_tokens
+        self.cost = RestoreCost()  # store hit or prefill, decided per request
         self._saved_keys: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
     def scope(self, namespace: str, layout: list[str]) -> bytes:
@@ -107,6 +109,8 @@ class PrefixReuse:
         )
         if not hit.found or hit.matched_tokens <= better_than:
             return None
+        if not self.cost.worth_restoring(hit.matched_tokens - better_than):
+            return None  # cheaper to prefill (restore_cost.py)
         start = time.perf_counter()
         record = self.store.get(hit.key, namespace)
         # What the MLX thread could not restore is refused here, as a miss.
@@ -139,6 +143,7 @@ class PrefixReuse:
             self.counters.add(local_hits=1, restore_seconds=seconds)
         else:
             self.counters.add(store_hits=1, restored_bytes=plan.nbytes, restore_seconds=seconds)
+            self.cost.observe_restore(plan.nbytes, plan.matched, seconds)
         return caches
 
     def save(

@@ -38,7 +38,10 @@ class StepCheckpoints:
             if finished_cache is None:  # a finishing job deletes its checkpoint anyway
                 ckpt.generations.save(job, snapshot, pending=job.tokens[-1])
         if len(job.tokens) == 1 and not job.resumed:
-            ckpt.add_prefill_time(time.monotonic() - job.admitted_at)
+            seconds = time.monotonic() - job.admitted_at
+            ckpt.add_prefill_time(seconds)
+            if job.plan is None:  # a whole prefill: the rate a store hit is weighed against
+                ckpt.prefixes.cost.observe_prefill(len(r.prompt), seconds)
             row = finished_cache or _row_cache(bg, job)
             if row is not None:
                 ckpt.prefixes.save(row, r.prompt, r.namespace, r.layout)

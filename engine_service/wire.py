@@ -336,6 +336,10 @@ def stats_to_pb(
                 store_up=c.store_up,
                 store_configured=store_configured,
                 shared_memory_reads=c.shared_memory_reads,
+                restore_bytes_per_second=c.restore_bytes_per_second,
+                prefill_tokens_per_second=c.prefill_tokens_per_second,
+                restore_chosen=c.restore_chosen,
+                prefill_chosen=c.prefill_chosen,
             )
         )
     return reply

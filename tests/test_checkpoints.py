@@ -264,6 +264,9 @@ def test_a_same_host_restore_equals_a_streamed_one(stack: Stack) -> None:
                 stats = engine.stats().checkpoints
             assert got.usage is not None and got.usage.cached_prompt_tokens >= 256, name
             assert stats.prefix_hits_store == 1, name
+            # The restore-or-prefill choice: restored (nothing says prefill is cheaper yet),
+            # and the restore's bandwidth measured for the next choice.
+            assert stats.restore_chosen == 1 and stats.restore_bytes_per_second > 0, name
             logprobs = [(lp.token_id, lp.logprob) for c in got.chunks for lp in c.logprobs]
             assert len(logprobs) == 12, name
             results[name] = (got.token_ids, logprobs)

@@ -32,6 +32,7 @@ from engine_service.model import LoadedModel, load_model
 from engine_service.prefix_cache import PrefixCache
 from engine_service.prefix_reuse import PrefixReuse
 from engine_service.requests import GenerationRequest, stop_token_ids
+from engine_service.restore_cost import RestoreCost
 from engine_service.sampling import SamplingOptions
 from engine_service.scheduler import Limits, Scheduler
 from engine_service.spill import Put, SpillQueue
@@ -385,3 +386,22 @@ def test_a_damaged_generation_checkpoint_is_refused_with_a_status(
             store.put(record)
             with pytest.raises(error):
                 gens.load(key, "default", prompt, layout)
+
+
+# -- restore or prefill -------------------------------------------------------------------------
+
+
+def test_a_store_hit_is_restored_only_when_loading_beats_computing() -> None:
+    cost = RestoreCost(fixed_s=0.001)
+    assert cost.worth_restoring(4096)  # nothing measured yet: restore
+    cost.observe_prefill(tokens=1000, seconds=1.0)  # a slow prefill: 1,000 tokens/s
+    cost.observe_restore(nbytes=64 << 20, tokens=4096, seconds=0.065)  # ~1 GB/s
+    assert cost.worth_restoring(4096)  # ~67 ms to load against ~4 s to compute
+    fast = RestoreCost(fixed_s=0.001)
+    fast.observe_prefill(tokens=8192, seconds=0.4)  # a GPU: ~20k tokens/s
+    fast.observe_restore(nbytes=896 << 20, tokens=8192, seconds=1.5)  # a slow store path
+    assert not fast.worth_restoring(8192)  # ~1.5 s to load against ~0.4 s to compute
+    snap = fast.snapshot()
+    assert (snap.restore_chosen, snap.prefill_chosen) == (0, 1)
+    assert 0.5e9 < snap.restore_bytes_per_second < 0.7e9
+    assert 19_000 < snap.prefill_tokens_per_second < 21_000

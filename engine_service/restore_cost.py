@@ -1,0 +1,76 @@
+"""Restore or recompute: whether a stored prefix is cheaper to load than to prefill.
+
+A store hit pays a round trip and its bytes (restore bandwidth); a prefill pays its tokens
+(prefill rate). Both rates are measured online from the engine's own restores and prefills
+(exponential moving averages); until both are known, a hit is restored. A hit whose predicted
+restore time exceeds the predicted prefill of the same tokens is skipped (prefilled), and
+Stats reports the choices and the two rates. On a CPU a restore is far cheaper; on a fast GPU
+with a slow store the opposite was measured (docs/performance.md), which is why it is decided
+per request and not assumed.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+# Weight of a new measurement in the moving averages.
+EMA = 0.3
+# What a store hit costs beyond its bytes: the lookup and the header round trip.
+FIXED_S = 0.003
+
+
+@dataclass(frozen=True)
+class CostSnapshot:
+    restore_bytes_per_second: float
+    prefill_tokens_per_second: float
+    restore_chosen: int
+    prefill_chosen: int
+
+
+class RestoreCost:
+    def __init__(self, fixed_s: float = FIXED_S) -> None:
+        self.fixed_s = fixed_s
+        self._lock = threading.Lock()
+        self._restore_bps = 0.0
+        self._prefill_tps = 0.0
+        self._bytes_per_token = 0.0
+        self._restore_chosen = 0
+        self._prefill_chosen = 0
+
+    def observe_restore(self, nbytes: int, tokens: int, seconds: float) -> None:
+        if nbytes <= 0 or tokens <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self._restore_bps = _ema(self._restore_bps, nbytes / max(seconds - self.fixed_s, 1e-6))
+            self._bytes_per_token = _ema(self._bytes_per_token, nbytes / tokens)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            with self._lock:
+                self._prefill_tps = _ema(self._prefill_tps, tokens / seconds)
+
+    def worth_restoring(self, tokens: int) -> bool:
+        """Whether loading `tokens` stored positions beats prefilling them (counted)."""
+        with self._lock:
+            known = self._restore_bps and self._prefill_tps and self._bytes_per_token
+            restore = prefill = 0.0
+            if known:
+                restore = self.fixed_s + tokens * self._bytes_per_token / self._restore_bps
+                prefill = tokens / self._prefill_tps
+            choose = not known or restore <= prefill
+            if choose:
+                self._restore_chosen += 1
+            else:
+                self._prefill_chosen += 1
+            return bool(choose)
+
+    def snapshot(self) -> CostSnapshot:
+        with self._lock:
+            return CostSnapshot(
+                self._restore_bps, self._prefill_tps, self._restore_chosen, self._prefill_chosen
+            )
+
+
+def _ema(old: float, new: float) -> float:
+    return new if not old else (1 - EMA) * old + EMA * new
