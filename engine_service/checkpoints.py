@@ -50,6 +50,8 @@ class CheckpointSettings:
     # Same-host data plane: a shared-memory region the store writes restores into (0: off;
     # used only when the store's address is loopback).
     store_region_bytes: int = 256 << 20
+    # Puts queued back to back that leave in one PutMany (1: one Put a record).
+    spill_batch_records: int = 32
 
 
 class CheckpointManager:
@@ -72,7 +74,13 @@ class CheckpointManager:
             else None
         )
         self.spill = (
-            SpillQueue(self.store, settings.spill_queue_bytes, self.counters, settings.lease_s)
+            SpillQueue(
+                self.store,
+                settings.spill_queue_bytes,
+                self.counters,
+                settings.lease_s,
+                settings.spill_batch_records,
+            )
             if self.store is not None
             else None
         )

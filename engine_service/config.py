@@ -55,6 +55,7 @@ class EngineConfig:
     store_token_file: str = ""
     # Same-host data plane (docs/store.md): bytes of shared memory for restores; 0 = off.
     store_region_bytes: int = 256 << 20
+    spill_batch_records: int = 32  # checkpoint Puts sent in one PutMany (1: one Put each)
     # Default KV codec of requests that do not choose one (0 bits = plain).
     kv_bits: int = 0
     kv_group_size: int = 64
@@ -223,6 +224,12 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         default=int(_env("STORE_REGION_BYTES", str(256 << 20))),
         help="shared memory the store writes restores into when it is on this host (0: off)",
     )
+    p.add_argument(
+        "--spill-batch-records",
+        type=int,
+        default=int(_env("SPILL_BATCH_RECORDS", "32")),
+        help="checkpoint records queued together that leave in one PutMany (1: one Put each)",
+    )
     a = p.parse_args(argv)
     try:
         return EngineConfig(
@@ -256,6 +263,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             store_tls_key=a.store_tls_key,
             store_token_file=a.store_token_file,
             store_region_bytes=a.store_region_bytes,
+            spill_batch_records=a.spill_batch_records,
             kv_bits=a.kv_bits,
             kv_group_size=a.kv_group_size,
             quantized_kv_start=a.quantized_kv_start,

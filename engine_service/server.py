@@ -99,6 +99,7 @@ async def serve(config: EngineConfig) -> None:
             store_credentials=store_credentials,
             store_token=store_token,
             store_region_bytes=config.store_region_bytes,
+            spill_batch_records=config.spill_batch_records,
         ),
     )
     problem = await asyncio.to_thread(checkpoints.check_store)

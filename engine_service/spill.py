@@ -104,8 +104,10 @@ class SpillQueue:
         capacity_bytes: int,
         counters: CheckpointCounters,
         lease_s: int = 600,
+        batch_records: int = BATCH_RECORDS,
     ) -> None:
         self.sink = sink
+        self.batch_records = max(1, batch_records)  # 1: one Put a record
         self.capacity_bytes = capacity_bytes
         self.counters = counters
         self.lease_s = lease_s
@@ -206,7 +208,7 @@ class SpillQueue:
         """Adds the Puts queued right behind the first, within the batch bounds; returns
         the first item that does not belong (a Delete or a barrier keeps its place)."""
         nbytes = sum(p.nbytes for p in batch if isinstance(p, Put))
-        while len(batch) < BATCH_RECORDS and nbytes < BATCH_BYTES:
+        while len(batch) < self.batch_records and nbytes < BATCH_BYTES:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
