@@ -9,6 +9,7 @@ from pathlib import Path
 
 from engine_service.kv_codec import BITS, GROUP_SIZES, KVCodec
 from engine_service.speculative import MAX_DRAFT
+from tandem_wire.tls import add_listening_args
 
 
 @dataclass(frozen=True)
@@ -192,24 +193,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         default=int(_env("NUM_DRAFT_TOKENS", "0")),
         help="draft tokens per round for requests that do not choose (0: no speculation)",
     )
-    p.add_argument("--tls-cert", default=_env("TLS_CERT", ""), help="PEM certificate")
-    p.add_argument("--tls-key", default=_env("TLS_KEY", ""), help="PEM private key")
-    p.add_argument(
-        "--tls-client-ca",
-        default=_env("TLS_CLIENT_CA", ""),
-        help="PEM CA bundle: clients must present a certificate it signed (mTLS)",
-    )
-    p.add_argument(
-        "--auth-file",
-        default=_env("AUTH_FILE", ""),
-        help="JSON file of principals (docs/security.md); reloaded on SIGHUP",
-    )
-    p.add_argument(
-        "--insecure-no-auth",
-        action="store_true",
-        default=_env("INSECURE_NO_AUTH", "") == "1",
-        help="allow a non-loopback address without --auth-file",
-    )
+    add_listening_args(p, _env)
     p.add_argument("--store-tls-ca", default=_env("STORE_TLS_CA", ""), help="the store's CA")
     p.add_argument("--store-tls-cert", default=_env("STORE_TLS_CERT", ""), help="client cert")
     p.add_argument("--store-tls-key", default=_env("STORE_TLS_KEY", ""), help="client key")

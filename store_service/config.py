@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from tandem_wire.tls import add_listening_args
+
 
 class SyncMode(StrEnum):
     # fsync once per committed checkpoint, before it is acknowledged.
@@ -106,28 +108,11 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
         default=int(_env("MAP_SIZE", "0")),
         help="initial LMDB map size in bytes (grows on demand); 0 = from capacity",
     )
-    parser.add_argument("--tls-cert", default=_env("TLS_CERT", ""), help="PEM certificate")
-    parser.add_argument("--tls-key", default=_env("TLS_KEY", ""), help="PEM private key")
-    parser.add_argument(
-        "--tls-client-ca",
-        default=_env("TLS_CLIENT_CA", ""),
-        help="PEM CA bundle: clients must present a certificate it signed (mTLS)",
-    )
-    parser.add_argument(
-        "--auth-file",
-        default=_env("AUTH_FILE", ""),
-        help="JSON file of principals (docs/security.md); reloaded on SIGHUP",
-    )
+    add_listening_args(parser, _env)
     parser.add_argument(
         "--admin-listen",
         default=_env("ADMIN_LISTEN", ""),
         help="HOST:PORT serving StoreAdmin (then not served on --listen)",
-    )
-    parser.add_argument(
-        "--insecure-no-auth",
-        action="store_true",
-        default=_env("INSECURE_NO_AUTH", "") == "1",
-        help="allow a non-loopback address without --auth-file",
     )
     args = parser.parse_args(argv)
     try:
