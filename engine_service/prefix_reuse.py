@@ -67,13 +67,17 @@ class PrefixReuse:
         return scope_digest(self.model_id, layout, namespace)
 
     def find(self, prompt: list[int], namespace: str, layout: list[str]) -> PrefixPlan | None:
-        """The longest reusable prefix of prompt[:-1] (one token must be left to prefill)."""
-        usable = prompt[:-1]
-        if len(usable) < BLOCK_SIZE:
+        """The longest reusable prefix of the prompt, at most all but its last token (one
+        token must be fed). The whole prompt is looked up, so a prompt seen before restores
+        len - 1 positions (its record is trimmed by one) and feeds one token, instead of
+        stopping at the last block boundary."""
+        usable = prompt
+        if len(usable) <= BLOCK_SIZE:
             return None
         scope = self.scope(namespace, layout)
         chain = block_hashes(usable, BLOCK_SIZE, scope)
-        lengths = [min((i + 1) * BLOCK_SIZE, len(usable)) for i in range(len(chain))]
+        most = len(prompt) - 1
+        lengths = [min((i + 1) * BLOCK_SIZE, len(usable), most) for i in range(len(chain))]
         key, local_len = self.local.match(chain, lengths)
         captured = self.local.get(key) if local_len else None
         best = PrefixPlan(local_len, key, layout, local=captured) if captured else None
@@ -107,16 +111,17 @@ class PrefixReuse:
             block_hashes=chain,
             token_count=len(usable),
         )
-        if not hit.found or hit.matched_tokens <= better_than:
+        matched = min(hit.matched_tokens, len(usable) - 1)  # one token is left to feed
+        if not hit.found or matched <= better_than:
             return None
-        if not self.cost.worth_restoring(hit.matched_tokens - better_than):
+        if not self.cost.worth_restoring(matched - better_than):
             return None  # cheaper to prefill (restore_cost.py)
         start = time.perf_counter()
         record = self.store.get(hit.key, namespace)
         # What the MLX thread could not restore is refused here, as a miss.
         check_restorable(record.metadata, record.tensors, layout)
         return PrefixPlan(
-            hit.matched_tokens, hit.key, layout, stored=record, fetch_s=time.perf_counter() - start
+            matched, hit.key, layout, stored=record, fetch_s=time.perf_counter() - start
         )
 
     def materialize(self, plan: PrefixPlan) -> list[Any] | None:

@@ -276,7 +276,8 @@ def test_quantized_checkpoints_resume_exactly_and_never_mix_with_plain(
         again = engine.generate(PROMPT, max_tokens=8, ignore_eos=True, **q8)
         plain = engine.generate(PROMPT, max_tokens=8, ignore_eos=True, kv_bits=0)
         assert again.usage is not None and plain.usage is not None
-        assert again.usage.cached_prompt_tokens == 256 and again.token_ids == first.token_ids
+        assert again.usage.cached_prompt_tokens == len(PROMPT) - 1
+        assert again.token_ids == first.token_ids
         assert plain.usage.cached_prompt_tokens == 0
 
     request = dict(max_tokens=64, ignore_eos=True, checkpoint_interval=8, request_id="q-1", **q8)
