@@ -142,8 +142,9 @@ def serve(config: StoreConfig) -> None:
     # One parseable line: tests and `tandem up` read the port from it.
     print(f"tandem-store listening on {host}:{servers[0][1]}", flush=True)
     if split:
+        # The log, not stdout: stdout carries the one banner line (a reader may close it after).
         admin_host = config.admin_listen.rsplit(":", 1)[0]
-        print(f"tandem-store admin listening on {admin_host}:{servers[1][1]}", flush=True)
+        log.info("StoreAdmin listening on %s:%d", admin_host, servers[1][1])
     stop.wait()
     log.info("draining (grace %.0fs)", config.grace_s)
     for _, _, health_servicer in servers:
