@@ -23,9 +23,10 @@ from engine_service.engine_stats import EngineStats
 from engine_service.errors import AlreadyExists, Overloaded, Unavailable
 from engine_service.events import Event, Finished, FinishReason, Sink, Started, Token
 from engine_service.jobs import Job, PendingSnapshot, StartingPoint
+from engine_service.loop_commands import Cancel, Command, Park, Restored, Stop, Submit, Unpark
 from engine_service.model import LoadedModel
 from engine_service.new_rows import NewRows
-from engine_service.plans import Plan, ResumePlan
+from engine_service.plans import Plan
 from engine_service.preemption import ParkSettings, Preemption, Return, restart_point
 from engine_service.requests import GenerationRequest
 from engine_service.response_stream import Deliver
@@ -53,46 +54,6 @@ class Limits:
     park: ParkSettings = field(default_factory=ParkSettings)
 
 
-# What other threads ask of the loop, through its inbox.
-@dataclass(frozen=True)
-class _Submit:
-    job: Job
-
-
-@dataclass(frozen=True)
-class _Cancel:
-    request_id: str
-    keep_checkpoint: bool
-    stopped: bool  # a stop string ended the text: the generation finished
-
-
-@dataclass(frozen=True)
-class _Park:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Unpark:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Restored:
-    """A row parked in the store, read back (plan) or not (error)."""
-
-    request_id: str
-    plan: ResumePlan | None
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class _Stop:
-    pass
-
-
-_Command = _Submit | _Cancel | _Park | _Unpark | _Restored | _Stop
-
-
 class Scheduler:
     def __init__(
         self,
@@ -112,7 +73,7 @@ class Scheduler:
         self.deliver = deliver
         self._outbox: list[tuple[Sink, list[Event]]] = []
         self._step_checkpoints = StepCheckpoints(checkpoints) if checkpoints else None
-        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards admission counters and stats
         self._ids: set[str] = set()
         self._pending = 0  # submitted, not yet finished
@@ -156,7 +117,7 @@ class Scheduler:
             self._ids.add(request.request_id)
             self._pending += 1
             self._stats.requests_total += 1
-        self._inbox.put(_Submit(Job(request, sink, plan)))
+        self._inbox.put(Submit(Job(request, sink, plan)))
 
     def cancel(self, request_id: str, keep_checkpoint: bool = False, stopped: bool = False) -> bool:
         """Asks the loop to stop a request; False if it is not known (already finished).
@@ -167,16 +128,16 @@ class Scheduler:
         with self._lock:
             known = request_id in self._ids
         if known:
-            self._inbox.put(_Cancel(request_id, keep_checkpoint, stopped))
+            self._inbox.put(Cancel(request_id, keep_checkpoint, stopped))
         return known
 
     def park(self, request_id: str) -> None:
         """Its client stopped reading: the row is to give its slot up (preemption.py)."""
-        self._inbox.put(_Park(request_id))
+        self._inbox.put(Park(request_id))
 
     def unpark(self, request_id: str) -> None:
         """Its client reads again: a parked row goes back to the waiting queue."""
-        self._inbox.put(_Unpark(request_id))
+        self._inbox.put(Unpark(request_id))
 
     def stop_accepting(self) -> None:
         with self._lock:
@@ -189,7 +150,7 @@ class Scheduler:
     def shutdown(self) -> None:
         """Cancels whatever is left and stops the loop."""
         self.stop_accepting()
-        self._inbox.put(_Stop())
+        self._inbox.put(Stop())
         self._thread.join(30)
 
     def stats(self) -> EngineStats:
@@ -262,18 +223,18 @@ class Scheduler:
             except queue.Empty:
                 return True
             block = False
-            if isinstance(command, _Submit):
+            if isinstance(command, Submit):
                 self._waiting.append(command.job)
                 self._by_id[command.job.request.request_id] = command.job
-            elif isinstance(command, _Cancel):
+            elif isinstance(command, Cancel):
                 job = self._by_id.get(command.request_id)
                 if job is not None:
                     job.keep_checkpoint = command.keep_checkpoint
                     job.ended = "finished" if command.stopped else "was cancelled"
                 self._cancel(command.request_id)
-            elif isinstance(command, (_Park, _Unpark)):
+            elif isinstance(command, (Park, Unpark)):
                 self._park_command(command)
-            elif isinstance(command, _Restored):
+            elif isinstance(command, Restored):
                 self._restored(command)
             else:
                 return False
@@ -363,11 +324,11 @@ class Scheduler:
         with self._lock:
             self._stats.add_step(len(responses), time.monotonic())
 
-    def _park_command(self, command: _Park | _Unpark) -> None:
+    def _park_command(self, command: Park | Unpark) -> None:
         job = self._by_id.get(command.request_id)
         if job is None or not self._preemption.enabled:
             return
-        if isinstance(command, _Park):
+        if isinstance(command, Park):
             self._preemption.ask(job)
             return
         back = self._preemption.release(job)
@@ -377,7 +338,7 @@ class Scheduler:
             assert self.checkpoints is not None
             rid = job.request.request_id
             self.checkpoints.read_back(
-                job, lambda plan, error: self._inbox.put(_Restored(rid, plan, error))
+                job, lambda plan, error: self._inbox.put(Restored(rid, plan, error))
             )
 
     def _save_parked(self, job: Job, snapshot: PendingSnapshot) -> bool:
@@ -385,7 +346,7 @@ class Scheduler:
             return False
         return self.checkpoints.generations.save_parked(job, snapshot)
 
-    def _restored(self, command: _Restored) -> None:
+    def _restored(self, command: Restored) -> None:
         job = self._by_id.get(command.request_id)
         if job is None or not self._preemption.is_parked(job):
             return  # cancelled meanwhile

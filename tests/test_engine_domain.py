@@ -27,7 +27,7 @@ from engine_service.errors import (
     Unavailable,
 )
 from engine_service.events import Event, Finished, Started, Token
-from engine_service.generation_checkpoints import GenerationMeta
+from engine_service.generation_meta import GenerationMeta
 from engine_service.model import LoadedModel, load_model
 from engine_service.prefix_cache import PrefixCache
 from engine_service.prefix_reuse import PrefixReuse
