@@ -45,8 +45,10 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from bench.engine_bench import model_spec  # noqa: E402
 from engine_service import blas  # noqa: E402
 from engine_service.cache_codec import capture, restore, to_host  # noqa: E402
+from engine_service.device_landing import landing_for  # noqa: E402
 from engine_service.model import load_model  # noqa: E402
 from tandem_client import EngineClient, StoreClient  # noqa: E402
+from tandem_client.regions import SharedRegion  # noqa: E402
 from tandem_client.store_client import Checkpoint  # noqa: E402
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc  # noqa: E402
 from tests.servers import free_port, start_engine, start_store_on  # noqa: E402
@@ -116,10 +118,17 @@ def bench_resume(stack: dict, vocab: int, tokens: int) -> dict:
             if received >= tokens:
                 break
         regenerate_s = time.perf_counter() - start  # prompt + `tokens` generated
-        # The snapshot at `tokens` is taken on the next aligned step and queued one step
-        # later (docs/checkpoints.md); give the still-running generation that long.
-        time.sleep(0.2)
-        client.flush()
+        # The snapshot covering what the client holds is taken at the next interval (up to
+        # tokens // 4 more, on an aligned step) and queued a step later: wait until the store
+        # has it, as a crash after that point would find it.
+        deadline = time.monotonic() + 120
+        with StoreClient(stack["store"]) as store:
+            while not any(
+                r.token_count >= len(prompt) + received for r in store.list_all(kind="generation")
+            ):
+                assert time.monotonic() < deadline, "no checkpoint covering the held tokens"
+                client.flush()
+                time.sleep(0.05)
     engine.kill()
     engine = stack["restart"]()
     with EngineClient(engine.address, timeout=1800) as client:
@@ -197,6 +206,7 @@ def bench_restore(
     store_dir: Path,
     tokens: int,  # noqa: ANN001
     repeat: int,
+    region_bytes: int,
 ) -> dict:
     ids = mx.array([_prompt(tokens, loaded.vocab_size, seed=9)])
     caches = make_prompt_cache(loaded.model)
@@ -243,7 +253,40 @@ def bench_restore(
         mx.eval(moved)
         times["to_device"].append(time.perf_counter() - start)
     env.close()
-    result = {"bytes": nbytes, "tokens": tokens}
+    # The engine's same-host path: the store copies (checked) into a region, the landing
+    # makes device arrays of it (a GPU pull from the pinned region on MLX-CUDA), ABAB with
+    # the plain Get above; every restore is compared with the original on the device.
+    times["same_host"], times["region_get"], times["region_land"] = [], [], []
+    region = SharedRegion(max(region_bytes, nbytes + (64 << 20)))
+    near = StoreClient(store.address, timeout=1800)
+    near.attach_region(region, slots=1)
+    landing = landing_for(region)
+    originals = [a for c in caches for a in c.state if isinstance(a, mx.array)]
+    try:
+        for i in range(repeat + 1):
+            start = time.perf_counter()
+            got, hold = near.get_held(b"restore-bench", size_hint=nbytes)
+            assert hold is not None, "the record did not fit the region"
+            got_s = time.perf_counter() - start
+            restored = restore(got.metadata, got.tensors, captured.layout, landing.array)
+            landing.settle()
+            hold.release()
+            arrays = [a for c in restored for a in c.state if isinstance(a, mx.array)]
+            mx.eval(arrays)
+            if i:  # the first is a warm-up
+                times["same_host"].append(time.perf_counter() - start)
+                times["region_get"].append(got_s)
+                times["region_land"].append(times["same_host"][-1] - got_s)
+            assert all(
+                bool(mx.array_equal(a[..., :tokens, :], b[..., :tokens, :]))
+                for a, b in zip(arrays, originals, strict=True)
+            ), "the same-host restore differs from the cache it came from"
+    finally:
+        landing.close()
+        near.detach_region()
+        near.close()
+        region.close()
+    result = {"bytes": nbytes, "tokens": tokens, "landing": landing.kind}
     print(f"  restoring a {tokens}-token cache ({nbytes / 2**20:.1f} MiB):")
     for name, values in times.items():
         t = statistics.median(values)
@@ -350,6 +393,12 @@ def main() -> None:
     parser.add_argument("--restore-tokens", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument(
+        "--region-bytes",
+        type=int,
+        default=256 << 20,
+        help="the engine's shared-memory region (a store hit larger than a free span streams)",
+    )
+    parser.add_argument(
         "--skip", default="", help="comma list of ttft,resume,batched,decode,restore,local"
     )
     parser.add_argument("--json")
@@ -384,10 +433,12 @@ def main() -> None:
                 "8",
                 "--spill-queue-bytes",
                 str(16 << 30),
+                "--store-region-bytes",
+                str(args.region_bytes),
                 log_dir=root,
             )
 
-        stack = {"engine": engine_proc(), "restart": engine_proc}
+        stack = {"engine": engine_proc(), "restart": engine_proc, "store": f"127.0.0.1:{port}"}
         print(
             f"model {args.model} on {out['device']} (BLAS {out['blas']}), medians of {args.repeat}"
         )
@@ -424,7 +475,12 @@ def main() -> None:
                 loaded = load_model(spec, root)
                 print("restore bandwidth:")
                 out["restore"] = bench_restore(
-                    loaded, store, root / "store", args.restore_tokens, args.repeat
+                    loaded,
+                    store,
+                    root / "store",
+                    args.restore_tokens,
+                    args.repeat,
+                    args.region_bytes,
                 )
             if "local" not in skip:
                 stack["engine"].stop()

@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as cache_lib
 
+from engine_service.device_landing import WORD_VIEWS, host_array
 from engine_service.errors import Corrupt, Precondition
 from engine_service.kv_codec import layout_accepts
 from engine_service.model import layout_codec
@@ -33,7 +34,7 @@ from tandem_client.records import Tensor
 
 CODEC_VERSION = "tandem.cache.v1"
 # dtypes numpy cannot hold travel as same-width unsigned words.
-_WORD_VIEWS = {"bfloat16": (mx.uint16, np.uint16)}
+_WORD_VIEWS = WORD_VIEWS
 
 
 @dataclass
@@ -149,22 +150,19 @@ def to_host(captured: CapturedCache) -> list[Tensor]:
 
 
 def restore(
-    meta: dict[str, str], tensors: Iterable[Tensor], expected_layout: list[str]
+    meta: dict[str, str],
+    tensors: Iterable[Tensor],
+    expected_layout: list[str],
+    to_array: Callable[[Tensor], mx.array] = host_array,
 ) -> list[Any]:
-    """Rebuilds caches from a checkpoint's metadata and tensors (bytes from the store).
+    """Rebuilds caches from a checkpoint's metadata and tensors (bytes from the store);
+    to_array: how bytes become an MLX array (device_landing.py: a host copy, or a GPU pull
+    from the pinned region).
 
     Raises Precondition naming what differs when the codec or layout does not match.
     """
     by_name = {t.name: t for t in tensors}
-
-    def array(name: str) -> mx.array:
-        t = by_name[name]
-        view = _WORD_VIEWS.get(t.dtype)
-        np_dtype = view[1] if view else np.dtype(t.dtype)
-        stored = mx.array(np.frombuffer(t.data, dtype=np_dtype).reshape(t.shape))
-        return stored.view(getattr(mx, t.dtype)) if view else stored
-
-    return _rebuild(meta, array, expected_layout)
+    return _rebuild(meta, lambda name: to_array(by_name[name]), expected_layout)
 
 
 def check_restorable(

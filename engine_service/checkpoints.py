@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import grpc
 
 from engine_service.checkpoint_stats import CheckpointCounters, CheckpointStats
+from engine_service.device_landing import landing_for
 from engine_service.errors import EngineError, Unavailable
 from engine_service.generation_checkpoints import GenerationCheckpoints
+from engine_service.host_staging import HostStaging
 from engine_service.jobs import Job, StartingPoint
 from engine_service.model import LoadedModel
 from engine_service.plans import PrefixPlan, ResumePlan
@@ -97,6 +99,9 @@ class CheckpointManager:
         )
         self._loader = ThreadPoolExecutor(2, thread_name_prefix="checkpoint-read-back")
         self.region = self._attach_region() if self.store is not None else None
+        self.prefixes.landing = landing_for(self.region)
+        staging = HostStaging(self.prefixes.landing, self.store if self.region else None)
+        self.prefixes.staging = self.generations.staging = staging
 
     def _attach_region(self) -> SharedRegion | None:
         """The same-host data plane, when the store is on this host and takes the region;
@@ -122,6 +127,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Gives the region back (at shutdown)."""
+        self.prefixes.landing.close()
         if self.store is not None and self.region is not None:
             self.store.detach_region()
             self.region.close()

@@ -27,8 +27,9 @@ from mlx_lm.models import cache as cache_lib
 
 from engine_service.attachments import CapturedAttachment, check_attachment
 from engine_service.attachments import find as find_attachment
-from engine_service.cache_codec import capture, check_restorable, restore, settle, to_host
+from engine_service.cache_codec import capture, check_restorable, restore, settle
 from engine_service.checkpoint_stats import CheckpointCounters
+from engine_service.device_landing import Landing
 from engine_service.errors import Corrupt, EngineError, NotFound, Precondition, Unavailable
 from engine_service.generation_meta import (
     ENDED,
@@ -39,6 +40,7 @@ from engine_service.generation_meta import (
     segment_key,
     segmentable,
 )
+from engine_service.host_staging import HostStaging
 from engine_service.jobs import Job, PendingSnapshot, Segment
 from engine_service.plans import ResumePlan
 from engine_service.sampling import SamplingOptions
@@ -62,6 +64,7 @@ class GenerationCheckpoints:
         self.counters = counters
         self.store = store
         self.spill = spill
+        self.staging = HostStaging(Landing(), None)  # how captures become host bytes
         self._lock = threading.Lock()
         # Generation key -> first segment of a chain that has a hole (a segment or manifest
         # that did not reach the store): its later records are not sent, its next snapshot
@@ -161,13 +164,13 @@ class GenerationCheckpoints:
         captured, segment = snapshot.captured, snapshot.segment
         if segment is None:
             record.metadata = {**meta.to_metadata(), **captured.meta()}
-            record.tensors = to_host(captured)
+            record.tensors, keep = self.staging.tensors(captured)
             record.attachments = [a.to_record() for a in snapshot.attachments]
             nbytes = captured.nbytes + sum(a.nbytes for a in snapshot.attachments)
-            return self.spill.put(Put(record, nbytes))
+            return self.spill.put(Put(record, nbytes, keep=keep))
         part = self._record(job, segment_key(key, segment.index), "object", record.token_ids)
         part.metadata = {**captured.meta(), "segment_of": key.hex(), "start": str(segment.start)}
-        part.tensors = to_host(captured)
+        part.tensors, keep = self.staging.tensors(captured)
         chained = dataclasses.replace(meta, chain_first=segment.first, chain_next=segment.index + 1)
         record.metadata = {
             **chained.to_metadata(),
@@ -187,7 +190,10 @@ class GenerationCheckpoints:
         # that is not stored.
         for item in (part, record):
             nbytes = captured.nbytes if item is part else 0
-            if not self.spill.put(Put(item, nbytes, still_wanted=wanted, on_failed=broke)):
+            held = keep if item is part else None
+            if not self.spill.put(
+                Put(item, nbytes, still_wanted=wanted, on_failed=broke, keep=held)
+            ):
                 broke()
                 return False
         return True

@@ -11,6 +11,7 @@ from typing import Literal
 
 from engine_service.cache_codec import CapturedCache
 from tandem_client.records import Attachment, Checkpoint
+from tandem_client.regions import RegionHold
 
 
 @dataclass
@@ -22,6 +23,9 @@ class PrefixPlan:
     layout: list[str]  # the request's cache layout
     local: CapturedCache | None = None  # a local hit: device arrays, restored without a copy
     stored: Checkpoint | None = None  # a store hit: the record's bytes
+    # Where those bytes are when they still lie in the shared-memory region (released once
+    # they are MLX arrays); None: they are the checkpoint's own.
+    hold: RegionHold | None = None
     fetch_s: float = 0.0
 
     @property

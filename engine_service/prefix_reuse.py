@@ -24,10 +24,11 @@ from engine_service.cache_codec import (
     check_restorable,
     restore,
     restore_captured,
-    to_host,
 )
 from engine_service.checkpoint_stats import CheckpointCounters
+from engine_service.device_landing import Landing
 from engine_service.errors import Corrupt, Precondition
+from engine_service.host_staging import HostStaging
 from engine_service.plans import PrefixPlan
 from engine_service.prefix_cache import BLOCK_SIZE, PrefixCache
 from engine_service.restore_cost import RestoreCost
@@ -61,6 +62,8 @@ class PrefixReuse:
         self.spill = spill
         self.min_prefix_tokens = min_prefix_tokens
         self.cost = RestoreCost()  # store hit or prefill, decided per request
+        self.landing = Landing()  # how store bytes become arrays (the region's, once attached)
+        self.staging = HostStaging(self.landing, None)  # how captures become host bytes
         self._saved_keys: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
     def scope(self, namespace: str, layout: list[str]) -> bytes:
@@ -117,11 +120,22 @@ class PrefixReuse:
         if not self.cost.worth_restoring(matched - better_than):
             return None  # cheaper to prefill (restore_cost.py)
         start = time.perf_counter()
-        record = self.store.get(hit.key, namespace)
-        # What the MLX thread could not restore is refused here, as a miss.
-        check_restorable(record.metadata, record.tensors, layout)
+        # Same-host: the bytes stay in the region until the MLX thread has made them arrays.
+        record, hold = self.store.get_held(hit.key, namespace, size_hint=hit.payload_bytes)
+        try:
+            # What the MLX thread could not restore is refused here, as a miss.
+            check_restorable(record.metadata, record.tensors, layout)
+        except BaseException:
+            if hold is not None:
+                hold.release()
+            raise
         return PrefixPlan(
-            matched, hit.key, layout, stored=record, fetch_s=time.perf_counter() - start
+            matched,
+            hit.key,
+            layout,
+            stored=record,
+            hold=hold,
+            fetch_s=time.perf_counter() - start,
         )
 
     def materialize(self, plan: PrefixPlan) -> list[Any] | None:
@@ -133,7 +147,14 @@ class PrefixReuse:
                 held = plan.local.tokens
             else:
                 assert plan.stored is not None
-                caches = restore(plan.stored.metadata, plan.stored.tensors, plan.layout)
+                try:
+                    caches = restore(
+                        plan.stored.metadata, plan.stored.tensors, plan.layout, self.landing.array
+                    )
+                finally:  # the arrays own their bytes before the region span is reused
+                    self.landing.settle()
+                    if plan.hold is not None:
+                        plan.hold.release()
                 held = int(plan.stored.metadata.get("tokens", plan.matched))
             if held > plan.matched:
                 if not can_trim_prompt_cache(caches):
@@ -170,6 +191,7 @@ class PrefixReuse:
         self._saved_keys[key] = None
         if len(self._saved_keys) > SAVED_KEYS:
             self._saved_keys.popitem(last=False)
+        tensors, keep = self.staging.tensors(captured)
         record = Checkpoint(
             key=key,
             kind="prefix",
@@ -181,7 +203,7 @@ class PrefixReuse:
             block_size=BLOCK_SIZE,
             block_hashes=chain,
             metadata={**captured.meta(), "tokens": str(len(prompt))},
-            tensors=to_host(captured),
+            tensors=tensors,
         )
         self.spill.put(
             Put(
@@ -191,5 +213,6 @@ class PrefixReuse:
                 pinned=False,
                 # Not in the store after all: let a later prompt send it again.
                 on_failed=lambda: self._saved_keys.pop(key, None),
+                keep=keep,
             )
         )

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 EMA = 0.3
 # What a store hit costs beyond its bytes: the lookup and the header round trip.
 FIXED_S = 0.003
+# After this many prefills chosen in a row, one hit is restored anyway: the restore rate is
+# measured again (a first restore slowed by warm-up, or a store that got faster, is not
+# trusted forever).
+PROBE_EVERY = 16
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class RestoreCost:
         self._bytes_per_token = 0.0
         self._restore_chosen = 0
         self._prefill_chosen = 0
+        self._prefill_streak = 0  # prefills chosen since the last restore
 
     def observe_restore(self, nbytes: int, tokens: int, seconds: float) -> None:
         if nbytes <= 0 or tokens <= 0 or seconds <= 0:
@@ -59,7 +64,12 @@ class RestoreCost:
                 restore = self.fixed_s + tokens * self._bytes_per_token / self._restore_bps
                 prefill = tokens / self._prefill_tps
             choose = not known or restore <= prefill
+            if not choose:
+                self._prefill_streak += 1
+                if self._prefill_streak >= PROBE_EVERY:
+                    choose = True  # a probe: measure the restore rate again
             if choose:
+                self._prefill_streak = 0
                 self._restore_chosen += 1
             else:
                 self._prefill_chosen += 1

@@ -55,6 +55,8 @@ class Put:
     # Checked just before sending: False skips the put (e.g. its chain broke meanwhile).
     still_wanted: Callable[[], bool] | None = None
     on_failed: Callable[[], None] | None = None  # after a put that did not land
+    # What the tensors' bytes live in (a region span, host_staging.py): dropped with the item.
+    keep: object = None
 
 
 @dataclass

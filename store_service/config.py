@@ -34,6 +34,8 @@ class StoreConfig:
     # Payload bytes per stored LMDB value (1-4 MiB values write fastest, see docs/performance.md).
     chunk_bytes: int = 1 * MiB
     max_workers: int = 32
+    # Threads copying one Get into a shared-memory region; 0 = from the cores (4..16).
+    region_copy_threads: int = 0
     # Concurrent Put/Get calls one client connection may have; 0 = max_workers / 2.
     bulk_calls_per_connection: int = 0
     default_lease_s: int = 300
@@ -58,6 +60,8 @@ class StoreConfig:
             raise ValueError("--chunk-bytes must be between 4 KiB and 4 MiB")
         if self.sync_interval_s <= 0:
             raise ValueError("--sync-interval must be positive")
+        if self.region_copy_threads < 0:
+            raise ValueError("--region-copy-threads must be >= 0")
         if self.bulk_calls_per_connection < 0:
             raise ValueError("--max-bulk-calls-per-connection must be >= 0")
 
@@ -90,6 +94,12 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
     )
     parser.add_argument("--chunk-bytes", type=int, default=int(_env("CHUNK_BYTES", str(MiB))))
     parser.add_argument("--max-workers", type=int, default=int(_env("MAX_WORKERS", "32")))
+    parser.add_argument(
+        "--region-copy-threads",
+        type=int,
+        default=int(_env("REGION_COPY_THREADS", "0")),
+        help="threads copying one Get into a same-host region (0: from the cores, 4..16)",
+    )
     parser.add_argument(
         "--max-bulk-calls-per-connection",
         type=int,
@@ -124,6 +134,7 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
             sync_interval_s=args.sync_interval,
             chunk_bytes=args.chunk_bytes,
             max_workers=args.max_workers,
+            region_copy_threads=args.region_copy_threads,
             tls_client_ca=args.tls_client_ca,
             auth_file=args.auth_file,
             admin_listen=args.admin_listen,

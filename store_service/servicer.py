@@ -155,7 +155,13 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             # Verified into the region before anything is answered: a damaged chunk is
             # DATA_LOSS, never a header saying the bytes are there.
             copy_payload(
-                self.store.state.storage, record, region, offset, span, self.store.quarantine
+                self.store.state.storage,
+                record,
+                region,
+                offset,
+                span,
+                self.store.quarantine,
+                self.store.regions.copy_threads,
             )
         finally:
             self.store.regions.done(region)

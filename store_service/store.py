@@ -33,7 +33,7 @@ from store_service.records import (
     record_key,
 )
 from store_service.recovery import recover
-from store_service.regions import Regions
+from store_service.regions import Regions, copy_threads
 from store_service.state import StoreState
 from store_service.storage import now_ms
 from store_service.wire import LookupQuery, LookupResult, PutResult
@@ -63,7 +63,8 @@ class CheckpointStore:
         self.put_budget = InflightBudget()  # bytes all Puts together queue at the writer
         self.maintenance = Maintenance(self.state, idle=lambda: not self.capacity.pending)
         self.maintenance.start()
-        self.regions = Regions()  # same-host callers' shared memory (regions.py)
+        # Same-host callers' shared memory (regions.py).
+        self.regions = Regions(copy_threads(config.region_copy_threads))
 
     @property
     def config(self) -> StoreConfig:
@@ -316,7 +317,12 @@ class CheckpointStore:
                     st.counters.hits += 1
                     st.index.touch(ikey, now_ms())
                     return LookupResult(
-                        True, info.key, lengths[i], info.token_count, info.trimmable
+                        True,
+                        info.key,
+                        lengths[i],
+                        info.token_count,
+                        info.trimmable,
+                        info.payload_bytes,
                     )
         with st.mutex:
             st.counters.misses += 1

@@ -145,6 +145,7 @@ class LookupResult:
     matched_tokens: int = 0
     record_tokens: int = 0
     trimmable: bool = False
+    payload_bytes: int = 0
 
     def to_pb(self) -> store_pb2.LookupResponse:
         return store_pb2.LookupResponse(
@@ -153,6 +154,7 @@ class LookupResult:
             matched_tokens=self.matched_tokens,
             record_tokens=self.record_tokens,
             trimmable=self.trimmable,
+            payload_bytes=self.payload_bytes,
         )
 
 

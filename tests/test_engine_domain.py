@@ -32,7 +32,7 @@ from engine_service.model import LoadedModel, load_model
 from engine_service.prefix_cache import PrefixCache
 from engine_service.prefix_reuse import PrefixReuse
 from engine_service.requests import GenerationRequest, stop_token_ids
-from engine_service.restore_cost import RestoreCost
+from engine_service.restore_cost import PROBE_EVERY, RestoreCost
 from engine_service.sampling import SamplingOptions
 from engine_service.scheduler import Limits, Scheduler
 from engine_service.spill import Put, SpillQueue
@@ -405,3 +405,16 @@ def test_a_store_hit_is_restored_only_when_loading_beats_computing() -> None:
     assert (snap.restore_chosen, snap.prefill_chosen) == (0, 1)
     assert 0.5e9 < snap.restore_bytes_per_second < 0.7e9
     assert 19_000 < snap.prefill_tokens_per_second < 21_000
+
+
+def test_after_a_run_of_prefills_one_hit_is_restored_to_measure_the_store_again() -> None:
+    cost = RestoreCost(fixed_s=0.001)
+    cost.observe_prefill(tokens=8192, seconds=0.4)
+    cost.observe_restore(nbytes=896 << 20, tokens=8192, seconds=1.5)  # a cold first restore
+    choices = [cost.worth_restoring(8192) for _ in range(PROBE_EVERY * 2)]
+    assert choices == ([False] * (PROBE_EVERY - 1) + [True]) * 2
+    cost.observe_restore(nbytes=896 << 20, tokens=8192, seconds=0.05)  # the probe was fast
+    cost.observe_restore(nbytes=896 << 20, tokens=8192, seconds=0.05)
+    cost.observe_restore(nbytes=896 << 20, tokens=8192, seconds=0.05)
+    cost.observe_restore(nbytes=896 << 20, tokens=8192, seconds=0.05)
+    assert cost.worth_restoring(8192)  # the store is trusted again

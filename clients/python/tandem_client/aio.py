@@ -138,6 +138,9 @@ class AsyncStoreClient(AsyncGrpcClient):
         return PutResult(r.key, r.payload_bytes, r.replaced, r.lease_id)
 
     async def get(self, key: bytes, namespace: str = "") -> Checkpoint:
+        return await self._retry_unavailable(lambda: self._get_once(key, namespace))
+
+    async def _get_once(self, key: bytes, namespace: str) -> Checkpoint:
         call = self._get(store_pb2.GetRequest(namespace=namespace, key=key), timeout=self.timeout)
         try:
             assembler: PayloadAssembler | None = None

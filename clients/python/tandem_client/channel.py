@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
 from tandem_client.credentials import TokenChannel, aio_interceptors
-from tandem_client.errors import from_rpc_error
+from tandem_client.errors import Unavailable, from_rpc_error
 
 T = TypeVar("T")
 C = TypeVar("C", bound="GrpcClient")
@@ -17,8 +19,11 @@ A = TypeVar("A", bound="AsyncGrpcClient")
 
 # Calls that change nothing (or the same thing again) are retried by gRPC itself when the
 # server is UNAVAILABLE (restarting, not yet listening), with exponential backoff.
+# Store.Get is not here: grpc-core's retry of a server-streaming call whose connection was
+# reset (a store killed mid-call) hangs until the deadline (grpcio 1.7x, reproduced), so the
+# clients retry Get themselves (GrpcClient._retry_unavailable).
 _IDEMPOTENT = {
-    "tandem.v1.Store": ["Get", "Lookup"],
+    "tandem.v1.Store": ["Lookup"],
     "tandem.v1.StoreAdmin": ["List", "Inspect", "Stats", "Flush"],
     "tandem.v1.Engine": ["Tokenize", "Detokenize", "ModelInfo", "Stats", "Flush"],
 }
@@ -29,6 +34,8 @@ RETRY_POLICY = {
     "backoffMultiplier": 2,
     "retryableStatusCodes": ["UNAVAILABLE"],
 }
+# Waits between attempts of a client-side retry: RETRY_POLICY's, for the calls it cannot cover.
+RETRY_BACKOFFS_S = (0.1, 0.2, 0.4, 0.8)
 SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
@@ -93,6 +100,15 @@ class GrpcClient:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
+    def _retry_unavailable(self, fn: Callable[[], T]) -> T:
+        """fn (an idempotent call) again while it is UNAVAILABLE, with the policy's backoff."""
+        for backoff in RETRY_BACKOFFS_S:
+            try:
+                return fn()
+            except Unavailable:
+                time.sleep(backoff)
+        return fn()
+
 
 class AsyncGrpcClient:
     """The asyncio twin of GrpcClient (grpc.aio channel, same retries and errors)."""
@@ -117,6 +133,14 @@ class AsyncGrpcClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    async def _retry_unavailable(self, fn: Callable[[], Awaitable[T]]) -> T:
+        for backoff in RETRY_BACKOFFS_S:
+            try:
+                return await fn()
+            except Unavailable:
+                await asyncio.sleep(backoff)
+        return await fn()
 
     async def _call(self, awaitable: Any) -> Any:
         try:

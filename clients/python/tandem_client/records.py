@@ -154,10 +154,11 @@ class LookupResult:
     matched_tokens: int
     record_tokens: int
     trimmable: bool
+    payload_bytes: int = 0  # what a Get into a region needs room for
 
     @classmethod
     def from_pb(cls, r: store_pb2.LookupResponse) -> LookupResult:
-        return cls(r.found, r.key, r.matched_tokens, r.record_tokens, r.trimmable)
+        return cls(r.found, r.key, r.matched_tokens, r.record_tokens, r.trimmable, r.payload_bytes)
 
 
 def lookup_request(

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import mmap
 import os
-import queue
 import secrets
+import threading
+import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -73,29 +75,77 @@ class SharedRegion:
         self.close()
 
 
+PAGE = 4096
+
+
+@dataclass(frozen=True)
+class Span:
+    """A page-aligned part of a region lent to one Get."""
+
+    offset: int
+    size: int
+
+
 class RegionReads:
-    """A region shared by a client's concurrent Gets: `slots` spans, each held by one read
-    while the store writes into it and the tensors are copied out."""
+    """A region shared by a client's concurrent Gets: each takes a span the size of its
+    payload (first fit, page-aligned), held while the store writes into it and until its
+    tensors are copied out or released by whoever holds them."""
 
     def __init__(self, region: SharedRegion, slots: int = 4) -> None:
         self.region = region
-        self.span = (region.size - DEFAULT_OFFSET) // slots // 4096 * 4096
-        if self.span <= 0:
+        usable = (region.size - DEFAULT_OFFSET) // PAGE * PAGE
+        # The span a Get of unknown size takes: a slot, as before sizes were known.
+        self.default_span = usable // slots // PAGE * PAGE
+        if self.default_span <= 0:
             raise ValueError("the region is too small for its slots")
-        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for i in range(slots):
-            self._free.put(DEFAULT_OFFSET + i * self.span)
+        self._lock = threading.Lock()
+        self._free: list[Span] = [Span(DEFAULT_OFFSET, usable)]  # by offset, coalesced
         self.reads = 0  # Gets the store wrote into the region
 
-    def acquire(self) -> int | None:
-        """A free span's offset; None when every span is in use (stream instead)."""
-        try:
-            return self._free.get_nowait()
-        except queue.Empty:
-            return None
+    def acquire(self, nbytes: int = 0) -> Span | None:
+        """A free span of at least nbytes (0: the default span); None when none is free
+        (stream instead)."""
+        size = -(-(nbytes or self.default_span) // PAGE) * PAGE
+        with self._lock:
+            for i, free in enumerate(self._free):
+                if free.size >= size:
+                    rest = Span(free.offset + size, free.size - size)
+                    self._free[i : i + 1] = [rest] if rest.size else []
+                    return Span(free.offset, size)
+        return None
 
-    def release(self, offset: int) -> None:
-        self._free.put(offset)
+    def release(self, span: Span) -> None:
+        with self._lock:
+            spans = sorted([*self._free, span], key=lambda s: s.offset)
+            merged: list[Span] = []
+            for s in spans:
+                if merged and merged[-1].offset + merged[-1].size == s.offset:
+                    merged[-1] = Span(merged[-1].offset, merged[-1].size + s.size)
+                else:
+                    merged.append(s)
+            self._free = merged
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(s.size for s in self._free)
+
+
+class RegionHold:
+    """A span holding a placed payload that its tensors still view: give it back with
+    release() once they are copied (a hold dropped unreleased is given back when collected)."""
+
+    def __init__(self, reads: RegionReads, span: Span) -> None:
+        self.region = reads.region
+        self.span = span
+        self._finalizer = weakref.finalize(self, reads.release, span)
+
+    def release(self) -> None:
+        self._finalizer()  # runs at most once
+
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
 
 
 def remove_stale_regions() -> list[str]:

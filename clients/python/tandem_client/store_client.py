@@ -24,7 +24,7 @@ from tandem_client.bulk import (
     receive,
 )
 from tandem_client.channel import GrpcClient
-from tandem_client.errors import PutManyFailed, TandemError, from_rpc_error
+from tandem_client.errors import PutManyFailed, from_rpc_error
 from tandem_client.records import (
     Attachment,
     Checkpoint,
@@ -42,12 +42,11 @@ from tandem_client.records import (
     record_filter,
 )
 from tandem_client.regions import (
-    DEFAULT_OFFSET,
+    RegionHold,
     RegionReads,
-    SharedRegion,
     own_tensors,
-    read_placed,
 )
+from tandem_client.same_host import SameHostReads
 from tandem_wire.pb import store_pb2, store_pb2_grpc
 
 __all__ = [
@@ -74,7 +73,7 @@ __all__ = [
 ]
 
 
-class StoreClient(GrpcClient):
+class StoreClient(SameHostReads, GrpcClient):
     """Synchronous client of `tandem.v1.Store` and `tandem.v1.StoreAdmin`."""
 
     def __init__(
@@ -144,117 +143,41 @@ class StoreClient(GrpcClient):
         reads = self._reads
         with self._bulk_slot():
             if reads is not None and not max_chunk_bytes:
-                return self._call(lambda: self._get_through_region(reads, key, namespace))
-            return self._call(lambda: self._get_streamed(key, namespace, max_chunk_bytes))
+                checkpoint, hold = self._retry_unavailable(
+                    lambda: self._call(lambda: self._get_through_region(reads, key, namespace, 0))
+                )
+                if hold is not None:  # copied out: the span is free again once this returns
+                    own_tensors(checkpoint)
+                    hold.release()
+                return checkpoint
+            return self._retry_unavailable(
+                lambda: self._call(lambda: self._get_streamed(key, namespace, max_chunk_bytes))
+            )
+
+    def get_held(
+        self, key: bytes, namespace: str = "", *, size_hint: int = 0
+    ) -> tuple[Checkpoint, RegionHold | None]:
+        """Like get(), but a payload the store placed in the attached region stays there:
+        the tensors view the region until the returned hold is released (None: the bytes
+        are the checkpoint's own, streamed). size_hint: the payload's size when known
+        (Lookup's payload_bytes), so a span that fits it is taken."""
+        reads = self._reads
+        with self._bulk_slot():
+            if reads is None:
+                return self._retry_unavailable(
+                    lambda: self._call(lambda: self._get_streamed(key, namespace))
+                ), None
+            return self._retry_unavailable(
+                lambda: self._call(
+                    lambda: self._get_through_region(reads, key, namespace, size_hint)
+                )
+            )
 
     def _get_streamed(self, key: bytes, namespace: str, max_chunk_bytes: int = 0) -> Checkpoint:
         request = store_pb2.GetRequest(
             namespace=namespace, key=key, max_chunk_bytes=max_chunk_bytes
         )
         return receive(self._get(request, timeout=self.timeout))
-
-    # -- same-host data plane (regions.py) ----------------------------------------------------
-
-    def register_region(self, region: SharedRegion, ttl_s: int = 60) -> int:
-        """Lets the store write into `region` (renew before ttl_s passes); returns when the
-        lease ends, unix ms."""
-        request = store_pb2.RegisterRegionRequest(
-            name=region.name, size_bytes=region.size, proof=region.proof, ttl_seconds=ttl_s
-        )
-        r = self._call(lambda: self._store.RegisterRegion(request, timeout=self.timeout))
-        return int(r.expires_at_unix_ms)
-
-    def unregister_region(self, region: SharedRegion) -> None:
-        request = store_pb2.UnregisterRegionRequest(name=region.name)
-        self._call(lambda: self._store.UnregisterRegion(request, timeout=self.timeout))
-
-    def get_into(
-        self,
-        key: bytes,
-        region: SharedRegion,
-        namespace: str = "",
-        offset: int = DEFAULT_OFFSET,
-        span: int = 0,
-        stream_if_larger: bool = False,
-    ) -> Checkpoint:
-        """The checkpoint, its payload written by the store into `region` from `offset`
-        (within `span` bytes, 0 = to the region's end): the tensors' data are views of the
-        region, valid until the region is reused. With stream_if_larger a payload that does
-        not fit arrives streamed instead (tensors in a buffer of their own)."""
-        with self._bulk_slot():
-            return self._call(
-                lambda: self._read_region(key, region, namespace, offset, span, stream_if_larger)[0]
-            )
-
-    def attach_region(self, region: SharedRegion, slots: int = 4, ttl_s: int = 60) -> None:
-        """Same-host mode: from now on get() has the store write payloads into `region`
-        (registered here, its lease renewed every ttl_s / 3) and copies them out, streaming
-        only what does not fit a slot or when every slot is busy."""
-        self.register_region(region, ttl_s)
-        self._reads = RegionReads(region, slots)
-        stop = self._renewing = threading.Event()
-
-        def renew() -> None:
-            while not stop.wait(ttl_s / 3):
-                with contextlib.suppress(TandemError):  # the next read re-registers
-                    self.register_region(region, ttl_s)
-
-        threading.Thread(target=renew, name="region-lease", daemon=True).start()
-
-    def detach_region(self) -> None:
-        if self._reads is None:
-            return
-        self._renewing.set()
-        with contextlib.suppress(TandemError):
-            self.unregister_region(self._reads.region)
-        self._reads = None
-
-    @property
-    def region_reads(self) -> int:
-        return self._reads.reads if self._reads is not None else 0
-
-    def _get_through_region(self, reads: RegionReads, key: bytes, namespace: str) -> Checkpoint:
-        offset = reads.acquire()
-        if offset is None:  # every slot busy
-            return self._get_streamed(key, namespace)
-        try:
-            try:
-                checkpoint, placed = self._read_region(
-                    key, reads.region, namespace, offset, reads.span, True
-                )
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND or "no region" not in str(exc.details()):
-                    raise
-                # The store forgot the region (it restarted): register it again.
-                self.register_region(reads.region)
-                checkpoint, placed = self._read_region(
-                    key, reads.region, namespace, offset, reads.span, True
-                )
-            if placed:  # copied out: the slot is free again once this returns
-                own_tensors(checkpoint)
-                reads.reads += 1
-            return checkpoint
-        finally:
-            reads.release(offset)
-
-    def _read_region(
-        self,
-        key: bytes,
-        region: SharedRegion,
-        namespace: str,
-        offset: int,
-        span: int,
-        stream_if_larger: bool,
-    ) -> tuple[Checkpoint, bool]:
-        request = store_pb2.GetRequest(
-            namespace=namespace,
-            key=key,
-            region=region.name,
-            region_offset=offset,
-            region_bytes=span,
-            stream_if_larger=stream_if_larger,
-        )
-        return read_placed(self._get(request, timeout=self.timeout), region, offset)
 
     def _bulk_slot(self) -> contextlib.AbstractContextManager[object]:
         return self._bulk if self._bulk is not None else contextlib.nullcontext()

@@ -1,0 +1,158 @@
+"""The same-host data plane of StoreClient (docs/store.md, "Shared-memory regions"): register a
+region, have Gets written into it, hold a payload there, lend spans. A mixin so that
+store_client.py keeps the calls every client makes; it uses the client's channel and stubs."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+
+from tandem_client.errors import TandemError
+from tandem_client.records import Checkpoint
+from tandem_client.regions import (
+    DEFAULT_OFFSET,
+    RegionHold,
+    RegionReads,
+    SharedRegion,
+    Span,
+    read_placed,
+)
+from tandem_wire.pb import store_pb2
+
+T = TypeVar("T")
+
+
+class SameHostReads:
+    """Region calls of StoreClient (which provides the attributes declared here)."""
+
+    timeout: float | None
+    _reads: RegionReads | None
+    _renewing: threading.Event
+    _store: Any
+    _get: Callable[..., Iterator[bytes]]
+
+    if TYPE_CHECKING:  # provided by StoreClient and GrpcClient
+
+        def _call(self, fn: Callable[[], T]) -> T: ...
+
+        def _retry_unavailable(self, fn: Callable[[], T]) -> T: ...
+
+        def _bulk_slot(self) -> contextlib.AbstractContextManager[object]: ...
+
+        def _get_streamed(
+            self, key: bytes, namespace: str, max_chunk_bytes: int = 0
+        ) -> Checkpoint: ...
+
+    def register_region(self, region: SharedRegion, ttl_s: int = 60) -> int:
+        """Lets the store write into `region` (renew before ttl_s passes); returns when the
+        lease ends, unix ms."""
+        request = store_pb2.RegisterRegionRequest(
+            name=region.name, size_bytes=region.size, proof=region.proof, ttl_seconds=ttl_s
+        )
+        r = self._call(lambda: self._store.RegisterRegion(request, timeout=self.timeout))
+        return int(r.expires_at_unix_ms)
+
+    def unregister_region(self, region: SharedRegion) -> None:
+        request = store_pb2.UnregisterRegionRequest(name=region.name)
+        self._call(lambda: self._store.UnregisterRegion(request, timeout=self.timeout))
+
+    def get_into(
+        self,
+        key: bytes,
+        region: SharedRegion,
+        namespace: str = "",
+        offset: int = DEFAULT_OFFSET,
+        span: int = 0,
+        stream_if_larger: bool = False,
+    ) -> Checkpoint:
+        """The checkpoint, its payload written by the store into `region` from `offset`
+        (within `span` bytes, 0 = to the region's end): the tensors' data are views of the
+        region, valid until the region is reused. With stream_if_larger a payload that does
+        not fit arrives streamed instead (tensors in a buffer of their own)."""
+        with self._bulk_slot():
+            return self._call(
+                lambda: self._read_region(
+                    key, region, namespace, Span(offset, span), stream_if_larger
+                )[0]
+            )
+
+    def attach_region(self, region: SharedRegion, slots: int = 4, ttl_s: int = 60) -> None:
+        """Same-host mode: from now on get() has the store write payloads into `region`
+        (registered here, its lease renewed every ttl_s / 3) and copies them out, streaming
+        only what does not fit a slot or when every slot is busy."""
+        self.register_region(region, ttl_s)
+        self._reads = RegionReads(region, slots)
+        stop = self._renewing = threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(ttl_s / 3):
+                with contextlib.suppress(TandemError):  # the next read re-registers
+                    self.register_region(region, ttl_s)
+
+        threading.Thread(target=renew, name="region-lease", daemon=True).start()
+
+    def detach_region(self) -> None:
+        if self._reads is None:
+            return
+        self._renewing.set()
+        with contextlib.suppress(TandemError):
+            self.unregister_region(self._reads.region)
+        self._reads = None
+
+    def reserve_span(self, nbytes: int) -> RegionHold | None:
+        """A span of the attached region for bytes of the caller's own (None: no region, or
+        none free); it is free again once the hold is released or dropped."""
+        reads = self._reads
+        span = reads.acquire(nbytes) if reads is not None else None
+        return RegionHold(reads, span) if reads is not None and span is not None else None
+
+    @property
+    def region_reads(self) -> int:
+        return self._reads.reads if self._reads is not None else 0
+
+    def _get_through_region(
+        self, reads: RegionReads, key: bytes, namespace: str, size_hint: int
+    ) -> tuple[Checkpoint, RegionHold | None]:
+        span = reads.acquire(size_hint)
+        if span is None:  # the region is full of other reads
+            return self._get_streamed(key, namespace), None
+        hold = RegionHold(reads, span)
+        try:
+            try:
+                checkpoint, placed = self._read_region(key, reads.region, namespace, span, True)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND or "no region" not in str(exc.details()):
+                    raise
+                # The store forgot the region (it restarted): register it again.
+                self.register_region(reads.region)
+                checkpoint, placed = self._read_region(key, reads.region, namespace, span, True)
+        except BaseException:
+            hold.release()
+            raise
+        if not placed:
+            hold.release()
+            return checkpoint, None
+        reads.reads += 1
+        return checkpoint, hold
+
+    def _read_region(
+        self,
+        key: bytes,
+        region: SharedRegion,
+        namespace: str,
+        span: Span,
+        stream_if_larger: bool,
+    ) -> tuple[Checkpoint, bool]:
+        request = store_pb2.GetRequest(
+            namespace=namespace,
+            key=key,
+            region=region.name,
+            region_offset=span.offset,
+            region_bytes=span.size,
+            stream_if_larger=stream_if_larger,
+        )
+        return read_placed(self._get(request, timeout=self.timeout), region, span.offset)

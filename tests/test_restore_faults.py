@@ -1,0 +1,113 @@
+"""A store that dies while it copies a restore into the engine's shared-memory region: the
+engine never uses the region's bytes, prefills instead and answers correctly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tandem_client import EngineClient, StoreClient
+from tandem_client.regions import DEFAULT_OFFSET, SHM_DIR
+from tests.servers import ServiceProcess, start_engine, start_store
+
+# Long enough that the store's copy (~32 MB of float32 KV) takes many milliseconds.
+PROMPT = [(i * 7919) % 2000 + 3 for i in range(7000)]
+REQUEST = dict(max_tokens=8, ignore_eos=True)
+
+
+def _region_of(engine: ServiceProcess) -> Path:
+    assert engine.proc is not None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        found = sorted(SHM_DIR.glob(f"tandem-{engine.proc.pid}-*"))
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError("the engine registered no shared-memory region")
+
+
+# Runs in a process of its own: a poller in this one would share the GIL with the test's
+# gRPC threads and see the first byte too late.
+_WATCHER = """
+import mmap, os, signal, sys
+path, pid, offset, payload = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+fd = os.open(path, os.O_RDONLY)
+view = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+zero = bytes(64)
+print("ready", flush=True)
+while view[offset : offset + 64] == zero:
+    pass
+os.kill(pid, signal.SIGSTOP)
+piece = 64 << 10
+blank = bytes(piece)
+unwritten = any(
+    view[at : at + piece] == blank for at in range(offset, offset + payload - piece, piece)
+)
+print("mid-copy" if unwritten else "after-copy", flush=True)
+"""
+
+
+def _watch_for_the_copy(store: ServiceProcess, region: Path, payload: int) -> subprocess.Popen[str]:
+    """A watcher that SIGSTOPs the store as soon as the first payload byte lands in the
+    region, then prints whether some of the payload was still unwritten (the Get unanswered).
+    Returns once it watches."""
+    assert store.proc is not None
+    watcher = subprocess.Popen(
+        [sys.executable, "-c", _WATCHER, str(region), str(store.proc.pid)]
+        + [str(DEFAULT_OFFSET), str(payload)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert watcher.stdout is not None and watcher.stdout.readline().strip() == "ready"
+    return watcher
+
+
+def test_the_store_killed_mid_copy_makes_the_engine_prefill(
+    tmp_path: Path, engine_data_dir: Path
+) -> None:
+    # One copy thread, and the store's threads at the lowest priority: the watcher's
+    # SIGSTOP lands while the copy is still under way, even on 2 busy cores.
+    store = start_store(tmp_path / "store", "--region-copy-threads", "1")
+    seeder = start_engine(engine_data_dir, "--store", store.address, log_dir=tmp_path / "a")
+    try:
+        with EngineClient(seeder.address) as engine:
+            reference = engine.generate(PROMPT, **REQUEST).token_ids
+            assert engine.flush().durable  # the prompt's prefix is in the store
+    finally:
+        seeder.stop()
+    with StoreClient(store.address) as client:
+        (record,) = client.list_all(kind="prefix")
+    assert record.payload_bytes > 8 << 20
+
+    fresh = start_engine(engine_data_dir, "--store", store.address, log_dir=tmp_path / "b")
+    try:
+        region = _region_of(fresh)
+        assert store.proc is not None
+        for task in Path(f"/proc/{store.proc.pid}/task").iterdir():
+            os.setpriority(os.PRIO_PROCESS, int(task.name), 19)  # new threads inherit it
+        watcher = _watch_for_the_copy(store, region, record.payload_bytes)
+        outcome: dict[str, object] = {}
+
+        def generate() -> None:
+            with EngineClient(fresh.address, timeout=120) as engine:
+                outcome["tokens"] = engine.generate(PROMPT, **REQUEST).token_ids
+
+        request = threading.Thread(target=generate)
+        request.start()
+        seen, _ = watcher.communicate(timeout=60)
+        assert seen.strip() == "mid-copy", "the store finished its copy before it was stopped"
+        assert store.proc is not None
+        store.proc.kill()  # dies with the Get unanswered
+        store.proc.wait(10)
+        request.join(120)
+        assert outcome["tokens"] == reference
+        with EngineClient(fresh.address) as engine:
+            stats = engine.stats().checkpoints
+        assert stats.prefix_hits_store == 0 and stats.restore_failures >= 1
+    finally:
+        fresh.stop()
+        store.stop()
