@@ -11,11 +11,13 @@ delete), never on the MLX thread.
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+import mlx.core as mx
 
 from engine_service.checkpoint_stats import CheckpointCounters, CheckpointStats
 from engine_service.device_landing import landing_for
@@ -51,9 +53,20 @@ class CheckpointSettings:
     store_token: str = ""
     # Same-host data plane: a shared-memory region the store writes restores into (0: off;
     # used only when the store's address is loopback).
-    store_region_bytes: int = 256 << 20
+    store_region_bytes: int = -1
     # Puts queued back to back that leave in one PutMany (1: one Put a record).
     spill_batch_records: int = 32
+
+
+def region_bytes(configured: int) -> int:
+    """The region's size: as configured, or (-1) 256 MiB, and 4 GiB with MLX-CUDA, where a
+    long prompt's cache (896 MiB at 8k tokens for a 0.6B model) must fit a span to be pulled
+    by the GPU; at most half of /dev/shm's free space either way."""
+    if configured >= 0:
+        return configured
+    wanted = (4 << 30) if mx.cuda.is_available() else (256 << 20)
+    free = shutil.disk_usage(SHM_DIR).free
+    return max(min(wanted, free // 2) // 4096 * 4096, 0)
 
 
 class CheckpointManager:
@@ -110,6 +123,9 @@ class CheckpointManager:
         if not size or store is None or not is_loopback(self.settings.store):
             return None
         if not SHM_DIR.is_dir():
+            return None
+        size = region_bytes(size)
+        if not size:
             return None
         for name in remove_stale_regions():
             log.info("removed shared-memory region %s left by a process that is gone", name)

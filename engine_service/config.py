@@ -55,7 +55,7 @@ class EngineConfig:
     store_tls_key: str = ""
     store_token_file: str = ""
     # Same-host data plane (docs/store.md): bytes of shared memory for restores; 0 = off.
-    store_region_bytes: int = 256 << 20
+    store_region_bytes: int = -1  # -1: sized for the backend (checkpoints.region_bytes)
     spill_batch_records: int = 32  # checkpoint Puts sent in one PutMany (1: one Put each)
     # Default KV codec of requests that do not choose one (0 bits = plain).
     kv_bits: int = 0
@@ -70,6 +70,8 @@ class EngineConfig:
         return KVCodec(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
 
     def __post_init__(self) -> None:
+        if self.store_region_bytes < -1:
+            raise ValueError("--store-region-bytes must be -1 (sized for the backend), 0 or more")
         if self.max_running < 1 or self.max_queued < 0:
             raise ValueError("--max-running must be >= 1 and --max-queued >= 0")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -205,8 +207,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument(
         "--store-region-bytes",
         type=int,
-        default=int(_env("STORE_REGION_BYTES", str(256 << 20))),
-        help="shared memory the store writes restores into when it is on this host (0: off)",
+        default=int(_env("STORE_REGION_BYTES", "-1")),
+        help="shared memory the store writes restores into when it is on this host (0: off; "
+        "-1: 256 MiB, 4 GiB with MLX-CUDA, at most half of /dev/shm's free space)",
     )
     p.add_argument(
         "--spill-batch-records",

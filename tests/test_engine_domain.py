@@ -418,3 +418,15 @@ def test_after_a_run_of_prefills_one_hit_is_restored_to_measure_the_store_again(
     cost.observe_restore(nbytes=896 << 20, tokens=8192, seconds=0.05)
     cost.observe_restore(nbytes=896 << 20, tokens=8192, seconds=0.05)
     assert cost.worth_restoring(8192)  # the store is trusted again
+
+
+def test_the_default_region_is_sized_for_the_backend_within_shared_memory() -> None:
+    import shutil
+
+    from engine_service.checkpoints import region_bytes
+    from tandem_client.regions import SHM_DIR
+
+    assert region_bytes(12 << 20) == 12 << 20 and region_bytes(0) == 0
+    auto = region_bytes(-1)
+    assert auto % 4096 == 0
+    assert 0 < auto <= min(256 << 20, shutil.disk_usage(SHM_DIR).free // 2)  # no GPU here
