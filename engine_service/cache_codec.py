@@ -33,8 +33,6 @@ from engine_service.quantized_kv import PackedRow, PlainRow
 from tandem_client.records import Tensor
 
 CODEC_VERSION = "tandem.cache.v1"
-# dtypes numpy cannot hold travel as same-width unsigned words.
-_WORD_VIEWS = WORD_VIEWS
 
 
 @dataclass
@@ -78,7 +76,7 @@ def capture(caches: list[Any], tokens: int, wait: bool = True, prefix: str = "")
         if isinstance(value, mx.array):
             name = prefix
             dtype = _dtype_name(value)
-            view = _WORD_VIEWS.get(dtype)
+            view = WORD_VIEWS.get(dtype)
             stored = value.view(view[0]) if view else value
             # MLX arrays are immutable: holding this reference keeps the snapshot's bytes even
             # as the batch writes on (an update then copies instead of reusing the buffer).
@@ -181,7 +179,7 @@ def check_restorable(
             t = by_name.get(node["t"])
             if t is None:
                 raise Corrupt(f"checkpoint names tensor {node['t']!r} but does not hold it")
-            view = _WORD_VIEWS.get(t.dtype)
+            view = WORD_VIEWS.get(t.dtype)
             try:
                 width = np.dtype(view[1] if view else t.dtype).itemsize
             except TypeError as exc:
@@ -214,7 +212,7 @@ def restore_captured(captured: CapturedCache, expected_layout: list[str]) -> lis
     def array(name: str) -> mx.array:
         stored = captured.arrays[name]
         dtype = captured.dtypes[name]
-        return stored.view(getattr(mx, dtype)) if dtype in _WORD_VIEWS else stored
+        return stored.view(getattr(mx, dtype)) if dtype in WORD_VIEWS else stored
 
     return _rebuild(captured.meta(), array, expected_layout)
 

@@ -59,6 +59,12 @@ _PUSH_SOURCE = """
 PUSH_ALIGN = 64
 
 
+def _threads(nbytes: int) -> int:
+    """Threads for a copy of nbytes in 16-byte words: whole blocks, at most MAX_THREADS."""
+    blocks = max(1, -(-(nbytes // 16) // THREADS_PER_BLOCK))
+    return min(MAX_THREADS, blocks * THREADS_PER_BLOCK)
+
+
 def push_bytes(arrays: list[mx.array]) -> int:
     """The span a push of these arrays needs."""
     return sum(-(-a.nbytes // PUSH_ALIGN) * PUSH_ALIGN for a in arrays)
@@ -127,7 +133,6 @@ class PinnedLanding(Landing):
         address = np.frombuffer(data, np.uint8).ctypes.data if nbytes else 0
         if not nbytes or address % 16 or nbytes % 16 or not self._in_region(address, nbytes):
             return host_array(tensor)  # not a pinned, 16-byte-aligned span: one host copy
-        threads = min(MAX_THREADS, -(-(nbytes // 16) // THREADS_PER_BLOCK) * THREADS_PER_BLOCK)
         (raw,) = self._kernel(
             inputs=[
                 mx.array(
@@ -136,7 +141,7 @@ class PinnedLanding(Landing):
             ],
             output_shapes=[(nbytes,)],
             output_dtypes=[mx.uint8],
-            grid=(threads, 1, 1),
+            grid=(_threads(nbytes), 1, 1),
             threadgroup=(THREADS_PER_BLOCK, 1, 1),
         )
         self._pending.append(raw)
@@ -155,9 +160,6 @@ class PinnedLanding(Landing):
         views, done, at = [], [], 0
         for array in arrays:
             n = array.nbytes
-            threads = min(
-                MAX_THREADS, max(1, -(-(n // 16) // THREADS_PER_BLOCK)) * THREADS_PER_BLOCK
-            )
             target = self._device_base + address + at - self._base
             (flag,) = self._pusher(
                 inputs=[
@@ -166,7 +168,7 @@ class PinnedLanding(Landing):
                 ],
                 output_shapes=[(1,)],
                 output_dtypes=[mx.uint8],
-                grid=(threads, 1, 1),
+                grid=(_threads(n), 1, 1),
                 threadgroup=(THREADS_PER_BLOCK, 1, 1),
             )
             done.append(flag)

@@ -27,14 +27,13 @@ re-encoded. Sliding-window (rotating) layers are not handled here: they stay pla
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models import cache as cache_lib
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import dynamic_roll
 
+from engine_service.kv_batch_state import BatchState
 from engine_service.kv_codec import PLAIN, PLAIN_KV, KVCodec
 from engine_service.kv_planes import (
     PlaneGroup,
@@ -43,7 +42,10 @@ from engine_service.kv_planes import (
     storage_of,
     zeros_like_storage,
 )
+from engine_service.kv_rows import PackedRow, PlainRow, Row, adopt_row, codec_of
 from engine_service.mlx_compat import BaseCache
+
+__all__ = ["BatchQuantizedKVCache", "PackedRow", "PlainRow", "adopt_row"]
 
 # MLX-CUDA's quantized matmul has no kernel for a column slice of a larger buffer
 # (shared/gpu/README.md). A contiguous copy of every plane every step works but costs a fresh
@@ -53,71 +55,7 @@ from engine_service.mlx_compat import BaseCache
 FULL_WIDTH_PLANES = mx.default_device() == mx.gpu and not mx.metal.is_available()
 
 
-class _Row:
-    """What PlainRow and PackedRow share: a codec, adoption of mlx-lm's solo cache (no copy),
-    and batching as a BatchQuantizedKVCache."""
-
-    codec: KVCodec
-    keys: Any
-    values: Any
-    offset: int
-
-    @classmethod
-    def adopt(cls, cache: Any, codec: KVCodec) -> Any:
-        row = cls(codec)  # type: ignore[call-arg]
-        row.keys, row.values, row.offset = cache.keys, cache.values, cache.offset
-        return row
-
-    @classmethod
-    def merge(cls, caches: list[Any]) -> BatchQuantizedKVCache:
-        return BatchQuantizedKVCache.merge(caches)
-
-
-class PlainRow(_Row, cache_lib.KVCache):
-    """One request's plain KV layer, with the codec it converts to."""
-
-    def __init__(self, codec: KVCodec = PLAIN_KV) -> None:
-        cache_lib.KVCache.__init__(self)
-        self.codec = codec
-
-
-class PackedRow(_Row, cache_lib.QuantizedKVCache):
-    """One request's converted (quantized) KV layer."""
-
-    def __init__(self, codec: KVCodec) -> None:
-        cache_lib.QuantizedKVCache.__init__(self, group_size=codec.group_size, bits=codec.bits)
-        self.codec = codec
-
-
-def adopt_row(cache: Any, codec: KVCodec) -> Any:
-    """A request's layer cache as one BatchQuantizedKVCache can batch; other kinds unchanged.
-
-    Every plain KV layer goes through this (plain requests too), so that any two requests can
-    share a batch whatever their codecs.
-    """
-    if type(cache) is cache_lib.KVCache:
-        return PlainRow.adopt(cache, codec)
-    if type(cache) is cache_lib.QuantizedKVCache:
-        if codec.storage != (cache.bits, cache.group_size):
-            raise ValueError(
-                f"a {cache.bits}-bit/{cache.group_size} cache cannot continue as {codec}"
-            )
-        return PackedRow.adopt(cache, codec)
-    if isinstance(cache, (PlainRow, PackedRow)):
-        cache.codec = codec
-    return cache
-
-
-def _codec_of(cache: Any) -> KVCodec:
-    codec = getattr(cache, "codec", None)
-    if codec is not None:
-        return codec  # type: ignore[no-any-return]
-    if isinstance(cache, cache_lib.QuantizedKVCache):
-        return KVCodec(cache.bits, cache.group_size)
-    return KVCodec()
-
-
-class BatchQuantizedKVCache(BaseCache):
+class BatchQuantizedKVCache(BatchState, BaseCache):
     """A left-padded batch of KV rows in mixed storage formats (see the module docstring)."""
 
     step = 256
@@ -434,7 +372,7 @@ class BatchQuantizedKVCache(BaseCache):
     def merge(cls, caches: list[Any]) -> BatchQuantizedKVCache:
         """A batch of solo rows (PlainRow/PackedRow or mlx-lm's KVCache/QuantizedKVCache),
         right-aligned at the longest; packed rows keep their bytes."""
-        codecs = [_codec_of(c) for c in caches]
+        codecs = [codec_of(c) for c in caches]
         lengths = [0 if c.keys is None else int(c.offset) for c in caches]
         width = max(lengths)
         if width == 0:
@@ -497,51 +435,6 @@ class BatchQuantizedKVCache(BaseCache):
     def nbytes(self) -> int:
         return sum(p.nbytes for g in self._groups for p in g.planes)
 
-    @property
-    def state(self) -> list[mx.array]:
-        return [p for g in self._groups for p in g.planes] + [self.offset, self.left_padding]
 
-    @state.setter
-    def state(self, v: list[mx.array]) -> None:
-        self._state_arrays = list(v)
-
-    @property
-    def meta_state(self) -> str:
-        assert self._shape is not None or not self._groups
-        heads, kdim, vdim, dtype = self._shape or (0, 0, 0, "float32")
-        return json.dumps(
-            {
-                "groups": [[g.storage, g.rows, len(g.keys)] for g in self._groups],
-                "lp": self._lp,
-                "idx": self._idx,
-                "cap": self._cap,
-                "codecs": [[c.bits, c.group_size, c.start] for c in self._codecs],
-                "shape": [heads, kdim, vdim, dtype],
-            }
-        )
-
-    @meta_state.setter
-    def meta_state(self, v: str) -> None:
-        meta = json.loads(v)
-        arrays = getattr(self, "_state_arrays", [])
-        self._lp = meta["lp"]
-        self._idx, self._cap = meta["idx"], meta["cap"]
-        self._codecs = [KVCodec(*c) for c in meta["codecs"]]
-        heads, kdim, vdim, dtype = meta["shape"]
-        self._shape = (heads, kdim, vdim, dtype) if heads else None
-        self._groups, at = [], 0
-        for storage, rows, n in meta["groups"]:
-            storage = PLAIN if storage == PLAIN else tuple(storage)
-            planes = arrays[at : at + 2 * n]
-            self._groups.append(PlaneGroup(storage, rows, planes[:n], planes[n:]))
-            at += 2 * n
-        self.offset, self.left_padding = arrays[at], arrays[at + 1]
-        self._right_padding = None
-        self._waiting = None
-
-    @classmethod
-    def from_state(cls, state: Any, meta_state: str = "") -> BatchQuantizedKVCache:
-        cache = cls.__new__(cls)
-        cache.state = state
-        cache.meta_state = meta_state
-        return cache
+# Solo rows merge into this batch (kv_rows.py cannot import it: it is imported from here).
+Row.batch_type = BatchQuantizedKVCache

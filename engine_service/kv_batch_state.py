@@ -1,0 +1,79 @@
+"""mlx-lm's `state` / `meta_state` / `from_state` for BatchQuantizedKVCache (quantized_kv.py):
+its planes as a flat array list, and the rest (groups, padding, codecs, shape) as JSON, so a
+batch cache survives mlx-lm's prompt-cache save/load and deep copies."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+import mlx.core as mx
+
+from engine_service.kv_codec import PLAIN, KVCodec
+from engine_service.kv_planes import PlaneGroup
+
+S = TypeVar("S", bound="BatchState")
+
+
+class BatchState:
+    """A mixin: the attributes below are BatchQuantizedKVCache's."""
+
+    _lp: list[int]
+    _idx: int
+    _cap: int
+    _codecs: list[KVCodec]
+    _groups: list[PlaneGroup]
+    _shape: tuple[int, int, int, str] | None
+    _right_padding: list[int] | None
+    _waiting: int | None
+    offset: mx.array
+    left_padding: mx.array
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [p for g in self._groups for p in g.planes] + [self.offset, self.left_padding]
+
+    @state.setter
+    def state(self, v: list[mx.array]) -> None:
+        self._state_arrays = list(v)
+
+    @property
+    def meta_state(self) -> str:
+        assert self._shape is not None or not self._groups
+        heads, kdim, vdim, dtype = self._shape or (0, 0, 0, "float32")
+        return json.dumps(
+            {
+                "groups": [[g.storage, g.rows, len(g.keys)] for g in self._groups],
+                "lp": self._lp,
+                "idx": self._idx,
+                "cap": self._cap,
+                "codecs": [[c.bits, c.group_size, c.start] for c in self._codecs],
+                "shape": [heads, kdim, vdim, dtype],
+            }
+        )
+
+    @meta_state.setter
+    def meta_state(self, v: str) -> None:
+        meta = json.loads(v)
+        arrays = getattr(self, "_state_arrays", [])
+        self._lp = meta["lp"]
+        self._idx, self._cap = meta["idx"], meta["cap"]
+        self._codecs = [KVCodec(*c) for c in meta["codecs"]]
+        heads, kdim, vdim, dtype = meta["shape"]
+        self._shape = (heads, kdim, vdim, dtype) if heads else None
+        self._groups, at = [], 0
+        for storage, rows, n in meta["groups"]:
+            storage = PLAIN if storage == PLAIN else tuple(storage)
+            planes = arrays[at : at + 2 * n]
+            self._groups.append(PlaneGroup(storage, rows, planes[:n], planes[n:]))
+            at += 2 * n
+        self.offset, self.left_padding = arrays[at], arrays[at + 1]
+        self._right_padding = None
+        self._waiting = None
+
+    @classmethod
+    def from_state(cls: type[S], state: Any, meta_state: str = "") -> S:
+        cache = cls.__new__(cls)
+        cache.state = state
+        cache.meta_state = meta_state
+        return cache
