@@ -395,8 +395,9 @@ def main() -> None:
     parser.add_argument(
         "--region-bytes",
         type=int,
-        default=256 << 20,
-        help="the engine's shared-memory region (a store hit larger than a free span streams)",
+        default=-1,
+        help="the engine's --store-region-bytes (-1: its default, sized for the backend; a "
+        "store hit larger than a free span streams)",
     )
     parser.add_argument(
         "--skip", default="", help="comma list of ttft,resume,batched,decode,restore,local"
