@@ -153,6 +153,11 @@ class Scheduler:
         self._inbox.put(Stop())
         self._thread.join(30)
 
+    def queued_saves(self, timeout: float = 60.0) -> bool:
+        """Waits until the prefixes of every delivered first token are queued for the store."""
+        saves = self._step_checkpoints
+        return saves is None or saves.queued_saves(timeout)
+
     def stats(self) -> EngineStats:
         with self._lock:
             return self._stats.snapshot(time.monotonic())
@@ -207,6 +212,8 @@ class Scheduler:
                 self._step_speculative()
             self._publish_counts()
             self._flush_outbox()
+            if self._step_checkpoints is not None:
+                self._step_checkpoints.save_prefixes(self._bg)
         self._cancel_all("the engine is shutting down")
         self._flush_outbox()
 

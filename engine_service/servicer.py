@@ -26,6 +26,7 @@ from engine_service.plans import ResumePlan
 from engine_service.requests import GenerationRequest, RequestPolicy, scoped_id
 from engine_service.response_stream import Backpressure, RequestStream, respond
 from engine_service.scheduler import Scheduler
+from engine_service.spill import FlushResult
 from tandem_wire.auth import AuthError, current, namespace_for
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
 from tandem_wire.service import Access
@@ -206,4 +207,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     ) -> engine_pb2.EngineFlushResponse:
         if self.checkpoints is None:
             return engine_pb2.EngineFlushResponse(durable=False)
-        return wire.flush_to_pb(await asyncio.to_thread(self.checkpoints.flush))
+        checkpoints = self.checkpoints
+
+        def flush() -> FlushResult:
+            # Prefixes are saved just after their first token leaves: those come first.
+            if not self.scheduler.queued_saves():
+                return FlushResult(durable=False)
+            return checkpoints.flush()
+
+        return wire.flush_to_pb(await asyncio.to_thread(flush))

@@ -1,13 +1,17 @@
 """What the engine loop does for checkpoints around each batch step (MLX thread).
 
-After a row's token: the prompt's prefix is saved (first token), a pending generation
-snapshot is queued now that its pending token is known, and the row is marked when its next
-snapshot is due. After the step: the due rows are captured together (capture_due).
+After a row's token: a pending generation snapshot is queued now that its pending token is
+known, the row is marked when its next snapshot is due, and its prompt's prefix is marked
+for saving (first token). After the step: the due rows are captured together (capture_due).
+After the step's events have left: the marked prefixes are saved (save_prefixes), so the
+capture of a long prompt's caches never delays its first token.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator
@@ -19,10 +23,22 @@ from engine_service.jobs import Job
 CHECKPOINT_ALIGN = 8
 
 
+@dataclass
+class PrefixDue:
+    """A prompt whose caches are saved once its first token has been delivered."""
+
+    job: Job
+    finished_cache: list[Any] | None  # a row that left the batch; else read from the batch
+
+
 class StepCheckpoints:
     def __init__(self, checkpoints: CheckpointManager) -> None:
         self.checkpoints = checkpoints
         self._due: dict[int, Job] = {}  # rows whose generation checkpoint is due, by uid
+        self._prefixes_due: list[PrefixDue] = []
+        # Held from a prefix's first token until the prefix is queued for the store, so a
+        # Flush asked after that token covers it (queued_saves).
+        self._saving = threading.Lock()
 
     def after_token(self, job: Job, bg: BatchGenerator, finished_cache: list[Any] | None) -> None:
         """After a token: the prompt's prefix (first token), the generation every N tokens.
@@ -42,9 +58,9 @@ class StepCheckpoints:
             ckpt.add_prefill_time(seconds)
             if job.plan is None:  # a whole prefill: the rate a store hit is weighed against
                 ckpt.prefixes.cost.observe_prefill(len(r.prompt), seconds)
-            row = finished_cache or _row_cache(bg, job)
-            if row is not None:
-                ckpt.prefixes.save(row, r.prompt, r.namespace, r.layout)
+            if not self._prefixes_due:
+                self._saving.acquire()
+            self._prefixes_due.append(PrefixDue(job, finished_cache))
         if finished_cache is None and ckpt.generations.due(job):
             self._due[job.uid] = job
 
@@ -65,6 +81,28 @@ class StepCheckpoints:
             found = extracted.get(job.uid)
             if found is not None:
                 job.snapshot = self.checkpoints.generations.capture(job, found[0])
+
+    def save_prefixes(self, bg: BatchGenerator) -> None:
+        """Saves the prompts marked at their first token (after the step's events left, and
+        before the batch steps again: a row still in the batch holds prompt + 1 token)."""
+        due, self._prefixes_due = self._prefixes_due, []
+        try:
+            for item in due:
+                r = item.job.request
+                row = item.finished_cache or _row_cache(bg, item.job)
+                if row is not None:  # None: the row left the batch meanwhile (parked)
+                    self.checkpoints.prefixes.save(row, r.prompt, r.namespace, r.layout)
+        finally:
+            if due:
+                self._saving.release()
+
+    def queued_saves(self, timeout: float) -> bool:
+        """Waits (any thread) until every prefix whose first token is out is queued for the
+        store; False when that took longer than timeout."""
+        if not self._saving.acquire(timeout=timeout):
+            return False
+        self._saving.release()
+        return True
 
 
 def _row_cache(bg: BatchGenerator, job: Job) -> list[Any] | None:

@@ -88,6 +88,25 @@ def test_shared_prefix_is_reused_and_survives_an_engine_restart(stack: Stack) ->
         assert stats.prefix_hits_store == 1 and stats.restored_bytes > 0
 
 
+def test_a_flush_after_the_first_token_covers_the_prompts_prefix(stack: Stack) -> None:
+    """The prefix is saved just after the first token leaves; a Flush asked once that token
+    has arrived still waits for it, so another engine finds it in the store."""
+    other = stack.start_engine()
+    try:
+        prompts = [[(i * 31 + k) % 2000 + 3 for i in range(300)] for k in range(3)]
+        with EngineClient(stack.engine.address) as engine, EngineClient(other.address) as peer:
+            for prompt in prompts:
+                first = engine.generate(prompt, max_tokens=1, ignore_eos=True)
+                assert engine.flush().durable
+                again = peer.generate(prompt, max_tokens=1, ignore_eos=True)
+                assert again.usage is not None
+                assert again.usage.cached_prompt_tokens == len(prompt) - 1
+                assert again.token_ids == first.token_ids
+            assert peer.stats().checkpoints.prefix_hits_store == len(prompts)
+    finally:
+        other.stop()
+
+
 def _interrupted_then_resumed(
     stack: Stack, options: dict[str, Any], kill_at: int
 ) -> tuple[list[int], list[int]]:
