@@ -51,8 +51,9 @@ MAX_REGIONS = 64  # per store: each is a mapping the store holds open
 
 def copy_threads(configured: int) -> int:
     """Threads copying one Get's chunks (the copies and CRCs release the GIL): 4 was best on
-    2 cores; a 16-core host copies ~2x faster with 16 (docs/performance.md)."""
-    return configured or max(4, min(16, os.cpu_count() or 1))
+    2 cores; on a 16-vCPU host 8 copied 18.4 GB/s, 16 only 12.7 and 32 12.5 (hyperthreads
+    and memory bandwidth; bench/region_copy_ceiling.py, docs/performance.md)."""
+    return configured or max(4, min(8, (os.cpu_count() or 1) // 2))
 
 
 @dataclass

@@ -18,8 +18,10 @@ from store_service import tables
 from store_service.capacity import Capacity, Maintenance
 from store_service.config import StoreConfig
 from store_service.errors import Aborted, AlreadyExists, Corrupt, InvalidRequest, NotFound
+from store_service.map_warmer import MapWarmer
 from store_service.put_session import InflightBudget, PutSession
 from store_service.records import (
+    KIND_PREFIX,
     ChunkSlot,
     Lease,
     PutSpec,
@@ -65,6 +67,7 @@ class CheckpointStore:
         self.maintenance.start()
         # Same-host callers' shared memory (regions.py).
         self.regions = Regions(copy_threads(config.region_copy_threads))
+        self.warmer = MapWarmer(self.state.storage)  # prefixes' pages mapped for region Gets
 
     @property
     def config(self) -> StoreConfig:
@@ -148,6 +151,8 @@ class CheckpointStore:
             old = st.storage.write(commit, sync=st.sync_on_commit, on_commit=publish)
         finally:
             self.capacity.release(session.record_id)
+        if spec.header.kind == KIND_PREFIX and self.regions.count(now):
+            self.warmer.warm(record)
         return PutResult(
             spec.key, spec.payload_bytes, old is not None, 0, lease.lease_id if lease else ""
         )
@@ -363,5 +368,6 @@ class CheckpointStore:
     def close(self) -> None:
         """Stops maintenance, finishes queued writes, syncs and closes LMDB."""
         self.maintenance.stop()
+        self.warmer.close()
         self.regions.close()
         self.state.storage.close()

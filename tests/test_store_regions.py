@@ -87,6 +87,34 @@ def test_a_get_into_a_region_equals_the_streamed_get_and_refuses_what_it_must(
         store.stop()
 
 
+def test_prefixes_put_and_replaced_while_the_store_maps_their_pages_read_back_whole(
+    tmp_path: Path,
+) -> None:
+    """With a region registered the store maps each new prefix's pages after its commit
+    (map_warmer.py); records replaced and removed meanwhile must not disturb it or a Get."""
+    store = start_store(tmp_path / "store")
+    try:
+        with StoreClient(store.address) as client, SharedRegion(16 << 20) as region:
+            client.register_region(region)
+            for round_ in range(6):
+                record = _record(b"p")
+                record.kind = "prefix"
+                client.put(record)  # replaces the last round's while it may be mapped
+                if round_ % 2:
+                    client.delete(b"p")
+                    continue
+                placed = client.get_into(b"p", region)
+                assert [bytes(t.data) for t in placed.tensors] == [
+                    bytes(t.data) for t in record.tensors
+                ]
+                del placed
+            with pytest.raises(TandemError) as gone:  # the last round removed it
+                client.get(b"p")
+            assert _code(gone) == grpc.StatusCode.NOT_FOUND
+    finally:
+        store.stop()
+
+
 def test_a_damaged_chunk_read_into_a_region_is_data_loss(tmp_path: Path) -> None:
     data = tmp_path / "store"
     store = start_store(data)
