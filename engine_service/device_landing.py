@@ -86,6 +86,10 @@ class Landing:
     def array(self, tensor: Tensor) -> mx.array:
         return host_array(tensor)
 
+    def start(self, array: mx.array) -> mx.array:
+        """Starts making array now, not when it is first needed (host copies are made)."""
+        return array
+
     def settle(self) -> None:
         """Host copies are complete when made."""
 
@@ -176,6 +180,11 @@ class PinnedLanding(Landing):
             at += -(-n // PUSH_ALIGN) * PUSH_ALIGN
         mx.eval(done)
         return views
+
+    def start(self, array: mx.array) -> mx.array:
+        """Launches the pull behind array now, so it overlaps what the host does next."""
+        mx.async_eval(array)
+        return array
 
     def settle(self) -> None:
         """Waits for every pull issued so far: the region's bytes may then be reused."""

@@ -33,6 +33,12 @@ class PrefixPlan:
         return "local" if self.local is not None else "store"
 
     @property
+    def arriving(self) -> bool:
+        """Whether the store is still copying its bytes into the region (progressive Get)."""
+        arrival = self.hold.arrival if self.hold is not None else None
+        return arrival is not None and arrival.verified < arrival.total and not arrival.ended
+
+    @property
     def nbytes(self) -> int:
         if self.local is not None:
             return self.local.nbytes

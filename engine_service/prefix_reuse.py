@@ -15,8 +15,10 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from engine_service.cache_codec import (
@@ -35,10 +37,13 @@ from engine_service.restore_cost import RestoreCost
 from engine_service.spill import Put, SpillQueue
 from tandem_client.errors import DataLoss, TandemError
 from tandem_client.identity import block_hashes, prefix_key, scope_digest
-from tandem_client.records import Checkpoint
+from tandem_client.records import Checkpoint, Tensor
 from tandem_client.store_client import StoreClient
 
 log = logging.getLogger(__name__)
+
+# How long the MLX thread waits for a part of a progressive Get (the store copies GB/s).
+ARRIVAL_TIMEOUT_S = 30.0
 
 # Prefix keys already spilled, remembered up to this many (a miss only costs a Put the store
 # answers with ALREADY_EXISTS).
@@ -120,8 +125,11 @@ class PrefixReuse:
         if not self.cost.worth_restoring(matched - better_than):
             return None  # cheaper to prefill (restore_cost.py)
         start = time.perf_counter()
-        # Same-host: the bytes stay in the region until the MLX thread has made them arrays.
-        record, hold = self.store.get_held(hit.key, namespace, size_hint=hit.payload_bytes)
+        # Same-host: the bytes stay in the region until the MLX thread has made them arrays;
+        # they arrive while it does (progressive: pulled as each part is verified).
+        record, hold = self.store.get_held(
+            hit.key, namespace, size_hint=hit.payload_bytes, progressive=True
+        )
         try:
             # What the MLX thread could not restore is refused here, as a miss.
             check_restorable(record.metadata, record.tensors, layout)
@@ -149,7 +157,10 @@ class PrefixReuse:
                 assert plan.stored is not None
                 try:
                     caches = restore(
-                        plan.stored.metadata, plan.stored.tensors, plan.layout, self.landing.array
+                        plan.stored.metadata,
+                        plan.stored.tensors,
+                        plan.layout,
+                        self._as_they_arrive(plan),
                     )
                 finally:  # the arrays own their bytes before the region span is reused
                     self.landing.settle()
@@ -160,7 +171,7 @@ class PrefixReuse:
                 if not can_trim_prompt_cache(caches):
                     return None
                 trim_prompt_cache(caches, held - plan.matched)
-        except (Precondition, KeyError, ValueError) as exc:
+        except (Precondition, KeyError, ValueError, TandemError) as exc:
             log.warning("prefix checkpoint not restorable, prefilling instead: %s", exc)
             self.counters.add(restore_failures=1)
             return None
@@ -171,6 +182,25 @@ class PrefixReuse:
             self.counters.add(store_hits=1, restored_bytes=plan.nbytes, restore_seconds=seconds)
             self.cost.observe_restore(plan.nbytes, plan.matched, seconds)
         return caches
+
+    def _as_they_arrive(self, plan: PrefixPlan) -> Callable[[Tensor], mx.array]:
+        """How the plan's tensors become arrays: each once the store has verified its bytes
+        in the region (a progressive Get), its pull started at once so the device copies
+        it while the store copies the next part."""
+        arrival = plan.hold.arrival if plan.hold is not None else None
+        if arrival is None:
+            return self.landing.array
+        assert plan.stored is not None
+        ends, at = {}, 0
+        for tensor in plan.stored.all_tensors():  # payload order
+            at += tensor.nbytes
+            ends[id(tensor)] = at
+
+        def to_array(tensor: Tensor) -> mx.array:
+            arrival.wait(ends[id(tensor)], ARRIVAL_TIMEOUT_S)
+            return self.landing.start(self.landing.array(tensor))
+
+        return to_array
 
     def save(
         self, row_caches: list[Any], prompt: list[int], namespace: str, layout: list[str]

@@ -26,7 +26,7 @@ from engine_service.jobs import Job, PendingSnapshot, StartingPoint
 from engine_service.loop_commands import Cancel, Command, Park, Restored, Stop, Submit, Unpark
 from engine_service.model import LoadedModel
 from engine_service.new_rows import NewRows
-from engine_service.plans import Plan
+from engine_service.plans import Plan, PrefixPlan
 from engine_service.preemption import ParkSettings, Preemption, Return, restart_point
 from engine_service.requests import GenerationRequest
 from engine_service.response_stream import Deliver
@@ -260,9 +260,14 @@ class Scheduler:
 
     def _admit(self) -> None:
         free = self.limits.max_running - self._running()
-        batch = []
+        batch, arriving = [], []
         while free > 0 and self._waiting:
             job = self._waiting.popleft()
+            if self._rows and isinstance(job.plan, PrefixPlan) and job.plan.arriving:
+                # The store is still copying its prefix: admitted at a later step, so the
+                # running rows never wait for the store (an idle engine pulls as it copies).
+                arriving.append(job)
+                continue
             free -= 1
             if not job.admitted_at:
                 self._prepare(job)
@@ -270,6 +275,7 @@ class Scheduler:
                 self._speculative.admit(job)
             else:
                 batch.append(job)
+        self._waiting.extendleft(reversed(arriving))
         if not batch:
             return
         rows = NewRows(self.loaded.model)

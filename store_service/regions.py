@@ -22,8 +22,8 @@ import hmac
 import mmap
 import os
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Generator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,7 +190,13 @@ def _open(name: str, size: int, proof: bytes) -> int:
     return fd
 
 
-def copy_payload(
+def progress_part_bytes(payload_bytes: int) -> int:
+    """A progressive Get's part: ~16 announcements a payload, none under 8 MiB (each costs
+    a message and a barrier of the copy threads)."""
+    return max(8 << 20, payload_bytes // 16)
+
+
+def copy_in_parts(
     storage: LmdbStorage,
     record: StoredRecord,
     region: Region,
@@ -198,13 +204,17 @@ def copy_payload(
     span: int,
     quarantine: Callable[[StoredRecord, str], None],
     threads: int = 4,
-) -> None:
+    part_bytes: int = 0,
+) -> Generator[int, None, None]:
     """The record's payload into region at offset, chunk by chunk on several threads, each
     chunk checked against its stored CRC before it counts (chunk CRCs run per tensor, and
-    every expected value is known, so chunks verify independently).
+    every expected value is known, so chunks verify independently). Copies in parts of at
+    least part_bytes (0: one part), in payload order, and yields after each part how many
+    leading payload bytes are verified in the region; the next part is already being copied
+    while the caller announces one. Closing the iterator early waits for that part.
 
-    Raises Corrupt (the record is quarantined; the region's bytes are not to be used) or
-    Aborted (replaced or removed meanwhile).
+    Raises Corrupt (the record is quarantined; the region's bytes past the last yielded
+    count are not to be used) or Aborted (replaced or removed meanwhile).
     """
     region.check_room(offset, span, record.payload_bytes)
     target = None if region.map is None else np.frombuffer(region.map, np.uint8)
@@ -212,9 +222,9 @@ def copy_payload(
     slots = list(zip(record.slots, record.chunk_crcs, strict=True))
     prevs = [0 if s.starts_tensor else record.chunk_crcs[i - 1] for i, (s, _) in enumerate(slots)]
 
-    def copy(part: range) -> str:
+    def copy(indices: range) -> str:
         def read(txn: Any) -> str:
-            for i in part:
+            for i in indices:
                 slot, expected = slots[i]
                 buf = txn.get(chunk_key(record.record_id, slot.index), db=chunks)
                 if buf is None:
@@ -235,10 +245,40 @@ def copy_payload(
 
         return str(storage.read(read, buffers=True))
 
+    parts = _parts([slot.length for slot, _ in slots], part_bytes)
     workers = max(1, min(threads, len(slots)))
-    parts = [range(w, len(slots), workers) for w in range(workers)]
+
+    def start(part: range) -> list[Future[str]]:
+        every = range(part.start, part.stop)
+        return [pool.submit(copy, every[w::workers]) for w in range(min(workers, len(every)))]
+
     with ThreadPoolExecutor(workers, thread_name_prefix="region-copy") as pool:
-        problems = [p for p in pool.map(copy, parts) if p]
+        running = start(parts[0]) if parts else []
+        for k, part in enumerate(parts):
+            problems = [p for p in (f.result() for f in running) if p]
+            running = start(parts[k + 1]) if not problems and k + 1 < len(parts) else []
+            if problems:
+                _raise_for(problems, record, quarantine)
+            last_slot = slots[part.stop - 1][0]
+            yield last_slot.offset + last_slot.length
+
+
+def _parts(lengths: list[int], part_bytes: int) -> list[range]:
+    """Consecutive slot ranges of at least part_bytes each (the last may be smaller)."""
+    parts, begin, size = [], 0, 0
+    for i, length in enumerate(lengths):
+        size += length
+        if part_bytes and size >= part_bytes:
+            parts.append(range(begin, i + 1))
+            begin, size = i + 1, 0
+    if begin < len(lengths):
+        parts.append(range(begin, len(lengths)))
+    return parts
+
+
+def _raise_for(
+    problems: list[str], record: StoredRecord, quarantine: Callable[[StoredRecord, str], None]
+) -> None:
     if "gone" in problems:
         raise Aborted("the record was replaced or removed while it was being read")
     corrupt = [p.removeprefix("corrupt:") for p in problems if p.startswith("corrupt:")]
@@ -248,5 +288,5 @@ def copy_payload(
             f"stored {corrupt[0]} ({record.header.key.hex()}); the record is quarantined "
             "and the region's bytes are not to be used"
         )
-    if problems:  # the caller's region, not the record: nothing of it to use either
-        raise Precondition(problems[0].removeprefix("region:"))
+    # the caller's region, not the record: nothing of it to use either
+    raise Precondition(problems[0].removeprefix("region:"))

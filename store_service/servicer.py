@@ -14,7 +14,7 @@ from store_service.admin import StoreAdmin
 from store_service.errors import Precondition, status_on_error
 from store_service.fair_share import BulkCallLimit
 from store_service.records import PutSpec, RecordFilter
-from store_service.regions import copy_payload
+from store_service.regions import copy_in_parts, progress_part_bytes
 from store_service.storage import now_ms
 from store_service.store import CheckpointStore
 from store_service.wire import (
@@ -145,16 +145,16 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.GetRequest, namespace: str, context: grpc.ServicerContext
     ) -> Generator[store_pb2.GetResponse, None, bool]:
         """Writes the payload into the caller's region and answers header + placement;
-        returns False (sending nothing) when it does not fit and may be streamed instead."""
+        returns False (sending nothing) when it does not fit and may be streamed instead.
+        Progressive: the header first, then a progress message per verified part."""
         region = self.store.regions.get(_caller(context), request.region, now_ms())
+        parts: Generator[int, None, None] | None = None
         try:
             record = self.store.open_record(namespace, request.key)
             offset, span = request.region_offset, request.region_bytes
             if request.stream_if_larger and not region.fits(offset, span, record.payload_bytes):
                 return False
-            # Verified into the region before anything is answered: a damaged chunk is
-            # DATA_LOSS, never a header saying the bytes are there.
-            copy_payload(
+            parts = copy_in_parts(
                 self.store.state.storage,
                 record,
                 region,
@@ -162,10 +162,24 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                 span,
                 self.store.quarantine,
                 self.store.regions.copy_threads,
+                part_bytes=progress_part_bytes(record.payload_bytes) if request.progressive else 0,
             )
+            if request.progressive:
+                yield store_pb2.GetResponse(header=record.header)
+                for verified in parts:
+                    progress = store_pb2.RegionProgress(verified_bytes=verified)
+                    yield store_pb2.GetResponse(progress=progress)
+            else:
+                # Verified into the region before anything is answered: a damaged chunk is
+                # DATA_LOSS, never a header saying the bytes are there.
+                for _ in parts:
+                    pass
         finally:
+            if parts is not None:
+                parts.close()  # a caller gone mid-copy: the part being copied ends first
             self.store.regions.done(region)
-        yield store_pb2.GetResponse(header=record.header)
+        if not request.progressive:
+            yield store_pb2.GetResponse(header=record.header)
         placed = store_pb2.RegionPlacement(
             region=region.name, offset=offset, payload_bytes=record.payload_bytes
         )

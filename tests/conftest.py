@@ -67,7 +67,8 @@ def payload_crc(checkpoint: Checkpoint) -> list[int]:
 def flip_stored_byte(data_dir: Path, chunk: int, at: int) -> None:
     """Corrupts a closed store's file through lmdb: one byte of its `chunk`-th stored chunk
     (in key order: record id, then chunk index)."""
-    env = lmdb.open(str(data_dir), max_dbs=8)
+    room = 2 * (data_dir / "data.mdb").stat().st_size + (64 << 20)  # the rewrite's pages
+    env = lmdb.open(str(data_dir), max_dbs=8, map_size=room)
     try:
         with env.begin(write=True, db=env.open_db(b"chunks")) as txn:
             key, value = list(txn.cursor())[chunk]

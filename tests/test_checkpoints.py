@@ -237,6 +237,37 @@ def test_a_corrupted_prefix_checkpoint_falls_back_to_prefill(stack: Stack) -> No
         assert engine.stats().checkpoints.restore_failures >= 1
 
 
+def test_damage_in_a_late_part_of_a_progressive_restore_falls_back_to_prefill(
+    stack: Stack,
+) -> None:
+    """A prefix of ~10 MiB arrives in two parts: the engine starts pulling the first while
+    the store copies the second, whose last chunk is damaged. The restore is dropped whole
+    (DATA_LOSS from the store) and the prompt prefilled: the same tokens as a cold run."""
+    long_prompt = [(i * 613) % 2000 + 3 for i in range(2600)]
+    with EngineClient(stack.engine.address) as engine:
+        reference = engine.generate(long_prompt, max_tokens=6, ignore_eos=True)
+        assert engine.flush().durable
+    stack.engine.stop()
+    stack.store.terminate()
+    data = stack.root / "store"
+    env = lmdb.open(str(data), max_dbs=8, map_size=2 * (data / "data.mdb").stat().st_size)
+    with env.begin(write=True, db=env.open_db(b"chunks")) as txn:
+        key, value = list(txn.cursor())[-1]  # the record's last chunk: its second part
+        flipped = bytearray(value)
+        flipped[10] ^= 0xFF
+        txn.put(key, bytes(flipped))
+    env.close()
+    stack.restart_store()
+    stack.engine = stack.start_engine()
+    with EngineClient(stack.engine.address) as engine:
+        got = engine.generate(long_prompt, max_tokens=6, ignore_eos=True)
+        stats = engine.stats().checkpoints
+    assert got.token_ids == reference.token_ids
+    assert got.usage is not None and got.usage.cached_prompt_tokens == 0
+    assert stats.restore_failures >= 1 and stats.prefix_hits_store == 0
+    assert stats.shared_memory_reads == 1  # it did go through the region
+
+
 def test_resume_of_an_ended_generation_says_how_it_ended(stack: Stack) -> None:
     """A generation that finished (or was cancelled) leaves a tombstone: a resume answers
     FAILED_PRECONDITION with how it ended and its token count, never NOT_FOUND nor tokens."""

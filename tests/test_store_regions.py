@@ -17,8 +17,9 @@ import pytest
 
 from tandem_client import Checkpoint, StoreClient, Tensor
 from tandem_client.errors import TandemError
-from tandem_client.regions import SharedRegion
+from tandem_client.regions import Arrival, RegionHold, RegionReads, SharedRegion
 from tandem_wire.auth import token_sha256
+from tandem_wire.pb import store_pb2, store_pb2_grpc
 from tests.conftest import flip_stored_byte
 from tests.servers import ROOT, start_store
 
@@ -111,6 +112,78 @@ def test_prefixes_put_and_replaced_while_the_store_maps_their_pages_read_back_wh
             with pytest.raises(TandemError) as gone:  # the last round removed it
                 client.get(b"p")
             assert _code(gone) == grpc.StatusCode.NOT_FOUND
+    finally:
+        store.stop()
+
+
+def _big_record(key: bytes, mib: int) -> Checkpoint:
+    rng = secrets.SystemRandom()
+    block = bytes(rng.getrandbits(8) for _ in range(1 << 16))
+    halves = [block * (mib * 8), block[::-1] * (mib * 8)]  # mib MiB in two tensors
+    return Checkpoint(
+        key=key,
+        kind="prefix",
+        tensors=[Tensor(f"t{i}", "uint8", (len(h),), h) for i, h in enumerate(halves)],
+    )
+
+
+def test_a_progressive_get_announces_verified_parts_in_order_then_the_placement(
+    tmp_path: Path,
+) -> None:
+    store = start_store(tmp_path / "store")
+    try:
+        with StoreClient(store.address) as client, SharedRegion(64 << 20) as region:
+            record = _big_record(b"big", 40)  # 40 MiB: five parts of at least 8 MiB
+            client.put(record)
+            client.register_region(region)
+            with grpc.insecure_channel(store.address) as channel:
+                stub = store_pb2_grpc.StoreStub(channel)
+                request = store_pb2.GetRequest(
+                    key=b"big", region=region.name, region_offset=4096, progressive=True
+                )
+                answers = list(stub.Get(request))
+            kinds = [a.WhichOneof("item") for a in answers]
+            assert kinds[0] == "header" and kinds[-1] == "placed"
+            verified = [a.progress.verified_bytes for a in answers if a.HasField("progress")]
+            assert len(verified) >= 4 and verified == sorted(verified)
+            assert verified[-1] == (40 << 20) == answers[-1].placed.payload_bytes
+            # Through the client: the tensors view the region once their bytes arrived.
+            client.attach_region(region)
+            got, hold = client.get_held(b"big", size_hint=(40 << 20), progressive=True)
+            assert hold is not None and hold.arrival is not None
+            hold.arrival.wait(hold.arrival.total, timeout=30)
+            assert [bytes(t.data) for t in got.tensors] == [bytes(t.data) for t in record.tensors]
+            hold.release()
+    finally:
+        store.stop()
+
+
+def test_a_damaged_chunk_in_a_late_part_stops_a_progressive_get_at_what_was_verified(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "store"
+    store = start_store(data)
+    record = _big_record(b"late", 40)
+    with StoreClient(store.address) as client:
+        client.put(record)
+        client.flush()
+    store.stop()
+    flip_stored_byte(data, chunk=33, at=7)  # in the fifth 8 MiB part
+    store = start_store(data)
+    try:
+        with StoreClient(store.address) as client, SharedRegion(64 << 20) as region:
+            client.attach_region(region)
+            got, hold = client.get_held(b"late", size_hint=(40 << 20), progressive=True)
+            assert hold is not None and hold.arrival is not None
+            hold.arrival.wait(8 << 20, timeout=30)  # the first part is good
+            with pytest.raises(TandemError) as damaged:
+                hold.arrival.wait(hold.arrival.total, timeout=30)
+            assert _code(damaged) == grpc.StatusCode.DATA_LOSS
+            assert hold.arrival.verified < 33 << 20  # nothing past the damage counts
+            hold.release()
+            with pytest.raises(TandemError) as after:  # quarantined: never served again
+                client.get(b"late")
+            assert _code(after) == grpc.StatusCode.DATA_LOSS
     finally:
         store.stop()
 
@@ -217,3 +290,24 @@ def test_a_region_of_another_user_truncated_under_the_store_costs_the_store_noth
             assert client.stats().regions == 1  # the store is up and serving
     finally:
         store.stop()
+
+
+def test_a_progressive_holds_span_is_given_back_only_once_the_store_writes_no_more() -> None:
+    """Released while the store still copies (a restore abandoned midway), the span stays
+    taken until the stream ends: a new read must never share bytes the store still writes."""
+    with SharedRegion(1 << 20) as region:
+        reads = RegionReads(region, slots=1)
+        before = reads.free_bytes
+        span = reads.acquire(64 << 10)
+        assert span is not None
+        arrival = Arrival(64 << 10)
+        hold = RegionHold(reads, span, arrival)
+        arrival.advance(16 << 10)
+        hold.release()
+        assert reads.free_bytes == before - span.size
+        with pytest.raises(TandemError) as early:  # what never arrived is never waited into
+            arrival.end(None)
+            arrival.wait(64 << 10, timeout=1)
+        assert _code(early) == grpc.StatusCode.DATA_LOSS
+        assert reads.free_bytes == before
+        arrival.wait(16 << 10, timeout=1)  # what was verified stays usable

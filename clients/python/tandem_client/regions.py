@@ -15,14 +15,14 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tandem_client.bulk import PayloadAssembler
-from tandem_client.errors import DataLoss
+from tandem_client.errors import DataLoss, TandemError
 from tandem_client.records import Checkpoint
 from tandem_wire.chunks import decode_chunk
 from tandem_wire.pb import store_pb2
@@ -131,14 +131,76 @@ class RegionReads:
             return sum(s.size for s in self._free)
 
 
+class Arrival:
+    """How much of one payload a progressive Get (progressive.py) has verified in the region
+    (any thread)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.verified = 0
+        self.error: TandemError | None = None
+        self.ended = False
+        self._changed = threading.Condition()
+        self._on_end: list[Callable[[], None]] = []
+
+    def advance(self, verified: int) -> None:
+        with self._changed:
+            self.verified = max(self.verified, verified)
+            self._changed.notify_all()
+
+    def end(self, error: TandemError | None) -> None:
+        """The stream is over: the store writes no more into the span."""
+        with self._changed:
+            if error is None and self.verified < self.total:
+                error = DataLoss("the store's answer ended before the payload was verified")
+            self.error, self.ended = error, True
+            callbacks, self._on_end = self._on_end, []
+            self._changed.notify_all()
+        for callback in callbacks:
+            callback()
+
+    def when_ended(self, callback: Callable[[], None]) -> None:
+        """Runs callback once the stream is over (now, if it is)."""
+        with self._changed:
+            if not self.ended:
+                self._on_end.append(callback)
+                return
+        callback()
+
+    def wait(self, end: int, timeout: float | None = None) -> None:
+        """Returns once payload bytes [0, end) are verified; raises the stream's error, or
+        DataLoss when they did not arrive in time."""
+        with self._changed:
+            done = self._changed.wait_for(
+                lambda: self.verified >= end or self.error is not None or self.ended, timeout
+            )
+            if self.verified >= end:
+                return
+            if self.error is not None:
+                raise self.error
+            raise DataLoss(
+                "the payload stopped arriving" if done else "the payload did not arrive in time"
+            )
+
+
 class RegionHold:
     """A span holding a placed payload that its tensors still view: give it back with
-    release() once they are copied (a hold dropped unreleased is given back when collected)."""
+    release() once they are copied (a hold dropped unreleased is given back when collected).
+    A progressive Get's hold has an `arrival` (progressive.py): its span is given back only
+    once the store writes no more into it."""
 
-    def __init__(self, reads: RegionReads, span: Span) -> None:
+    def __init__(self, reads: RegionReads, span: Span, arrival: Arrival | None = None) -> None:
         self.region = reads.region
         self.span = span
-        self._finalizer = weakref.finalize(self, reads.release, span)
+        self.arrival = arrival
+
+        def give_back() -> None:
+            if arrival is None:
+                reads.release(span)
+            else:
+                arrival.when_ended(lambda: reads.release(span))
+
+        self._finalizer = weakref.finalize(self, give_back)
 
     def release(self) -> None:
         self._finalizer()  # runs at most once
@@ -182,16 +244,23 @@ def read_placed(
         for raw in stream:
             assembler.feed(raw)
         return assembler.finish(), False
-    if placed.region != region.name or placed.offset != offset:
-        raise DataLoss("the store placed the payload elsewhere than asked")
     checkpoint = Checkpoint.from_header(store_pb2.GetResponse.FromString(first).header)
     at = offset
     for tensor in checkpoint.all_tensors():
         tensor.data = region.buf[at : at + tensor.nbytes]
         at += tensor.nbytes
-    if at - offset != placed.payload_bytes:
-        raise DataLoss("the placed payload's size disagrees with the header")
+    placement_of(placed, region, offset, at - offset)
     return checkpoint, True
+
+
+def placement_of(
+    placed: store_pb2.RegionPlacement, region: SharedRegion, offset: int, payload_bytes: int
+) -> None:
+    """Checks a `placed` message against what was asked and what the header says."""
+    if placed.region != region.name or placed.offset != offset:
+        raise DataLoss("the store placed the payload elsewhere than asked")
+    if placed.payload_bytes != payload_bytes:
+        raise DataLoss("the placed payload's size disagrees with the header")
 
 
 def own_tensors(checkpoint: Checkpoint) -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from tandem_client.errors import TandemError
+from tandem_client.progressive import read_progressive
 from tandem_client.records import Checkpoint
 from tandem_client.regions import (
     DEFAULT_OFFSET,
@@ -115,29 +116,44 @@ class SameHostReads:
         return self._reads.reads if self._reads is not None else 0
 
     def _get_through_region(
-        self, reads: RegionReads, key: bytes, namespace: str, size_hint: int
+        self, reads: RegionReads, key: bytes, namespace: str, size_hint: int, progressive: bool
     ) -> tuple[Checkpoint, RegionHold | None]:
         span = reads.acquire(size_hint)
         if span is None:  # the region is full of other reads
             return self._get_streamed(key, namespace), None
-        hold = RegionHold(reads, span)
+        read = self._read_progressive if progressive else self._read_placed
         try:
             try:
-                checkpoint, placed = self._read_region(key, reads.region, namespace, span, True)
+                checkpoint, hold = read(key, reads, namespace, span)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND or "no region" not in str(exc.details()):
                     raise
                 # The store forgot the region (it restarted): register it again.
                 self.register_region(reads.region)
-                checkpoint, placed = self._read_region(key, reads.region, namespace, span, True)
+                checkpoint, hold = read(key, reads, namespace, span)
         except BaseException:
-            hold.release()
+            reads.release(span)
             raise
-        if not placed:
-            hold.release()
+        if hold is None:  # streamed: it did not fit after all
+            reads.release(span)
             return checkpoint, None
         reads.reads += 1
         return checkpoint, hold
+
+    def _read_placed(
+        self, key: bytes, reads: RegionReads, namespace: str, span: Span
+    ) -> tuple[Checkpoint, RegionHold | None]:
+        checkpoint, placed = self._read_region(key, reads.region, namespace, span, True)
+        return checkpoint, RegionHold(reads, span) if placed else None
+
+    def _read_progressive(
+        self, key: bytes, reads: RegionReads, namespace: str, span: Span
+    ) -> tuple[Checkpoint, RegionHold | None]:
+        request = self._region_request(key, reads.region, namespace, span, True)
+        request.progressive = True
+        messages = iter(self._get(request, timeout=self.timeout))
+        checkpoint, arrival = read_progressive(messages, reads.region, span.offset)
+        return checkpoint, RegionHold(reads, span, arrival) if arrival is not None else None
 
     def _read_region(
         self,
@@ -147,7 +163,14 @@ class SameHostReads:
         span: Span,
         stream_if_larger: bool,
     ) -> tuple[Checkpoint, bool]:
-        request = store_pb2.GetRequest(
+        request = self._region_request(key, region, namespace, span, stream_if_larger)
+        return read_placed(self._get(request, timeout=self.timeout), region, span.offset)
+
+    @staticmethod
+    def _region_request(
+        key: bytes, region: SharedRegion, namespace: str, span: Span, stream_if_larger: bool
+    ) -> store_pb2.GetRequest:
+        return store_pb2.GetRequest(
             namespace=namespace,
             key=key,
             region=region.name,
@@ -155,4 +178,3 @@ class SameHostReads:
             region_bytes=span.size,
             stream_if_larger=stream_if_larger,
         )
-        return read_placed(self._get(request, timeout=self.timeout), region, span.offset)

@@ -144,7 +144,9 @@ class StoreClient(SameHostReads, GrpcClient):
         with self._bulk_slot():
             if reads is not None and not max_chunk_bytes:
                 checkpoint, hold = self._retry_unavailable(
-                    lambda: self._call(lambda: self._get_through_region(reads, key, namespace, 0))
+                    lambda: self._call(
+                        lambda: self._get_through_region(reads, key, namespace, 0, False)
+                    )
                 )
                 if hold is not None:  # copied out: the span is free again once this returns
                     own_tensors(checkpoint)
@@ -155,12 +157,14 @@ class StoreClient(SameHostReads, GrpcClient):
             )
 
     def get_held(
-        self, key: bytes, namespace: str = "", *, size_hint: int = 0
+        self, key: bytes, namespace: str = "", *, size_hint: int = 0, progressive: bool = False
     ) -> tuple[Checkpoint, RegionHold | None]:
         """Like get(), but a payload the store placed in the attached region stays there:
         the tensors view the region until the returned hold is released (None: the bytes
         are the checkpoint's own, streamed). size_hint: the payload's size when known
-        (Lookup's payload_bytes), so a span that fits it is taken."""
+        (Lookup's payload_bytes), so a span that fits it is taken. progressive: returns
+        once the header is in, while the store still copies; the hold's `arrival` says
+        which bytes may be used (progressive.py)."""
         reads = self._reads
         with self._bulk_slot():
             if reads is None:
@@ -169,7 +173,7 @@ class StoreClient(SameHostReads, GrpcClient):
                 ), None
             return self._retry_unavailable(
                 lambda: self._call(
-                    lambda: self._get_through_region(reads, key, namespace, size_hint)
+                    lambda: self._get_through_region(reads, key, namespace, size_hint, progressive)
                 )
             )
 
