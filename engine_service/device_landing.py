@@ -21,13 +21,14 @@ import glob
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from tandem_client.records import Tensor
-from tandem_client.regions import SharedRegion
+from tandem_client.records import Checkpoint, Tensor
+from tandem_client.regions import RegionHold, SharedRegion
 
 log = logging.getLogger(__name__)
 
@@ -266,3 +267,25 @@ class _CudaRuntime:
 
     def unregister(self, address: int) -> None:
         self._check(self._lib.cudaHostUnregister(address), "cudaHostUnregister")
+
+
+def as_they_arrive(
+    landing: Landing, stored: Checkpoint, hold: RegionHold | None, timeout_s: float
+) -> Callable[[Tensor], mx.array]:
+    """How a restore's tensors become arrays: each once the store has verified its bytes in
+    the region (a progressive Get: hold.arrival), its pull started at once so the device
+    copies it while the store copies the next part. Raises the Get's error (DataLoss, ...)
+    for a tensor whose bytes never arrive."""
+    arrival = hold.arrival if hold is not None else None
+    if arrival is None:
+        return landing.array
+    ends, at = {}, 0
+    for tensor in stored.all_tensors():  # payload order
+        at += tensor.nbytes
+        ends[id(tensor)] = at
+
+    def to_array(tensor: Tensor) -> mx.array:
+        arrival.wait(ends[id(tensor)], timeout_s)
+        return landing.start(landing.array(tensor))
+
+    return to_array

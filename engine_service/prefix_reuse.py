@@ -15,10 +15,8 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from engine_service.cache_codec import (
@@ -28,7 +26,7 @@ from engine_service.cache_codec import (
     restore_captured,
 )
 from engine_service.checkpoint_stats import CheckpointCounters
-from engine_service.device_landing import Landing
+from engine_service.device_landing import Landing, as_they_arrive
 from engine_service.errors import Corrupt, Precondition
 from engine_service.host_staging import HostStaging
 from engine_service.plans import PrefixPlan
@@ -37,7 +35,7 @@ from engine_service.restore_cost import RestoreCost
 from engine_service.spill import Put, SpillQueue
 from tandem_client.errors import DataLoss, TandemError
 from tandem_client.identity import block_hashes, prefix_key, scope_digest
-from tandem_client.records import Checkpoint, Tensor
+from tandem_client.records import Checkpoint
 from tandem_client.store_client import StoreClient
 
 log = logging.getLogger(__name__)
@@ -160,7 +158,7 @@ class PrefixReuse:
                         plan.stored.metadata,
                         plan.stored.tensors,
                         plan.layout,
-                        self._as_they_arrive(plan),
+                        as_they_arrive(self.landing, plan.stored, plan.hold, ARRIVAL_TIMEOUT_S),
                     )
                 finally:  # the arrays own their bytes before the region span is reused
                     self.landing.settle()
@@ -182,25 +180,6 @@ class PrefixReuse:
             self.counters.add(store_hits=1, restored_bytes=plan.nbytes, restore_seconds=seconds)
             self.cost.observe_restore(plan.nbytes, plan.matched, seconds)
         return caches
-
-    def _as_they_arrive(self, plan: PrefixPlan) -> Callable[[Tensor], mx.array]:
-        """How the plan's tensors become arrays: each once the store has verified its bytes
-        in the region (a progressive Get), its pull started at once so the device copies
-        it while the store copies the next part."""
-        arrival = plan.hold.arrival if plan.hold is not None else None
-        if arrival is None:
-            return self.landing.array
-        assert plan.stored is not None
-        ends, at = {}, 0
-        for tensor in plan.stored.all_tensors():  # payload order
-            at += tensor.nbytes
-            ends[id(tensor)] = at
-
-        def to_array(tensor: Tensor) -> mx.array:
-            arrival.wait(ends[id(tensor)], ARRIVAL_TIMEOUT_S)
-            return self.landing.start(self.landing.array(tensor))
-
-        return to_array
 
     def save(
         self, row_caches: list[Any], prompt: list[int], namespace: str, layout: list[str]
