@@ -27,5 +27,5 @@ landing.close(); region.close()
 PY
 # 2. Store hit vs cold prefill at 8k and 32k, resume, checkpoint cost, restore bandwidth at 8k.
 timeout 420 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape --prompts 8192,32768 \
-  --repeat 3 --region-bytes $((8 << 30)) --restore-tokens 8192 --skip batched,local \
+  --repeat 3 --region-bytes -1 --restore-tokens 8192 --skip batched,local \
   --json "$out/checkpoint_qwen06b.json" 2>&1 | tail -40

@@ -4,5 +4,5 @@
 set -u
 out=${OUT:-/tmp}
 timeout 540 python3 bench/checkpoint_bench.py --model llama3-8b-shape --prompts 8000 \
-  --repeat 3 --region-bytes $((8 << 30)) --restore-tokens 8000 --skip resume,batched,decode,local \
+  --repeat 3 --region-bytes -1 --restore-tokens 8000 --skip resume,batched,decode,local \
   --json "$out/checkpoint_llama8b.json" 2>&1 | tail -30
