@@ -300,6 +300,37 @@ def bench_restore(
     return result
 
 
+def bench_floor(loaded, lengths: list[int], repeat: int) -> list[dict]:  # noqa: ANN001
+    """The floor under any store hit: mlx-lm's BatchGenerator given the prefix's cache
+    already in memory (nothing restored) and the same 16 new tokens, to its first token.
+    A cold prefill divided by this is the most a store hit could gain on this machine."""
+    import copy
+
+    from mlx_lm.generate import BatchGenerator
+
+    rows = []
+    for n in lengths:
+        base = _prompt(n, loaded.vocab_size, seed=n * 100)
+        cache = make_prompt_cache(loaded.model)
+        for at in range(0, n, 2048):
+            loaded.model(mx.array([base[at : at + 2048]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        times = []
+        for r in range(repeat + 1):
+            copied = [copy.deepcopy(c) for c in cache]
+            mx.eval([c.state for c in copied])
+            bg = BatchGenerator(loaded.model, stop_tokens=set())
+            start = time.perf_counter()
+            bg.insert([_prompt(16, loaded.vocab_size, seed=r)], max_tokens=[1], caches=[copied])
+            while not bg.next()[1]:
+                pass
+            if r:  # the first is a warm-up
+                times.append(time.perf_counter() - start)
+        rows.append({"prompt_tokens": n + 16, "floor_ttft_s": statistics.median(times)})
+        print(f"  {n + 16:>6} tokens: {rows[-1]['floor_ttft_s'] * 1e3:8.1f} ms")
+    return rows
+
+
 def bench_local_hit(loaded, tokens: int, repeat: int) -> dict:  # noqa: ANN001
     """Restore time of a local prefix hit: the engine's path vs a round trip through host
     bytes (what a store hit does after its Get), ABAB, both trimmed to the matched length."""
@@ -405,7 +436,7 @@ def main() -> None:
         "store hit larger than a free span streams)",
     )
     parser.add_argument(
-        "--skip", default="", help="comma list of ttft,resume,batched,decode,restore,local"
+        "--skip", default="", help="comma list of ttft,resume,batched,decode,restore,floor,local"
     )
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -488,6 +519,12 @@ def main() -> None:
                     args.repeat,
                     args.region_bytes,
                 )
+            if "floor" not in skip:
+                stack["engine"].stop()
+                loaded = load_model(spec, root)
+                print("floor: mlx-lm from the prefix's cache in memory, 16 new tokens:")
+                lengths = [int(x) for x in args.prompts.split(",")]
+                out["floor"] = bench_floor(loaded, lengths, args.repeat)
             if "local" not in skip:
                 stack["engine"].stop()
                 loaded = load_model(spec, root)
