@@ -10,7 +10,7 @@ import pytest
 
 from store_service import errors
 from store_service.errors import status_of, status_on_error
-from tandem_client import Checkpoint, StoreClient, TandemError
+from tandem_client import Checkpoint, StoreClient, TandemError, Tensor
 from tandem_wire.pb import store_pb2, tensors_pb2
 from tests.conftest import make_checkpoint
 
@@ -85,6 +85,16 @@ def test_bad_puts_are_rejected_and_change_nothing(seeded: StoreClient) -> None:
         == grpc.StatusCode.INVALID_ARGUMENT
     )
     _unchanged(client, before)
+
+
+def test_put_many_refuses_what_is_not_a_put_item_before_calling(seeded: StoreClient) -> None:
+    """A wrong argument is the caller's TypeError, not grpc's UNKNOWN from inside the
+    request stream, and nothing is stored."""
+    before = seeded.stats().records
+    record = Checkpoint(key=b"loose", kind="object", tensors=[Tensor("t", "uint8", (1,), b"x")])
+    with pytest.raises(TypeError, match="PutItem"):
+        seeded.put_many([record])  # type: ignore[list-item]
+    assert seeded.stats().records == before
 
 
 def test_bad_headers_are_invalid_argument(seeded: StoreClient) -> None:

@@ -121,6 +121,11 @@ class StoreClient(SameHostReads, GrpcClient):
     ) -> list[PutResult]:
         """Several records in one call, stored in order, each atomically (one call's
         overhead instead of one per record). Raises PutManyFailed saying how many landed."""
+        # Checked before the call: an exception inside the request stream reaches the
+        # caller as grpc's UNKNOWN "Exception iterating requests!".
+        for i in items:
+            if not isinstance(i, PutItem):
+                raise TypeError(f"put_many takes PutItem values, not {type(i).__name__}")
 
         def messages() -> Iterator[store_pb2.PutRequest | bytes]:
             for i in items:
