@@ -80,7 +80,11 @@ def bench_ttft(
                 _ttft(client, base, f"bench-{n}-{r}")  # saves the prefix to the store
                 client.flush()
                 hit, cached = _ttft(client, follow_up, f"bench-{n}-{r}")
+                # Each run saves its own prompt's prefix after its first token: let that
+                # spill finish so the next measurement does not share the machine with it.
+                client.flush()
                 cold, _ = _ttft(client, follow_up, f"cold-{n}-{r}")
+                client.flush()
                 hits.append(hit)
                 colds.append(cold)
             rows.append(
