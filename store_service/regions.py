@@ -22,7 +22,7 @@ import hmac
 import mmap
 import os
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,6 +188,39 @@ def _open(name: str, size: int, proof: bytes) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def region_payload(
+    region: Region, offsets: Sequence[int], sizes: Sequence[int], piece: int
+) -> Iterator[tuple[int, Any]]:
+    """A Put's payload read out of the caller's region (PutHeader.region): (payload offset,
+    bytes) pieces of each tensor at its offset, checked against the region's bounds. The
+    store's own user's region is read through its mapping (the session copies each piece
+    before the next is read), another user's with pread(2)."""
+    if len(offsets) != len(sizes):
+        raise InvalidRequest(f"region_offsets: {len(offsets)} for {len(sizes)} tensors")
+    at = 0
+    for start, size in zip(offsets, sizes, strict=True):
+        if start < PROOF_BYTES or start + size > region.size:
+            raise InvalidRequest(
+                f"a tensor at region offset {start} ({size} bytes) lies outside the region's "
+                f"payload space ({PROOF_BYTES}..{region.size})"
+            )
+        for k in range(0, size, piece):
+            n = min(piece, size - k)
+            if region.map is not None:
+                yield at + k, region.map[start + k : start + k + n]
+                continue
+            try:
+                data = os.pread(region.fd, n, start + k)
+            except OSError as exc:
+                raise Precondition(
+                    f"reading region {region.name!r} failed: {exc.strerror}"
+                ) from None
+            if len(data) != n:
+                raise Precondition(f"region {region.name!r} is shorter than its registration")
+            yield at + k, data
+        at += size
 
 
 def progress_part_bytes(payload_bytes: int) -> int:

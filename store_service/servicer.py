@@ -11,14 +11,15 @@ from typing import Any, TypeVar
 import grpc
 
 from store_service.admin import StoreAdmin
-from store_service.errors import Precondition, status_on_error
+from store_service.errors import InvalidRequest, Precondition, status_on_error
 from store_service.fair_share import BulkCallLimit
-from store_service.records import PutSpec, RecordFilter
-from store_service.regions import copy_in_parts, progress_part_bytes
+from store_service.records import PutSpec, RecordFilter, all_tensors
+from store_service.regions import copy_in_parts, progress_part_bytes, region_payload
 from store_service.storage import now_ms
 from store_service.store import CheckpointStore
 from store_service.wire import (
     LookupQuery,
+    PutResult,
     PutStreams,
     get_piece_bytes,
     parse_put_request,
@@ -106,8 +107,29 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self.bulk_limit.enter(context)
         header = put_header(requests)
         header.checkpoint.namespace = namespace_for(header.checkpoint.namespace)
+        return self._put_one(header, put_chunks(requests), context).to_pb()
+
+    def _put_one(
+        self,
+        header: store_pb2.PutHeader,
+        chunks: Iterator[tuple[int, Any]],
+        context: grpc.ServicerContext,
+    ) -> PutResult:
+        """One record: its chunks from the stream, or read out of the caller's region."""
         spec = PutSpec.from_pb(header)
-        return self.store.put(spec, put_chunks(requests)).to_pb()
+        if not header.region:
+            return self.store.put(spec, chunks)
+        if next(chunks, None) is not None:
+            raise InvalidRequest("a Put whose payload is in a region carries no chunks")
+        region = self.store.regions.get(_caller(context), header.region, now_ms())
+        try:
+            sizes = [t.nbytes for t in all_tensors(header.checkpoint)]
+            payload = region_payload(
+                region, header.region_offsets, sizes, self.store.config.chunk_bytes
+            )
+            return self.store.put(spec, payload)
+        finally:
+            self.store.regions.done(region)
 
     def PutMany(
         self, requests: Iterator[store_pb2.PutRequest], context: grpc.ServicerContext
@@ -118,7 +140,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             try:
                 for header, chunks in PutStreams(requests):
                     header.checkpoint.namespace = namespace_for(header.checkpoint.namespace)
-                    results.append(self.store.put(PutSpec.from_pb(header), chunks).to_pb())
+                    results.append(self._put_one(header, chunks, context).to_pb())
             finally:
                 # How many landed: a caller resends only the rest after a failure.
                 context.set_trailing_metadata((("tandem-stored", str(len(results))),))

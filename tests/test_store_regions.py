@@ -11,12 +11,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from tandem_client import Checkpoint, StoreClient, Tensor
+from tandem_client.bulk import RegionPut, put_messages
 from tandem_client.errors import TandemError
+from tandem_client.records import PutItem
 from tandem_client.regions import Arrival, RegionHold, RegionReads, SharedRegion
 from tandem_wire.auth import token_sha256
 from tandem_wire.pb import store_pb2, store_pb2_grpc
@@ -311,3 +314,67 @@ def test_a_progressive_holds_span_is_given_back_only_once_the_store_writes_no_mo
         assert _code(early) == grpc.StatusCode.DATA_LOSS
         assert reads.free_bytes == before
         arrival.wait(16 << 10, timeout=1)  # what was verified stays usable
+
+
+def test_puts_through_a_region_store_what_a_streamed_put_would_and_refuse_bad_placements(
+    tmp_path: Path,
+) -> None:
+    store = start_store(tmp_path / "store")
+    try:
+        with (
+            StoreClient(store.address) as near,
+            StoreClient(store.address) as far,
+            SharedRegion(32 << 20) as region,
+        ):
+            near.attach_region(region)
+            copied = _record(b"copied")  # bytes of its own: copied into a span, then read
+            near.put(copied)
+            # Bytes already in the region (pushed there by the caller): read where they lie.
+            pushed = _record(b"pushed")
+            at = 8 << 20
+            for tensor in pushed.tensors:
+                region.buf[at : at + tensor.nbytes] = bytes(tensor.data)
+                tensor.data = region.buf[at : at + tensor.nbytes]
+                at += -(-tensor.nbytes // 64) * 64
+            near.put_many([PutItem(pushed)])
+            for record in (copied, pushed):
+                got = far.get(record.key)  # streamed, checked end to end
+                assert [bytes(t.data) for t in got.tensors] == [
+                    bytes(t.data) for t in record.tensors
+                ]
+
+            with grpc.insecure_channel(store.address) as channel:
+                stub = store_pb2_grpc.StoreStub(channel)
+                header = store_pb2.PutHeader(checkpoint=_record(b"bad").header_pb())
+
+                def put(name: str, offsets: list[int]) -> grpc.StatusCode:
+                    h = store_pb2.PutHeader()
+                    h.CopyFrom(header)
+                    h.region = name
+                    h.region_offsets.extend(offsets)
+                    with pytest.raises(grpc.RpcError) as refused:
+                        stub.Put(iter([store_pb2.PutRequest(header=h)]))
+                    return refused.value.code()
+
+                # A region nobody registered (another principal's is not found either:
+                # test_regions_are_the_callers_own_and_lapse_when_the_caller_dies).
+                assert put("tandem-no-such-region", [4096, 8 << 20]) == grpc.StatusCode.NOT_FOUND
+            # Outside the region, the wrong count of offsets, bytes that are not the header's.
+            tensors = _record(b"bad")
+            for offsets in ([4096, 31 << 20], [4096], [0, 8 << 20]):
+                with pytest.raises(grpc.RpcError) as outside:
+                    near._put(iter(_region_put(tensors, region.name, offsets)))
+                assert outside.value.code() == grpc.StatusCode.INVALID_ARGUMENT, offsets
+            with pytest.raises(grpc.RpcError) as mismatch:  # the region holds other bytes
+                near._put(iter(_region_put(tensors, region.name, [4096, 12 << 20])))
+            assert mismatch.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "checksum mismatch" in str(mismatch.value.details())
+            with pytest.raises(TandemError) as gone:
+                far.get(b"bad")
+            assert _code(gone) == grpc.StatusCode.NOT_FOUND
+    finally:
+        store.stop()
+
+
+def _region_put(record: Checkpoint, region: str, offsets: list[int]) -> list[Any]:
+    return list(put_messages(record, False, 0, "", 1 << 20, RegionPut(region, offsets)))

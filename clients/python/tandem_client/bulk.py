@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tandem_client.errors import DataLoss
@@ -63,18 +64,37 @@ def bulk_methods(channel: Any) -> tuple[Any, Any, Any]:
     return put, get, put_many
 
 
+@dataclass(frozen=True)
+class RegionPut:
+    """Where a Put's payload already lies: a registered region and each tensor's offset in
+    it (attachments' tensors after the record's, in header order)."""
+
+    region: str
+    offsets: list[int]
+
+
 def put_messages(
-    checkpoint: Checkpoint, if_absent: bool, pin_ttl_s: int, pin_holder: str, chunk_bytes: int
+    checkpoint: Checkpoint,
+    if_absent: bool,
+    pin_ttl_s: int,
+    pin_holder: str,
+    chunk_bytes: int,
+    placed: RegionPut | None = None,
 ) -> Iterator[store_pb2.PutRequest | bytes]:
-    """A Put's stream: the header, then the payload as pre-encoded chunks."""
-    yield store_pb2.PutRequest(
-        header=store_pb2.PutHeader(
-            checkpoint=checkpoint.header_pb(),
-            if_absent=if_absent,
-            pin_ttl_seconds=pin_ttl_s,
-            pin_holder=pin_holder,
-        )
+    """A Put's stream: the header, then the payload as pre-encoded chunks; or the header
+    alone, naming where the payload already lies in a region (placed)."""
+    header = store_pb2.PutHeader(
+        checkpoint=checkpoint.header_pb(),
+        if_absent=if_absent,
+        pin_ttl_seconds=pin_ttl_s,
+        pin_holder=pin_holder,
     )
+    if placed is not None:
+        header.region = placed.region
+        header.region_offsets.extend(placed.offsets)
+        yield store_pb2.PutRequest(header=header)
+        return
+    yield store_pb2.PutRequest(header=header)
     for offset, data in payload_chunks(checkpoint.all_tensors(), chunk_bytes):
         yield encode_chunk(offset, data)
 

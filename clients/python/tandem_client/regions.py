@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandem_client.bulk import PayloadAssembler
+from tandem_client.bulk import PayloadAssembler, RegionPut
 from tandem_client.errors import DataLoss, TandemError
 from tandem_client.records import Checkpoint
 from tandem_wire.chunks import decode_chunk
@@ -208,6 +208,41 @@ class RegionHold:
     @property
     def released(self) -> bool:
         return not self._finalizer.alive
+
+
+def placement_in(region: SharedRegion, checkpoint: Checkpoint) -> RegionPut | None:
+    """Where the checkpoint's tensors lie in region, when every one of them is a view of it
+    (pushed there by the caller); None otherwise."""
+    base = np.frombuffer(region.buf, np.uint8).ctypes.data
+    offsets = []
+    for tensor in checkpoint.all_tensors():
+        data = memoryview(tensor.data)
+        if not data.nbytes:
+            offsets.append(DEFAULT_OFFSET)
+            continue
+        if not data.c_contiguous:
+            return None
+        at = np.frombuffer(data.cast("B"), np.uint8).ctypes.data - base
+        if at < PROOF_BYTES or at + data.nbytes > region.size:
+            return None
+        offsets.append(at)
+    return RegionPut(region.name, offsets)
+
+
+def copy_into(region: SharedRegion, span: Span, checkpoint: Checkpoint) -> RegionPut:
+    """Copies the checkpoint's tensors into span back to back (64-byte aligned)."""
+    target = np.frombuffer(region.buf, np.uint8)
+    offsets, at = [], span.offset
+    for tensor in checkpoint.all_tensors():
+        n = tensor.nbytes
+        np.copyto(target[at : at + n], np.frombuffer(memoryview(tensor.data).cast("B"), np.uint8))
+        offsets.append(at)
+        at += -(-n // 64) * 64
+    return RegionPut(region.name, offsets)
+
+
+def put_span_bytes(checkpoint: Checkpoint) -> int:
+    return sum(-(-t.nbytes // 64) * 64 for t in checkpoint.all_tensors())
 
 
 def remove_stale_regions() -> list[str]:

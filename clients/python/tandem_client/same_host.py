@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
+from tandem_client.bulk import RegionPut
 from tandem_client.errors import TandemError
 from tandem_client.progressive import read_progressive
 from tandem_client.records import Checkpoint
@@ -20,11 +21,17 @@ from tandem_client.regions import (
     RegionReads,
     SharedRegion,
     Span,
+    copy_into,
+    placement_in,
+    put_span_bytes,
     read_placed,
 )
 from tandem_wire.pb import store_pb2
 
 T = TypeVar("T")
+
+# Smaller payloads stream: a region span and a copy are not worth it below this.
+MIN_REGION_PUT_BYTES = 256 << 10
 
 
 class SameHostReads:
@@ -110,6 +117,30 @@ class SameHostReads:
         reads = self._reads
         span = reads.acquire(nbytes) if reads is not None else None
         return RegionHold(reads, span) if reads is not None and span is not None else None
+
+    def _place_for_put(self, checkpoint: Checkpoint) -> tuple[RegionPut | None, RegionHold | None]:
+        """Where a Put's payload is in the attached region: where it lies already (pushed
+        there), else copied into a span of its own (held until the call is answered);
+        (None, None): stream it (no region, a small payload, or no span free)."""
+        reads = self._reads
+        if reads is None:
+            return None, None
+        placed = placement_in(reads.region, checkpoint)
+        if placed is not None:
+            return placed, None
+        size = put_span_bytes(checkpoint)
+        span = reads.acquire(size) if size >= MIN_REGION_PUT_BYTES else None
+        if span is None:
+            return None, None
+        return copy_into(reads.region, span, checkpoint), RegionHold(reads, span)
+
+    def _forgot_region(self, error: TandemError) -> bool:
+        """After a store restart the region is unknown to it: registers it again and says
+        so (the caller then repeats its call); False for any other error."""
+        if self._reads is None or "no region" not in str(error):
+            return False
+        self.register_region(self._reads.region)
+        return True
 
     @property
     def region_reads(self) -> int:

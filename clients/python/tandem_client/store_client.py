@@ -18,13 +18,14 @@ from tandem_client.bulk import (
     DEFAULT_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
     PayloadAssembler,
+    RegionPut,
     bulk_methods,
     payload_chunks,
     put_messages,
     receive,
 )
 from tandem_client.channel import GrpcClient
-from tandem_client.errors import PutManyFailed, from_rpc_error
+from tandem_client.errors import NotFound, PutManyFailed, from_rpc_error
 from tandem_client.records import (
     Attachment,
     Checkpoint,
@@ -111,26 +112,70 @@ class StoreClient(SameHostReads, GrpcClient):
         pin_holder: str = "",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> PutResult:
-        requests = put_messages(checkpoint, if_absent, pin_ttl_s, pin_holder, chunk_bytes)
-        with self._bulk_slot():
-            r: store_pb2.PutResponse = self._call(lambda: self._put(requests, timeout=self.timeout))
+        """Stores a checkpoint (with a region attached, its payload goes through the region:
+        the store reads and checks it there instead of receiving chunks)."""
+        placed, hold = self._place_for_put(checkpoint)
+
+        def requests_again() -> Iterator[store_pb2.PutRequest | bytes]:
+            return put_messages(checkpoint, if_absent, pin_ttl_s, pin_holder, chunk_bytes, placed)
+
+        try:
+            requests = requests_again()
+            with self._bulk_slot():
+                try:
+                    r: store_pb2.PutResponse = self._call(
+                        lambda: self._put(requests, timeout=self.timeout)
+                    )
+                except NotFound as exc:
+                    if placed is None or not self._forgot_region(exc):
+                        raise
+                    r = self._call(lambda: self._put(requests_again(), timeout=self.timeout))
+        finally:
+            if hold is not None:
+                hold.release()
         return PutResult(r.key, r.payload_bytes, r.replaced, r.lease_id)
 
     def put_many(
         self, items: Sequence[PutItem], chunk_bytes: int = DEFAULT_CHUNK_BYTES
     ) -> list[PutResult]:
         """Several records in one call, stored in order, each atomically (one call's
-        overhead instead of one per record). Raises PutManyFailed saying how many landed."""
+        overhead instead of one per record; through the attached region like put()).
+        Raises PutManyFailed saying how many landed."""
         # Checked before the call: an exception inside the request stream reaches the
         # caller as grpc's UNKNOWN "Exception iterating requests!".
         for i in items:
             if not isinstance(i, PutItem):
                 raise TypeError(f"put_many takes PutItem values, not {type(i).__name__}")
+        placements = [self._place_for_put(i.checkpoint) for i in items]
+        try:
+            try:
+                return self._put_many_once(items, placements, chunk_bytes)
+            except PutManyFailed as exc:
+                if not isinstance(exc.cause, NotFound) or not self._forgot_region(exc.cause):
+                    raise
+                done = exc.stored  # those landed; the rest go again, the region known again
+            try:
+                rest = self._put_many_once(items[done:], placements[done:], chunk_bytes)
+            except PutManyFailed as again:
+                raise PutManyFailed(again.cause, done + again.stored) from None
+            # Their answers were lost with the first call: what the client knows of them.
+            known = [PutResult(i.checkpoint.key, _payload(i.checkpoint), False, "") for i in items]
+            return known[:done] + rest
+        finally:
+            for _, hold in placements:
+                if hold is not None:
+                    hold.release()
 
+    def _put_many_once(
+        self,
+        items: Sequence[PutItem],
+        placements: Sequence[tuple[RegionPut | None, object]],
+        chunk_bytes: int,
+    ) -> list[PutResult]:
         def messages() -> Iterator[store_pb2.PutRequest | bytes]:
-            for i in items:
+            for i, (placed, _) in zip(items, placements, strict=True):
                 yield from put_messages(
-                    i.checkpoint, i.if_absent, i.pin_ttl_s, i.pin_holder, chunk_bytes
+                    i.checkpoint, i.if_absent, i.pin_ttl_s, i.pin_holder, chunk_bytes, placed
                 )
 
         with self._bulk_slot():
@@ -341,3 +386,7 @@ class StoreClient(SameHostReads, GrpcClient):
     def compact(self) -> tuple[int, int]:
         r = self._call(lambda: self._admin.Compact(store_pb2.CompactRequest(), timeout=None))
         return r.file_bytes_before, r.file_bytes_after
+
+
+def _payload(checkpoint: Checkpoint) -> int:
+    return sum(t.nbytes for t in checkpoint.all_tensors())
