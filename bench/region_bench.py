@@ -1,5 +1,6 @@
 """Same-host Get into a shared-memory region vs a single-threaded memcpy of the same bytes
-vs the streamed gRPC Get, in one run (ABAB rounds, medians of the paired ratios).
+vs the streamed gRPC Get, and a Put through the region vs a streamed Put, in one run (ABAB
+rounds, medians of the paired ratios).
 
     python bench/region_bench.py [--mib 256] [--rounds 5]
 """
@@ -79,6 +80,23 @@ def main() -> None:
             assert bytes(check.tensors[0].data[:4096]) == source[:4096].tobytes()
             del check
             client.unregister_region(region)
+        # Puts: streamed over gRPC against through the region (the client copies the bytes
+        # into a span, the store reads and checks them there), ABAB.
+        record = Checkpoint(key=b"put", kind="object", tensors=[tensor])
+        with (
+            StoreClient(store.address, timeout=600) as far,
+            StoreClient(store.address, timeout=600) as near,
+        ):
+            near.attach_region(region, slots=1)
+            for client in (far, near):  # warm
+                client.put(record)
+            for r in range(a.rounds):
+                order = [("put_grpc", far), ("put_region", near)]
+                for name, client in order if r % 2 == 0 else order[::-1]:
+                    times.setdefault(name, []).append(timed(lambda c=client: c.put(record)))
+            got = far.get(b"put")
+            assert bytes(got.tensors[0].data[-4096:]) == source[-4096:].tobytes()
+            near.detach_region()
 
         def gbps(t: float) -> float:
             return nbytes / t / 1e9
@@ -91,6 +109,12 @@ def main() -> None:
             f"speed median {statistics.median(ratio):.2f}x (spread {min(ratio):.2f}-"
             f"{max(ratio):.2f}, {a.rounds} rounds); region/gRPC "
             f"{med['grpc'] / med['region']:.1f}x"
+        )
+        puts = [g / r for g, r in zip(times["put_grpc"], times["put_region"], strict=True)]
+        print(
+            f"{a.mib} MiB Put: streamed over gRPC {gbps(med['put_grpc']):.2f} GB/s, through the "
+            f"region {gbps(med['put_region']):.2f} GB/s; region/gRPC median "
+            f"{statistics.median(puts):.2f}x (spread {min(puts):.2f}-{max(puts):.2f})"
         )
     finally:
         region.close()
