@@ -59,12 +59,13 @@ class CheckpointSettings:
 
 
 def region_bytes(configured: int) -> int:
-    """The region's size: as configured, or (-1) 256 MiB, and 4 GiB with MLX-CUDA, where a
-    long prompt's cache (896 MiB at 8k tokens for a 0.6B model) must fit a span to be pulled
-    by the GPU; at most half of /dev/shm's free space either way."""
+    """The region's size: as configured, or (-1) 256 MiB, and 8 GiB with MLX-CUDA, where a
+    long prompt's cache must fit a span to be pulled by the GPU while the last prompt's
+    capture may still hold another (a 32k-token prompt of a 0.6B model is 3.5 GiB: with 4
+    GiB one of six H200 hits streamed); at most half of /dev/shm's free space either way."""
     if configured >= 0:
         return configured
-    wanted = (4 << 30) if mx.cuda.is_available() else (256 << 20)
+    wanted = (8 << 30) if mx.cuda.is_available() else (256 << 20)
     free = shutil.disk_usage(SHM_DIR).free
     return max(min(wanted, free // 2) // 4096 * 4096, 0)
 

@@ -209,7 +209,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         type=int,
         default=int(_env("STORE_REGION_BYTES", "-1")),
         help="shared memory the store writes restores into when it is on this host (0: off; "
-        "-1: 256 MiB, 4 GiB with MLX-CUDA, at most half of /dev/shm's free space)",
+        "-1: 256 MiB, 8 GiB with MLX-CUDA, at most half of /dev/shm's free space)",
     )
     p.add_argument(
         "--spill-batch-records",
