@@ -18,7 +18,7 @@ import pytest
 
 from tandem_client import Checkpoint, StoreClient, Tensor
 from tandem_client.bulk import RegionPut, put_messages
-from tandem_client.errors import TandemError
+from tandem_client.errors import DataLoss, TandemError, Unavailable
 from tandem_client.records import PutItem
 from tandem_client.regions import Arrival, RegionHold, RegionReads, SharedRegion
 from tandem_wire.auth import token_sha256
@@ -378,3 +378,29 @@ def test_puts_through_a_region_store_what_a_streamed_put_would_and_refuse_bad_pl
 
 def _region_put(record: Checkpoint, region: str, offsets: list[int]) -> list[Any]:
     return list(put_messages(record, False, 0, "", 1 << 20, RegionPut(region, offsets)))
+
+
+def test_a_span_whose_get_was_cut_short_is_not_lent_again_until_the_store_is_new() -> None:
+    """A Get that ended with a deadline or a lost connection may leave the store copying into
+    its span: the span is retired, not freed, until the store is known to be a new process;
+    one refused before copying or stopped on a damaged chunk is free at once."""
+    with SharedRegion(1 << 20) as region:
+        reads = RegionReads(region, slots=1)
+        before = reads.free_bytes
+        for error, settled in (
+            (Unavailable("the store went away"), False),
+            (TandemError("deadline", grpc.StatusCode.DEADLINE_EXCEEDED), False),
+            (DataLoss("chunk 3 failed its checksum"), True),
+        ):
+            span = reads.acquire(64 << 10)
+            assert span is not None
+            arrival = Arrival(64 << 10)
+            RegionHold(reads, span, arrival).release()  # before the stream is over
+            retired_before = reads.retired_bytes
+            arrival.end(error)
+            grew = reads.retired_bytes - retired_before
+            assert grew == (0 if settled else span.size), error
+            assert reads.free_bytes + reads.retired_bytes == before, error
+        assert reads.retired_bytes == 2 * (64 << 10)
+        reads.reclaim_retired()
+        assert reads.free_bytes == before and reads.retired_bytes == 0

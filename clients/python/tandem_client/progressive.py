@@ -47,6 +47,7 @@ def read_progressive(
 
     def follow() -> None:
         error: TandemError | None = None
+        ended_by_rpc = False
         try:
             for raw in messages:
                 message = store_pb2.GetResponse.FromString(raw)
@@ -59,12 +60,22 @@ def read_progressive(
                 else:
                     raise DataLoss(f"unexpected {kind!r} in a progressive Get's answer")
         except grpc.RpcError as exc:
-            error = from_rpc_error(exc)
+            error, ended_by_rpc = from_rpc_error(exc), True
         except TandemError as exc:
             error = exc
         except Exception as exc:  # noqa: BLE001 - a broken answer: nothing of it is used
             error = DataLoss(f"reading the store's answer failed: {exc}")
+        if error is not None and not ended_by_rpc:
+            _drain(messages)  # refused here: the store's copy still runs to its end
         arrival.end(error)
 
     threading.Thread(target=follow, name="progressive-get", daemon=True).start()
     return checkpoint, arrival
+
+
+def _drain(messages: Iterator[bytes]) -> None:
+    try:
+        for _ in messages:
+            pass
+    except grpc.RpcError:
+        pass  # over either way

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from tandem_client.bulk import PayloadAssembler, RegionPut
@@ -28,6 +29,20 @@ from tandem_wire.chunks import decode_chunk
 from tandem_wire.pb import store_pb2
 
 SHM_DIR = Path("/dev/shm")
+# Statuses a region Get ends with only once the store's copy threads are done (or before
+# they started): its span may be lent again at once.
+SETTLED_CODES = frozenset(
+    {
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.ABORTED,
+    }
+)
 PROOF_BYTES = 32
 # Where get_into puts a payload by default: past the proof, page-aligned.
 DEFAULT_OFFSET = 4096
@@ -100,6 +115,10 @@ class RegionReads:
             raise ValueError("the region is too small for its slots")
         self._lock = threading.Lock()
         self._free: list[Span] = [Span(DEFAULT_OFFSET, usable)]  # by offset, coalesced
+        # Spans of Gets that failed while the store may still be copying into them (a
+        # deadline, a lost connection): never lent again until the store is known to be a
+        # new process (reclaim_retired), which cannot write into them.
+        self._retired: list[Span] = []
         self.reads = 0  # Gets the store wrote into the region
 
     def acquire(self, nbytes: int = 0) -> Span | None:
@@ -125,10 +144,26 @@ class RegionReads:
                     merged.append(s)
             self._free = merged
 
+    def retire(self, span: Span) -> None:
+        with self._lock:
+            self._retired.append(span)
+
+    def reclaim_retired(self) -> None:
+        """The store restarted (it did not know the region): its old copies are over."""
+        with self._lock:
+            retired, self._retired = self._retired, []
+        for span in retired:
+            self.release(span)
+
     @property
     def free_bytes(self) -> int:
         with self._lock:
             return sum(s.size for s in self._free)
+
+    @property
+    def retired_bytes(self) -> int:
+        with self._lock:
+            return sum(s.size for s in self._retired)
 
 
 class Arrival:
@@ -198,7 +233,7 @@ class RegionHold:
             if arrival is None:
                 reads.release(span)
             else:
-                arrival.when_ended(lambda: reads.release(span))
+                arrival.when_ended(lambda: _after_stream(reads, span, arrival))
 
         self._finalizer = weakref.finalize(self, give_back)
 
@@ -208,6 +243,20 @@ class RegionHold:
     @property
     def released(self) -> bool:
         return not self._finalizer.alive
+
+
+def _after_stream(reads: RegionReads, span: Span, arrival: Arrival) -> None:
+    if arrival.error is None or not may_still_write(arrival.error):
+        reads.release(span)
+    else:
+        reads.retire(span)
+
+
+def may_still_write(error: TandemError) -> bool:
+    """Whether the store may still be copying into a span after a Get failed this way: not
+    when it refused before copying or stopped on a damaged chunk; maybe when the call was
+    cut (deadline, cancelled, connection lost, anything unexpected)."""
+    return error.code not in SETTLED_CODES
 
 
 def placement_in(region: SharedRegion, checkpoint: Checkpoint) -> RegionPut | None:

@@ -17,6 +17,7 @@ from tandem_client.progressive import read_progressive
 from tandem_client.records import Checkpoint
 from tandem_client.regions import (
     DEFAULT_OFFSET,
+    SETTLED_CODES,
     RegionHold,
     RegionReads,
     SharedRegion,
@@ -140,6 +141,7 @@ class SameHostReads:
         if self._reads is None or "no region" not in str(error):
             return False
         self.register_region(self._reads.region)
+        self._reads.reclaim_retired()  # a new store process: the old one's copies are over
         return True
 
     @property
@@ -161,9 +163,14 @@ class SameHostReads:
                     raise
                 # The store forgot the region (it restarted): register it again.
                 self.register_region(reads.region)
+                reads.reclaim_retired()
                 checkpoint, hold = read(key, reads, namespace, span)
-        except BaseException:
-            reads.release(span)
+        except BaseException as exc:
+            code = exc.code() if isinstance(exc, grpc.RpcError) else getattr(exc, "code", None)
+            if code in SETTLED_CODES:
+                reads.release(span)
+            else:  # cut short: the store may still be copying into it
+                reads.retire(span)
             raise
         if hold is None:  # streamed: it did not fit after all
             reads.release(span)
