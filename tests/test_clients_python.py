@@ -83,7 +83,8 @@ def test_errors_keep_their_status(store: InProcessStore) -> None:
 def test_idempotent_calls_retry_while_the_server_starts(tmp_path: Path) -> None:
     port = free_port()
     started: list[ServiceProcess] = []
-    starter = threading.Timer(0.3, lambda: started.append(start_store_on(tmp_path / "s", port)))
+    # The store process itself takes ~0.5 s or more to listen: the first attempts fail.
+    starter = threading.Timer(0.1, lambda: started.append(start_store_on(tmp_path / "s", port)))
     starter.start()
     try:
         with StoreClient(f"127.0.0.1:{port}", timeout=30) as client:

@@ -99,8 +99,12 @@ class SameHostReads:
 
         def renew() -> None:
             while not stop.wait(ttl_s / 3):
-                with contextlib.suppress(TandemError):  # the next read re-registers
+                try:
                     self.register_region(region, ttl_s)
+                except TandemError:
+                    pass  # the next read registers it again
+                except ValueError:  # the channel was closed under us: nothing to renew
+                    return
 
         threading.Thread(target=renew, name="region-lease", daemon=True).start()
 

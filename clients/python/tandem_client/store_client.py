@@ -103,6 +103,13 @@ class StoreClient(SameHostReads, GrpcClient):
 
     # -- data plane --------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Closes the channel; an attached region's lease renewals stop with it (the store
+        lets the region lapse)."""
+        self._renewing.set()
+        self._reads = None
+        super().close()
+
     def put(
         self,
         checkpoint: Checkpoint,
