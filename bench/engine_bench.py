@@ -1,26 +1,34 @@
-"""Engine throughput: gRPC streams through `tandem-engine` beside mlx-lm's BatchGenerator.
+"""Engine throughput: gRPC streams through `tandem-engine` beside mlx-lm's BatchGenerator
+and beside `mlx_lm.server` (the HTTP server a user would otherwise run).
 
-On the same model in one run, for each concurrency (default 1, 8, 32): the baseline calls
-BatchGenerator directly in this process (greedy, every request inserted at once); ours
-starts an engine process and opens that many concurrent Generate streams (greedy). Both
-generate the same number of tokens per request from prompts of the same length. Prints
-aggregate generated tokens/s, the ratio, and median time to first token.
+On the same model in one run, for each concurrency (default 1, 8, 32): "direct" calls
+BatchGenerator in this process (every request inserted at once); "engine" opens that many
+concurrent Generate streams to an engine process; "server" sends the same prompts (as text)
+to `mlx_lm.server` through its OpenAI-compatible /v1/completions, streamed, one connection a
+stream. All three run side by side, are warmed identically, and alternate in order over
+--pairs rounds (ABC, CBA, ...) with fresh prompts each round; the figures are medians of the
+per-round ratios with their spread, since these machines swing more between runs than the
+effects measured.
 
     python bench/engine_bench.py [--model tandem-tiny|PATH|qwen3-0.6b-shape] [--streams 1,8,32]
+        [--pairs 5] [--no-server]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,10 +45,10 @@ from mlx_lm.sample_utils import make_sampler  # noqa: E402
 import grpc  # noqa: E402
 
 from engine_service import blas  # noqa: E402
-from engine_service.default_model import build_model_dir  # noqa: E402
+from engine_service.default_model import build_model_dir, ensure_model  # noqa: E402
 from engine_service.model import load_model  # noqa: E402
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc  # noqa: E402
-from tests.servers import start_engine  # noqa: E402
+from tests.servers import free_port, start_engine  # noqa: E402
 
 SHAPES = {
     # Random-weight stand-ins for real checkpoints (no downloads here).
@@ -162,19 +170,99 @@ async def _through_engine(
     }
 
 
+def through_server(port: int, texts: list[str], max_tokens: int) -> dict[str, float]:
+    """The same requests to `mlx_lm.server` (its OpenAI-compatible HTTP endpoint, streamed),
+    one thread a stream; tokens counted from its usage report."""
+
+    def one(text: str) -> tuple[int, float]:
+        body = json.dumps(
+            {
+                "prompt": text,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
+        for attempt in range(10):  # its listen backlog is socketserver's 5: bursts reset
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+                conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                break
+            except (ConnectionResetError, http.client.RemoteDisconnected):
+                time.sleep(0.05 * (attempt + 1))
+        else:
+            raise RuntimeError("mlx_lm.server kept resetting connections")
+        first, tokens = 0.0, 0
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if not first and event.get("choices") and event["choices"][0].get("text"):
+                first = time.perf_counter() - start
+            if event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+        conn.close()
+        return tokens, first
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(texts)) as pool:
+        results = list(pool.map(one, texts))
+    wall = time.perf_counter() - start
+    total = sum(c for c, _ in results)
+    if not total:
+        raise RuntimeError("mlx_lm.server generated nothing: see its log")
+    return {
+        "tokens_per_s": total / wall,
+        "ttft_s": statistics.median(f for _, f in results),
+        "tokens": total,
+    }
+
+
+def start_mlx_lm_server(model_dir: str, streams: int, log: Path) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--host", "127.0.0.1"]
+        + ["--port", str(port), "--decode-concurrency", str(max(32, streams))]
+        + ["--prompt-concurrency", "8", "--max-tokens", "100000"],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/v1/models")
+            if conn.getresponse().status == 200:
+                return proc, port
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"mlx_lm.server did not start: see {log}")
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tandem-tiny")
     parser.add_argument("--streams", default="1,8,32")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=5, help="interleaved rounds per row")
+    parser.add_argument(
+        "--no-server", action="store_true", help="leave out the mlx_lm.server baseline"
+    )
     parser.add_argument(
         "--temperature",
         type=float,
         default=0.0,
         help="> 0: seeded per-request sampling in the engine vs mlx-lm's "
-        "shared sampler in the baseline",
+        "shared sampler in the baseline (the server baseline stays greedy)",
     )
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
@@ -185,6 +273,7 @@ def main() -> None:
         loaded = load_model(spec, data_dir)
         vocab = loaded.vocab_size
         streams = [int(s) for s in args.streams.split(",")]
+        mode = f"sampled T={args.temperature}" if args.temperature else "greedy"
         out: dict[str, object] = {
             "model": args.model,
             "model_id": loaded.model_id,
@@ -194,71 +283,96 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d"),
             "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens,
+            "sampling": mode,
+            "pairs": args.pairs,
             "rows": [],
         }
-        # Warm up kernels (first use compiles on GPU).
-        direct(loaded.model, prompts(2, args.prompt_tokens, vocab, 0), 8)
-        baseline = {}
-        for n in streams:
-            runs = [
-                direct(
-                    loaded.model,
-                    prompts(n, args.prompt_tokens, vocab, n),
-                    args.max_tokens,
-                    args.temperature,
-                )
-                for _ in range(args.repeat)
-            ]
-            baseline[n] = runs
-        del loaded
-        mx.clear_cache()
-
-        proc = start_engine(
+        engine = start_engine(
             data_dir, "--model", spec, "--max-running", str(max(streams)), log_dir=data_dir
         )
+        server = None
         try:
-            through_engine(proc.address, prompts(2, args.prompt_tokens, vocab, 0), 8)
-            mode = f"sampled T={args.temperature}" if args.temperature else "greedy"
-            out["sampling"] = mode
+            if not args.no_server:
+                # The server loads a directory: an embedded model's is built where it can.
+                model_dir = spec if Path(spec).is_dir() else str(ensure_model(spec, data_dir))
+                server = start_mlx_lm_server(
+                    model_dir, max(streams), data_dir / "mlx_lm_server.log"
+                )
+
+            def batch(n: int, seed: int) -> list[list[int]]:
+                return prompts(n, args.prompt_tokens, vocab, seed)
+
+            def texts(n: int, seed: int) -> list[str]:
+                return [loaded.tokenizer.decode(p) for p in batch(n, seed)]
+
+            sides = {
+                "direct": lambda n, seed: direct(
+                    loaded.model, batch(n, seed), args.max_tokens, args.temperature
+                ),
+                "engine": lambda n, seed: through_engine(
+                    engine.address, batch(n, seed), args.max_tokens, args.temperature
+                ),
+            }
+            if server is not None:
+                port = server[1]
+                sides["server"] = lambda n, seed: through_server(
+                    port, texts(n, seed), args.max_tokens
+                )
+            # Warm every side identically: each stream count once (kernels, shapes).
+            for n in streams:
+                for run in sides.values():
+                    run(n, 7)
             print(
                 f"model {args.model} on {out['device']} (BLAS: {out['blas']}), {mode}, prompt "
                 f"{args.prompt_tokens} tokens, {args.max_tokens} generated per stream, "
-                f"medians of {args.repeat}"
+                f"{args.pairs} interleaved rounds (order alternating), medians of paired "
+                "ratios (min-max)"
             )
-            print(
-                f"{'streams':>8} {'direct tok/s':>13} {'engine tok/s':>13} {'ratio':>6} "
-                f"{'direct ttft':>12} {'engine ttft':>12}"
-            )
+            header = f"{'streams':>7} {'direct':>8} {'engine':>8} {'engine/direct':>18} "
+            header += f"{'TTFT engine/direct':>19}"
+            if server is not None:
+                header += f" {'server':>8} {'engine/server':>18}"
+            print(header + "   (tok/s)")
             for n in streams:
-                ours = [
-                    through_engine(
-                        proc.address,
-                        prompts(n, args.prompt_tokens, vocab, n),
-                        args.max_tokens,
-                        args.temperature,
+                runs: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
+                for r in range(args.pairs):
+                    order = list(sides.items())
+                    for name, run in order if r % 2 == 0 else order[::-1]:
+                        runs[name].append(run(n, 1000 * n + r))
+                tps = {k: [x["tokens_per_s"] for x in v] for k, v in runs.items()}
+                ttft = {k: [x["ttft_s"] for x in v] for k, v in runs.items()}
+                ratio = [e / d for e, d in zip(tps["engine"], tps["direct"], strict=True)]
+                ttft_ratio = [e / d for e, d in zip(ttft["engine"], ttft["direct"], strict=True)]
+                row = {
+                    "streams": n,
+                    "direct_tps": statistics.median(tps["direct"]),
+                    "engine_tps": statistics.median(tps["engine"]),
+                    "ratio": statistics.median(ratio),
+                    "ratio_min": min(ratio),
+                    "ratio_max": max(ratio),
+                    "ttft_ratio": statistics.median(ttft_ratio),
+                    "direct_ttft_s": statistics.median(ttft["direct"]),
+                    "engine_ttft_s": statistics.median(ttft["engine"]),
+                }
+                line = (
+                    f"{n:>7} {row['direct_tps']:>8.0f} {row['engine_tps']:>8.0f} "
+                    f"{_spread(ratio):>18} {_spread(ttft_ratio):>19}"
+                )
+                if server is not None:
+                    vs = [e / s for e, s in zip(tps["engine"], tps["server"], strict=True)]
+                    row.update(
+                        server_tps=statistics.median(tps["server"]),
+                        engine_vs_server=statistics.median(vs),
+                        server_ttft_s=statistics.median(ttft["server"]),
                     )
-                    for _ in range(args.repeat)
-                ]
-                d = statistics.median(r["tokens_per_s"] for r in baseline[n])
-                e = statistics.median(r["tokens_per_s"] for r in ours)
-                dt = statistics.median(r["ttft_s"] for r in baseline[n])
-                et = statistics.median(r["ttft_s"] for r in ours)
-                out["rows"].append(
-                    {
-                        "streams": n,
-                        "direct_tps": d,
-                        "engine_tps": e,
-                        "ratio": e / d,
-                        "direct_ttft_s": dt,
-                        "engine_ttft_s": et,
-                    }
-                )
-                print(
-                    f"{n:>8} {d:>13.0f} {e:>13.0f} {e / d:>6.2f} {dt * 1e3:>10.0f}ms "
-                    f"{et * 1e3:>10.0f}ms"
-                )
+                    line += f" {row['server_tps']:>8.0f} {_spread(vs):>18}"
+                out["rows"].append(row)  # type: ignore[attr-defined]
+                print(line)
         finally:
-            proc.stop()
+            engine.stop()
+            if server is not None:
+                server[0].terminate()
+                server[0].wait(30)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
 

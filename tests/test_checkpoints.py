@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import lmdb
 import pytest
 
 from tandem_client import EngineClient, StoreClient, TandemError
+from tests.conftest import flip_stored_byte
 from tests.servers import ServiceProcess, free_port, start_engine, start_store_on
 
 # 300 scattered token ids: four full 64-token blocks and a partial one
@@ -220,13 +220,7 @@ def test_a_corrupted_prefix_checkpoint_falls_back_to_prefill(stack: Stack) -> No
         assert engine.flush().durable
     stack.engine.stop()
     stack.store.terminate()
-    env = lmdb.open(str(stack.root / "store"), max_dbs=8)
-    with env.begin(write=True, db=env.open_db(b"chunks")) as txn:
-        key, value = next(iter(txn.cursor()))
-        flipped = bytearray(value)
-        flipped[10] ^= 0xFF
-        txn.put(key, bytes(flipped))
-    env.close()
+    flip_stored_byte(stack.root / "store", chunk=0, at=10)
     stack.restart_store()
     stack.engine = stack.start_engine()
     with EngineClient(stack.engine.address) as engine:
@@ -249,14 +243,7 @@ def test_damage_in_a_late_part_of_a_progressive_restore_falls_back_to_prefill(
         assert engine.flush().durable
     stack.engine.stop()
     stack.store.terminate()
-    data = stack.root / "store"
-    env = lmdb.open(str(data), max_dbs=8, map_size=2 * (data / "data.mdb").stat().st_size)
-    with env.begin(write=True, db=env.open_db(b"chunks")) as txn:
-        key, value = list(txn.cursor())[-1]  # the record's last chunk: its second part
-        flipped = bytearray(value)
-        flipped[10] ^= 0xFF
-        txn.put(key, bytes(flipped))
-    env.close()
+    flip_stored_byte(stack.root / "store", chunk=-1, at=10)  # the last chunk: in part two
     stack.restart_store()
     stack.engine = stack.start_engine()
     with EngineClient(stack.engine.address) as engine:
