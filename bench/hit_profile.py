@@ -24,7 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
 
-from bench.checkpoint_bench import _prompt, _ttft  # noqa: E402
+from bench.checkpoint_bench import _ttft  # noqa: E402
+from bench.checkpoint_restore import random_prompt  # noqa: E402
 from bench.engine_bench import model_spec  # noqa: E402
 from tandem_client import EngineClient  # noqa: E402
 from tests.servers import free_port, start_engine, start_store_on  # noqa: E402
@@ -105,10 +106,10 @@ def main() -> None:
         try:
             with EngineClient(engine.address, timeout=1800) as client:
                 vocab = client.model_info().vocab_size
-                base = _prompt(a.prompt, vocab, seed=1)
+                base = random_prompt(a.prompt, vocab, seed=1)
                 _ttft(client, base, "profile")
                 client.flush()
-                turns = [base + _prompt(16, vocab, seed=1000 + i) for i in range(a.hits + 2)]
+                turns = [base + random_prompt(16, vocab, seed=1000 + i) for i in range(a.hits + 2)]
                 for turn in turns[:2]:  # warm: kernels, the cost model's first measurements
                     _ttft(client, turn, "profile")
                 spy = subprocess.Popen(

@@ -17,7 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
 
-from bench.checkpoint_bench import _decode, _prompt  # noqa: E402
+from bench.checkpoint_bench import _decode  # noqa: E402
+from bench.checkpoint_restore import random_prompt  # noqa: E402
 from bench.engine_bench import model_spec  # noqa: E402
 from tests.servers import start_engine, start_store  # noqa: E402
 
@@ -49,10 +50,10 @@ def main() -> None:
     try:
         for engine in engines.values():  # warm: kernels compile on first use (MLX-CUDA)
             for streams in (1, 8):
-                warm = [_prompt(64, 2000, seed=1000 + i) for i in range(streams)]
+                warm = [random_prompt(64, 2000, seed=1000 + i) for i in range(streams)]
                 asyncio.run(_decode(engine.address, warm, 32, 16))
         for streams in (1, 8):
-            prompts = [_prompt(64, 2000, seed=1000 + i) for i in range(streams)]
+            prompts = [random_prompt(64, 2000, seed=1000 + i) for i in range(streams)]
             cost: dict[int, list[float]] = {1: [], 32: []}
             for r in range(a.rounds):
                 for batch in (1, 32) if r % 2 == 0 else (32, 1):
