@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 
 from tandem_client import Checkpoint, StoreClient, Tensor  # noqa: E402
 from tandem_client.regions import DEFAULT_OFFSET, SharedRegion  # noqa: E402
-from tests.servers import ServiceProcess  # noqa: E402
+from tests.servers import start_store  # noqa: E402
 
 
 def timed(fn) -> float:  # noqa: ANN001
@@ -37,19 +37,7 @@ def main() -> None:
     a = p.parse_args()
     nbytes = a.mib << 20
     root = Path(tempfile.mkdtemp(prefix="region-bench-"))
-    store = ServiceProcess(
-        "store_service",
-        [
-            "--data-dir",
-            str(root / "data"),
-            "--sync-mode",
-            "none",
-            "--capacity-bytes",
-            str(4 * nbytes),
-        ],
-        "tandem-store listening on",
-        root / "store.log",
-    ).start()
+    store = start_store(root / "data", "--sync-mode", "none", "--capacity-bytes", str(4 * nbytes))
     source = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     destination = np.empty_like(source)
     region = SharedRegion(nbytes + DEFAULT_OFFSET)

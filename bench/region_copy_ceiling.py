@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from tandem_client import Checkpoint, StoreClient, Tensor  # noqa: E402
 from tandem_client.regions import DEFAULT_OFFSET, SharedRegion  # noqa: E402
 from tandem_wire.checksum import crc32  # noqa: E402
-from tests.servers import ServiceProcess  # noqa: E402
+from tests.servers import start_store  # noqa: E402
 
 CHUNK = 1 << 20
 MADV_POPULATE_READ = 22  # Linux 5.14+
@@ -111,21 +111,11 @@ def store_gets(nbytes: int, thread_counts: list[int]) -> None:
     per = nbytes // 8
     for t in thread_counts:
         root = Path(tempfile.mkdtemp(prefix="region-ceiling-"))
-        store = ServiceProcess(
-            "store_service",
-            [
-                "--data-dir",
-                str(root / "data"),
-                "--sync-mode",
-                "none",
-                "--capacity-bytes",
-                str(4 * nbytes),
-                "--region-copy-threads",
-                str(t),
-            ],
-            "tandem-store listening on",
-            root / "store.log",
-        ).start()
+        store = start_store(
+            root / "data",
+            *("--sync-mode", "none", "--capacity-bytes", str(4 * nbytes)),
+            *("--region-copy-threads", str(t)),
+        )
         region = SharedRegion(nbytes + DEFAULT_OFFSET)
         np.frombuffer(region.buf, np.uint8)[DEFAULT_OFFSET:] = 0  # past the proof
         try:

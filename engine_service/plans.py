@@ -42,7 +42,7 @@ class PrefixPlan:
     def nbytes(self) -> int:
         if self.local is not None:
             return self.local.nbytes
-        return sum(t.nbytes for t in self.stored.all_tensors()) if self.stored else 0
+        return self.stored.payload_bytes if self.stored else 0
 
 
 @dataclass
@@ -67,7 +67,7 @@ class ResumePlan:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for part in self.parts for t in part.all_tensors())
+        return sum(part.payload_bytes for part in self.parts)
 
 
 Plan = PrefixPlan | ResumePlan | None

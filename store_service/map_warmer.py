@@ -35,7 +35,6 @@ class MapWarmer:
         self._queue: queue.Queue[StoredRecord | None] = queue.Queue(BACKLOG)
         self._thread = threading.Thread(target=self._run, name="map-warmer", daemon=True)
         self._thread.start()
-        self.warmed = 0  # records, for tests and stats
 
     def warm(self, record: StoredRecord) -> None:
         try:
@@ -52,7 +51,6 @@ class MapWarmer:
             try:
                 touch = functools.partial(_touch, storage=self._storage, record=record)
                 self._storage.read(touch, buffers=True)
-                self.warmed += 1
             except StorageError as exc:  # closing, or a damaged file the Get will report
                 log.debug("warming record %d skipped: %s", record.record_id, exc)
 

@@ -19,7 +19,7 @@ import grpc
 
 from tandem_client.errors import DataLoss, TandemError, from_rpc_error
 from tandem_client.records import Checkpoint
-from tandem_client.regions import Arrival, SharedRegion, placement_of, read_placed
+from tandem_client.regions import Arrival, SharedRegion, placement_of, read_placed, view_placed
 from tandem_wire.chunks import decode_chunk
 from tandem_wire.pb import store_pb2
 
@@ -39,11 +39,7 @@ def read_progressive(
     messages = itertools.chain([second], messages)
     header = store_pb2.GetResponse.FromString(first).header
     checkpoint = Checkpoint.from_header(header)
-    at = offset
-    for tensor in checkpoint.all_tensors():
-        tensor.data = region.buf[at : at + tensor.nbytes]
-        at += tensor.nbytes
-    arrival = Arrival(at - offset)
+    arrival = Arrival(view_placed(checkpoint, region, offset))
 
     def follow() -> None:
         error: TandemError | None = None

@@ -82,6 +82,11 @@ class Checkpoint:
     def all_tensors(self) -> list[Tensor]:
         return [*self.tensors, *(t for a in self.attachments for t in a.tensors)]
 
+    @property
+    def payload_bytes(self) -> int:
+        """Its tensors' bytes, attachments' included: what a Put sends, a Get receives."""
+        return sum(t.nbytes for t in self.all_tensors())
+
     def header_pb(self) -> tensors_pb2.CheckpointHeader:
         return tensors_pb2.CheckpointHeader(
             key=self.key,

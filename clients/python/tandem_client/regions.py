@@ -286,12 +286,16 @@ def copy_into(region: SharedRegion, span: Span, checkpoint: Checkpoint) -> Regio
         n = tensor.nbytes
         np.copyto(target[at : at + n], np.frombuffer(memoryview(tensor.data).cast("B"), np.uint8))
         offsets.append(at)
-        at += -(-n // 64) * 64
+        at += _aligned(n)
     return RegionPut(region.name, offsets)
 
 
 def put_span_bytes(checkpoint: Checkpoint) -> int:
-    return sum(-(-t.nbytes // 64) * 64 for t in checkpoint.all_tensors())
+    return sum(_aligned(t.nbytes) for t in checkpoint.all_tensors())
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64  # a cache line: each tensor of a copied Put starts on one
 
 
 def remove_stale_regions() -> list[str]:
@@ -329,12 +333,18 @@ def read_placed(
             assembler.feed(raw)
         return assembler.finish(), False
     checkpoint = Checkpoint.from_header(store_pb2.GetResponse.FromString(first).header)
+    placement_of(placed, region, offset, view_placed(checkpoint, region, offset))
+    return checkpoint, True
+
+
+def view_placed(checkpoint: Checkpoint, region: SharedRegion, offset: int) -> int:
+    """Points the checkpoint's tensors at where a Get placed them (back to back from offset,
+    in header order); returns the payload's size."""
     at = offset
     for tensor in checkpoint.all_tensors():
         tensor.data = region.buf[at : at + tensor.nbytes]
         at += tensor.nbytes
-    placement_of(placed, region, offset, at - offset)
-    return checkpoint, True
+    return at - offset
 
 
 def placement_of(

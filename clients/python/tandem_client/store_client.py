@@ -166,7 +166,9 @@ class StoreClient(SameHostReads, GrpcClient):
             except PutManyFailed as again:
                 raise PutManyFailed(again.cause, done + again.stored) from None
             # Their answers were lost with the first call: what the client knows of them.
-            known = [PutResult(i.checkpoint.key, _payload(i.checkpoint), False, "") for i in items]
+            known = [
+                PutResult(i.checkpoint.key, i.checkpoint.payload_bytes, False, "") for i in items
+            ]
             return known[:done] + rest
         finally:
             for _, hold in placements:
@@ -393,7 +395,3 @@ class StoreClient(SameHostReads, GrpcClient):
     def compact(self) -> tuple[int, int]:
         r = self._call(lambda: self._admin.Compact(store_pb2.CompactRequest(), timeout=None))
         return r.file_bytes_before, r.file_bytes_after
-
-
-def _payload(checkpoint: Checkpoint) -> int:
-    return sum(t.nbytes for t in checkpoint.all_tensors())
