@@ -57,6 +57,8 @@ class EngineConfig:
     # Same-host data plane (docs/store.md): bytes of shared memory for restores; 0 = off.
     store_region_bytes: int = -1  # -1: sized for the backend (checkpoints.region_bytes)
     spill_batch_records: int = 32  # checkpoint Puts sent in one PutMany (1: one Put each)
+    # Run each decode and prefill shape once at start (MLX-CUDA compiles kernels on first use).
+    warmup: bool = True
     # Default KV codec of requests that do not choose one (0 bits = plain).
     kv_bits: int = 0
     kv_group_size: int = 64
@@ -217,6 +219,13 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         default=int(_env("SPILL_BATCH_RECORDS", "32")),
         help="checkpoint records queued together that leave in one PutMany (1: one Put each)",
     )
+    p.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        default=_env("WARMUP", "1") != "0",
+        help="skip running the batch shapes once before serving (first requests compile them)",
+    )
     a = p.parse_args(argv)
     try:
         return EngineConfig(
@@ -251,6 +260,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             store_token_file=a.store_token_file,
             store_region_bytes=a.store_region_bytes,
             spill_batch_records=a.spill_batch_records,
+            warmup=a.warmup,
             kv_bits=a.kv_bits,
             kv_group_size=a.kv_group_size,
             quantized_kv_start=a.quantized_kv_start,

@@ -64,3 +64,17 @@ class Abandoned(EngineError):
     (its checkpoint, if any, is kept for a resume)."""
 
     code = grpc.StatusCode.CANCELLED
+
+
+def error_named(name: str, message: str) -> EngineError:
+    """The engine error a core process refused a call with (core_channel.Refused): the same
+    class, so the front answers with the same status; an unknown name is INTERNAL."""
+    kinds = {kind.__name__: kind for kind in _subclasses(EngineError)}
+    return kinds.get(name, EngineError)(message)
+
+
+def _subclasses(kind: type[EngineError]) -> list[type[EngineError]]:
+    found = []
+    for sub in kind.__subclasses__():
+        found += [sub, *_subclasses(sub)]
+    return found

@@ -1,32 +1,35 @@
 """What the engine loop tells a request's handler: Started, Token per generated token, and
-exactly one Finished. Shared by the batch loop (scheduler.py) and the speculative lane."""
+exactly one Finished. Shared by the batch loop (scheduler.py) and the speculative lane.
+
+msgspec structs: the engine core sends them to the gRPC front as they are (core_channel.py),
+one message per engine step, encoded in microseconds.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
+
 # "stop": a stop token (stop strings are found by the handler); "deadline": the client's
-# deadline passed; "idle": the client read nothing for the park timeout (preemption.py).
-FinishReason = Literal["length", "stop", "cancelled", "deadline", "idle", "error"]
+# deadline passed; "idle": the client read nothing for the park timeout (preemption.py);
+# "unavailable": the engine core exited under the request (the front says so).
+FinishReason = Literal["length", "stop", "cancelled", "deadline", "idle", "error", "unavailable"]
 
 
-@dataclass(frozen=True)
-class Started:
+class Started(msgspec.Struct, frozen=True, tag=True):
     prompt_tokens: int
     cached_prompt_tokens: int
 
 
-@dataclass(frozen=True)
-class Token:
+class Token(msgspec.Struct, frozen=True, tag=True):
     token_id: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
 
 
-@dataclass(frozen=True)
-class Finished:
+class Finished(msgspec.Struct, frozen=True, tag=True):
     reason: FinishReason
     error: str = ""
     stop_token: int | None = None

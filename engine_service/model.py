@@ -12,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as cache_lib
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import load
+from mlx_lm.utils import load, load_tokenizer
 
 from engine_service.default_model import DEFAULT_MODEL, ensure_model, is_embedded
 from engine_service.mlx_compat import download
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
-    model: Any  # an mlx.nn.Module
+    model: Any  # an mlx.nn.Module (None in the gRPC front: without_weights)
     tokenizer: TokenizerWrapper
     name: str
     path: Path
@@ -40,6 +40,59 @@ class LoadedModel:
     @property
     def model_id(self) -> str:
         return f"{self.name}@{self.digest}"
+
+    def facts(self) -> ModelFacts:
+        """What the gRPC front needs to know of the model the engine core loaded."""
+        return ModelFacts(
+            name=self.name,
+            path=str(self.path),
+            digest=self.digest,
+            config=self.config,
+            context_length=self.context_length,
+            vocab_size=self.vocab_size,
+            layout=self.layout,
+            eos_token_ids=self.eos_token_ids,
+            dtype=self.dtype,
+            kv_head_dims=self.kv_head_dims,
+        )
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """A loaded model without its weights: the core sends it to the front (core_channel.py)."""
+
+    name: str
+    path: str
+    digest: str
+    config: dict[str, Any]
+    context_length: int
+    vocab_size: int
+    layout: list[str]
+    eos_token_ids: list[int]
+    dtype: str
+    kv_head_dims: tuple[int, ...]
+
+
+def without_weights(facts: ModelFacts) -> LoadedModel:
+    """The front's view of the core's model: the same tokenizer, no weights (model None).
+
+    The front validates, tokenizes and detokenizes; only the core runs the model."""
+    path = Path(facts.path)
+    tokenizer = load_tokenizer(path, eos_token_ids=facts.config.get("eos_token_id"))
+    return LoadedModel(
+        model=None,
+        tokenizer=tokenizer,
+        name=facts.name,
+        path=path,
+        digest=facts.digest,
+        config=facts.config,
+        context_length=facts.context_length,
+        vocab_size=facts.vocab_size,
+        layout=facts.layout,
+        eos_token_ids=facts.eos_token_ids,
+        dtype=facts.dtype,
+        kv_head_dims=facts.kv_head_dims,
+    )
 
 
 def layout_codec(cache: Any) -> str:

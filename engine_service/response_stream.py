@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine_service.errors import Abandoned, DeadlineExceeded
+from engine_service.errors import Abandoned, DeadlineExceeded, Unavailable
 from engine_service.events import Event, Finished, Sink, Started, Token
 from engine_service.requests import GenerationRequest
 from engine_service.text import TextStream
@@ -88,7 +88,7 @@ class RequestStream:
         self._unread = 0
         self._stalled = False
 
-    def push(self, events: list[Event]) -> None:  # on the event loop (see loop_deliver)
+    def push(self, events: list[Event]) -> None:  # on the event loop (core_link.py)
         self._queue.put_nowait(events)
         bp = self._backpressure
         if bp is None:
@@ -113,19 +113,6 @@ class RequestStream:
             self._stalled = False
             self._backpressure.reading()
         return events
-
-
-def loop_deliver(loop: asyncio.AbstractEventLoop) -> Deliver:
-    """The scheduler's delivery: one hop into the event loop per engine step."""
-
-    def fan_out(outbox: list[tuple[Sink, list[Event]]]) -> None:
-        for sink, events in outbox:
-            sink(events)
-
-    def deliver(outbox: list[tuple[Sink, list[Event]]]) -> None:
-        loop.call_soon_threadsafe(fan_out, outbox)
-
-    return deliver
 
 
 class ResponseBuilder:
@@ -199,7 +186,8 @@ async def respond(
     """The chunks of one generation: replayed tokens first (resume), then the engine's.
 
     stop_row: called when a stop string ends the text, so the loop drops the row.
-    Raises DeadlineExceeded when the engine dropped the request at its deadline.
+    Raises DeadlineExceeded when the engine dropped the request at its deadline, Unavailable
+    when the engine core exited under it.
     """
     out = ResponseBuilder(req, tokenizer, arrival)
     if replay:
@@ -230,6 +218,8 @@ async def respond(
                     raise DeadlineExceeded("deadline exceeded")
                 if event.reason == "idle":
                     raise Abandoned(event.error)
+                if event.reason == "unavailable":
+                    raise Unavailable(event.error)
                 out.usage.draft_tokens = event.drafted
                 out.usage.accepted_draft_tokens = event.accepted
                 chunk.error = event.error

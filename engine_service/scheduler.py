@@ -33,6 +33,7 @@ from engine_service.response_stream import Deliver
 from engine_service.sampling import requested_logprobs
 from engine_service.speculative_lane import SpeculativeLane
 from engine_service.step_checkpoints import StepCheckpoints
+from engine_service.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class Scheduler:
         self._preemption = Preemption(limits.park)
         self._bg: BatchGenerator  # made on the engine thread: MLX streams are per thread
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self._warm = False
+        self._ready = threading.Event()
 
     def _new_batch_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -96,8 +99,12 @@ class Scheduler:
 
     # -- called from other threads -----------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, warm: bool = False) -> None:
+        """Starts the loop; warm: first runs its batch shapes once (warmup.py), returning
+        when that is done."""
+        self._warm = warm
         self._thread.start()
+        self._ready.wait()
 
     def submit(self, request: GenerationRequest, sink: Sink, plan: Plan = None) -> None:
         """Admits a request or raises Overloaded / AlreadyExists / Unavailable."""
@@ -190,6 +197,14 @@ class Scheduler:
 
     def _run(self) -> None:
         self._bg = self._new_batch_generator()
+        if self._warm:
+            limits = self.limits
+            sizes = [1, min(limits.prefill_batch_size, limits.max_running), limits.max_running]
+            try:
+                warm_up(self._bg, self.loaded, sizes, limits.prefill_step_size)
+            except Exception:  # noqa: BLE001 - serving still works, only the first requests wait
+                log.exception("warm-up failed; the first requests compile their shapes")
+        self._ready.set()
         while True:
             idle = not self._rows and not self._waiting and not self._speculating()
             waiting_before = len(self._waiting)

@@ -1,4 +1,8 @@
-"""The engine process: model, MLX thread, gRPC (aio) server, health, reflection, signals."""
+"""The engine's front process: gRPC (aio) server, health, reflection, signals.
+
+The model runs in the engine core, a second process this one starts and watches
+(core_link.py, core_process.py): the MLX loop never shares a GIL with gRPC.
+"""
 
 from __future__ import annotations
 
@@ -13,16 +17,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine_service import blas
-from engine_service.checkpoints import CheckpointManager, CheckpointSettings
 from engine_service.config import EngineConfig, parse_args
-from engine_service.model import IncompatibleDraft, load_draft, load_model
-from engine_service.preemption import ParkSettings
+from engine_service.core_link import CoreLink
+from engine_service.model import without_weights
 from engine_service.requests import DraftSupport, RequestPolicy
-from engine_service.response_stream import loop_deliver
-from engine_service.scheduler import Limits, Scheduler
 from engine_service.servicer import EngineServicer
-from tandem_client.credentials import bearer_token, tls_credentials
 from tandem_wire.auth import Authenticator, AuthFileError, Role
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
 from tandem_wire.service import SERVER_OPTIONS, Access, configure_logging, guarded
@@ -52,81 +51,36 @@ def _access(config: EngineConfig) -> Access | None:
         raise OSError(str(exc)) from None
 
 
-def _store_settings(config: EngineConfig) -> tuple[grpc.ChannelCredentials | None, str]:
-    """TLS credentials and token for the engine's store client (files read once, here)."""
-    tls = config.store_tls_ca or config.store_tls_cert
-    try:
-        credentials = (
-            tls_credentials(config.store_tls_ca, config.store_tls_cert, config.store_tls_key)
-            if tls
-            else None
-        )
-        token = bearer_token(config.store_token_file) if config.store_token_file else ""
-    except (OSError, ValueError) as exc:
-        raise OSError(f"store credentials: {exc}") from None
-    return credentials, token
-
-
-async def serve(config: EngineConfig) -> None:
+async def serve(config: EngineConfig, argv: list[str]) -> None:
     access = _access(config)
-    store_credentials, store_token = _store_settings(config)
-    log.info("BLAS: %s", blas.in_use())
-    # The MLX thread holds the GIL while it builds each step's graph; with the default 5 ms
-    # switch interval every hand-off to the gRPC thread can wait that long, and a request
-    # needs several, which showed up as 4-5x the direct time to first token on a GPU.
-    sys.setswitchinterval(config.switch_interval_s)
-    loaded = load_model(config.model, config.data_dir, config.dtype)
-    draft = (
-        load_draft(config.draft_model, config.data_dir, loaded, config.dtype)
-        if config.draft_model
-        else None
-    )
+    health_servicer = health.aio.HealthServicer()
+
+    async def set_serving(up: bool) -> None:
+        serving = health_pb2.HealthCheckResponse
+        status = serving.SERVING if up else serving.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, status)
+
+    core = CoreLink(argv, set_serving)
+    ready = await core.start()  # loads the model there; CoreStartFailed (an OSError)
+    loaded = await asyncio.to_thread(without_weights, ready.facts)
     context = min(config.max_context or loaded.context_length, loaded.context_length)
-    limits = Limits(
-        config.max_running,
-        config.max_queued,
-        config.prefill_batch_size,
-        config.prefill_step_size,
-        config.admission_window_s,
-        ParkSettings(config.park_after_tokens, config.park_bytes, config.park_idle_timeout_s),
-    )
-    checkpoints = CheckpointManager(
-        loaded,
-        CheckpointSettings(
-            store=config.store,
-            local_cache_bytes=config.prefix_cache_bytes,
-            spill_queue_bytes=config.spill_queue_bytes,
-            store_credentials=store_credentials,
-            store_token=store_token,
-            store_region_bytes=config.store_region_bytes,
-            spill_batch_records=config.spill_batch_records,
-        ),
-    )
-    problem = await asyncio.to_thread(checkpoints.check_store)
-    if problem:
-        log.error("%s: checkpoints will not reach it until that is fixed", problem)
-    scheduler = Scheduler(
-        loaded, limits, loop_deliver(asyncio.get_running_loop()), checkpoints, draft
-    )
-    scheduler.start()
     policy = RequestPolicy(
         loaded,
         context,
         config.default_max_tokens,
-        has_store=checkpoints.has_store,
+        has_store=ready.has_store,
         default_checkpoint_interval=config.checkpoint_interval,
         default_kv=config.kv_codec,
-        drafts=DraftSupport(draft.model_id if draft else "", config.num_draft_tokens),
+        drafts=DraftSupport(ready.draft_model_id, config.num_draft_tokens),
     )
     server = grpc.aio.server(options=SERVER_OPTIONS)
     # Malformed requests: INVALID_ARGUMENT on every RPC; with access, callers authenticated.
     registrar = guarded(server, access)
-    servicer = EngineServicer(policy, scheduler, checkpoints, access)
+    servicer = EngineServicer(policy, core, config.park_after_tokens, access)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, registrar)
-    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registrar)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await set_serving(True)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
@@ -134,7 +88,7 @@ async def serve(config: EngineConfig) -> None:
     await server.start()
     host = config.listen.rsplit(":", 1)[0]
     print(f"tandem-engine listening on {host}:{port}", flush=True)
-    log.info("serving %s on %s:%d (BLAS: %s)", loaded.model_id, host, port, blas.in_use())
+    log.info("serving %s on %s:%d (core pid %d)", loaded.model_id, host, port, ready.pid)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -144,29 +98,27 @@ async def serve(config: EngineConfig) -> None:
         loop.add_signal_handler(signal.SIGHUP, access.authenticator.reload)
     await stop.wait()
 
-    # Stop admitting, let in-flight generations finish within the grace period, then
-    # cancel what is left (their streams end with finish reason CANCELLED).
-    log.info("draining: %d requests in flight (grace %.0fs)", scheduler.pending(), config.grace_s)
-    scheduler.stop_accepting()
+    # Stop admitting, let in-flight generations finish within the grace period, then the
+    # core cancels what is left (their streams end with finish reason CANCELLED) and
+    # flushes the checkpoints already queued (a prefix, a generation's last snapshot).
+    log.info("draining: %d requests in flight (grace %.0fs)", core.pending, config.grace_s)
+    core.stop_accepting()
     await health_servicer.enter_graceful_shutdown()
     deadline = time.monotonic() + config.grace_s
-    while scheduler.pending() and time.monotonic() < deadline:
+    while core.pending and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    scheduler.shutdown()
-    # Checkpoints already queued (a prefix, a generation's last snapshot) still reach the
-    # store, within the grace period.
-    await asyncio.to_thread(checkpoints.flush, max(1.0, deadline - time.monotonic()))
-    checkpoints.close()
+    await core.shutdown(max(1.0, deadline - time.monotonic()))
     await server.stop(2.0)
     log.info("stopped")
 
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
-    config = parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    config = parse_args(args)
     try:
-        asyncio.run(serve(config))
-    except (OSError, IncompatibleDraft) as exc:
+        asyncio.run(serve(config, args))
+    except OSError as exc:
         print(f"tandem-engine: {exc}", file=sys.stderr)
         sys.exit(1)
 

@@ -1,8 +1,10 @@
 """The gRPC face of the engine (grpc.aio): wire -> domain -> wire, one error path.
 
-Each RPC converts its request (wire.py), calls the domain (scheduler, planner, checkpoints,
-response_stream), and converts the result back. Engine errors map to their status code in
-`rpc_status`, for unary and streaming RPCs alike; anything else is logged and is INTERNAL.
+Runs in the front process. Each RPC converts its request (wire.py), asks the engine core
+(core_link.py: planning, admission, the batch, checkpoints all live there), turns its events
+into text (response_stream.py), and converts the result back. Engine errors map to their
+status code in `rpc_status`, for unary and streaming RPCs alike; anything else is logged and
+is INTERNAL.
 """
 
 from __future__ import annotations
@@ -19,14 +21,10 @@ from typing import Any, TypeVar
 import grpc
 
 from engine_service import wire
-from engine_service.checkpoints import CheckpointManager
+from engine_service.core_link import CoreLink
 from engine_service.errors import EngineError, NotFound
-from engine_service.planner import Planner
-from engine_service.plans import ResumePlan
 from engine_service.requests import GenerationRequest, RequestPolicy, scoped_id
 from engine_service.response_stream import Backpressure, RequestStream, respond
-from engine_service.scheduler import Scheduler
-from engine_service.spill import FlushResult
 from tandem_wire.auth import AuthError, current, namespace_for
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
 from tandem_wire.service import Access
@@ -74,16 +72,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(
         self,
         policy: RequestPolicy,
-        scheduler: Scheduler,
-        checkpoints: CheckpointManager | None = None,
+        core: CoreLink,
+        park_after_tokens: int,
         access: Access | None = None,
     ) -> None:
         self.policy = policy
         self.access = access
         self.loaded = policy.loaded
-        self.scheduler = scheduler
-        self.checkpoints = checkpoints
-        self.planner = Planner(checkpoints, policy.drafts)
+        self.core = core
+        self.park_after_tokens = park_after_tokens
         self._aborts: set[asyncio.Task[None]] = set()  # calls being ended (kept referenced)
 
     async def Generate(
@@ -92,27 +89,22 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         arrival = time.monotonic()
         async with rpc_status(context, "Generate"):
             req = await self._request(request, context, arrival)
-            plan = (
-                await asyncio.to_thread(self.planner.plan, req)
-                if self.planner.needed(req)
-                else None
-            )
-            replay = plan.replay if isinstance(plan, ResumePlan) else []
             events = RequestStream(self._backpressure(req, context))
-            if not req.finished_by(replay):
-                self.scheduler.submit(req, events.push, plan)
+            stream = self.core.open_stream(events)
             completed = False
             try:
+                # The core plans (a cached prefix, a checkpoint to resume) and admits it.
+                accepted = await self.core.submit(stream, req)
                 chunks = respond(
-                    req, self.loaded.tokenizer, events, arrival, replay, self._stopper(req)
+                    req, self.loaded.tokenizer, events, arrival, accepted.replay, self._stopper(req)
                 )
                 async for chunk in chunks:
                     yield wire.response_to_pb(chunk)
                 completed = True
             finally:
-                if not completed:  # the client went away or the deadline passed: free the
-                    # row, keeping its checkpoint so the client can resume
-                    self.scheduler.cancel(req.request_id, keep_checkpoint=True)
+                # Not completed: the client went away or the deadline passed. The row is
+                # freed, its checkpoint kept so the client can resume.
+                self.core.close_stream(stream, drop=not completed)
 
     async def _request(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext, arrival: float
@@ -130,7 +122,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self, req: GenerationRequest, context: grpc.aio.ServicerContext
     ) -> Backpressure | None:
         """A client that stops reading parks its row; one that stays away is cut off."""
-        limit = self.scheduler.limits.park.after_tokens
+        limit = self.park_after_tokens
         if not limit:
             return None
         rid = req.request_id
@@ -148,8 +140,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
         return Backpressure(
             limit,
-            stalled=lambda: self.scheduler.park(rid),
-            reading=lambda: self.scheduler.unpark(rid),
+            stalled=lambda: self.core.park(rid),
+            reading=lambda: self.core.unpark(rid),
             abandoned=abandoned,
         )
 
@@ -157,7 +149,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         """Drops a row whose text hit a stop string (its checkpoint goes with it)."""
 
         def stop() -> None:
-            self.scheduler.cancel(req.request_id, keep_checkpoint=False, stopped=True)
+            self.core.cancel(req.request_id, keep_checkpoint=False, stopped=True)
 
         return stop
 
@@ -185,7 +177,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Cancel(
         self, request: engine_pb2.CancelRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.CancelResponse:
-        if not self.scheduler.cancel(scoped_id(_owner(), request.request_id)):
+        if not await self.core.cancel_known(scoped_id(_owner(), request.request_id)):
             raise NotFound(f"no running or queued request {request.request_id!r}")
         return engine_pb2.CancelResponse()
 
@@ -193,10 +185,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Stats(
         self, request: engine_pb2.EngineStatsRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.EngineStatsResponse:
-        ckpt = self.checkpoints
-        snapshot = ckpt.snapshot() if ckpt is not None else None
-        has_store = ckpt is not None and ckpt.has_store
-        reply = wire.stats_to_pb(self.scheduler.stats(), snapshot, has_store)
+        answer = await self.core.stats()
+        reply = wire.stats_to_pb(answer.engine, answer.checkpoints, self.policy.has_store)
         if self.access is not None:
             reply.auth_failures = self.access.authenticator.failures_total
         return reply
@@ -205,14 +195,4 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Flush(
         self, request: engine_pb2.EngineFlushRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.EngineFlushResponse:
-        if self.checkpoints is None:
-            return engine_pb2.EngineFlushResponse(durable=False)
-        checkpoints = self.checkpoints
-
-        def flush() -> FlushResult:
-            # Prefixes are saved just after their first token leaves: those come first.
-            if not self.scheduler.queued_saves():
-                return FlushResult(durable=False)
-            return checkpoints.flush()
-
-        return wire.flush_to_pb(await asyncio.to_thread(flush))
+        return wire.flush_to_pb(await self.core.flush())

@@ -1,0 +1,157 @@
+"""The engine's two processes: the gRPC front and the MLX core it starts and watches.
+
+A core that dies ends the open streams with UNAVAILABLE, health says NOT_SERVING until a
+new core is up; SIGTERM drains both; a front that dies takes its core with it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine_service.core_channel import Codec, Delivery, Refused, StatsAnswer
+from engine_service.engine_stats import EngineStats
+from engine_service.errors import Overloaded, error_named
+from engine_service.events import Finished, Started, Token
+from tandem_client import EngineClient, Generation, TandemError
+from tests.servers import ServiceProcess, start_engine
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is pid (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces, so split after its ")".
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _core_pid(engine: ServiceProcess) -> int:
+    children = _children(engine.pid)
+    assert len(children) == 1, children
+    return children[0]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
+
+
+def _wait_for(predicate, timeout: float = 30.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_events_and_answers_cross_the_channel_as_they_are() -> None:
+    codec = Codec()
+    events = [Started(5, 2), Token(7, -0.5, [(7, -0.5), (9, -1.25)]), Finished("stop", stop_token=7)]
+    decoded = codec.core_message(codec.encode(Delivery([(3, events)])))
+    assert decoded == Delivery([(3, events)])
+    stats = EngineStats(running=2, requests_total=9)
+    stats.recent.append((1.5, 4))
+    answer = codec.core_message(codec.encode(StatsAnswer(1, stats, None)))
+    assert isinstance(answer, StatsAnswer)
+    assert answer.engine.running == 2 and list(answer.engine.recent) == [(1.5, 4)]
+    refused = codec.core_message(codec.encode(Refused(4, "Overloaded", "engine full")))
+    assert isinstance(refused, Refused)
+    error = error_named(refused.error, refused.message)
+    assert isinstance(error, Overloaded) and error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error_named("NoSuchError", "x").code == grpc.StatusCode.INTERNAL
+
+
+@pytest.fixture()
+def own_engine(tmp_path: Path):  # noqa: ANN201
+    proc = start_engine(tmp_path / "engine", "--grace", "20")
+    yield proc
+    proc.stop()
+
+
+def _watch_health(address: str, seen: list[int], stop: threading.Event) -> None:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            for reply in stub.Watch(health_pb2.HealthCheckRequest(), timeout=120):
+                seen.append(reply.status)
+                if stop.is_set():
+                    return
+        except grpc.RpcError:
+            return
+
+
+def test_a_killed_core_ends_open_streams_with_unavailable_and_a_new_one_serves(
+    own_engine: ServiceProcess,
+) -> None:
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    seen: list[int] = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_health, args=(own_engine.address, seen, stop))
+    watcher.start()
+    _wait_for(lambda: seen == [serving])
+    client = EngineClient(own_engine.address)
+    core = _core_pid(own_engine)
+    stream = client.stream("Hello", max_tokens=4000, ignore_eos=True)
+    next(iter(stream))  # it runs
+    os.kill(core, signal.SIGKILL)
+    with pytest.raises(TandemError) as lost:
+        for _ in stream:
+            pass
+    assert lost.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "engine core exited" in str(lost.value)
+    # Health goes NOT_SERVING while the core is gone, then SERVING with a new one.
+    _wait_for(lambda: seen[-2:] == [not_serving, serving], timeout=60)
+    stop.set()
+    assert _core_pid(own_engine) != core
+    again = client.generate("Hello", max_tokens=5, ignore_eos=True)
+    assert again.finish_reason == "length" and len(again.token_ids) == 5
+    client.close()
+    watcher.join(130)
+
+
+def test_sigterm_drains_both_processes(own_engine: ServiceProcess) -> None:
+    client = EngineClient(own_engine.address)
+    core = _core_pid(own_engine)
+    results: list[Generation | Exception] = []
+
+    def run() -> None:
+        try:
+            results.append(client.generate("Hello", max_tokens=150, ignore_eos=True))
+        except Exception as exc:  # noqa: BLE001 - recorded for the assert
+            results.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    _wait_for(lambda: client.stats().running == 1)
+    assert own_engine.proc is not None
+    own_engine.proc.send_signal(signal.SIGTERM)
+    thread.join(60)
+    assert len(results) == 1 and isinstance(results[0], Generation), results
+    assert results[0].finish_reason == "length" and len(results[0].token_ids) == 150
+    assert own_engine.proc.wait(30) == 0
+    assert _gone(core)
+    client.close()
+
+
+def test_a_killed_front_takes_its_core_along(own_engine: ServiceProcess) -> None:
+    core = _core_pid(own_engine)
+    own_engine.kill()
+    _wait_for(lambda: _gone(core), timeout=30)
