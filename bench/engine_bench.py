@@ -264,6 +264,9 @@ def main() -> None:
         help="> 0: seeded per-request sampling in the engine vs mlx-lm's "
         "shared sampler in the baseline (the server baseline stays greedy)",
     )
+    parser.add_argument(
+        "--server-streams", default="", help="stream counts the server runs at (default: all)"
+    )
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
 
@@ -318,10 +321,29 @@ def main() -> None:
                 sides["server"] = lambda n, seed: through_server(
                     port, texts(n, seed), args.max_tokens
                 )
+            server_streams = (
+                {int(x) for x in args.server_streams.split(",")} if args.server_streams else None
+            )
+
+            def sides_for(n: int) -> dict:
+                if server_streams is None or n in server_streams:
+                    return sides
+                return {k: v for k, v in sides.items() if k != "server"}
+
             # Warm every side identically: each stream count once (kernels, shapes).
             for n in streams:
-                for run in sides.values():
-                    run(n, 7)
+                for name, run in sides_for(n).items():
+                    try:
+                        run(n, 7)
+                    except RuntimeError as exc:
+                        if name != "server":
+                            raise
+                        log = (data_dir / "mlx_lm_server.log").read_text()[-3000:]
+                        print(f"mlx_lm.server left out: {exc}\n{log}")
+                        sides.pop("server")
+                        server[0].terminate()
+                        server = None
+                        break
             print(
                 f"model {args.model} on {out['device']} (BLAS: {out['blas']}), {mode}, prompt "
                 f"{args.prompt_tokens} tokens, {args.max_tokens} generated per stream, "
@@ -334,9 +356,10 @@ def main() -> None:
                 header += f" {'server':>8} {'engine/server':>18}"
             print(header + "   (tok/s)")
             for n in streams:
-                runs: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
+                here = sides_for(n)
+                runs: dict[str, list[dict[str, float]]] = {name: [] for name in here}
                 for r in range(args.pairs):
-                    order = list(sides.items())
+                    order = list(here.items())
                     for name, run in order if r % 2 == 0 else order[::-1]:
                         runs[name].append(run(n, 1000 * n + r))
                 tps = {k: [x["tokens_per_s"] for x in v] for k, v in runs.items()}
@@ -358,7 +381,7 @@ def main() -> None:
                     f"{n:>7} {row['direct_tps']:>8.0f} {row['engine_tps']:>8.0f} "
                     f"{_spread(ratio):>18} {_spread(ttft_ratio):>19}"
                 )
-                if server is not None:
+                if "server" in here:
                     vs = [e / s for e, s in zip(tps["engine"], tps["server"], strict=True)]
                     row.update(
                         server_tps=statistics.median(tps["server"]),

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_service.kv_codec import BITS, GROUP_SIZES, KVCodec
-from engine_service.speculative import MAX_DRAFT
 from tandem_wire.tls import add_listening_args
+
+MAX_DRAFT = 32  # draft tokens per round a request may ask for
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
-import shutil
-import sys
-import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -50,6 +47,7 @@ from engine_service.core_channel import (
     Submit,
     Unpark,
 )
+from engine_service.core_spawn import CoreProcess, spawn_core
 from engine_service.errors import Unavailable, error_named
 from engine_service.events import Finished
 from engine_service.requests import GenerationRequest
@@ -69,46 +67,21 @@ class CoreStartFailed(OSError):
 class _Connection:
     """One core process, its two sockets, and what became of it."""
 
-    def __init__(self, context: zmq.asyncio.Context) -> None:
-        self.folder = tempfile.mkdtemp(prefix="tandem-core-")  # 0700: only this user
-        self.commands_endpoint = f"ipc://{self.folder}/commands"
-        self.events_endpoint = f"ipc://{self.folder}/events"
+    def __init__(self, context: zmq.asyncio.Context, core: CoreProcess) -> None:
+        self.core = core
         sync: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(context.underlying)
         self.commands: zmq.Socket[bytes] = sync.socket(zmq.PUSH)
         self.commands.setsockopt(zmq.SNDHWM, 0)  # commands are small: never block the loop
-        self.commands.bind(self.commands_endpoint)
+        self.commands.bind(core.commands_endpoint)
         self.events = context.socket(zmq.PULL)
         self.events.setsockopt(zmq.RCVHWM, 0)
-        self.events.bind(self.events_endpoint)
-        self.parent_read, self.parent_write = os.pipe()
-        self.proc: asyncio.subprocess.Process | None = None
-        self.started_at = time.monotonic()
+        self.events.bind(core.events_endpoint)
         loop = asyncio.get_running_loop()
         self.ready: asyncio.Future[Ready] = loop.create_future()
         self.stopped: asyncio.Future[None] = loop.create_future()  # its Stopped arrived
+        self.exited: asyncio.Future[int] = loop.create_future()
         self.was_ready = False
         self.tasks: list[asyncio.Task[None]] = []
-
-    async def spawn(self, engine_args: list[str]) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "engine_service.core_process",
-            "--commands",
-            self.commands_endpoint,
-            "--events",
-            self.events_endpoint,
-            "--parent-fd",
-            str(self.parent_read),
-            "--parent-pid",
-            str(os.getpid()),
-            "--",
-            *engine_args,
-            pass_fds=(self.parent_read,),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,  # logs go to stderr, shared with the front
-        )
-        os.close(self.parent_read)
 
     def close(self) -> None:
         for task in self.tasks:
@@ -116,9 +89,22 @@ class _Connection:
                 task.cancel()
         self.commands.close(linger=0)
         self.events.close(linger=0)
-        with contextlib.suppress(OSError):
-            os.close(self.parent_write)
-        shutil.rmtree(self.folder, ignore_errors=True)
+        self.core.close()
+
+
+def _exit_status(core: CoreProcess) -> asyncio.Future[int]:
+    """The process's exit status, from a daemon thread (Popen: it may have been spawned
+    before the loop ran; a daemon never holds up the front's own exit)."""
+    loop = asyncio.get_running_loop()
+    status: asyncio.Future[int] = loop.create_future()
+
+    def wait() -> None:
+        code = core.proc.wait()
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(status.set_result, code)
+
+    threading.Thread(target=wait, name="core-exit", daemon=True).start()
+    return status
 
 
 class CoreLink:
@@ -140,10 +126,10 @@ class CoreLink:
 
     # -- life ------------------------------------------------------------------------------
 
-    async def start(self) -> Ready:
-        """Starts a core and waits for it to be Ready; CoreStartFailed if it cannot load."""
-        conn = _Connection(self._context)
-        await conn.spawn(self.engine_args)
+    async def start(self, spawned: CoreProcess | None = None) -> Ready:
+        """Starts a core (or takes one spawned early) and waits for it to be Ready;
+        CoreStartFailed if it cannot load."""
+        conn = _Connection(self._context, spawned or spawn_core(self.engine_args))
         loop = asyncio.get_running_loop()
         conn.tasks = [loop.create_task(self._receive(conn)), loop.create_task(self._watch(conn))]
         try:
@@ -159,8 +145,8 @@ class CoreLink:
         return message
 
     async def _watch(self, conn: _Connection) -> None:
-        assert conn.proc is not None
-        status = await conn.proc.wait()
+        status = await _exit_status(conn.core)
+        conn.exited.set_result(status)
         if not conn.was_ready:  # died while starting: start() says so
             if not conn.ready.done():
                 conn.ready.set_exception(
@@ -175,7 +161,7 @@ class CoreLink:
         self._fail_open(why)
         log.error("%s: open streams ended with UNAVAILABLE; starting a new core", why)
         await self.on_serving(False)
-        healthy = time.monotonic() - conn.started_at > HEALTHY_AFTER_S
+        healthy = time.monotonic() - conn.core.started_at > HEALTHY_AFTER_S
         self._restarts = 0 if healthy else self._restarts + 1
         while not self._stopping:
             delay = RESTART_DELAYS_S[min(self._restarts, len(RESTART_DELAYS_S)) - 1]
@@ -237,15 +223,15 @@ class CoreLink:
         what it delivered before that reaches the streams first."""
         self._stopping = True
         conn = self._conn
-        if conn is not None and conn.proc is not None:
+        if conn is not None:
             self._send(Shutdown(grace_s))
             try:
                 await asyncio.wait_for(asyncio.shield(conn.stopped), grace_s + 15.0)
-                await asyncio.wait_for(conn.proc.wait(), 10.0)
+                await asyncio.wait_for(asyncio.shield(conn.exited), 10.0)
             except TimeoutError:
                 log.error("the engine core did not stop: killed")
-                conn.proc.kill()
-                await conn.proc.wait()
+                conn.core.proc.kill()
+                await conn.exited
             conn.close()
         self._conn, self.ready = None, None
         self._fail_open("the engine stopped")

@@ -18,10 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine_service.config import EngineConfig, parse_args
-from engine_service.core_link import CoreLink
-from engine_service.model import without_weights
-from engine_service.requests import DraftSupport, RequestPolicy
-from engine_service.servicer import EngineServicer
+from engine_service.core_spawn import CoreProcess, spawn_core
 from tandem_wire.auth import Authenticator, AuthFileError, Role
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
 from tandem_wire.service import SERVER_OPTIONS, Access, configure_logging, guarded
@@ -51,8 +48,16 @@ def _access(config: EngineConfig) -> Access | None:
         raise OSError(str(exc)) from None
 
 
-async def serve(config: EngineConfig, argv: list[str]) -> None:
-    access = _access(config)
+async def serve(
+    config: EngineConfig, argv: list[str], access: Access | None, spawned: CoreProcess
+) -> None:
+    # Imported here, after the core was spawned: mlx-lm and the tokenizer stack take seconds
+    # to import, and the core loads its model meanwhile.
+    from engine_service.core_link import CoreLink
+    from engine_service.model import without_weights
+    from engine_service.requests import DraftSupport, RequestPolicy
+    from engine_service.servicer import EngineServicer
+
     health_servicer = health.aio.HealthServicer()
 
     async def set_serving(up: bool) -> None:
@@ -62,7 +67,7 @@ async def serve(config: EngineConfig, argv: list[str]) -> None:
             await health_servicer.set(name, status)
 
     core = CoreLink(argv, set_serving)
-    ready = await core.start()  # loads the model there; CoreStartFailed (an OSError)
+    ready = await core.start(spawned)  # the model loaded there; CoreStartFailed (an OSError)
     loaded = await asyncio.to_thread(without_weights, ready.facts)
     context = min(config.max_context or loaded.context_length, loaded.context_length)
     policy = RequestPolicy(
@@ -117,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     config = parse_args(args)
     try:
-        asyncio.run(serve(config, args))
+        access = _access(config)
+        spawned = spawn_core(args)  # it loads the model while this process imports the rest
+        asyncio.run(serve(config, args, access, spawned))
     except OSError as exc:
         print(f"tandem-engine: {exc}", file=sys.stderr)
         sys.exit(1)

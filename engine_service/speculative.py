@@ -27,7 +27,6 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from engine_service.sampling import SamplingOptions, SeededSampler
 
 Processor = Callable[[mx.array, mx.array], mx.array]
-MAX_DRAFT = 32  # draft tokens per round a request may ask for
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any
 
 from engine_service import blas
 from engine_service.checkpoint_stats import CheckpointStats
+from engine_service.config import MAX_DRAFT
 from engine_service.engine_stats import EngineStats
 from engine_service.errors import InvalidRequest, Precondition
 from engine_service.kv_codec import BITS, GROUP_SIZES, KVCodec, request_layout
@@ -19,7 +20,6 @@ from engine_service.model import LoadedModel
 from engine_service.requests import GenerationRequest, RequestPolicy, stop_token_ids
 from engine_service.response_stream import ResponseChunk
 from engine_service.sampling import SamplingOptions
-from engine_service.speculative import MAX_DRAFT
 from engine_service.spill import FlushResult
 from tandem_wire.limits import MAX_REQUEST_ID_CHARS, namespace_problem
 from tandem_wire.pb import engine_pb2

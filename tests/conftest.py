@@ -13,6 +13,10 @@ import engine_service  # noqa: F401, I001
 from tandem_client import Checkpoint, EngineClient, StoreClient, Tensor
 from tests.servers import InProcessStore, ServiceProcess, serve_store, start_engine
 
+# The engines tests start skip the warm-up (a second each on two cores, dozens of engines);
+# test_engine_core.py starts one with it.
+os.environ.setdefault("TANDEM_ENGINE_WARMUP", "0")
+
 
 @pytest.fixture
 def store_dir(tmp_path: Path) -> Path:

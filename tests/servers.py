@@ -71,6 +71,7 @@ class ServiceProcess:
         self.banner = banner
         self.log_path = log_path
         self.proc: subprocess.Popen[str] | None = None
+        self.env: dict[str, str] = {}  # over this process's environment
         self.address = ""
         # Root certificate to check a TLS server's health with (None: plaintext), and the
         # client certificate and key an mTLS server wants.
@@ -78,7 +79,7 @@ class ServiceProcess:
         self.tls_client: tuple[bytes, bytes] | None = None
 
     def start(self, timeout: float = 60.0, listen: str = "127.0.0.1:0") -> ServiceProcess:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-u", "-m", self.module, "--listen", listen, *self.args],
@@ -167,16 +168,38 @@ def start_store(data_dir: Path, *extra: str, log_dir: Path | None = None) -> Ser
 
 
 def start_engine(
-    data_dir: Path, *extra: str, log_dir: Path | None = None, timeout: float = 180.0
+    data_dir: Path,
+    *extra: str,
+    log_dir: Path | None = None,
+    timeout: float = 180.0,
+    env: dict[str, str] | None = None,
 ) -> ServiceProcess:
     log_dir = log_dir or data_dir
     log_dir.mkdir(parents=True, exist_ok=True)
-    return ServiceProcess(
+    proc = ServiceProcess(
         "engine_service",
         ["--data-dir", str(data_dir), *extra],
         "tandem-engine listening on",
         log_dir / "engine.log",
-    ).start(timeout)
+    )
+    proc.env = env or {}
+    return proc.start(timeout)
+
+
+def child_pids(pid: int) -> list[int]:
+    """Processes whose parent is pid (Linux /proc): an engine's core."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces, so split after its ")".
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
 
 
 def free_port() -> int:

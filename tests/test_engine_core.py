@@ -21,27 +21,11 @@ from engine_service.engine_stats import EngineStats
 from engine_service.errors import Overloaded, error_named
 from engine_service.events import Finished, Started, Token
 from tandem_client import EngineClient, Generation, TandemError
-from tests.servers import ServiceProcess, start_engine
-
-
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is pid (Linux /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # pid (comm) state ppid ...: comm may hold spaces, so split after its ")".
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(entry.name))
-    return found
+from tests.servers import ServiceProcess, child_pids, start_engine
 
 
 def _core_pid(engine: ServiceProcess) -> int:
-    children = _children(engine.pid)
+    children = child_pids(engine.pid)
     assert len(children) == 1, children
     return children[0]
 
@@ -63,7 +47,11 @@ def _wait_for(predicate, timeout: float = 30.0) -> None:  # noqa: ANN001
 
 def test_events_and_answers_cross_the_channel_as_they_are() -> None:
     codec = Codec()
-    events = [Started(5, 2), Token(7, -0.5, [(7, -0.5), (9, -1.25)]), Finished("stop", stop_token=7)]
+    events = [
+        Started(5, 2),
+        Token(7, -0.5, [(7, -0.5), (9, -1.25)]),
+        Finished("stop", stop_token=7),
+    ]
     decoded = codec.core_message(codec.encode(Delivery([(3, events)])))
     assert decoded == Delivery([(3, events)])
     stats = EngineStats(running=2, requests_total=9)
@@ -85,16 +73,28 @@ def own_engine(tmp_path: Path):  # noqa: ANN201
     proc.stop()
 
 
-def _watch_health(address: str, seen: list[int], stop: threading.Event) -> None:
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+class HealthWatch:
+    """Every status the engine's health Watch stream reports, until stopped."""
+
+    def __init__(self, address: str) -> None:
+        self.seen: list[int] = []
+        self._channel = grpc.insecure_channel(address)
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        self._call = stub.Watch(health_pb2.HealthCheckRequest(), timeout=120)
+        self._thread = threading.Thread(target=self._read)
+        self._thread.start()
+
+    def _read(self) -> None:
         try:
-            for reply in stub.Watch(health_pb2.HealthCheckRequest(), timeout=120):
-                seen.append(reply.status)
-                if stop.is_set():
-                    return
+            for reply in self._call:
+                self.seen.append(reply.status)
         except grpc.RpcError:
-            return
+            return  # cancelled by stop()
+
+    def stop(self) -> None:
+        self._call.cancel()
+        self._thread.join(30)
+        self._channel.close()
 
 
 def test_a_killed_core_ends_open_streams_with_unavailable_and_a_new_one_serves(
@@ -102,11 +102,8 @@ def test_a_killed_core_ends_open_streams_with_unavailable_and_a_new_one_serves(
 ) -> None:
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-    seen: list[int] = []
-    stop = threading.Event()
-    watcher = threading.Thread(target=_watch_health, args=(own_engine.address, seen, stop))
-    watcher.start()
-    _wait_for(lambda: seen == [serving])
+    watch = HealthWatch(own_engine.address)
+    _wait_for(lambda: watch.seen == [serving])
     client = EngineClient(own_engine.address)
     core = _core_pid(own_engine)
     stream = client.stream("Hello", max_tokens=4000, ignore_eos=True)
@@ -118,13 +115,12 @@ def test_a_killed_core_ends_open_streams_with_unavailable_and_a_new_one_serves(
     assert lost.value.code == grpc.StatusCode.UNAVAILABLE
     assert "engine core exited" in str(lost.value)
     # Health goes NOT_SERVING while the core is gone, then SERVING with a new one.
-    _wait_for(lambda: seen[-2:] == [not_serving, serving], timeout=60)
-    stop.set()
+    _wait_for(lambda: watch.seen[-2:] == [not_serving, serving], timeout=60)
+    watch.stop()
     assert _core_pid(own_engine) != core
     again = client.generate("Hello", max_tokens=5, ignore_eos=True)
     assert again.finish_reason == "length" and len(again.token_ids) == 5
     client.close()
-    watcher.join(130)
 
 
 def test_sigterm_drains_both_processes(own_engine: ServiceProcess) -> None:
@@ -155,3 +151,18 @@ def test_a_killed_front_takes_its_core_along(own_engine: ServiceProcess) -> None
     core = _core_pid(own_engine)
     own_engine.kill()
     _wait_for(lambda: _gone(core), timeout=30)
+
+
+def test_warm_up_runs_the_batch_shapes_before_serving(tmp_path: Path) -> None:
+    engine = start_engine(
+        tmp_path / "engine", "--max-running", "4", env={"TANDEM_ENGINE_WARMUP": "1"}
+    )
+    try:
+        with EngineClient(engine.address) as client:
+            result = client.generate("Hello", max_tokens=6, ignore_eos=True)
+            assert result.finish_reason == "length" and len(result.token_ids) == 6
+            stats = client.stats()  # the warm-up's rows are not requests
+            assert stats.requests_total == 1 and stats.generated_tokens_total == 6
+    finally:
+        engine.stop()
+    assert "warmed up [1, 1, 4]" in engine.log_path.read_text()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tandem_client import EngineClient, StoreClient
 from tandem_client.regions import DEFAULT_OFFSET, SHM_DIR
-from tests.servers import ServiceProcess, start_engine, start_store
+from tests.servers import ServiceProcess, child_pids, start_engine, start_store
 
 # Long enough that the store's copy (~32 MB of float32 KV) takes many milliseconds.
 PROMPT = [(i * 7919) % 2000 + 3 for i in range(7000)]
@@ -23,9 +23,11 @@ def _region_of(engine: ServiceProcess) -> Path:
     assert engine.proc is not None
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        found = sorted(SHM_DIR.glob(f"tandem-{engine.proc.pid}-*"))
-        if found:
-            return found[0]
+        # The region is the engine core's (a child of the process started).
+        for pid in [engine.proc.pid, *child_pids(engine.proc.pid)]:
+            found = sorted(SHM_DIR.glob(f"tandem-{pid}-*"))
+            if found:
+                return found[0]
         time.sleep(0.05)
     raise AssertionError("the engine registered no shared-memory region")
 
