@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--py-spy", default=str(ROOT / ".venv" / "bin" / "py-spy"))
+    p.add_argument("--engine-arg", action="append", default=[], help="more engine flags")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="tandem-engine-profile-") as tmp:
         root = Path(tmp)

@@ -89,7 +89,7 @@ class Outbox:
     def send(self, message: CoreMessage) -> None:
         data = self._codec.encode(message)
         with self._lock:
-            self._socket.send(data, copy=False)
+            self._socket.send(data)  # copied: small messages, cheaper than zero-copy
 
     def deliver(self, outbox: list[tuple[Sink, list[Event]]]) -> None:
         """The scheduler's Deliver: one message per engine step, on the MLX thread."""

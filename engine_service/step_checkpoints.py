@@ -87,9 +87,14 @@ class StepCheckpoints:
         before the batch steps again: a row still in the batch holds prompt + 1 token)."""
         due, self._prefixes_due = self._prefixes_due, []
         try:
+            # Rows still in the batch are extracted together: each extraction syncs with
+            # the step in flight, and a burst of new rows paid that once per row.
+            in_batch = [item.job.uid for item in due if item.finished_cache is None]
+            extracted = bg.extract_cache(in_batch) if in_batch else {}
             for item in due:
                 r = item.job.request
-                row = item.finished_cache or _row_cache(bg, item.job)
+                found = extracted.get(item.job.uid)
+                row = item.finished_cache or (found[0] if found is not None else None)
                 if row is not None:  # None: the row left the batch meanwhile (parked)
                     self.checkpoints.prefixes.save(row, r.prompt, r.namespace, r.layout)
         finally:
@@ -103,8 +108,3 @@ class StepCheckpoints:
             return False
         self._saving.release()
         return True
-
-
-def _row_cache(bg: BatchGenerator, job: Job) -> list[Any] | None:
-    found = bg.extract_cache([job.uid]).get(job.uid)
-    return found[0] if found is not None else None
