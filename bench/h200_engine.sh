@@ -9,4 +9,4 @@ streams=${2:-1,8,32,128}
 pairs=${3:-5}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 timeout 560 python3 bench/engine_bench.py --model "$model" --streams "$streams" \
-  --pairs "$pairs" --json "$out/engine_$model.json" 2>&1 | tail -40
+  --pairs "$pairs" --server-streams "${SERVER_STREAMS:-32}" --json "$out/engine_$model.json" 2>&1 | tail -40

@@ -161,7 +161,10 @@ class CoreService:
             return
         with self._lock:
             self._planning.add(command.stream)
-        self._pool.submit(self._plan_and_admit, command)
+        if self.checkpoints is not None and self.checkpoints.has_store:
+            self._pool.submit(self._plan_and_admit, command)  # may wait on the store
+        else:
+            self._plan_and_admit(command)  # the local tier only: microseconds, no hop
 
     def _plan_and_admit(self, command: Submit) -> None:
         try:

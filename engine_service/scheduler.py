@@ -19,16 +19,17 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from engine_service.admissions import Admissions
 from engine_service.checkpoints import CheckpointManager, starting_point
 from engine_service.engine_stats import EngineStats
-from engine_service.errors import AlreadyExists, Overloaded, Unavailable
 from engine_service.events import Event, Finished, FinishReason, Sink, Started, Token
-from engine_service.jobs import Job, PendingSnapshot, StartingPoint
+from engine_service.jobs import Job, StartingPoint
 from engine_service.loop_commands import Cancel, Command, Park, Restored, Stop, Submit, Unpark
 from engine_service.model import LoadedModel
 from engine_service.new_rows import NewRows
+from engine_service.parking import Parking
 from engine_service.plans import Plan, PrefixPlan
-from engine_service.preemption import ParkSettings, Preemption, Return, restart_point
+from engine_service.preemption import ParkSettings, Preemption, restart_point
 from engine_service.requests import GenerationRequest
 from engine_service.response_stream import Deliver
 from engine_service.sampling import requested_logprobs
@@ -80,14 +81,17 @@ class Scheduler:
         self._step_checkpoints = StepCheckpoints(checkpoints) if checkpoints else None
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards admission counters and stats
-        self._ids: set[str] = set()
-        self._pending = 0  # submitted, not yet finished
         self._stats = EngineStats()
+        self._admissions = Admissions(
+            limits.max_running, limits.max_queued, self._stats, self._lock
+        )
         self._waiting: collections.deque[Job] = collections.deque()
         self._rows: dict[int, Job] = {}
         self._by_id: dict[str, Job] = {}
-        self._accepting = True
         self._preemption = Preemption(limits.park)
+        self._parking = Parking(
+            self, self._preemption, checkpoints, self._waiting, self._by_id, self._inbox.put
+        )
         self._bg: BatchGenerator  # made on the engine thread: MLX streams are per thread
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._warm = False
@@ -112,22 +116,7 @@ class Scheduler:
 
     def submit(self, request: GenerationRequest, sink: Sink, plan: Plan = None) -> None:
         """Admits a request or raises Overloaded / AlreadyExists / Unavailable."""
-        with self._lock:
-            if not self._accepting:
-                raise Unavailable("the engine is shutting down")
-            if request.request_id in self._ids:
-                raise AlreadyExists(f"request {request.shown_id!r} is already running")
-            limit = self.limits.max_running + self.limits.max_queued
-            if self._pending >= limit:
-                self._stats.rejected_total += 1
-                raise Overloaded(
-                    f"engine full: {self._pending} requests running or queued "
-                    f"(--max-running {self.limits.max_running}, "
-                    f"--max-queued {self.limits.max_queued})"
-                )
-            self._ids.add(request.request_id)
-            self._pending += 1
-            self._stats.requests_total += 1
+        self._admissions.enter(request)
         self._inbox.put(Submit(Job(request, sink, plan)))
 
     def cancel(self, request_id: str, keep_checkpoint: bool = False, stopped: bool = False) -> bool:
@@ -136,8 +125,7 @@ class Scheduler:
         keep_checkpoint: leave its generation checkpoint in the store, for a client that went
         away and may resume; otherwise it is deleted. stopped: a stop string ended it.
         """
-        with self._lock:
-            known = request_id in self._ids
+        known = self._admissions.knows(request_id)
         if known:
             self._inbox.put(Cancel(request_id, keep_checkpoint, stopped))
         return known
@@ -151,12 +139,10 @@ class Scheduler:
         self._inbox.put(Unpark(request_id))
 
     def stop_accepting(self) -> None:
-        with self._lock:
-            self._accepting = False
+        self._admissions.stop()
 
     def pending(self) -> int:
-        with self._lock:
-            return self._pending
+        return self._admissions.pending
 
     def shutdown(self) -> None:
         """Cancels whatever is left and stops the loop."""
@@ -186,9 +172,7 @@ class Scheduler:
         self._rows.pop(job.uid, None)
         self._by_id.pop(job.request.request_id, None)
         self._preemption.forget(job)
-        with self._lock:
-            self._ids.discard(job.request.request_id)
-            self._pending -= 1
+        self._admissions.leave(job.request.request_id)
 
     def starting_point(self, job: Job) -> StartingPoint:
         parked = self._preemption.restart_from(job)
@@ -204,10 +188,7 @@ class Scheduler:
         if self._warm:
             limits = self.limits
             sizes = [1, min(limits.prefill_batch_size, limits.max_running), limits.max_running]
-            try:
-                warm_up(self._bg, self.loaded, sizes, limits.prefill_step_size)
-            except Exception:  # noqa: BLE001 - serving still works, only the first requests wait
-                log.exception("warm-up failed; the first requests compile their shapes")
+            warm_up(self._bg, self.loaded, sizes, limits.prefill_step_size)
         self._ready.set()
         was_idle = True
         while True:
@@ -281,9 +262,9 @@ class Scheduler:
                     job.ended = "finished" if command.stopped else "was cancelled"
                 self._cancel(command.request_id)
             elif isinstance(command, (Park, Unpark)):
-                self._park_command(command)
+                self._parking.command(command)
             elif isinstance(command, Restored):
-                self._restored(command)
+                self._parking.restored(command)
             else:
                 return False
 
@@ -374,52 +355,13 @@ class Scheduler:
         if self._step_checkpoints is not None:
             self._step_checkpoints.capture_due(self._bg, self._rows, self._stats.steps_total)
         if self._preemption.busy:
-            self._preemption.step(self._bg, self._rows, time.monotonic(), self._save_parked)
+            self._preemption.step(self._bg, self._rows, time.monotonic(), self._parking.save)
         with self._lock:
             self._stats.add_step(len(responses), time.monotonic())
 
-    def _park_command(self, command: Park | Unpark) -> None:
-        job = self._by_id.get(command.request_id)
-        if job is None or not self._preemption.enabled:
-            return
-        if isinstance(command, Park):
-            self._preemption.ask(job)
-            return
-        back = self._preemption.release(job)
-        if back is Return.WAIT_FOR_SLOT:
-            self._waiting.append(job)
-        elif back is Return.READ_FROM_STORE:
-            assert self.checkpoints is not None
-            rid = job.request.request_id
-            self.checkpoints.read_back(
-                job, lambda plan, error: self._inbox.put(Restored(rid, plan, error))
-            )
-
-    def _save_parked(self, job: Job, snapshot: PendingSnapshot) -> bool:
-        if self.checkpoints is None:
-            return False
-        return self.checkpoints.generations.save_parked(job, snapshot)
-
-    def _restored(self, command: Restored) -> None:
-        job = self._by_id.get(command.request_id)
-        if job is None or not self._preemption.is_parked(job):
-            return  # cancelled meanwhile
-        plan = command.plan
-        if plan is None or plan.replay != job.tokens:
-            why = command.error or "the store holds an older state than the parked row"
-            job.keep_checkpoint, job.ended = True, "failed"
-            self.finish(job)
-            self.emit(job, [Finished("error", error=f"the parked generation is lost: {why}")])
-            return
-        self._preemption.restored(job, plan)
-        self._waiting.append(job)
-
     def _expire_idle(self) -> None:
-        for request_id in self._preemption.idle(time.monotonic()):
-            job = self._by_id[request_id]
-            job.keep_checkpoint = True  # the client may come back and resume
-            self._preemption.counters.idle_cancelled_total += 1
-            timeout = self.limits.park.idle_timeout_s
+        timeout = self.limits.park.idle_timeout_s
+        for request_id in self._parking.idle_expired(time.monotonic()):
             self._cancel(request_id, "idle", f"the client read nothing for {timeout:g} s")
 
     def _cancel(self, request_id: str, reason: FinishReason = "cancelled", error: str = "") -> None:

@@ -35,7 +35,15 @@ def _prompt(length: int, seed: int, vocab: int) -> list[int]:
 
 
 def warm_up(bg: BatchGenerator, loaded: LoadedModel, batch_sizes: list[int], long: int) -> None:
-    """One long prefill, then a few tokens at each decode batch size the engine will run."""
+    """One long prefill, then a few tokens at each decode batch size the engine will run.
+    A failure is logged: serving still works, only the first requests wait."""
+    try:
+        _run(bg, loaded, batch_sizes, long)
+    except Exception:  # noqa: BLE001 - see above
+        log.exception("warm-up failed; the first requests compile their shapes")
+
+
+def _run(bg: BatchGenerator, loaded: LoadedModel, batch_sizes: list[int], long: int) -> None:
     started = time.monotonic()
     rounds = [(1, max(SHORT_PROMPT, min(long, LONG_PROMPT)))]
     rounds += [(n, SHORT_PROMPT) for n in sorted(set(batch_sizes)) if n > 0]

@@ -1,0 +1,85 @@
+"""The loop's side of parked rows: park and unpark commands, a row read back from the store,
+and parked rows whose client stayed away too long (the policy itself: preemption.py)."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Protocol
+
+from engine_service.checkpoints import CheckpointManager
+from engine_service.events import Event, Finished
+from engine_service.jobs import Job, PendingSnapshot
+from engine_service.loop_commands import Park, Restored, Unpark
+from engine_service.preemption import Preemption, Return
+
+
+class ParkingHost(Protocol):
+    """What parking needs of the loop that owns it."""
+
+    def emit(self, job: Job, events: list[Event]) -> None: ...
+
+    def finish(self, job: Job) -> None: ...
+
+
+class Parking:
+    def __init__(
+        self,
+        host: ParkingHost,
+        preemption: Preemption,
+        checkpoints: CheckpointManager | None,
+        waiting: collections.deque[Job],
+        by_id: dict[str, Job],
+        post: Callable[[Restored], None],
+    ) -> None:
+        self.host = host
+        self.preemption = preemption
+        self.checkpoints = checkpoints
+        self.waiting = waiting
+        self.by_id = by_id
+        self.post = post  # into the loop's inbox, from the thread that read the store
+
+    def command(self, command: Park | Unpark) -> None:
+        job = self.by_id.get(command.request_id)
+        if job is None or not self.preemption.enabled:
+            return
+        if isinstance(command, Park):
+            self.preemption.ask(job)
+            return
+        back = self.preemption.release(job)
+        if back is Return.WAIT_FOR_SLOT:
+            self.waiting.append(job)
+        elif back is Return.READ_FROM_STORE:
+            assert self.checkpoints is not None
+            rid = job.request.request_id
+            self.checkpoints.read_back(
+                job, lambda plan, error: self.post(Restored(rid, plan, error))
+            )
+
+    def save(self, job: Job, snapshot: PendingSnapshot) -> bool:
+        """Parks a row's snapshot in the store (when its bytes are over the park budget)."""
+        if self.checkpoints is None:
+            return False
+        return self.checkpoints.generations.save_parked(job, snapshot)
+
+    def restored(self, command: Restored) -> None:
+        job = self.by_id.get(command.request_id)
+        if job is None or not self.preemption.is_parked(job):
+            return  # cancelled meanwhile
+        plan = command.plan
+        if plan is None or plan.replay != job.tokens:
+            why = command.error or "the store holds an older state than the parked row"
+            job.keep_checkpoint, job.ended = True, "failed"
+            self.host.finish(job)
+            self.host.emit(job, [Finished("error", error=f"the parked generation is lost: {why}")])
+            return
+        self.preemption.restored(job, plan)
+        self.waiting.append(job)
+
+    def idle_expired(self, now: float) -> list[str]:
+        """Parked rows whose client read nothing for the idle timeout (kept: resumable)."""
+        expired = self.preemption.idle(now)
+        for request_id in expired:
+            self.by_id[request_id].keep_checkpoint = True  # the client may come back
+            self.preemption.counters.idle_cancelled_total += 1
+        return expired
