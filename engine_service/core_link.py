@@ -235,7 +235,7 @@ class CoreLink:
             conn.close()
         self._conn, self.ready = None, None
         self._fail_open("the engine stopped")
-        self._context.term()
+        self._context.destroy(linger=0)  # a core still starting may hold sockets open
 
     # -- streams and calls -----------------------------------------------------------------
 
