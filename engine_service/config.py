@@ -60,6 +60,8 @@ class EngineConfig:
     spill_batch_records: int = 32  # checkpoint Puts sent in one PutMany (1: one Put each)
     # Run each decode and prefill shape once at start (MLX-CUDA compiles kernels on first use).
     warmup: bool = True
+    # The decode step as one compiled MLX graph where the batch allows (compiled_decode.py).
+    compiled_decode: bool = True
     # Default KV codec of requests that do not choose one (0 bits = plain).
     kv_bits: int = 0
     kv_group_size: int = 64
@@ -227,6 +229,13 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         default=_env("WARMUP", "1") != "0",
         help="skip running the batch shapes once before serving (first requests compile them)",
     )
+    p.add_argument(
+        "--no-compiled-decode",
+        dest="compiled_decode",
+        action="store_false",
+        default=_env("COMPILED_DECODE", "1") != "0",
+        help="build each decode step's graph in Python instead of replaying a compiled one",
+    )
     a = p.parse_args(argv)
     try:
         return EngineConfig(
@@ -262,6 +271,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             store_region_bytes=a.store_region_bytes,
             spill_batch_records=a.spill_batch_records,
             warmup=a.warmup,
+            compiled_decode=a.compiled_decode,
             kv_bits=a.kv_bits,
             kv_group_size=a.kv_group_size,
             quantized_kv_start=a.quantized_kv_start,

@@ -248,7 +248,14 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
     problem = checkpoints.check_store()
     if problem:
         log.error("%s: checkpoints will not reach it until that is fixed", problem)
-    scheduler = Scheduler(loaded, scheduler_limits(config), outbox.deliver, checkpoints, draft)
+    scheduler = Scheduler(
+        loaded,
+        scheduler_limits(config),
+        outbox.deliver,
+        checkpoints,
+        draft,
+        compiled_decode=config.compiled_decode,
+    )
     scheduler.start(warm=config.warmup)
     drafts = DraftSupport(draft.model_id if draft else "", config.num_draft_tokens)
     service = CoreService(scheduler, Planner(checkpoints, drafts), checkpoints, outbox)

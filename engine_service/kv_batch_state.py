@@ -5,6 +5,7 @@ batch cache survives mlx-lm's prompt-cache save/load and deep copies."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import mlx.core as mx
@@ -13,6 +14,17 @@ from engine_service.kv_codec import PLAIN, KVCodec
 from engine_service.kv_planes import PlaneGroup
 
 S = TypeVar("S", bound="BatchState")
+
+
+@dataclass(frozen=True)
+class DecodeState:
+    """What a compiled decode step reads of a plain batch cache (compiled_decode.py)."""
+
+    keys: mx.array  # (rows, heads, capacity, width): the whole plane
+    values: mx.array
+    offset: mx.array
+    left_padding: mx.array
+    column: int  # where the next token is written
 
 
 class BatchState:
@@ -28,6 +40,28 @@ class BatchState:
     _waiting: int | None
     offset: mx.array
     left_padding: mx.array
+
+    def decode_state(self) -> DecodeState | None:
+        """The planes and offsets of a one-token step, with room for that token; None when
+        this batch is not one plain group with nothing to convert or prepare."""
+        if len(self._groups) != 1 or self._groups[0].packed or self._right_padding is not None:
+            return None
+        if self._waiting != 0 or not self._groups[0].keys:
+            return None  # rows due to be quantized, or not counted yet: the eager path
+        if self._idx + 1 > self._cap:
+            return None  # the eager step grows the planes; the next one compiles
+        group = self._groups[0]
+        return DecodeState(
+            group.keys[0], group.values[0], self.offset, self.left_padding, self._idx
+        )
+
+    def adopt_decode(self, keys: mx.array, values: mx.array, offset: mx.array) -> None:
+        """The planes and offsets after a compiled step wrote one token at decode_state's
+        column."""
+        group = self._groups[0]
+        group.keys, group.values = [keys], [values]
+        self.offset = offset
+        self._idx += 1
 
     @property
     def state(self) -> list[mx.array]:

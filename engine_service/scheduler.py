@@ -21,6 +21,7 @@ from mlx_lm.generate import BatchGenerator
 
 from engine_service.admissions import Admissions
 from engine_service.checkpoints import CheckpointManager, starting_point
+from engine_service.compiled_decode import CompiledDecode
 from engine_service.engine_stats import EngineStats
 from engine_service.events import Event, Finished, FinishReason, Sink, Started, Token
 from engine_service.jobs import Job, StartingPoint
@@ -68,8 +69,11 @@ class Scheduler:
         deliver: Deliver = deliver_directly,
         checkpoints: CheckpointManager | None = None,
         draft: LoadedModel | None = None,
+        compiled_decode: bool = False,
     ) -> None:
         self.loaded = loaded
+        # The batch's model: decode steps compiled (compiled_decode.py), or as loaded.
+        self._batch_model = CompiledDecode(loaded.model) if compiled_decode else loaded.model
         self.checkpoints = checkpoints
         # Requests with num_draft_tokens run here, beside the batch (speculative_lane.py).
         self._speculative = (
@@ -99,7 +103,7 @@ class Scheduler:
 
     def _new_batch_generator(self) -> BatchGenerator:
         return BatchGenerator(
-            self.loaded.model,
+            self._batch_model,
             completion_batch_size=self.limits.max_running,
             prefill_batch_size=min(self.limits.prefill_batch_size, self.limits.max_running),
             prefill_step_size=self.limits.prefill_step_size,
