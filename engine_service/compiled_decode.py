@@ -89,10 +89,13 @@ class CompiledDecode:
         self.compiled_steps += 1
         return logits
 
-    def _states(self, inputs: mx.array, cache: Any, kwargs: dict[str, Any]) -> Any:
+    def _states(
+        self, inputs: mx.array, cache: Any, kwargs: dict[str, Any]
+    ) -> list[DecodeState] | None:
+        """Each layer's decode state when this is a one-token step they all allow."""
         if kwargs or not cache or inputs.ndim != 2 or inputs.shape[1] != 1:
             return None
-        states = []
+        states: list[DecodeState] = []
         for layer in cache:
             state = getattr(layer, "decode_state", lambda: None)()
             if state is None:
