@@ -103,6 +103,17 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(f"TANDEM_ENGINE_{name}", default)
 
 
+def _off_switch(p: argparse.ArgumentParser, dest: str, help: str) -> None:
+    """--no-NAME for a feature that is on unless that flag or TANDEM_ENGINE_NAME=0 says no."""
+    p.add_argument(
+        "--no-" + dest.replace("_", "-"),
+        dest=dest,
+        action="store_false",
+        default=_env(dest.upper(), "1") != "0",
+        help=help,
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p = argparse.ArgumentParser(
         prog="tandem-engine", description="Serve an mlx-lm model over gRPC."
@@ -222,20 +233,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         default=int(_env("SPILL_BATCH_RECORDS", "32")),
         help="checkpoint records queued together that leave in one PutMany (1: one Put each)",
     )
-    p.add_argument(
-        "--no-warmup",
-        dest="warmup",
-        action="store_false",
-        default=_env("WARMUP", "1") != "0",
-        help="skip running the batch shapes once before serving (first requests compile them)",
-    )
-    p.add_argument(
-        "--no-compiled-decode",
-        dest="compiled_decode",
-        action="store_false",
-        default=_env("COMPILED_DECODE", "1") != "0",
-        help="build each decode step's graph in Python instead of replaying a compiled one",
-    )
+    _off_switch(p, "warmup", "skip running the batch shapes once before serving")
+    _off_switch(p, "compiled_decode", "build each decode step's graph in Python, not compiled")
     a = p.parse_args(argv)
     try:
         return EngineConfig(

@@ -187,12 +187,12 @@ class CoreLink:
                     target = self._streams.get(stream)
                     if target is not None:
                         target.push(events)
-            elif isinstance(message, Ready | StartFailed):
+            elif isinstance(message, Ready):
                 if not conn.ready.done():
-                    if isinstance(message, Ready):
-                        conn.ready.set_result(message)
-                    else:
-                        conn.ready.set_exception(CoreStartFailed(message.message))
+                    conn.ready.set_result(message)
+            elif isinstance(message, StartFailed):
+                if not conn.ready.done():
+                    conn.ready.set_exception(CoreStartFailed(message.message))
             elif isinstance(message, Stopped):
                 if not conn.stopped.done():
                     conn.stopped.set_result(None)

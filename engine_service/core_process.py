@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -84,7 +85,7 @@ class Outbox:
         self._socket = socket
         self._codec = codec
         self._lock = threading.Lock()  # a ZeroMQ socket is not thread-safe
-        self.finished: list[int] = []  # streams whose Finished left (CoreService forgets them)
+        self.on_finished: Callable[[int], None] = lambda stream: None  # its Finished left
 
     def send(self, message: CoreMessage) -> None:
         data = self._codec.encode(message)
@@ -98,7 +99,7 @@ class Outbox:
             assert isinstance(sink, StreamSink)
             items.append((sink.stream, events))
             if isinstance(events[-1], Finished):
-                self.finished.append(sink.stream)
+                self.on_finished(sink.stream)
         self.send(Delivery(items))
 
 
@@ -122,6 +123,7 @@ class CoreService:
         self._planning: set[int] = set()
         self._dropped: set[int] = set()  # dropped while planning
         self._running: dict[int, str] = {}  # stream -> request id
+        outbox.on_finished = self._finished
 
     def handle(self, command: Command) -> bool:
         """Applies one command; False when it was Shutdown."""
@@ -150,9 +152,8 @@ class CoreService:
             return False
         return True
 
-    def _forget_finished(self) -> None:
-        finished, self.outbox.finished = self.outbox.finished, []
-        for stream in finished:
+    def _finished(self, stream: int) -> None:
+        with self._lock:
             self._running.pop(stream, None)
 
     def _submit(self, command: Submit) -> None:
@@ -189,7 +190,6 @@ class CoreService:
             if req.finished_by(replay):
                 self.outbox.send(Accepted(command.call, replay, submitted=False))
                 return
-            self._forget_finished()
             try:
                 self.scheduler.submit(req, StreamSink(command.stream), plan)
             except Exception as exc:  # noqa: BLE001 - refused (EngineError) or a bug (logged)

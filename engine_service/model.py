@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -43,18 +44,8 @@ class LoadedModel:
 
     def facts(self) -> ModelFacts:
         """What the gRPC front needs to know of the model the engine core loaded."""
-        return ModelFacts(
-            name=self.name,
-            path=str(self.path),
-            digest=self.digest,
-            config=self.config,
-            context_length=self.context_length,
-            vocab_size=self.vocab_size,
-            layout=self.layout,
-            eos_token_ids=self.eos_token_ids,
-            dtype=self.dtype,
-            kv_head_dims=self.kv_head_dims,
-        )
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelFacts)}
+        return ModelFacts(**{**shared, "path": str(self.path)})
 
 
 @dataclass(frozen=True)
@@ -79,20 +70,8 @@ def without_weights(facts: ModelFacts) -> LoadedModel:
     The front validates, tokenizes and detokenizes; only the core runs the model."""
     path = Path(facts.path)
     tokenizer = load_tokenizer(path, eos_token_ids=facts.config.get("eos_token_id"))
-    return LoadedModel(
-        model=None,
-        tokenizer=tokenizer,
-        name=facts.name,
-        path=path,
-        digest=facts.digest,
-        config=facts.config,
-        context_length=facts.context_length,
-        vocab_size=facts.vocab_size,
-        layout=facts.layout,
-        eos_token_ids=facts.eos_token_ids,
-        dtype=facts.dtype,
-        kv_head_dims=facts.kv_head_dims,
-    )
+    shared = {f.name: getattr(facts, f.name) for f in dataclasses.fields(ModelFacts)}
+    return LoadedModel(model=None, tokenizer=tokenizer, **{**shared, "path": path})
 
 
 def layout_codec(cache: Any) -> str:
