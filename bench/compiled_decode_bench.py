@@ -1,8 +1,10 @@
-"""The compiled decode step against the eager one, on the engine's own batch rows.
+"""The compiled decode step against the eager one, on the engine's own batch rows, beside
+mlx-lm's own batch cache.
 
-The same prompts go through mlx-lm's BatchGenerator with the engine's cache rows (NewRows:
-BatchQuantizedKVCache, plain), once with the model as loaded and once wrapped in
-CompiledDecode, alternating over --pairs rounds; medians of the paired ratios, min-max.
+The same prompts go through mlx-lm's BatchGenerator three ways: with its own caches
+(BatchKVCache: the baseline), with the engine's cache rows (NewRows: BatchQuantizedKVCache,
+plain) and the model as loaded, and with those rows and the model wrapped in CompiledDecode,
+rotating the order over --pairs rounds; medians of the paired ratios, min-max.
 
     python bench/compiled_decode_bench.py [--model tandem-tiny|qwen3-0.6b-shape|PATH]
         [--streams 1,8,32] [--tokens 256] [--pairs 5]
@@ -36,15 +38,21 @@ from engine_service.requests import GenerationRequest  # noqa: E402
 from engine_service.sampling import SamplingOptions  # noqa: E402
 
 
-def decode(model: object, loaded: LoadedModel, batch: list[list[int]], tokens: int) -> float:
+def decode(
+    model: object, loaded: LoadedModel, batch: list[list[int]], tokens: int, engine_rows: bool
+) -> float:
     """Decode tokens/s over the batch (prefill excluded: the clock starts at the first token)."""
     bg = BatchGenerator(model, completion_batch_size=max(32, len(batch)), prefill_batch_size=8)
-    rows = NewRows(loaded.model)
-    for i, prompt in enumerate(batch):
-        request = GenerationRequest(f"b{i}", prompt, tokens, SamplingOptions(), "")
-        rows.add(Job(request, lambda events: None), StartingPoint(prompt, [], None, 0))
-    rows.insert(bg)
-    left, produced, start = {job.uid for job in rows.jobs}, 0, 0.0
+    if engine_rows:
+        rows = NewRows(loaded.model)
+        for i, prompt in enumerate(batch):
+            request = GenerationRequest(f"b{i}", prompt, tokens, SamplingOptions(), "")
+            rows.add(Job(request, lambda events: None), StartingPoint(prompt, [], None, 0))
+        rows.insert(bg)
+        uids = [job.uid for job in rows.jobs]
+    else:
+        uids = bg.insert(batch, max_tokens=[tokens] * len(batch))
+    left, produced, start = set(uids), 0, 0.0
     while left:
         _, responses = bg.next()
         if responses and not start and len(responses) == len(batch):
@@ -68,25 +76,40 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tandem-compiled-bench-") as tmp:
         loaded = load_model(model_spec(a.model, Path(tmp)), Path(tmp))
         compiled = CompiledDecode(loaded.model)
-        sides = {"eager": loaded.model, "compiled": compiled}
+        sides = {
+            "mlx-lm": (loaded.model, False),
+            "eager": (loaded.model, True),
+            "compiled": (compiled, True),
+        }
         print(f"{a.model} on {mx.default_device()}, {a.tokens} tokens a stream, {a.pairs} pairs")
-        print(f"{'streams':>7} {'eager':>8} {'compiled':>9} {'compiled/eager':>18}   (tok/s)")
+        print(
+            f"{'streams':>7} {'mlx-lm':>8} {'eager':>8} {'compiled':>9} "
+            f"{'compiled/eager':>18} {'compiled/mlx-lm':>18} {'eager/mlx-lm':>18}   (tok/s)"
+        )
         for n in (int(s) for s in a.streams.split(",")):
-            for model in sides.values():  # warm: traces and kernels of this shape
-                decode(model, loaded, prompts(n, 64, loaded.vocab_size, 7), 32)
+            for model, engine_rows in sides.values():  # warm: traces and kernels of this shape
+                decode(model, loaded, prompts(n, 64, loaded.vocab_size, 7), 32, engine_rows)
             rates: dict[str, list[float]] = {name: [] for name in sides}
             for r in range(a.pairs):
                 batch = prompts(n, 64, loaded.vocab_size, 100 + r)
                 order = list(sides.items())
-                for name, model in order if r % 2 == 0 else order[::-1]:
-                    rates[name].append(decode(model, loaded, batch, a.tokens))
-            ratios = [c / e for c, e in zip(rates["compiled"], rates["eager"], strict=True)]
+                order = order[r % 3 :] + order[: r % 3]  # each side first in turn
+                for name, (model, engine_rows) in order:
+                    rates[name].append(decode(model, loaded, batch, a.tokens, engine_rows))
             print(
-                f"{n:>7} {statistics.median(rates['eager']):>8.0f} "
+                f"{n:>7} {statistics.median(rates['mlx-lm']):>8.0f} "
+                f"{statistics.median(rates['eager']):>8.0f} "
                 f"{statistics.median(rates['compiled']):>9.0f} "
-                f"{statistics.median(ratios):>8.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+                f"{_ratio(rates['compiled'], rates['eager']):>18} "
+                f"{_ratio(rates['compiled'], rates['mlx-lm']):>18} "
+                f"{_ratio(rates['eager'], rates['mlx-lm']):>18}"
             )
         print(f"compiled steps: {compiled.compiled_steps}")
+
+
+def _ratio(ours: list[float], base: list[float]) -> str:
+    ratios = [o / b for o, b in zip(ours, base, strict=True)]
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 if __name__ == "__main__":

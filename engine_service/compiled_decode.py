@@ -9,8 +9,12 @@ token) is computed from arrays. Attention reads the written columns rounded up t
 trace serves 32 steps of a (batch size, capacity, width) shape, then the next width traces.
 
 It applies when every layer is a BatchQuantizedKVCache holding one plain group with nothing
-to convert (decode_state); anything else (prefill, packed or converting rows, other cache
-types) runs the model as it is. No well-kept library compiles mlx-lm's decode this way.
+to convert (decode_state), and the batch has at most max_batch rows; anything else (prefill,
+packed or converting rows, other cache types, large batches) runs the model as it is. The
+compiled step saves the Python that builds a step's graph: what bounds a small batch. A large
+batch is bound by the device's step, and there (an H200, 32-128 rows of an 8B model) the
+compiled step was slower than the eager one. No well-kept library compiles mlx-lm's decode
+this way.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ class DecodeKV:
 class CompiledDecode:
     """The model as BatchGenerator calls it, with its decode steps compiled."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, max_batch: int | None = None) -> None:
         self.model = model
+        self.max_batch = max_batch  # larger batches step eagerly; None: any batch
         self._step = mx.compile(self._forward)
         self.compiled_steps = 0  # for tests and stats
         self.enabled = True  # off after a compile failure: every later step runs eagerly
@@ -94,6 +99,8 @@ class CompiledDecode:
     ) -> list[DecodeState] | None:
         """Each layer's decode state when this is a one-token step they all allow."""
         if kwargs or not cache or inputs.ndim != 2 or inputs.shape[1] != 1:
+            return None
+        if self.max_batch is not None and inputs.shape[0] > self.max_batch:
             return None
         states: list[DecodeState] = []
         for layer in cache:

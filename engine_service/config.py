@@ -60,8 +60,11 @@ class EngineConfig:
     spill_batch_records: int = 32  # checkpoint Puts sent in one PutMany (1: one Put each)
     # Run each decode and prefill shape once at start (MLX-CUDA compiles kernels on first use).
     warmup: bool = True
-    # The decode step as one compiled MLX graph where the batch allows (compiled_decode.py).
+    # The decode step as one compiled MLX graph where the batch allows (compiled_decode.py),
+    # for batches of at most this many rows: past that the GPU's step outweighs the Python
+    # graph building it saves, and on an H200 the compiled step was slower (performance.md).
     compiled_decode: bool = True
+    compiled_decode_max_batch: int = 8
     # Default KV codec of requests that do not choose one (0 bits = plain).
     kv_bits: int = 0
     kv_group_size: int = 64
@@ -91,6 +94,8 @@ class EngineConfig:
             raise ValueError(f"--num-draft-tokens must be in 0..{MAX_DRAFT}")
         if self.admission_window_s < 0:
             raise ValueError("--admission-window must be >= 0")
+        if self.compiled_decode_max_batch < 0:
+            raise ValueError("--compiled-decode-max-batch must be >= 0")
         if self.park_after_tokens < 0 or self.park_bytes < 0 or self.park_idle_timeout_s <= 0:
             raise ValueError(
                 "--park-after-tokens and --park-bytes must be >= 0, --park-idle-timeout > 0"
@@ -235,6 +240,12 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     )
     _off_switch(p, "warmup", "skip running the batch shapes once before serving")
     _off_switch(p, "compiled_decode", "build each decode step's graph in Python, not compiled")
+    p.add_argument(
+        "--compiled-decode-max-batch",
+        type=int,
+        default=int(_env("COMPILED_DECODE_MAX_BATCH", "8")),
+        help="largest batch whose decode step runs compiled (larger ones build it in Python)",
+    )
     a = p.parse_args(argv)
     try:
         return EngineConfig(
@@ -271,6 +282,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             spill_batch_records=a.spill_batch_records,
             warmup=a.warmup,
             compiled_decode=a.compiled_decode,
+            compiled_decode_max_batch=a.compiled_decode_max_batch,
             kv_bits=a.kv_bits,
             kv_group_size=a.kv_group_size,
             quantized_kv_start=a.quantized_kv_start,

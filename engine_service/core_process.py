@@ -254,7 +254,7 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
         outbox.deliver,
         checkpoints,
         draft,
-        compiled_decode=config.compiled_decode,
+        compiled_decode_max_batch=config.compiled_decode_max_batch if config.compiled_decode else 0,
     )
     scheduler.start(warm=config.warmup)
     drafts = DraftSupport(draft.model_id if draft else "", config.num_draft_tokens)

@@ -69,11 +69,16 @@ class Scheduler:
         deliver: Deliver = deliver_directly,
         checkpoints: CheckpointManager | None = None,
         draft: LoadedModel | None = None,
-        compiled_decode: bool = False,
+        compiled_decode_max_batch: int = 0,
     ) -> None:
         self.loaded = loaded
-        # The batch's model: decode steps compiled (compiled_decode.py), or as loaded.
-        self._batch_model = CompiledDecode(loaded.model) if compiled_decode else loaded.model
+        # The batch's model: decode steps of small batches compiled (compiled_decode.py), or
+        # as loaded (0).
+        self._batch_model = (
+            CompiledDecode(loaded.model, compiled_decode_max_batch)
+            if compiled_decode_max_batch > 0
+            else loaded.model
+        )
         self.checkpoints = checkpoints
         # Requests with num_draft_tokens run here, beside the batch (speculative_lane.py).
         self._speculative = (

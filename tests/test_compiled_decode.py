@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
 
@@ -79,10 +80,21 @@ def test_quantized_rows_decode_eagerly(tiny: LoadedModel) -> None:
     assert compiled.compiled_steps == 0
 
 
+def test_batches_past_the_bound_decode_eagerly(tiny: LoadedModel) -> None:
+    compiled = CompiledDecode(tiny.model, max_batch=2)
+    eager = _generate(tiny.model, tiny, [5, 9, 3], 16)
+    assert _generate(compiled, tiny, [5, 9, 3], 16) == eager
+    assert compiled.compiled_steps == 0
+    assert _generate(compiled, tiny, [5, 9], 16) == _generate(tiny.model, tiny, [5, 9], 16)
+    assert compiled.compiled_steps > 10
+
+
 def test_a_step_mlx_cannot_run_turns_the_compiled_path_off(tiny: LoadedModel) -> None:
     compiled = CompiledDecode(tiny.model)
 
-    def unsupported(*arrays: object) -> list[object]:
+    def unsupported(
+        inputs: mx.array, column: mx.array, width: mx.array, *flat: mx.array
+    ) -> list[mx.array]:
         raise RuntimeError("no kernel for this primitive on this device")
 
     compiled._step = unsupported  # what a backend without an op would raise

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine_service.core_channel import Codec, Delivery, Refused, StatsAnswer
 from engine_service.engine_stats import EngineStats
 from engine_service.errors import Overloaded, error_named
-from engine_service.events import Finished, Started, Token
+from engine_service.events import Event, Finished, Started, Token
 from tandem_client import EngineClient, Generation, TandemError
 from tests.servers import ServiceProcess, child_pids, start_engine
 
@@ -47,7 +47,7 @@ def _wait_for(predicate, timeout: float = 30.0) -> None:  # noqa: ANN001
 
 def test_events_and_answers_cross_the_channel_as_they_are() -> None:
     codec = Codec()
-    events = [
+    events: list[Event] = [
         Started(5, 2),
         Token(7, -0.5, [(7, -0.5), (9, -1.25)]),
         Finished("stop", stop_token=7),
