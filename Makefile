@@ -44,7 +44,7 @@ bench: $(PB_STAMP)
 	$(PY) bench/store_bench.py
 	$(PY) bench/engine_bench.py
 
-PY_SOURCES := store_service engine_service tandem_wire clients/python/tandem_client
+PY_SOURCES := store_service engine_service gateway_service tandem_wire clients/python/tandem_client
 
 # mypy: the packages strict, the tests with check_untyped_defs (pyproject's [tool.mypy]).
 lint: $(PB_STAMP)

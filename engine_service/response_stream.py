@@ -35,6 +35,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[TopLogprob]
+    text: str = ""  # the token decoded alone
 
 
 @dataclass
@@ -172,7 +173,7 @@ class ResponseBuilder:
     def _logprob(self, event: Token) -> TokenLogprob:
         decode = self.tokenizer.decode
         top = [TopLogprob(t, v, decode([t])) for t, v in (event.top or [])]
-        return TokenLogprob(event.token_id, event.logprob or 0.0, top)
+        return TokenLogprob(event.token_id, event.logprob or 0.0, top, decode([event.token_id]))
 
 
 async def respond(

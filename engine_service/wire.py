@@ -242,6 +242,7 @@ def response_to_pb(chunk: ResponseChunk) -> engine_pb2.GenerateResponse:
             engine_pb2.TokenLogprob(
                 token_id=lp.token_id,
                 logprob=lp.logprob,
+                text=lp.text,
                 top=[
                     engine_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob, text=t.text)
                     for t in lp.top
@@ -289,6 +290,7 @@ def model_info_to_pb(policy: RequestPolicy) -> engine_pb2.ModelInfoResponse:
         dtype=m.dtype,
         eos_token_ids=m.eos_token_ids,
         blas=blas.in_use(),
+        has_store=policy.has_store,
     )
 
 

@@ -245,3 +245,55 @@ def run_module(module: str, *args: str, timeout: float = 120) -> subprocess.Comp
         timeout=timeout,
         cwd=ROOT,
     )
+
+
+class GatewayProcess:
+    """`python -m gateway_service` on free loopback ports: its gRPC and HTTP fronts."""
+
+    def __init__(self, engines: list[str], log_path: Path, *extra: str) -> None:
+        args = [a for e in engines for a in ("--engine", e)]
+        args += ["--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", *extra]
+        with open(log_path, "a") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", "gateway_service", *args],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                cwd=ROOT,
+            )
+        assert self.proc.stdout is not None
+        lines = [self.proc.stdout.readline(), self.proc.stdout.readline()]
+        self.proc.stdout.close()
+        if not all(" listening on " in line for line in lines):
+            self.proc.kill()
+            self.proc.wait(10)
+            raise RuntimeError(f"the gateway did not start: {lines}; {log_path.read_text()}")
+        self.grpc = lines[0].strip().rsplit(" ", 1)[-1]
+        self.http = "http://" + lines[1].strip().rsplit(" ", 1)[-1]
+
+    def wait_engines(self, count: int, timeout: float = 60.0) -> None:
+        """Until the gateway reports `count` engines serving (its /health)."""
+        import json
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(self.http + "/health", timeout=2) as reply:
+                    if json.load(reply)["engines"]["serving"] >= count:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gateway did not see {count} engines serving")
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()

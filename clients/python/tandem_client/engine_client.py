@@ -32,6 +32,7 @@ class Usage:
     decode_tokens_per_second: float
     draft_tokens: int = 0  # speculative decoding: proposed, and kept by the target
     accepted_draft_tokens: int = 0
+    failovers: int = 0  # through a gateway: times the stream moved to another engine
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float, str]]
+    text: str = ""  # the token decoded alone
 
 
 @dataclass(frozen=True)
@@ -68,13 +70,17 @@ class GenerationChunk:
                 u.decode_tokens_per_second,
                 u.draft_tokens,
                 u.accepted_draft_tokens,
+                u.failovers,
             )
         return cls(
             token_ids=list(m.token_ids),
             text=m.text,
             logprobs=[
                 TokenLogprob(
-                    lp.token_id, lp.logprob, [(t.token_id, t.logprob, t.text) for t in lp.top]
+                    lp.token_id,
+                    lp.logprob,
+                    [(t.token_id, t.logprob, t.text) for t in lp.top],
+                    lp.text,
                 )
                 for lp in m.logprobs
             ],

@@ -1,0 +1,3 @@
+from gateway_service.server import main
+
+main()

@@ -1,0 +1,102 @@
+"""The gateway's settings: flags, TANDEM_GATEWAY_* environment, defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    engines: list[str] = field(default_factory=list)
+    # One engine address a line (# comments); read again when it changes: engines come and go.
+    engines_file: str = ""
+    http_listen: str = ""  # "" = no HTTP front
+    grpc_listen: str = ""  # "" = no gRPC front
+    # Streams the gateway proxies checkpoint every N tokens (on engines with a store), so a
+    # failover resumes at most N tokens back.
+    checkpoint_interval: int = 16
+    # How often each engine's health and load are read.
+    poll_interval_s: float = 0.5
+    # A stream whose engine fails waits this long for a healthy engine before it fails.
+    failover_wait_s: float = 10.0
+    max_failovers: int = 8
+    # Requests sharing a prompt prefix prefer the engine that served it unless its load is
+    # more than this above the least loaded engine's.
+    affinity_slack: int = 4
+    # Callers: the same auth file format as the engines (docs/security.md). The caller's
+    # bearer token is forwarded, so each engine decides tenancy itself.
+    auth_file: str = ""
+    insecure_no_auth: bool = False
+    # The gateway's own calls to engines (Stats needs `admin` on an engine with auth).
+    engine_token_file: str = ""
+    engine_tls_ca: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.http_listen and not self.grpc_listen:
+            raise ValueError("give --http-listen, --grpc-listen or both")
+        if not self.engines and not self.engines_file:
+            raise ValueError("give at least one --engine ADDR, or --engines-file")
+        if self.checkpoint_interval < 0:
+            raise ValueError("--checkpoint-interval must be >= 0 (0: no checkpoints)")
+        if self.poll_interval_s <= 0 or self.failover_wait_s < 0 or self.max_failovers < 0:
+            raise ValueError(
+                "--poll-interval must be > 0, --failover-wait and --max-failovers >= 0"
+            )
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"TANDEM_GATEWAY_{name}", default)
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    p = argparse.ArgumentParser(
+        prog="tandem-gateway",
+        description="OpenAI-compatible HTTP and Tandem gRPC in front of many engines.",
+    )
+    env_engines = [e for e in _env("ENGINES", "").split(",") if e.strip()]
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=None,
+        help="an engine's HOST:PORT (repeat; or TANDEM_GATEWAY_ENGINES=a,b)",
+    )
+    p.add_argument("--engines-file", default=_env("ENGINES_FILE", ""))
+    p.add_argument("--http-listen", default=_env("HTTP_LISTEN", ""), help="HOST:PORT (:0 = any)")
+    p.add_argument("--grpc-listen", default=_env("GRPC_LISTEN", ""), help="HOST:PORT (:0 = any)")
+    p.add_argument(
+        "--checkpoint-interval", type=int, default=int(_env("CHECKPOINT_INTERVAL", "16"))
+    )
+    p.add_argument("--poll-interval", type=float, default=float(_env("POLL_INTERVAL", "0.5")))
+    p.add_argument("--failover-wait", type=float, default=float(_env("FAILOVER_WAIT", "10")))
+    p.add_argument("--max-failovers", type=int, default=int(_env("MAX_FAILOVERS", "8")))
+    p.add_argument("--affinity-slack", type=int, default=int(_env("AFFINITY_SLACK", "4")))
+    p.add_argument("--auth-file", default=_env("AUTH_FILE", ""))
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        default=_env("INSECURE_NO_AUTH", "") == "1",
+        help="allow a non-loopback listen address without --auth-file",
+    )
+    p.add_argument("--engine-token-file", default=_env("ENGINE_TOKEN_FILE", ""))
+    p.add_argument("--engine-tls-ca", default=_env("ENGINE_TLS_CA", ""))
+    a = p.parse_args(argv)
+    try:
+        return GatewayConfig(
+            engines=a.engine if a.engine is not None else env_engines,
+            engines_file=a.engines_file,
+            http_listen=a.http_listen,
+            grpc_listen=a.grpc_listen,
+            checkpoint_interval=a.checkpoint_interval,
+            poll_interval_s=a.poll_interval,
+            failover_wait_s=a.failover_wait,
+            max_failovers=a.max_failovers,
+            affinity_slack=a.affinity_slack,
+            auth_file=a.auth_file,
+            insecure_no_auth=a.insecure_no_auth,
+            engine_token_file=a.engine_token_file,
+            engine_tls_ca=a.engine_tls_ca,
+        )
+    except ValueError as exc:
+        p.error(str(exc))

@@ -1,0 +1,214 @@
+"""The OpenAI-compatible HTTP front (Starlette): /v1/completions, /v1/chat/completions
+(server-sent events or one JSON object), /v1/models, /health.
+
+A request's first engine message is awaited before the response starts, so an error before
+any token gets its HTTP status; one after that ends the event stream with an error event. A
+client that disconnects cancels its generation on the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway_service.backends import BackendPool
+from gateway_service.grpc_front import caller_of
+from gateway_service.openai_wire import ApiError, Shaper, chat_request, completion_request
+from gateway_service.relay import Caller, GatewayError, Relay
+from tandem_wire.auth import AuthError, Authenticator
+from tandem_wire.pb import engine_pb2
+
+log = logging.getLogger("tandem.gateway")
+DISCONNECT_POLL_S = 0.25
+
+
+class OpenAIFront:
+    def __init__(
+        self, pool: BackendPool, relay: Relay, authenticator: Authenticator | None
+    ) -> None:
+        self.pool = pool
+        self.relay = relay
+        self.authenticator = authenticator
+        self.app = Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            ],
+            exception_handlers={404: _not_found, 405: _not_allowed},
+        )
+
+    async def health(self, request: Request) -> Response:
+        up, total = len(self.pool.healthy()), len(self.pool.backends)
+        body = {"status": "ok" if up else "unavailable", "engines": {"serving": up, "total": total}}
+        return JSONResponse(body, status_code=200 if up else 503)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._caller(request)
+        except ApiError as exc:
+            return _error(exc)
+        data = [
+            {"id": f.name, "object": "model", "created": 0, "owned_by": "tandem",
+             "tandem": {"model_id": f.model_id, "context_length": f.context_length}}  # fmt: skip
+            for f in self.pool.models()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        try:
+            caller = self._caller(request)
+            body = await _json_body(request)
+            req = chat_request(body) if chat else completion_request(body)
+            model = body.get("model") or ""
+            if not isinstance(model, str):
+                raise ApiError(400, "'model' must be a string", param="model")
+            stream = bool(body.get("stream", False))
+            options = body.get("stream_options") or {}
+            include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            messages = self.relay.generate(req, caller, model)
+            first = await _first(messages)  # errors before any token: an HTTP status
+        except ApiError as exc:
+            return _error(exc)
+        shaper = Shaper(chat=chat, model=model or self._served_name())
+        if stream:
+            events = self._events(shaper, first, messages, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+        try:
+            await _until_disconnected(request, _collect(shaper, first, messages))
+        except ApiError as exc:
+            return _error(exc)
+        except asyncio.CancelledError:
+            return Response(status_code=499)
+        return JSONResponse(shaper.final())
+
+    async def _events(
+        self,
+        shaper: Shaper,
+        first: engine_pb2.GenerateResponse,
+        messages: AsyncIterator[engine_pb2.GenerateResponse],
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        message, opening = first, True
+        try:
+            while True:
+                shaper.add(message)
+                yield _sse(shaper.chunk(message, opening))
+                opening = False
+                if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+                    break
+                message = await _next(messages)
+            if include_usage:
+                yield _sse(shaper.usage_chunk())
+            yield "data: [DONE]\n\n"
+        except ApiError as exc:  # after the status line: the error travels as an event
+            yield _sse(exc.body())
+        finally:
+            await messages.aclose()  # the client left: the engine's call is cancelled
+
+    def _caller(self, request: Request) -> Caller:
+        header = request.headers.get("authorization")
+        metadata = [("authorization", header)] if header else []
+        if self.authenticator is not None:
+            peer = request.client.host if request.client else "unknown"
+            try:
+                self.authenticator.authenticate(metadata, list, f"ipv4:{peer}:0")
+            except AuthError as exc:
+                status = 401 if exc.status == "UNAUTHENTICATED" else 403
+                raise ApiError(status, str(exc), "authentication_error") from None
+        return caller_of(metadata)
+
+    def _served_name(self) -> str:
+        models = self.pool.models()
+        return models[0].name if models else ""
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+async def _next(messages: AsyncIterator[engine_pb2.GenerateResponse]) -> engine_pb2.GenerateResponse:
+    try:
+        return await messages.__anext__()
+    except StopAsyncIteration:
+        raise ApiError(502, "the engine's stream ended early", "api_error") from None
+    except grpc.aio.AioRpcError as exc:
+        raise ApiError.from_grpc(exc.code(), exc.details() or exc.code().name) from None
+    except GatewayError as exc:
+        raise ApiError.from_grpc(exc.code, str(exc)) from None
+
+
+async def _first(messages: AsyncIterator[engine_pb2.GenerateResponse]) -> engine_pb2.GenerateResponse:
+    try:
+        return await _next(messages)
+    except BaseException:
+        await messages.aclose()
+        raise
+
+
+async def _collect(
+    shaper: Shaper,
+    first: engine_pb2.GenerateResponse,
+    messages: AsyncIterator[engine_pb2.GenerateResponse],
+) -> None:
+    message = first
+    try:
+        while True:
+            shaper.add(message)
+            if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+                return
+            message = await _next(messages)
+    finally:
+        await messages.aclose()
+
+
+async def _until_disconnected(request: Request, work: Any) -> None:
+    """Runs work; cancels it when the client disconnects first (raises CancelledError)."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise asyncio.CancelledError
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return _error(ApiError(404, f"no route {request.url.path}", "not_found_error"))
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    return _error(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))

@@ -1,0 +1,277 @@
+"""OpenAI's request and response shapes, translated to and from the Tandem engine API.
+
+`completion_request` / `chat_request` turn a JSON body into a GenerateRequest (or raise
+ApiError 400 naming the field); `Shaper` turns the engine's messages into OpenAI's chunks and
+final objects; `error_body` is OpenAI's error shape. Tandem's own options ride in the body's
+`tandem` object (docs/gateway.md).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from tandem_wire.pb import engine_pb2
+
+FINISH = {
+    engine_pb2.FINISH_REASON_LENGTH: "length",
+    engine_pb2.FINISH_REASON_STOP: "stop",
+    engine_pb2.FINISH_REASON_CANCELLED: "stop",
+}
+# gRPC status -> (HTTP status, OpenAI error type).
+HTTP_OF = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.DATA_LOSS: (502, "api_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+TANDEM_OPTIONS = {
+    "namespace", "request_id", "checkpoint_interval", "resume", "tokens_held", "kv_bits",
+    "kv_group_size", "quantized_kv_start", "num_draft_tokens", "top_k", "min_p",
+    "repetition_penalty", "ignore_eos",
+}  # fmt: skip
+# Accepted only at their neutral values (what OpenAI's defaults mean).
+NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "best_of": 1}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    @classmethod
+    def from_grpc(cls, code: grpc.StatusCode, message: str) -> ApiError:
+        status, kind = HTTP_OF.get(code, (500, "api_error"))
+        return cls(status, message, kind, code=code.name.lower())
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {"message": str(self), "type": self.kind, "param": self.param,
+                      "code": self.code}  # fmt: skip
+        }
+
+
+def _number(body: dict[str, Any], name: str, kind: type, low: float | None = None,
+            high: float | None = None) -> Any:  # fmt: skip
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"'{name}' must be a number", param=name)
+    if kind is int and value != int(value):
+        raise ApiError(400, f"'{name}' must be an integer", param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ApiError(400, f"'{name}' must be in [{low}, {high}], got {value}", param=name)
+    return kind(value)
+
+
+def _common(body: dict[str, Any], req: engine_pb2.GenerateRequest) -> None:
+    for name, neutral in NEUTRAL.items():
+        if body.get(name, neutral) not in (neutral, None):
+            raise ApiError(400, f"'{name}' = {body[name]!r} is not supported", param=name)
+    if body.get("logit_bias"):
+        raise ApiError(400, "'logit_bias' is not supported", param="logit_bias")
+    s = req.sampling
+    temperature = _number(body, "temperature", float, 0, 2)
+    s.temperature = 1.0 if temperature is None else temperature  # OpenAI's default
+    top_p = _number(body, "top_p", float, 0, 1)
+    if top_p is not None and top_p < 1:
+        if top_p <= 0:
+            raise ApiError(400, "'top_p' must be > 0", param="top_p")
+        s.top_p = top_p
+    seed = _number(body, "seed", int, 0, 2**63 - 1)
+    # No seed: a random one, so a restart on another engine draws the same tokens.
+    s.seed = secrets.randbits(63) if seed is None else seed
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (
+        not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop)
+    ):
+        raise ApiError(400, "'stop' must be a string or a list of non-empty strings", param="stop")
+    s.stop.extend(stop or [])
+    extra = body.get("tandem") or {}
+    if not isinstance(extra, dict) or set(extra) - TANDEM_OPTIONS:
+        unknown = sorted(set(extra) - TANDEM_OPTIONS) if isinstance(extra, dict) else extra
+        raise ApiError(400, f"unknown 'tandem' options: {unknown}", param="tandem")
+    for name in ("namespace", "request_id"):
+        if name in extra:
+            setattr(req, name, str(extra[name]))
+    for name in ("checkpoint_interval", "tokens_held", "kv_group_size"):
+        if name in extra:
+            setattr(req, name, _number(extra, name, int, 0))
+    for name in ("kv_bits", "quantized_kv_start", "num_draft_tokens"):
+        if name in extra:
+            setattr(req, name, _number(extra, name, int, 0))
+    req.resume = bool(extra.get("resume", False))
+    s.top_k = _number(extra, "top_k", int, 0) or 0
+    s.min_p = _number(extra, "min_p", float, 0, 1) or 0.0
+    s.repetition_penalty = _number(extra, "repetition_penalty", float, 0) or 0.0
+    s.ignore_eos = bool(extra.get("ignore_eos", False))
+
+
+def _max_tokens(body: dict[str, Any], req: engine_pb2.GenerateRequest, *names: str) -> None:
+    for name in names:
+        value = _number(body, name, int, 1)
+        if value is not None:
+            req.max_tokens = value
+            return
+
+
+def completion_request(body: dict[str, Any]) -> engine_pb2.GenerateRequest:
+    req = engine_pb2.GenerateRequest()
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # one prompt in a list
+    if isinstance(prompt, str) and prompt:
+        req.text = prompt
+    elif isinstance(prompt, list) and prompt and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        req.token_ids.extend(prompt)
+    else:
+        raise ApiError(400, "'prompt' must be one non-empty string or list of token ids",
+                       param="prompt")  # fmt: skip
+    _common(body, req)
+    _max_tokens(body, req, "max_tokens")
+    logprobs = _number(body, "logprobs", int, 0, 20)
+    if logprobs is not None:
+        req.sampling.logprobs = logprobs
+    return req
+
+
+def chat_request(body: dict[str, Any]) -> engine_pb2.GenerateRequest:
+    req = engine_pb2.GenerateRequest()
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] needs a 'role'", param="messages")
+        req.messages.add(role=m["role"], content=_content(m.get("content"), i))
+    _common(body, req)
+    _max_tokens(body, req, "max_completion_tokens", "max_tokens")
+    if body.get("logprobs"):
+        req.sampling.logprobs = _number(body, "top_logprobs", int, 0, 20) or 0
+    return req
+
+
+def _content(content: Any, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ApiError(400, f"messages[{i}]: only text content parts are supported",
+                               param="messages")  # fmt: skip
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of parts",
+                   param="messages")  # fmt: skip
+
+
+@dataclass
+class Shaper:
+    """One response's OpenAI objects, built as the engine's messages arrive."""
+
+    chat: bool
+    model: str
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    text: str = ""
+    logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+
+    @property
+    def object_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.id
+
+    def add(self, message: engine_pb2.GenerateResponse) -> None:
+        self.text += message.text
+        self.logprobs.extend(message.logprobs)
+        if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+            self.finish = FINISH.get(message.finish_reason, "stop")
+            u = message.usage
+            self.usage = {
+                "prompt_tokens": u.prompt_tokens,
+                "completion_tokens": u.generated_tokens,
+                "total_tokens": u.prompt_tokens + u.generated_tokens,
+                "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+                "failovers": u.failovers,
+            }
+
+    def chunk(self, message: engine_pb2.GenerateResponse, first: bool) -> dict[str, Any]:
+        finish = FINISH.get(message.finish_reason) if message.finish_reason else None
+        if self.chat:
+            delta: dict[str, Any] = {"content": message.text}
+            if first:
+                delta["role"] = "assistant"
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
+                                      "logprobs": self._chat_logprobs(message.logprobs)}  # fmt: skip
+            kind = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": message.text, "finish_reason": finish,
+                      "logprobs": self._completion_logprobs(message.logprobs)}  # fmt: skip
+            kind = "text_completion"
+        return {"id": self.object_id, "object": kind, "created": self.created,
+                "model": self.model, "choices": [choice]}  # fmt: skip
+
+    def usage_chunk(self) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.object_id, "object": kind, "created": self.created,
+                "model": self.model, "choices": [], "usage": self.usage}  # fmt: skip
+
+    def final(self) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": self.text},
+                "finish_reason": self.finish,
+                "logprobs": self._chat_logprobs(self.logprobs),
+            }
+            kind = "chat.completion"
+        else:
+            choice = {"index": 0, "text": self.text, "finish_reason": self.finish,
+                      "logprobs": self._completion_logprobs(self.logprobs)}  # fmt: skip
+            kind = "text_completion"
+        return {"id": self.object_id, "object": kind, "created": self.created,
+                "model": self.model, "choices": [choice], "usage": self.usage}  # fmt: skip
+
+    def _chat_logprobs(self, lps: Any) -> dict[str, Any] | None:
+        if not lps:
+            return None
+        content = []
+        for lp in lps:
+            token = lp.text
+            content.append({
+                "token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
+                "top_logprobs": [{"token": t.text, "logprob": t.logprob,
+                                  "bytes": list(t.text.encode())} for t in lp.top],
+            })  # fmt: skip
+        return {"content": content}
+
+    def _completion_logprobs(self, lps: Any) -> dict[str, Any] | None:
+        if not lps:
+            return None
+        return {
+            "tokens": [lp.text for lp in lps],
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{t.text: t.logprob for t in lp.top} for lp in lps],
+            "text_offset": [],
+        }

@@ -1,0 +1,208 @@
+"""One generation through the gateway: the engine chosen, the stream relayed, and when that
+engine dies, is unreachable or drains, the same stream continued on another.
+
+The client's one stream carries exactly the tokens of an uninterrupted run:
+- the gateway counts the tokens it has sent. A failover asks the next engine to `resume`
+  the generation's checkpoint (the store is shared) with `tokens_held` = that count: the
+  engine replays from the checkpoint and sends only what follows (docs/checkpoints.md);
+- with no checkpoint yet (NOT_FOUND), the request starts again on the next engine with
+  `tokens_held` = the count: it is generated again with the same seed and the tokens the
+  client holds are not sent twice;
+- text is decoded from the whole token sequence on the engine, so the text after the count
+  is the text an uninterrupted run sends after it.
+Streams run with a checkpoint interval (the gateway's default) on engines with a store, so a
+failover resumes at most that many tokens back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway_service.affinity import PrefixAffinity, prompt_chain
+from gateway_service.backends import Backend, BackendPool
+from tandem_wire.pb import engine_pb2
+
+log = logging.getLogger("tandem.gateway")
+
+FINISH_UNSET = engine_pb2.FINISH_REASON_UNSPECIFIED
+FINISH_CANCELLED = engine_pb2.FINISH_REASON_CANCELLED
+
+
+class GatewayError(Exception):
+    """An answer the gateway gives itself (no engine serves, an unknown model)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who asked: the metadata forwarded to engines (their bearer token: each engine decides
+    tenancy itself) and a scope that keeps callers' request ids and prefixes apart."""
+
+    scope: str = ""
+    metadata: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    checkpoint_interval: int = 16
+    failover_wait_s: float = 10.0
+    max_failovers: int = 8
+    affinity_slack: int = 4
+
+
+@dataclass
+class _Running:
+    backend: Backend
+    cancelled: bool = False  # the client asked (Cancel): an ended stream is not a failure
+
+
+@dataclass
+class _Attempt:
+    """How the next engine is asked: the request as sent, a resume, or a restart."""
+
+    resume: bool = False
+    tokens_held: int = 0
+    full: set[str] = field(default_factory=set)  # engines that answered RESOURCE_EXHAUSTED
+
+
+class _EngineLost(Exception):
+    pass
+
+
+class Relay:
+    def __init__(self, pool: BackendPool, affinity: PrefixAffinity, settings: RelaySettings):
+        self.pool = pool
+        self.affinity = affinity
+        self.settings = settings
+        self.running: dict[tuple[str, str], _Running] = {}
+        self.failovers_total = 0
+
+    async def generate(
+        self, request: engine_pb2.GenerateRequest, caller: Caller, model: str = ""
+    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        req = engine_pb2.GenerateRequest()
+        req.CopyFrom(request)
+        req.request_id = req.request_id or f"gw-{uuid.uuid4().hex}"
+        held = req.tokens_held if req.resume else 0  # what the client held before this call
+        chain = prompt_chain(req, caller.scope)
+        attempt = _Attempt(resume=req.resume, tokens_held=req.tokens_held)
+        key = (caller.scope, req.request_id)
+        sent, failovers, arrival, first_at = 0, 0, time.monotonic(), 0.0
+        while True:
+            backend = await self._choose(model, chain, attempt.full)
+            running = self.running[key] = _Running(backend)
+            backend.streams += 1
+            call = backend.stub.Generate(self._request(req, attempt, backend), metadata=caller.metadata)
+            try:
+                async for message in call:
+                    if message.finish_reason == FINISH_CANCELLED and not running.cancelled:
+                        raise _EngineLost("the engine cancelled the stream (shutting down)")
+                    if message.token_ids and not first_at:
+                        first_at = time.monotonic()
+                    sent += len(message.token_ids)
+                    if message.finish_reason != FINISH_UNSET:
+                        message.usage.failovers = failovers
+                        if failovers and first_at:  # the engine's clock started at its resume
+                            message.usage.ttft_seconds = first_at - arrival
+                        yield message
+                        return
+                    yield message
+                if running.cancelled:
+                    return
+                raise _EngineLost("the stream ended without its last message")
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not sent and not failovers:
+                    attempt.full.add(backend.address)  # try an engine with room
+                    if len(attempt.full) < len(self.pool.healthy(model)):
+                        continue
+                    raise
+                if attempt.resume and failovers and code in (
+                    grpc.StatusCode.NOT_FOUND,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                ):
+                    # No checkpoint reached the store (or it ended there): start again.
+                    attempt = _Attempt(resume=False, tokens_held=held + sent)
+                    continue
+                if code != grpc.StatusCode.UNAVAILABLE or running.cancelled:
+                    raise
+                failure = f"{code.name}: {exc.details()}"
+            except _EngineLost as exc:
+                failure = str(exc)
+            finally:
+                backend.streams -= 1
+                call.cancel()  # no-op once it ended; the client left otherwise
+                if self.running.get(key) is running:
+                    del self.running[key]
+            failovers += 1
+            self.failovers_total += 1
+            if failovers > self.settings.max_failovers:
+                raise GatewayError(
+                    grpc.StatusCode.UNAVAILABLE, f"gave up after {failovers - 1} failovers"
+                )
+            self.pool.mark_down(backend, failure)
+            log.warning(
+                "request %s: engine %s lost after %d tokens (%s); failing over",
+                req.request_id, backend.address, held + sent, failure,
+            )
+            checkpointed = backend.has_store and bool(self._interval(req, backend))
+            attempt = _Attempt(resume=checkpointed or req.resume, tokens_held=held + sent)
+
+    async def cancel(self, request_id: str, caller: Caller) -> engine_pb2.CancelResponse:
+        running = self.running.get((caller.scope, request_id))
+        if running is None:
+            raise GatewayError(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} running")
+        running.cancelled = True
+        return await running.backend.stub.Cancel(
+            engine_pb2.CancelRequest(request_id=request_id), metadata=caller.metadata
+        )
+
+    def _interval(self, req: engine_pb2.GenerateRequest, backend: Backend) -> int:
+        if req.checkpoint_interval or not backend.has_store:
+            return req.checkpoint_interval
+        return self.settings.checkpoint_interval
+
+    def _request(
+        self, req: engine_pb2.GenerateRequest, attempt: _Attempt, backend: Backend
+    ) -> engine_pb2.GenerateRequest:
+        out = engine_pb2.GenerateRequest()
+        out.CopyFrom(req)
+        out.checkpoint_interval = self._interval(req, backend)
+        out.resume = attempt.resume
+        out.tokens_held = attempt.tokens_held
+        return out
+
+    async def _choose(self, model: str, chain: list[bytes], full: set[str]) -> Backend:
+        """The engine for the next attempt: the prefix's engine unless it is busier than the
+        least loaded by more than the slack; waits for one when none is healthy."""
+        deadline = time.monotonic() + self.settings.failover_wait_s
+        while True:
+            candidates = [b for b in self.pool.healthy(model) if b.address not in full]
+            if candidates:
+                break
+            if model and not any(f.serves(model) for f in self.pool.known_models()):
+                raise GatewayError(grpc.StatusCode.NOT_FOUND, f"no engine serves model {model!r}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, "no engine is serving")
+            await self.pool.wait_for_change(min(left, self.pool.poll_interval_s))
+        least = min(candidates, key=lambda b: (b.load, b.routed))
+        by_address = {b.address: b for b in candidates}
+        for address in self.affinity.preferred(chain):
+            preferred = by_address.get(address)
+            if preferred is not None and preferred.load <= least.load + self.settings.affinity_slack:
+                least = preferred
+                break
+        self.affinity.served(chain, least.address)
+        least.routed += 1
+        return least
