@@ -35,10 +35,12 @@ $(NODE_STAMP): clients/node/package.json clients/node/package-lock.json
 test: $(PB_STAMP) $(NODE_STAMP)
 	$(PY) -m pytest -q
 
-# The fault-injection suite at length: many store and engine SIGKILLs (tests/test_faults.py).
+# The fault-injection suites at length: many store and engine SIGKILLs (tests/test_faults.py),
+# and engines killed under streams through the gateway (tests/test_gateway_failover.py).
 SOAK_KILLS ?= 30
 soak: $(PB_STAMP) $(NODE_STAMP)
-	TANDEM_SOAK_KILLS=$(SOAK_KILLS) $(PY) -m pytest -q -s tests/test_faults.py
+	TANDEM_SOAK_KILLS=$(SOAK_KILLS) TANDEM_GATEWAY_KILLS=$(SOAK_KILLS) \
+		$(PY) -m pytest -q -s tests/test_faults.py tests/test_gateway_failover.py
 
 bench: $(PB_STAMP)
 	$(PY) bench/store_bench.py

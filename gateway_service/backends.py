@@ -63,6 +63,7 @@ class Backend:
         self._reported = 0  # running + queued at the last Stats
         self._streams_then = 0  # this gateway's streams at that reading
         self.stats_denied = False
+        self.last_problem = ""  # logged once each time it changes
 
     @property
     def load(self) -> int:
@@ -136,6 +137,16 @@ class BackendPool:
             log.warning("engine %s marked down: %s", backend.address, why)
         backend.healthy = False
         self._notify()
+
+    async def serving(self, backend: Backend) -> bool:
+        """Asks the engine now whether it is serving (a drain says NOT_SERVING)."""
+        try:
+            check = await backend.health.Check(
+                health_pb2.HealthCheckRequest(service="tandem.v1.Engine"), timeout=CALL_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(check.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def wait_for_change(self, timeout: float) -> None:
         try:
@@ -219,8 +230,14 @@ class BackendPool:
                 await self._read_load(backend)
         except grpc.aio.AioRpcError as exc:
             up = False
-            if was:
-                log.warning("engine %s unreachable: %s", backend.address, exc.code().name)
+            problem = exc.code().name
+            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                problem += " (--engine-token-file needs the generate role on that engine)"
+            if problem != backend.last_problem:
+                log.warning("engine %s not usable: %s", backend.address, problem)
+            backend.last_problem = problem
+        else:
+            backend.last_problem = ""
         if up and not was and backend.address in self.backends:
             log.info("engine %s serving %s", backend.address, backend.facts)
         backend.healthy = up and backend.address in self.backends
@@ -241,8 +258,11 @@ class BackendPool:
             ):
                 raise
             # Without `admin` on that engine: its load is this gateway's streams alone.
-            log.warning("engine %s refuses Stats (%s): load from this gateway's streams only",
-                        backend.address, exc.code().name)
+            log.warning(
+                "engine %s refuses Stats (%s): load from this gateway's streams only",
+                backend.address,
+                exc.code().name,
+            )
             backend.stats_denied = True
             return
         backend.report(stats.running + stats.queued)

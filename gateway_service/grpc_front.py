@@ -46,7 +46,7 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     raise exc
 
 
-class GatewayServicer(engine_pb2_grpc.EngineServicer):  # type: ignore[misc]  # grpc is untyped
+class GatewayServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, pool: BackendPool, relay: Relay) -> None:
         self.pool = pool
         self.relay = relay
@@ -150,6 +150,7 @@ class GatewayServicer(engine_pb2_grpc.EngineServicer):  # type: ignore[misc]  # 
                 await context.abort(
                     grpc.StatusCode.UNAVAILABLE, f"an engine did not answer: {result!r}"
                 )
+                raise result  # abort raised already
             replies.append(result)
         return replies
 

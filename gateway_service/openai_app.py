@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -24,7 +24,7 @@ from gateway_service.backends import BackendPool
 from gateway_service.grpc_front import caller_of
 from gateway_service.openai_wire import ApiError, Shaper, chat_request, completion_request
 from gateway_service.relay import Caller, GatewayError, Relay
-from tandem_wire.auth import AuthError, Authenticator
+from tandem_wire.auth import Authenticator, AuthError
 from tandem_wire.pb import engine_pb2
 
 log = logging.getLogger("tandem.gateway")
@@ -59,8 +59,13 @@ class OpenAIFront:
         except ApiError as exc:
             return _error(exc)
         data = [
-            {"id": f.name, "object": "model", "created": 0, "owned_by": "tandem",
-             "tandem": {"model_id": f.model_id, "context_length": f.context_length}}  # fmt: skip
+            {
+                "id": f.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "tandem",
+                "tandem": {"model_id": f.model_id, "context_length": f.context_length},
+            }
             for f in self.pool.models()
         ]
         return JSONResponse({"object": "list", "data": data})
@@ -89,8 +94,9 @@ class OpenAIFront:
         shaper = Shaper(chat=chat, model=model or self._served_name())
         if stream:
             events = self._events(shaper, first, messages, include_usage)
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+            return StreamingResponse(
+                events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
         try:
             await _until_disconnected(request, _collect(shaper, first, messages))
         except ApiError as exc:
@@ -103,7 +109,7 @@ class OpenAIFront:
         self,
         shaper: Shaper,
         first: engine_pb2.GenerateResponse,
-        messages: AsyncIterator[engine_pb2.GenerateResponse],
+        messages: AsyncGenerator[engine_pb2.GenerateResponse, None],
         include_usage: bool,
     ) -> AsyncIterator[str]:
         message, opening = first, True
@@ -150,7 +156,9 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-async def _next(messages: AsyncIterator[engine_pb2.GenerateResponse]) -> engine_pb2.GenerateResponse:
+async def _next(
+    messages: AsyncGenerator[engine_pb2.GenerateResponse, None],
+) -> engine_pb2.GenerateResponse:
     try:
         return await messages.__anext__()
     except StopAsyncIteration:
@@ -161,7 +169,9 @@ async def _next(messages: AsyncIterator[engine_pb2.GenerateResponse]) -> engine_
         raise ApiError.from_grpc(exc.code, str(exc)) from None
 
 
-async def _first(messages: AsyncIterator[engine_pb2.GenerateResponse]) -> engine_pb2.GenerateResponse:
+async def _first(
+    messages: AsyncGenerator[engine_pb2.GenerateResponse, None],
+) -> engine_pb2.GenerateResponse:
     try:
         return await _next(messages)
     except BaseException:
@@ -172,7 +182,7 @@ async def _first(messages: AsyncIterator[engine_pb2.GenerateResponse]) -> engine
 async def _collect(
     shaper: Shaper,
     first: engine_pb2.GenerateResponse,
-    messages: AsyncIterator[engine_pb2.GenerateResponse],
+    messages: AsyncGenerator[engine_pb2.GenerateResponse, None],
 ) -> None:
     message = first
     try:
@@ -191,7 +201,8 @@ async def _until_disconnected(request: Request, work: Any) -> None:
     while True:
         done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
         if done:
-            return task.result()
+            task.result()  # raises what the work raised
+            return
         if await request.is_disconnected():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

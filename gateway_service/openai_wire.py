@@ -39,17 +39,33 @@ HTTP_OF = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 TANDEM_OPTIONS = {
-    "namespace", "request_id", "checkpoint_interval", "resume", "tokens_held", "kv_bits",
-    "kv_group_size", "quantized_kv_start", "num_draft_tokens", "top_k", "min_p",
-    "repetition_penalty", "ignore_eos",
-}  # fmt: skip
+    "namespace",
+    "request_id",
+    "checkpoint_interval",
+    "resume",
+    "tokens_held",
+    "kv_bits",
+    "kv_group_size",
+    "quantized_kv_start",
+    "num_draft_tokens",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+}
 # Accepted only at their neutral values (what OpenAI's defaults mean).
 NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "best_of": 1}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
 
@@ -60,13 +76,18 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {
-            "error": {"message": str(self), "type": self.kind, "param": self.param,
-                      "code": self.code}  # fmt: skip
+            "error": {
+                "message": str(self),
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
         }
 
 
-def _number(body: dict[str, Any], name: str, kind: type, low: float | None = None,
-            high: float | None = None) -> Any:  # fmt: skip
+def _number(
+    body: dict[str, Any], name: str, kind: type, low: float | None = None, high: float | None = None
+) -> Any:
     value = body.get(name)
     if value is None:
         return None
@@ -139,13 +160,16 @@ def completion_request(body: dict[str, Any]) -> engine_pb2.GenerateRequest:
         prompt = prompt[0]  # one prompt in a list
     if isinstance(prompt, str) and prompt:
         req.text = prompt
-    elif isinstance(prompt, list) and prompt and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
         req.token_ids.extend(prompt)
     else:
-        raise ApiError(400, "'prompt' must be one non-empty string or list of token ids",
-                       param="prompt")  # fmt: skip
+        raise ApiError(
+            400, "'prompt' must be one non-empty string or list of token ids", param="prompt"
+        )
     _common(body, req)
     _max_tokens(body, req, "max_tokens")
     logprobs = _number(body, "logprobs", int, 0, 20)
@@ -177,12 +201,14 @@ def _content(content: Any, i: int) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise ApiError(400, f"messages[{i}]: only text content parts are supported",
-                               param="messages")  # fmt: skip
+                raise ApiError(
+                    400, f"messages[{i}]: only text content parts are supported", param="messages"
+                )
             parts.append(str(part.get("text", "")))
         return "".join(parts)
-    raise ApiError(400, f"messages[{i}].content must be a string or a list of parts",
-                   param="messages")  # fmt: skip
+    raise ApiError(
+        400, f"messages[{i}].content must be a string or a list of parts", param="messages"
+    )
 
 
 @dataclass
@@ -222,20 +248,39 @@ class Shaper:
             delta: dict[str, Any] = {"content": message.text}
             if first:
                 delta["role"] = "assistant"
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
-                                      "logprobs": self._chat_logprobs(message.logprobs)}  # fmt: skip
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "finish_reason": finish,
+                "logprobs": self._chat_logprobs(message.logprobs),
+            }
             kind = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": message.text, "finish_reason": finish,
-                      "logprobs": self._completion_logprobs(message.logprobs)}  # fmt: skip
+            choice = {
+                "index": 0,
+                "text": message.text,
+                "finish_reason": finish,
+                "logprobs": self._completion_logprobs(message.logprobs),
+            }
             kind = "text_completion"
-        return {"id": self.object_id, "object": kind, "created": self.created,
-                "model": self.model, "choices": [choice]}  # fmt: skip
+        return {
+            "id": self.object_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
 
     def usage_chunk(self) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.object_id, "object": kind, "created": self.created,
-                "model": self.model, "choices": [], "usage": self.usage}  # fmt: skip
+        return {
+            "id": self.object_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self.usage,
+        }
 
     def final(self) -> dict[str, Any]:
         if self.chat:
@@ -247,11 +292,21 @@ class Shaper:
             }
             kind = "chat.completion"
         else:
-            choice = {"index": 0, "text": self.text, "finish_reason": self.finish,
-                      "logprobs": self._completion_logprobs(self.logprobs)}  # fmt: skip
+            choice = {
+                "index": 0,
+                "text": self.text,
+                "finish_reason": self.finish,
+                "logprobs": self._completion_logprobs(self.logprobs),
+            }
             kind = "text_completion"
-        return {"id": self.object_id, "object": kind, "created": self.created,
-                "model": self.model, "choices": [choice], "usage": self.usage}  # fmt: skip
+        return {
+            "id": self.object_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage,
+        }
 
     def _chat_logprobs(self, lps: Any) -> dict[str, Any] | None:
         if not lps:
@@ -259,11 +314,17 @@ class Shaper:
         content = []
         for lp in lps:
             token = lp.text
-            content.append({
-                "token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
-                "top_logprobs": [{"token": t.text, "logprob": t.logprob,
-                                  "bytes": list(t.text.encode())} for t in lp.top],
-            })  # fmt: skip
+            content.append(
+                {
+                    "token": token,
+                    "logprob": lp.logprob,
+                    "bytes": list(token.encode()),
+                    "top_logprobs": [
+                        {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
+                        for t in lp.top
+                    ],
+                }
+            )
         return {"content": content}
 
     def _completion_logprobs(self, lps: Any) -> dict[str, Any] | None:

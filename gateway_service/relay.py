@@ -16,11 +16,10 @@ failover resumes at most that many tokens back.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import grpc
@@ -86,10 +85,11 @@ class Relay:
         self.settings = settings
         self.running: dict[tuple[str, str], _Running] = {}
         self.failovers_total = 0
+        self.restarts_total = 0  # failovers that found no checkpoint and generated again
 
     async def generate(
         self, request: engine_pb2.GenerateRequest, caller: Caller, model: str = ""
-    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
         req = engine_pb2.GenerateRequest()
         req.CopyFrom(request)
         req.request_id = req.request_id or f"gw-{uuid.uuid4().hex}"
@@ -102,11 +102,16 @@ class Relay:
             backend = await self._choose(model, chain, attempt.full)
             running = self.running[key] = _Running(backend)
             backend.streams += 1
-            call = backend.stub.Generate(self._request(req, attempt, backend), metadata=caller.metadata)
+            call = backend.stub.Generate(
+                self._request(req, attempt, backend), metadata=caller.metadata
+            )
             try:
                 async for message in call:
                     if message.finish_reason == FINISH_CANCELLED and not running.cancelled:
-                        raise _EngineLost("the engine cancelled the stream (shutting down)")
+                        # Cancelled by the engine: failover only if it is going away (a
+                        # drain); a Cancel sent to it by some other way ends the stream.
+                        if not await self.pool.serving(backend):
+                            raise _EngineLost("the engine cancelled the stream (shutting down)")
                     if message.token_ids and not first_at:
                         first_at = time.monotonic()
                     sent += len(message.token_ids)
@@ -127,11 +132,24 @@ class Relay:
                     if len(attempt.full) < len(self.pool.healthy(model)):
                         continue
                     raise
-                if attempt.resume and failovers and code in (
-                    grpc.StatusCode.NOT_FOUND,
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                if (
+                    attempt.resume
+                    and failovers
+                    and code
+                    in (
+                        grpc.StatusCode.NOT_FOUND,
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                    )
                 ):
                     # No checkpoint reached the store (or it ended there): start again.
+                    log.info(
+                        "request %s: no checkpoint to resume (%s); generating again, %d "
+                        "tokens held",
+                        req.request_id,
+                        code.name,
+                        held + sent,
+                    )
+                    self.restarts_total += 1
                     attempt = _Attempt(resume=False, tokens_held=held + sent)
                     continue
                 if code != grpc.StatusCode.UNAVAILABLE or running.cancelled:
@@ -153,7 +171,10 @@ class Relay:
             self.pool.mark_down(backend, failure)
             log.warning(
                 "request %s: engine %s lost after %d tokens (%s); failing over",
-                req.request_id, backend.address, held + sent, failure,
+                req.request_id,
+                backend.address,
+                held + sent,
+                failure,
             )
             checkpointed = backend.has_store and bool(self._interval(req, backend))
             attempt = _Attempt(resume=checkpointed or req.resume, tokens_held=held + sent)
@@ -163,9 +184,10 @@ class Relay:
         if running is None:
             raise GatewayError(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} running")
         running.cancelled = True
-        return await running.backend.stub.Cancel(
+        reply: engine_pb2.CancelResponse = await running.backend.stub.Cancel(
             engine_pb2.CancelRequest(request_id=request_id), metadata=caller.metadata
         )
+        return reply
 
     def _interval(self, req: engine_pb2.GenerateRequest, backend: Backend) -> int:
         if req.checkpoint_interval or not backend.has_store:
@@ -200,7 +222,10 @@ class Relay:
         by_address = {b.address: b for b in candidates}
         for address in self.affinity.preferred(chain):
             preferred = by_address.get(address)
-            if preferred is not None and preferred.load <= least.load + self.settings.affinity_slack:
+            if (
+                preferred is not None
+                and preferred.load <= least.load + self.settings.affinity_slack
+            ):
                 least = preferred
                 break
         self.affinity.served(chain, least.address)

@@ -96,8 +96,10 @@ async def serve(config: GatewayConfig, authenticator: Authenticator | None) -> N
         )
         port = bind(grpc_server, config.grpc_listen)
         await grpc_server.start()
-        print(f"tandem-gateway grpc listening on {config.grpc_listen.rsplit(':', 1)[0]}:{port}",
-              flush=True)  # fmt: skip
+        print(
+            f"tandem-gateway grpc listening on {config.grpc_listen.rsplit(':', 1)[0]}:{port}",
+            flush=True,
+        )
     http_server, http_task = None, None
     if config.http_listen:
         sock = _http_socket(config.http_listen)
@@ -107,8 +109,10 @@ async def serve(config: GatewayConfig, authenticator: Authenticator | None) -> N
         )
         http_task = asyncio.create_task(http_server.serve(sockets=[sock]))
         host, port = sock.getsockname()[:2]
-        print(f"tandem-gateway http listening on {config.http_listen.rsplit(':', 1)[0]}:{port}",
-              flush=True)  # fmt: skip
+        print(
+            f"tandem-gateway http listening on {config.http_listen.rsplit(':', 1)[0]}:{port}",
+            flush=True,
+        )
     log.info("serving %d engines: %s", len(pool.backends), ", ".join(pool.backends))
 
     stop = asyncio.Event()

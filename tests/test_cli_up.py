@@ -44,3 +44,47 @@ def test_tandem_up_streams_a_demo_and_stops_cleanly(
     assert lines[2].startswith("model  tandem-tiny@sha256:")
     assert "[length: 12 tokens" in result.stdout
     assert lines[-1] == "stopped (engine exit 0, store exit 0)"
+
+
+def test_tandem_up_with_engines_starts_the_gateway_in_front(
+    tmp_path: Path, engine_data_dir: Path, engine: ServiceProcess
+) -> None:
+    data_dir = tmp_path / "up"
+    data_dir.mkdir()
+    (data_dir / "models").symlink_to(engine_data_dir / "models", target_is_directory=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem_client.cli",
+            "up",
+            "--data-dir",
+            str(data_dir),
+            "--store-port",
+            "0",
+            "--engine-port",
+            "0",
+            "--engines",
+            "2",
+            "--gateway-grpc-port",
+            "0",
+            "--gateway-http-port",
+            "0",
+            "--exit-after-demo",
+            "--demo-tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("store  listening on 127.0.0.1:")
+    assert lines[1].startswith("engine listening on 127.0.0.1:")
+    assert lines[2].startswith("engine listening on 127.0.0.1:")
+    assert lines[3].startswith("gateway grpc listening on 127.0.0.1:")
+    assert lines[4].startswith("gateway http listening on http://127.0.0.1:")
+    assert "[length: 8 tokens" in result.stdout
+    assert lines[-1] == ("stopped (gateway exit 0, engine exit 0, engine exit 0, store exit 0)")

@@ -13,11 +13,15 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tandem_client import EngineClient
 from tests.servers import GatewayProcess, InProcessStore, ServiceProcess, run_module, start_engine
 
 CHAT = [{"role": "user", "content": "Tell me about gateways."}]
+SDK_CHAT: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Tell me about gateways."}
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +63,9 @@ def _engine_stats(engines: list[ServiceProcess]) -> list[Any]:
     return out
 
 
-def test_models_and_health(cluster: tuple[GatewayProcess, list[ServiceProcess]],
-                           sdk: openai.OpenAI) -> None:  # fmt: skip
+def test_models_and_health(
+    cluster: tuple[GatewayProcess, list[ServiceProcess]], sdk: openai.OpenAI
+) -> None:
     assert [m.id for m in sdk.models.list()] == ["tandem-tiny"]
     with urllib.request.urlopen(cluster[0].http + "/health") as reply:
         assert json.load(reply) == {"status": "ok", "engines": {"serving": 2, "total": 2}}
@@ -72,7 +77,7 @@ def test_chat_completion_equals_the_engine_for_the_same_seed(
     with EngineClient(cluster[1][0].address) as direct:
         expected = direct.generate(CHAT, max_tokens=24, temperature=0.8, seed=42).text
     reply = sdk.chat.completions.create(
-        model="tandem-tiny", messages=CHAT, max_tokens=24, temperature=0.8, seed=42
+        model="tandem-tiny", messages=SDK_CHAT, max_tokens=24, temperature=0.8, seed=42
     )
     assert reply.object == "chat.completion"
     assert reply.choices[0].message.role == "assistant"
@@ -81,9 +86,14 @@ def test_chat_completion_equals_the_engine_for_the_same_seed(
     assert reply.usage is not None and reply.usage.completion_tokens == 24
 
     stream = sdk.chat.completions.create(
-        model="tandem-tiny", messages=CHAT, max_tokens=24, temperature=0.8, seed=42,
-        stream=True, stream_options={"include_usage": True},
-    )  # fmt: skip
+        model="tandem-tiny",
+        messages=SDK_CHAT,
+        max_tokens=24,
+        temperature=0.8,
+        seed=42,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
@@ -96,15 +106,29 @@ def test_completion_equals_tandem_generate(
     cluster: tuple[GatewayProcess, list[ServiceProcess]], sdk: openai.OpenAI
 ) -> None:
     cli = run_module(
-        "tandem_client.cli", "generate", "Once upon a time", "--engine", cluster[1][1].address,
-        "--max-tokens", "20", "--temperature", "0.7", "--seed", "9", "--json",
-    )  # fmt: skip
+        "tandem_client.cli",
+        "generate",
+        "Once upon a time",
+        "--engine",
+        cluster[1][1].address,
+        "--max-tokens",
+        "20",
+        "--temperature",
+        "0.7",
+        "--seed",
+        "9",
+        "--json",
+    )
     assert cli.returncode == 0, cli.stderr
     expected = json.loads(cli.stdout)
     reply = sdk.completions.create(
-        model="tandem-tiny", prompt="Once upon a time", max_tokens=20, temperature=0.7, seed=9,
+        model="tandem-tiny",
+        prompt="Once upon a time",
+        max_tokens=20,
+        temperature=0.7,
+        seed=9,
         logprobs=2,
-    )  # fmt: skip
+    )
     choice = reply.choices[0]
     assert choice.text == expected["text"]
     assert choice.logprobs is not None and len(choice.logprobs.tokens or []) == 20
@@ -138,13 +162,13 @@ def test_errors_come_back_in_openai_shape(
     cluster: tuple[GatewayProcess, list[ServiceProcess]], sdk: openai.OpenAI
 ) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
-        sdk.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=4)
+        sdk.chat.completions.create(model="no-such-model", messages=SDK_CHAT, max_tokens=4)
     assert "no-such-model" in str(missing.value)
     with pytest.raises(openai.BadRequestError) as bad:
         sdk.completions.create(model="tandem-tiny", prompt="x", max_tokens=4, temperature=7)
     assert bad.value.body is not None and "temperature" in str(bad.value.body)
     with pytest.raises(openai.BadRequestError):
-        sdk.chat.completions.create(model="tandem-tiny", messages=CHAT, n=2)
+        sdk.chat.completions.create(model="tandem-tiny", messages=SDK_CHAT, n=2)
     with pytest.raises(openai.BadRequestError) as refused:  # the engine's refusal, mapped
         sdk.completions.create(model="tandem-tiny", prompt=[10_000_000], max_tokens=4)
     assert "unknown token id" in str(refused.value)
@@ -166,7 +190,8 @@ def test_a_shared_prefix_lands_on_the_engine_that_holds_it(
     with EngineClient(gateway.grpc) as proxied:
         proxied.generate(prefix + [5, 6, 7], max_tokens=4)
         middle = _engine_stats(engines)
-        first = [m.requests_total - b.requests_total for m, b in zip(middle, before)].index(1)
+        served = [m.requests_total - b.requests_total for m, b in zip(middle, before, strict=True)]
+        first = served.index(1)
         second = proxied.generate(prefix + [8, 9], max_tokens=4)
     after = _engine_stats(engines)
     assert after[first].requests_total == middle[first].requests_total + 1
@@ -180,10 +205,15 @@ def test_a_client_that_leaves_cancels_its_generation(
 ) -> None:
     gateway, engines = cluster
     before = sum(s.cancelled_total for s in _engine_stats(engines))
-    body = json.dumps({
-        "model": "tandem-tiny", "prompt": "Go on", "max_tokens": 4000, "stream": True,
-        "tandem": {"ignore_eos": True},
-    }).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": "tandem-tiny",
+            "prompt": "Go on",
+            "max_tokens": 4000,
+            "stream": True,
+            "tandem": {"ignore_eos": True},
+        }
+    ).encode()
     request = urllib.request.Request(gateway.http + "/v1/completions", data=body, method="POST")
     reply = urllib.request.urlopen(request)
     for _ in range(3):
@@ -197,3 +227,30 @@ def test_a_client_that_leaves_cancels_its_generation(
             break
         assert time.monotonic() < deadline, "the engine kept generating for a client that left"
         time.sleep(0.1)
+
+
+def test_engines_come_and_go_through_the_engines_file(
+    cluster: tuple[GatewayProcess, list[ServiceProcess]], tmp_path: Path
+) -> None:
+    engines = cluster[1]
+    listed = tmp_path / "engines.txt"
+    listed.write_text(f"{engines[0].address}  # the first\n")
+    gateway = GatewayProcess(
+        [], tmp_path / "gateway.log", "--engines-file", str(listed), "--poll-interval", "0.1"
+    )
+    try:
+        gateway.wait_engines(1)
+        listed.write_text(f"{engines[0].address}\n{engines[1].address}\n")
+        gateway.wait_engines(2)
+        listed.write_text(f"# only the second now\n{engines[1].address}\n")
+        deadline = time.monotonic() + 30
+        while True:
+            with urllib.request.urlopen(gateway.http + "/health") as reply:
+                if json.load(reply)["engines"] == {"serving": 1, "total": 1}:
+                    break
+            assert time.monotonic() < deadline, "the removed engine stayed"
+            time.sleep(0.05)
+        with EngineClient(gateway.grpc) as client:
+            assert client.generate("hi", max_tokens=3).usage is not None
+    finally:
+        gateway.stop()

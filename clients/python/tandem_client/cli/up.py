@@ -1,6 +1,7 @@
 """The `tandem` command line.
 
 tandem up [--model M]          start a store and an engine, stream a demo, serve until Ctrl-C
+tandem up --engines N          a store, N engines and the gateway in front of them
 tandem generate "prompt"       stream a generation from a running engine
 """
 
@@ -18,12 +19,13 @@ from tandem_client.engine_client import EngineClient
 from tandem_client.errors import TandemError
 
 DEMO_PROMPT = [{"role": "user", "content": "Tell me about Tandem."}]
+NAMES = {"gateway_service": "gateway", "engine_service": "engine", "store_service": "store"}
 
 
 class _Service:
     """A service subprocess whose first stdout line names its address."""
 
-    def __init__(self, module: str, args: list[str], log: Path) -> None:
+    def __init__(self, module: str, args: list[str], log: Path, banners: int = 1) -> None:
         self.module = module
         with open(log, "a") as log_file:
             self.proc = subprocess.Popen(
@@ -36,15 +38,16 @@ class _Service:
                 start_new_session=True,
             )
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().strip()
+        lines = [self.proc.stdout.readline().strip() for _ in range(banners)]
         self.proc.stdout.close()
-        if " listening on " not in line:
+        if not all(" listening on " in line for line in lines):
             self.stop()
             # Its last words say why (e.g. "cannot listen on ...: the address is in use").
-            lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
-            reason = lines[-1] if lines else "no output"
+            logged = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+            reason = logged[-1] if logged else "no output"
             raise TandemError(f"{module} did not start: {reason} (log: {log})")
-        self.address = line.rsplit(" ", 1)[-1]
+        self.addresses = [line.rsplit(" ", 1)[-1] for line in lines]
+        self.address = self.addresses[0]
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -87,13 +90,26 @@ def cmd_up(args: argparse.Namespace) -> int:
     ]
     if args.model:
         engine_args += ["--model", args.model]
+    services = [store]
     try:
-        engine = _Service("engine_service", engine_args, data_dir / "engine.log")
+        engines = _start_engines(args, engine_args, data_dir, services)
+        gateway = _start_gateway(args, engines, data_dir, services) if args.engines else None
     except TandemError:
-        store.stop()
+        for service in reversed(services):
+            service.stop()
         raise
     print(f"store  listening on {store.address}   (log: {data_dir / 'store.log'})")
-    print(f"engine listening on {engine.address}   (log: {data_dir / 'engine.log'})")
+    for i, engine in enumerate(engines):
+        log = data_dir / (f"engine-{i + 1}.log" if args.engines else "engine.log")
+        print(f"engine listening on {engine.address}   (log: {log})")
+    if gateway is not None:
+        grpc_address, http_address = gateway.addresses
+        print(
+            f"gateway grpc listening on {grpc_address}   (the Tandem API; log: "
+            f"{data_dir / 'gateway.log'})"
+        )
+        print(f"gateway http listening on http://{http_address}   (OpenAI-compatible: /v1)")
+    front = gateway.address if gateway is not None else engines[0].address
     stop = {"now": False}
 
     def on_signal(*_: object) -> None:
@@ -102,7 +118,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        with EngineClient(engine.address) as client:
+        with EngineClient(front) as client:
             _wait_ready(client)
             info = client.model_info()
             print(f"model  {info.model_id}  ({info.model_type}, {info.dtype}, BLAS {info.blas})")
@@ -121,16 +137,45 @@ def cmd_up(args: argparse.Namespace) -> int:
                 )
         if args.exit_after_demo:
             return 0
-        print("serving; Ctrl-C stops both", flush=True)
+        print("serving; Ctrl-C stops them all", flush=True)
         while not stop["now"]:
-            if store.proc.poll() is not None or engine.proc.poll() is not None:
+            if any(s.proc.poll() is not None for s in services):
                 print("a service exited; stopping", file=sys.stderr)
                 return 1
             time.sleep(0.2)
         return 0
     finally:
-        codes = engine.stop(), store.stop()
-        print(f"stopped (engine exit {codes[0]}, store exit {codes[1]})")
+        stopped = [(s, s.stop()) for s in reversed(services)]  # gateway, engines, store
+        print("stopped (" + ", ".join(f"{NAMES[s.module]} exit {c}" for s, c in stopped) + ")")
+
+
+def _start_engines(
+    args: argparse.Namespace, engine_args: list[str], data_dir: Path, services: list[_Service]
+) -> list[_Service]:
+    if not args.engines:
+        engine = _Service("engine_service", engine_args, data_dir / "engine.log")
+        services.append(engine)
+        return [engine]
+    engines = []
+    for i in range(args.engines):
+        port = args.engine_port + i if args.engine_port else 0
+        listen = engine_args.index("--listen") + 1
+        own = [*engine_args[:listen], f"{args.host}:{port}", *engine_args[listen + 1 :]]
+        engine = _Service("engine_service", own, data_dir / f"engine-{i + 1}.log")
+        services.append(engine)
+        engines.append(engine)
+    return engines
+
+
+def _start_gateway(
+    args: argparse.Namespace, engines: list[_Service], data_dir: Path, services: list[_Service]
+) -> _Service:
+    gateway_args = [a for e in engines for a in ("--engine", e.address)]
+    gateway_args += ["--grpc-listen", f"{args.host}:{args.gateway_grpc_port}"]
+    gateway_args += ["--http-listen", f"{args.host}:{args.gateway_http_port}"]
+    gateway = _Service("gateway_service", gateway_args, data_dir / "gateway.log", banners=2)
+    services.append(gateway)
+    return gateway
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -143,7 +188,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     up.add_argument("--data-dir", default=os.environ.get("TANDEM_DATA_DIR", ".tandem"))
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--store-port", type=int, default=50061)
-    up.add_argument("--engine-port", type=int, default=50051)
+    up.add_argument("--engine-port", type=int, default=50051, help="the first engine's")
+    up.add_argument(
+        "--engines",
+        type=int,
+        default=0,
+        help="start N engines and the gateway in front of them (0: one engine, no gateway)",
+    )
+    up.add_argument("--gateway-grpc-port", type=int, default=50050)
+    up.add_argument("--gateway-http-port", type=int, default=8000)
     up.add_argument("--demo-tokens", type=int, default=48)
     up.add_argument("--exit-after-demo", action="store_true")
     up.set_defaults(func=cmd_up)

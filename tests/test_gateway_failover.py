@@ -1,0 +1,242 @@
+"""Live failover: engines SIGKILLed under 8 concurrent seeded streams (gRPC and SSE) through
+the gateway; every stream must end with exactly the tokens of an uninterrupted run.
+
+TANDEM_GATEWAY_KILLS sets the number of kills (`make soak` raises it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tandem_client import EngineClient
+from tests.servers import GatewayProcess, InProcessStore, ServiceProcess, start_engine
+
+KILLS = int(os.environ.get("TANDEM_GATEWAY_KILLS", "2"))
+STREAMS = 8
+TOKENS = 120
+SAMPLING = {"temperature": 0.9, "top_p": 0.95}
+
+
+@dataclass
+class Stream:
+    index: int
+    grpc: bool  # else SSE through the OpenAI-compatible front
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    failovers: int = -1
+    error: str = ""
+
+    @property
+    def prompt(self) -> str:
+        return f"Story number {self.index} begins:"
+
+    @property
+    def seed(self) -> int:
+        return 1000 + self.index
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, engine_data_dir: Path
+) -> Iterator[tuple[GatewayProcess, list[ServiceProcess]]]:
+    root = tmp_path_factory.mktemp("failover")
+    store = InProcessStore(root / "store")
+    engines: list[ServiceProcess] = []
+    gateway = None
+    try:
+        for i in range(3):
+            engines.append(
+                start_engine(
+                    engine_data_dir,
+                    "--store",
+                    store.address,
+                    "--grace",
+                    "0.3",
+                    log_dir=root / f"e{i}",
+                )
+            )
+        gateway = GatewayProcess(
+            [e.address for e in engines],
+            root / "gateway.log",
+            "--checkpoint-interval",
+            "8",
+            "--poll-interval",
+            "0.2",
+            "--failover-wait",
+            "60",
+        )
+        gateway.wait_engines(3)
+        yield gateway, engines
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for e in engines:
+            e.stop()
+        store.stop()
+
+
+def _run_grpc(address: str, s: Stream, progress: list[int]) -> None:
+    try:
+        with EngineClient(address) as client:
+            for chunk in client.stream(
+                s.prompt, max_tokens=TOKENS, seed=s.seed, ignore_eos=True, **SAMPLING
+            ):
+                s.tokens += chunk.token_ids
+                s.text += chunk.text
+                progress[0] += len(chunk.token_ids)
+                if chunk.usage is not None:
+                    s.failovers = chunk.usage.failovers
+    except Exception as exc:  # noqa: BLE001 - reported by the test
+        s.error = repr(exc)
+
+
+def _run_sse(http: str, s: Stream, progress: list[int]) -> None:
+    body = {
+        "model": "tandem-tiny",
+        "prompt": s.prompt,
+        "max_tokens": TOKENS,
+        "seed": s.seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "tandem": {"ignore_eos": True},
+        **SAMPLING,
+    }
+    request = urllib.request.Request(
+        http + "/v1/completions", data=json.dumps(body).encode(), method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            for raw in reply:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    s.error = event["error"]["message"]
+                    return
+                if event["choices"]:
+                    s.text += event["choices"][0]["text"]
+                    progress[0] += 1
+                if event.get("usage"):
+                    s.failovers = event["usage"]["failovers"]
+    except Exception as exc:  # noqa: BLE001
+        s.error = repr(exc)
+
+
+def _references(address: str) -> dict[int, tuple[list[int], str]]:
+    with EngineClient(address) as client:
+        out = {}
+        for i in range(STREAMS):
+            s = Stream(i, True)
+            g = client.generate(
+                s.prompt, max_tokens=TOKENS, seed=s.seed, ignore_eos=True, **SAMPLING
+            )
+            out[i] = (g.token_ids, g.text)
+        return out
+
+
+def _busiest(engines: list[ServiceProcess]) -> int:
+    running = []
+    for e in engines:
+        with EngineClient(e.address) as c:
+            running.append(c.stats().running)
+    return max(range(len(engines)), key=lambda i: running[i])
+
+
+@dataclass
+class Tally:
+    rounds: int = 0
+    streams: int = 0
+    exact: int = 0
+    moved: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def _round(
+    gateway: GatewayProcess,
+    engines: list[ServiceProcess],
+    expected: dict[int, tuple[list[int], str]],
+    at: int,
+    stop: Callable[[ServiceProcess], None],
+    tally: Tally,
+) -> None:
+    """8 streams through the gateway; after `at` tokens the busiest engine is stopped by
+    `stop`, then started again on its port."""
+    streams = [Stream(i, grpc=i % 2 == 0) for i in range(STREAMS)]
+    progress = [0]
+    threads = [
+        threading.Thread(
+            target=_run_grpc if s.grpc else _run_sse,
+            args=(gateway.grpc if s.grpc else gateway.http, s, progress),
+        )
+        for s in streams
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while progress[0] < at and time.monotonic() < deadline:
+        time.sleep(0.01)
+    victim = engines[_busiest(engines)]
+    port = int(victim.address.rsplit(":", 1)[1])
+    stop(victim)
+    tally.rounds += 1
+    for t in threads:
+        t.join(300)
+    victim.start_on(port)  # back for the next round
+    gateway.wait_engines(len(engines))
+    for s in streams:
+        tally.streams += 1
+        tokens, text = expected[s.index]
+        same = s.text == text and (not s.grpc or s.tokens == tokens)
+        tally.exact += same and not s.error
+        tally.moved += s.failovers > 0
+        if not same or s.error:
+            kind = "grpc" if s.grpc else "sse"
+            tally.problems.append(f"stream {s.index} ({kind}): {s.error or 'tokens differ'}")
+
+
+def test_streams_survive_engine_kills_exactly(
+    cluster: tuple[GatewayProcess, list[ServiceProcess]],
+) -> None:
+    gateway, engines = cluster
+    expected = _references(engines[0].address)
+    rng = random.Random(7)
+    tally = Tally()
+    for _ in range(KILLS):
+        # Killed at a random point of the round: after 10-70% of its tokens.
+        at = rng.randint(STREAMS * TOKENS // 10, STREAMS * TOKENS * 7 // 10)
+        _round(gateway, engines, expected, at, ServiceProcess.kill, tally)
+    print(
+        f"kills {tally.rounds} / streams {tally.streams} / exact {tally.exact} "
+        f"/ failed over {tally.moved}"
+    )
+    assert not tally.problems, tally.problems
+    assert tally.exact == tally.streams
+    assert tally.moved >= tally.rounds  # each kill took at least one stream with it
+
+
+def test_streams_move_off_an_engine_that_drains(
+    cluster: tuple[GatewayProcess, list[ServiceProcess]],
+) -> None:
+    """SIGTERM: the engine's grace (0.3 s) ends its streams CANCELLED with their
+    checkpoints kept; the gateway resumes them elsewhere, the client never sees it."""
+    gateway, engines = cluster
+    expected = _references(engines[0].address)
+    tally = Tally()
+    _round(gateway, engines, expected, STREAMS * TOKENS // 4, _terminate, tally)
+    assert not tally.problems, tally.problems
+    assert tally.exact == tally.streams and tally.moved >= 1
+
+
+def _terminate(engine: ServiceProcess) -> None:
+    assert engine.terminate(60) == 0
