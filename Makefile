@@ -13,12 +13,15 @@ NODE_STAMP := clients/node/node_modules/.package-lock.json
 
 $(STAMP): pyproject.toml setup.py
 	@scripts/install-blas.sh
+	@echo "==> $(VENV): a virtualenv of its own"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "==> installing tandem and its dependencies (mlx, mlx-lm, grpcio...; the first time takes a few minutes)"
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
 $(PB_STAMP): $(STAMP) $(PROTOS) scripts/gen_protos.py
+	@echo "==> generating the gRPC stubs from protos/"
 	$(PY) scripts/gen_protos.py
 
 protos: $(STAMP)

@@ -58,6 +58,8 @@ class EngineConfig:
     # Same-host data plane (docs/store.md): bytes of shared memory for restores; 0 = off.
     store_region_bytes: int = -1  # -1: sized for the backend (checkpoints.region_bytes)
     spill_batch_records: int = 32  # checkpoint Puts sent in one PutMany (1: one Put each)
+    # Prometheus /metrics (metrics.py) on HOST:PORT; "" = off.
+    metrics_listen: str = ""
     # Run each decode and prefill shape once at start (MLX-CUDA compiles kernels on first use).
     warmup: bool = True
     # The decode step as one compiled MLX graph where the batch allows (compiled_decode.py),
@@ -238,6 +240,11 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         default=int(_env("SPILL_BATCH_RECORDS", "32")),
         help="checkpoint records queued together that leave in one PutMany (1: one Put each)",
     )
+    p.add_argument(
+        "--metrics-listen",
+        default=_env("METRICS_LISTEN", ""),
+        help="serve Prometheus /metrics on HOST:PORT (default: off)",
+    )
     _off_switch(p, "warmup", "skip running the batch shapes once before serving")
     _off_switch(p, "compiled_decode", "build each decode step's graph in Python, not compiled")
     p.add_argument(
@@ -280,6 +287,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             store_token_file=a.store_token_file,
             store_region_bytes=a.store_region_bytes,
             spill_batch_records=a.spill_batch_records,
+            metrics_listen=a.metrics_listen,
             warmup=a.warmup,
             compiled_decode=a.compiled_decode,
             compiled_decode_max_batch=a.compiled_decode_max_batch,

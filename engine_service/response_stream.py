@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from engine_service.errors import Abandoned, DeadlineExceeded, Unavailable
 from engine_service.events import Event, Finished, Sink, Started, Token
+from engine_service.metrics import RequestMetrics
 from engine_service.requests import GenerationRequest
 from engine_service.text import TextStream
 
@@ -119,8 +120,15 @@ class RequestStream:
 class ResponseBuilder:
     """The text and usage of one generation as its tokens arrive."""
 
-    def __init__(self, req: GenerationRequest, tokenizer: Any, arrival: float) -> None:
+    def __init__(
+        self,
+        req: GenerationRequest,
+        tokenizer: Any,
+        arrival: float,
+        metrics: RequestMetrics | None = None,
+    ) -> None:
         self.req = req
+        self.metrics = metrics
         self.tokenizer = tokenizer
         self.text = TextStream(tokenizer, req.sampling.stop, req.prompt)
         self.usage = Usage(prompt_tokens=len(req.prompt))
@@ -134,7 +142,10 @@ class ResponseBuilder:
     def add(self, chunk: ResponseChunk, event: Token) -> None:
         """One generated token into the chunk (a resumed client already holds the first
         tokens_held: counted, not sent)."""
-        self.last_token_at = time.monotonic()
+        now = time.monotonic()
+        if self.metrics is not None and self.generated > self.req.tokens_held:
+            self.metrics.itl.observe(now - self.last_token_at)
+        self.last_token_at = now
         if not self.generated:
             self.first_token_at = self.last_token_at
         self.usage.generated_tokens += 1
@@ -168,6 +179,14 @@ class ResponseBuilder:
                 self.last_token_at - self.first_token_at
             )
         chunk.usage = u
+        if self.metrics is not None:
+            self.metrics.finish(
+                reason,
+                u.prompt_tokens,
+                u.generated_tokens,
+                u.ttft_seconds,
+                time.monotonic() - self.arrival,
+            )
         return chunk
 
     def _logprob(self, event: Token) -> TokenLogprob:
@@ -183,6 +202,7 @@ async def respond(
     arrival: float,
     replay: list[int],
     stop_row: Callable[[], None],
+    metrics: RequestMetrics | None = None,
 ) -> AsyncIterator[ResponseChunk]:
     """The chunks of one generation: replayed tokens first (resume), then the engine's.
 
@@ -190,7 +210,7 @@ async def respond(
     Raises DeadlineExceeded when the engine dropped the request at its deadline, Unavailable
     when the engine core exited under it.
     """
-    out = ResponseBuilder(req, tokenizer, arrival)
+    out = ResponseBuilder(req, tokenizer, arrival, metrics)
     if replay:
         out.usage.cached_prompt_tokens = len(req.prompt)
         chunk = ResponseChunk()

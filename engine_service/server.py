@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -79,10 +80,11 @@ async def serve(
         default_kv=config.kv_codec,
         drafts=DraftSupport(ready.draft_model_id, config.num_draft_tokens),
     )
+    metrics = _serve_metrics(config.metrics_listen, core) if config.metrics_listen else None
     server = grpc.aio.server(options=SERVER_OPTIONS)
     # Malformed requests: INVALID_ARGUMENT on every RPC; with access, callers authenticated.
     registrar = guarded(server, access)
-    servicer = EngineServicer(policy, core, config.park_after_tokens, access)
+    servicer = EngineServicer(policy, core, config.park_after_tokens, access, metrics)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, registrar)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registrar)
     await set_serving(True)
@@ -115,6 +117,30 @@ async def serve(
     await core.shutdown(max(1.0, deadline - time.monotonic()))
     await server.stop(2.0)
     log.info("stopped")
+
+
+def _serve_metrics(listen: str, core: Any) -> Any:
+    """/metrics on its own thread; the core's counters are read when it is scraped."""
+    from prometheus_client import CollectorRegistry
+
+    from engine_service.metrics import CoreCollector, RequestMetrics
+    from tandem_wire.metrics import serve_metrics
+
+    loop = asyncio.get_running_loop()
+
+    def read() -> Any:
+        try:  # on the metrics thread: the core is asked on the event loop
+            answer = asyncio.run_coroutine_threadsafe(core.stats(), loop).result(5.0)
+        except Exception:  # noqa: BLE001 - a core that is down or restarting: up 0
+            return None
+        return answer.engine, answer.checkpoints
+
+    registry = CollectorRegistry()
+    metrics = RequestMetrics(registry)
+    registry.register(CoreCollector(read))
+    port = serve_metrics(listen, registry)
+    log.info("metrics on %s:%d/metrics", listen.rsplit(":", 1)[0], port)
+    return metrics
 
 
 def main(argv: list[str] | None = None) -> None:

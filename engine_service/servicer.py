@@ -23,6 +23,7 @@ import grpc
 from engine_service import wire
 from engine_service.core_link import CoreLink
 from engine_service.errors import EngineError, NotFound
+from engine_service.metrics import RequestMetrics
 from engine_service.requests import GenerationRequest, RequestPolicy, scoped_id
 from engine_service.response_stream import Backpressure, RequestStream, respond
 from tandem_wire.auth import AuthError, current, namespace_for
@@ -75,8 +76,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         core: CoreLink,
         park_after_tokens: int,
         access: Access | None = None,
+        metrics: RequestMetrics | None = None,
     ) -> None:
         self.policy = policy
+        self.metrics = metrics
         self.access = access
         self.loaded = policy.loaded
         self.core = core
@@ -96,7 +99,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 # The core plans (a cached prefix, a checkpoint to resume) and admits it.
                 accepted = await self.core.submit(stream, req)
                 chunks = respond(
-                    req, self.loaded.tokenizer, events, arrival, accepted.replay, self._stopper(req)
+                    req,
+                    self.loaded.tokenizer,
+                    events,
+                    arrival,
+                    accepted.replay,
+                    self._stopper(req),
+                    self.metrics,
                 )
                 async for chunk in chunks:
                     yield wire.response_to_pb(chunk)

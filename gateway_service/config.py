@@ -32,6 +32,7 @@ class GatewayConfig:
     # The gateway's own calls to engines (Stats needs `admin` on an engine with auth).
     engine_token_file: str = ""
     engine_tls_ca: str = ""
+    metrics_listen: str = ""  # Prometheus /metrics on HOST:PORT; "" = off
 
     def __post_init__(self) -> None:
         if not self.http_listen and not self.grpc_listen:
@@ -81,6 +82,11 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     )
     p.add_argument("--engine-token-file", default=_env("ENGINE_TOKEN_FILE", ""))
     p.add_argument("--engine-tls-ca", default=_env("ENGINE_TLS_CA", ""))
+    p.add_argument(
+        "--metrics-listen",
+        default=_env("METRICS_LISTEN", ""),
+        help="serve Prometheus /metrics on HOST:PORT (default: off)",
+    )
     a = p.parse_args(argv)
     try:
         return GatewayConfig(
@@ -97,6 +103,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             insecure_no_auth=a.insecure_no_auth,
             engine_token_file=a.engine_token_file,
             engine_tls_ca=a.engine_tls_ca,
+            metrics_listen=a.metrics_listen,
         )
     except ValueError as exc:
         p.error(str(exc))

@@ -263,24 +263,11 @@ class Shaper:
                 "logprobs": self._completion_logprobs(message.logprobs),
             }
             kind = "text_completion"
-        return {
-            "id": self.object_id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
+        return self._envelope(kind, [choice])
 
     def usage_chunk(self) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {
-            "id": self.object_id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": self.usage,
-        }
+        return self._envelope(kind, [], usage=self.usage)
 
     def final(self) -> dict[str, Any]:
         if self.chat:
@@ -299,13 +286,16 @@ class Shaper:
                 "logprobs": self._completion_logprobs(self.logprobs),
             }
             kind = "text_completion"
+        return self._envelope(kind, [choice], usage=self.usage)
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
             "id": self.object_id,
             "object": kind,
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
-            "usage": self.usage,
+            "choices": choices,
+            **extra,
         }
 
     def _chat_logprobs(self, lps: Any) -> dict[str, Any] | None:

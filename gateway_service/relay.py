@@ -26,6 +26,7 @@ import grpc
 
 from gateway_service.affinity import PrefixAffinity, prompt_chain
 from gateway_service.backends import Backend, BackendPool
+from gateway_service.metrics import GatewayMetrics
 from tandem_wire.pb import engine_pb2
 
 log = logging.getLogger("tandem.gateway")
@@ -79,10 +80,18 @@ class _EngineLost(Exception):
 
 
 class Relay:
-    def __init__(self, pool: BackendPool, affinity: PrefixAffinity, settings: RelaySettings):
+    def __init__(
+        self,
+        pool: BackendPool,
+        affinity: PrefixAffinity,
+        settings: RelaySettings,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self.pool = pool
         self.affinity = affinity
         self.settings = settings
+        self.metrics = metrics
+        self.requests_total = 0
         self.running: dict[tuple[str, str], _Running] = {}
         self.failovers_total = 0
         self.restarts_total = 0  # failovers that found no checkpoint and generated again
@@ -98,6 +107,8 @@ class Relay:
         attempt = _Attempt(resume=req.resume, tokens_held=req.tokens_held)
         key = (caller.scope, req.request_id)
         sent, failovers, arrival, first_at = 0, 0, time.monotonic(), 0.0
+        lost_at = 0.0  # when the last engine was lost (the failover gap's start)
+        self.requests_total += 1
         while True:
             backend = await self._choose(model, chain, attempt.full)
             running = self.running[key] = _Running(backend)
@@ -112,8 +123,14 @@ class Relay:
                         # drain); a Cancel sent to it by some other way ends the stream.
                         if not await self.pool.serving(backend):
                             raise _EngineLost("the engine cancelled the stream (shutting down)")
-                    if message.token_ids and not first_at:
-                        first_at = time.monotonic()
+                    if message.token_ids and (not first_at or lost_at):
+                        now = time.monotonic()
+                        if self.metrics is not None:
+                            if not first_at:
+                                self.metrics.ttft.observe(now - arrival)
+                            else:
+                                self.metrics.failover_gap.observe(now - lost_at)
+                        first_at, lost_at = first_at or now, 0.0
                     sent += len(message.token_ids)
                     if message.finish_reason != FINISH_UNSET:
                         message.usage.failovers = failovers
@@ -164,6 +181,7 @@ class Relay:
                     del self.running[key]
             failovers += 1
             self.failovers_total += 1
+            lost_at = lost_at or time.monotonic()
             if failovers > self.settings.max_failovers:
                 raise GatewayError(
                     grpc.StatusCode.UNAVAILABLE, f"gave up after {failovers - 1} failovers"

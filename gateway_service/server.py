@@ -17,15 +17,18 @@ import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from gateway_service.affinity import PrefixAffinity
 from gateway_service.backends import BackendPool
 from gateway_service.config import GatewayConfig, parse_args
 from gateway_service.grpc_front import GatewayServicer
+from gateway_service.metrics import GatewayMetrics, PoolCollector
 from gateway_service.openai_app import OpenAIFront
 from gateway_service.relay import Relay, RelaySettings
 from tandem_client.credentials import bearer_token, tls_credentials
 from tandem_wire.auth import Authenticator, AuthFileError, Role
+from tandem_wire.metrics import serve_metrics
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
 from tandem_wire.service import SERVER_OPTIONS, Access, configure_logging, guarded
 from tandem_wire.tls import bind, check_exposure
@@ -80,7 +83,12 @@ async def serve(config: GatewayConfig, authenticator: Authenticator | None) -> N
         config.max_failovers,
         config.affinity_slack,
     )
-    relay = Relay(pool, PrefixAffinity(), settings)
+    registry = CollectorRegistry()
+    relay = Relay(pool, PrefixAffinity(), settings, GatewayMetrics(registry))
+    if config.metrics_listen:
+        registry.register(PoolCollector(pool, relay))
+        port = serve_metrics(config.metrics_listen, registry)
+        log.info("metrics on %s:%d/metrics", config.metrics_listen.rsplit(":", 1)[0], port)
     grpc_server = None
     if config.grpc_listen:
         access = Access(authenticator, ROLES) if authenticator is not None else None

@@ -52,6 +52,7 @@ class StoreConfig:
     auth_file: str = ""
     admin_listen: str = ""
     insecure_no_auth: bool = False
+    metrics_listen: str = ""  # Prometheus /metrics on HOST:PORT; "" = off
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -124,6 +125,11 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
         default=_env("ADMIN_LISTEN", ""),
         help="HOST:PORT serving StoreAdmin (then not served on --listen)",
     )
+    parser.add_argument(
+        "--metrics-listen",
+        default=_env("METRICS_LISTEN", ""),
+        help="serve Prometheus /metrics on HOST:PORT (default: off)",
+    )
     args = parser.parse_args(argv)
     try:
         return StoreConfig(
@@ -138,6 +144,7 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
             tls_client_ca=args.tls_client_ca,
             auth_file=args.auth_file,
             admin_listen=args.admin_listen,
+            metrics_listen=args.metrics_listen,
             insecure_no_auth=args.insecure_no_auth,
             bulk_calls_per_connection=args.max_bulk_calls_per_connection,
             grace_s=args.grace,

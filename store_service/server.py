@@ -89,6 +89,20 @@ def create_server(
     return server, port, health_servicer
 
 
+def _serve_metrics(listen: str, store: CheckpointStore, access: Access | None) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from store_service.metrics import StoreCollector
+    from tandem_wire.metrics import serve_metrics
+
+    admin = StoreAdmin(store)
+    registry = CollectorRegistry()
+    failures = (lambda: access.authenticator.failures_total) if access is not None else (lambda: 0)
+    registry.register(StoreCollector(admin.stats, failures))
+    port = serve_metrics(listen, registry)
+    log.info("metrics on %s:%d/metrics", listen.rsplit(":", 1)[0], port)
+
+
 def serve(config: StoreConfig) -> None:
     check_exposure(
         "tandem-store",
@@ -138,6 +152,8 @@ def serve(config: StoreConfig) -> None:
         signal.signal(signal.SIGHUP, lambda *_: authenticator.reload())
     for server, _, _ in servers:
         server.start()
+    if config.metrics_listen:
+        _serve_metrics(config.metrics_listen, store, access)
     host = config.listen.rsplit(":", 1)[0]
     # One parseable line: tests and `tandem up` read the port from it.
     print(f"tandem-store listening on {host}:{servers[0][1]}", flush=True)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tandem_client import EngineClient
 from tests.servers import ROOT, ServiceProcess, store_and_engine
 
 LONG_SYSTEM = "You are a careful assistant. " * 20  # makes the prompt long enough to cache
@@ -46,7 +47,10 @@ def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
 def test_generate_text_and_json(services: dict[str, str]) -> None:
     text = tandem(services, "generate", "Hello world", "--max-tokens", "8")
     assert text.returncode == 0, text.stderr
-    assert "[length: 8 tokens" in text.stdout
+    # stdout is the text alone; the usage line goes to stderr.
+    assert "[length: 8 tokens" in text.stderr and "[length" not in text.stdout
+    with EngineClient(services["TANDEM_ENGINE"]) as engine:
+        assert text.stdout == engine.generate("Hello world", max_tokens=8).text + "\n"
     as_json = tandem(
         services,
         "generate",
@@ -88,6 +92,9 @@ def test_bad_input_unreachable_and_bad_flags(services: dict[str, str]) -> None:
     _one_error_line(store_down)
     flag = tandem(services, "generate", "hi", "--bogus")
     assert flag.returncode == 2 and "unrecognized arguments" in flag.stderr
+    wrong_port = tandem(services, "generate", "hi", "--engine", services["TANDEM_STORE"])
+    assert "is that address a store?" in _one_error_line(wrong_port)
+    assert "(default: 0.0)" in tandem(services, "generate", "--help").stdout
 
 
 def test_chat_streams_turns_and_reuses_the_conversation_prefix(services: dict[str, str]) -> None:
@@ -128,6 +135,9 @@ def test_ckpt_commands(services: dict[str, str], tmp_path: Path) -> None:
 
     table = tandem(services, "ckpt", "ls", "--namespace", "cli")
     assert table.returncode == 0 and key[:16] in table.stdout and "prefix" in table.stdout
+    # The 16 digits the table shows name the record.
+    pasted = tandem(services, "ckpt", "show", key[:16], "--namespace", "cli", "--json")
+    assert pasted.returncode == 0 and json.loads(pasted.stdout)["summary"]["key"] == key
     show = tandem(services, "ckpt", "show", key, "--namespace", "cli")
     assert show.returncode == 0 and "tensors" in show.stdout and "kv:plain" in show.stdout
     shown = json.loads(tandem(services, "ckpt", "show", key, "--namespace", "cli", "--json").stdout)

@@ -39,9 +39,11 @@ def test_tandem_up_streams_a_demo_and_stops_cleanly(
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("store  listening on 127.0.0.1:")
-    assert lines[1].startswith("engine listening on 127.0.0.1:")
-    assert lines[2].startswith("model  tandem-tiny@sha256:")
+    assert lines[0].startswith("starting the store and the engine")
+    assert lines[1].startswith("store  listening on 127.0.0.1:")
+    assert lines[2].startswith("engine listening on 127.0.0.1:")
+    assert lines[3].startswith("model  tandem-tiny@sha256:")
+    assert "random weights" in lines[4] and "--model mlx-community/" in lines[5]
     assert "[length: 12 tokens" in result.stdout
     assert lines[-1] == "stopped (engine exit 0, store exit 0)"
 
@@ -81,10 +83,10 @@ def test_tandem_up_with_engines_starts_the_gateway_in_front(
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("store  listening on 127.0.0.1:")
-    assert lines[1].startswith("engine listening on 127.0.0.1:")
+    assert lines[1].startswith("store  listening on 127.0.0.1:")
     assert lines[2].startswith("engine listening on 127.0.0.1:")
-    assert lines[3].startswith("gateway grpc listening on 127.0.0.1:")
-    assert lines[4].startswith("gateway http listening on http://127.0.0.1:")
+    assert lines[3].startswith("engine listening on 127.0.0.1:")
+    assert lines[4].startswith("gateway grpc listening on 127.0.0.1:")
+    assert lines[5].startswith("gateway http listening on http://127.0.0.1:")
     assert "[length: 8 tokens" in result.stdout
     assert lines[-1] == ("stopped (gateway exit 0, engine exit 0, engine exit 0, store exit 0)")

@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 
 from tandem_client import EngineClient
-from tests.servers import GatewayProcess, InProcessStore, ServiceProcess, start_engine
+from tests.servers import GatewayProcess, InProcessStore, ServiceProcess, free_port, start_engine
+from tests.test_metrics import scrape
 
 KILLS = int(os.environ.get("TANDEM_GATEWAY_KILLS", "2"))
+METRICS_PORT = free_port()
 STREAMS = 8
 TOKENS = 120
 SAMPLING = {"temperature": 0.9, "top_p": 0.95}
@@ -68,6 +70,8 @@ def cluster(
         gateway = GatewayProcess(
             [e.address for e in engines],
             root / "gateway.log",
+            "--metrics-listen",
+            f"127.0.0.1:{METRICS_PORT}",
             "--checkpoint-interval",
             "8",
             "--poll-interval",
@@ -212,6 +216,7 @@ def test_streams_survive_engine_kills_exactly(
     expected = _references(engines[0].address)
     rng = random.Random(7)
     tally = Tally()
+    before = scrape(METRICS_PORT)
     for _ in range(KILLS):
         # Killed at a random point of the round: after 10-70% of its tokens.
         at = rng.randint(STREAMS * TOKENS // 10, STREAMS * TOKENS * 7 // 10)
@@ -223,6 +228,17 @@ def test_streams_survive_engine_kills_exactly(
     assert not tally.problems, tally.problems
     assert tally.exact == tally.streams
     assert tally.moved >= tally.rounds  # each kill took at least one stream with it
+    after = scrape(METRICS_PORT)
+
+    def delta(name: str) -> float:
+        return after[(name, ())] - before.get((name, ()), 0.0)
+
+    assert delta("tandem:gateway_failovers_total") >= tally.moved
+    assert delta("tandem:gateway_requests_total") == tally.streams
+    assert delta("tandem:gateway_time_to_first_token_seconds_count") == tally.streams
+    assert delta("tandem:gateway_failover_gap_seconds_count") >= tally.moved
+    ups = [v for (name, _), v in after.items() if name == "tandem:gateway_engine_up"]
+    assert ups == [1.0, 1.0, 1.0]
 
 
 def test_streams_move_off_an_engine_that_drains(

@@ -19,7 +19,7 @@ from tandem_client.cli.output import (
     store_address,
     table,
 )
-from tandem_client.errors import InvalidArgument
+from tandem_client.errors import InvalidArgument, NotFound
 from tandem_client.store_client import Checkpoint, RecordSummary, StoreClient
 from tandem_wire.pb import tensors_pb2
 
@@ -45,7 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     def filters(p: argparse.ArgumentParser) -> None:
         p.add_argument("--namespace", default="")
         p.add_argument("--model", default="", help="model id")
-        p.add_argument("--kind", default="", choices=["", "prefix", "generation", "object"])
+        p.add_argument(
+            "--kind", choices=["prefix", "generation", "object"], help="(default: every kind)"
+        )
         p.add_argument("--older-than", type=int, default=0, metavar="SECONDS")
         p.add_argument("--idle-for", type=int, default=0, metavar="SECONDS")
 
@@ -78,14 +80,25 @@ def _client(args: argparse.Namespace) -> StoreClient:
     return StoreClient(store_address(args.store), timeout=600, **connection(args))
 
 
-def _key(text: str) -> bytes:
-    try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        raise InvalidArgument(f"key must be hex, got {text!r}") from None
-    if not key:
-        raise InvalidArgument("key must not be empty")
-    return key
+SHOWN_KEY_CHARS = 16  # what `ckpt ls` shows of a key; show, rm and export take any unique prefix
+
+
+def _key(store: StoreClient, text: str, namespace: str) -> bytes:
+    """A whole key, or the one key in the namespace that starts with these hex digits."""
+    text = text.lower()
+    if not text or any(c not in "0123456789abcdef" for c in text):
+        raise InvalidArgument(f"key must be hex digits, got {text!r}")
+    if len(text) >= 64 and len(text) % 2 == 0:
+        return bytes.fromhex(text)  # a whole key: no listing needed
+    keys = [r.key for r in store.list_all(namespace=namespace) if r.key.hex().startswith(text)]
+    exact = [k for k in keys if k.hex() == text]
+    if exact:
+        return exact[0]
+    if len(keys) == 1:
+        return keys[0]
+    if not keys:
+        raise NotFound(f"NOT_FOUND: no record's key starts with {text}")
+    raise InvalidArgument(f"{len(keys)} records' keys start with {text}: give more digits")
 
 
 def _summary_json(r: RecordSummary) -> dict[str, Any]:
@@ -96,7 +109,7 @@ def _rows(records: list[RecordSummary]) -> list[list[str]]:
     now = int(time.time() * 1000)
     return [
         [
-            r.key.hex()[:16],
+            r.key.hex()[:SHOWN_KEY_CHARS],
             r.namespace,
             r.kind,
             r.model_id,
@@ -139,7 +152,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     with _client(args) as store:
-        seen = store.inspect(_key(args.key), args.namespace)
+        seen = store.inspect(_key(store, args.key, args.namespace), args.namespace)
     c = seen.checkpoint
     if args.json:
         print_json(
@@ -198,7 +211,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     with _client(args) as store:
-        freed = store.delete(_key(args.key), args.namespace, force=args.force)
+        freed = store.delete(
+            _key(store, args.key, args.namespace), args.namespace, force=args.force
+        )
     if args.json:
         print_json({"deleted": args.key, "freed_bytes": freed})
     else:
@@ -287,10 +302,11 @@ def _progress() -> Progress:
 
 def cmd_export(args: argparse.Namespace) -> int:
     with _client(args) as store:
-        header = store.get_header(_key(args.key), args.namespace)
+        key = _key(store, args.key, args.namespace)
+        header = store.get_header(key, args.namespace)
         with _progress() as progress:
             task = progress.add_task("export", total=None)
-            ckpt = store.get(_key(args.key), args.namespace)
+            ckpt = store.get(key, args.namespace)
             tensors = ckpt.all_tensors()
             total = sum(memoryview(t.data).nbytes for t in tensors)
             progress.update(task, total=total)

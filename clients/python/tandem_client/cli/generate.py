@@ -7,26 +7,26 @@ import sys
 from typing import Any
 
 from tandem_client.cli.connection import add_connection_args, connection
-from tandem_client.cli.output import console, engine_address, print_json
+from tandem_client.cli.output import console, engine_address, errors, print_json
 from tandem_client.engine_client import EngineClient, GenerationChunk
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", help="engine address (env TANDEM_ENGINE)")
     add_connection_args(p)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, help="(default: the engine's --default-max-tokens)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, help="(0, 1]; unset: off")
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0: off")
+    p.add_argument("--repetition-penalty", type=float, default=0.0, help="0 or 1: off")
+    p.add_argument("--seed", type=int, default=0, help="same seed, same tokens")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--namespace", default="")
+    p.add_argument("--namespace", default="", help="(default: the principal's first)")
     p.add_argument(
         "--kv-bits", type=int, help="KV cache: 0 plain, 4 or 8 quantized (default: the engine's)"
     )
-    p.add_argument("--kv-group-size", type=int, default=0)
+    p.add_argument("--kv-group-size", type=int, default=0, help="32, 64 or 128; 0: the engine's")
     p.add_argument("--quantized-kv-start", type=int, help="tokens kept plain before converting")
     p.add_argument(
         "--num-draft-tokens", type=int, help="speculative decoding: draft tokens per round"
@@ -103,8 +103,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     else:
         sys.stdout.write("\n")
-        console.print(_usage_line(last), style="dim", markup=False)
-    return 0 if last.finish_reason != "error" else 1
+        sys.stdout.flush()
+        errors.print(_usage_line(last), style="dim", markup=False)  # stdout: the text only
+    # A generation cut short (error, cancelled) is not a success.
+    return 0 if last.finish_reason in ("length", "stop") else 1
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from tandem_client.engine_client import EngineClient
 from tandem_client.errors import TandemError
 
 DEMO_PROMPT = [{"role": "user", "content": "Tell me about Tandem."}]
+EMBEDDED_MODELS = ("tandem-tiny", "tandem-tiny-draft")
 NAMES = {"gateway_service": "gateway", "engine_service": "engine", "store_service": "store"}
 
 
@@ -75,6 +76,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     host = args.host
+    print("starting the store and the engine (the first run builds the embedded model)", flush=True)
     store = _Service(
         "store_service",
         ["--data-dir", str(data_dir / "store"), "--listen", f"{host}:{args.store_port}"],
@@ -122,6 +124,13 @@ def cmd_up(args: argparse.Namespace) -> int:
             _wait_ready(client)
             info = client.model_info()
             print(f"model  {info.model_id}  ({info.model_type}, {info.dtype}, BLAS {info.blas})")
+            if info.name in EMBEDDED_MODELS:
+                # Say it before the demo prints noise.
+                print(
+                    f"       {info.name} is the embedded default: a real tokenizer with random "
+                    "weights, so its text is noise.\n       Serve a real model with: tandem up "
+                    "--model mlx-community/Qwen3-0.6B-4bit (or any mlx-lm model directory)"
+                )
             print(f"demo   {DEMO_PROMPT[0]['content']}\n       ", end="", flush=True)
             final = None
             for chunk in client.stream(

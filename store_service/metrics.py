@@ -1,0 +1,55 @@
+"""The store's Prometheus metrics (`--metrics-listen`): its StoreStats read at scrape time,
+under `tandem:store_*` names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from store_service.wire import StoreStats
+
+GAUGES = {
+    "records": "Records held.",
+    "payload_bytes": "Payload bytes held.",
+    "capacity_bytes": "The byte budget (--capacity).",
+    "file_bytes": "The LMDB file's size.",
+    "map_size_bytes": "LMDB's map size.",
+    "pinned_records": "Records under a lease.",
+    "pending_puts": "Puts in progress.",
+    "pending_bytes": "Bytes of Puts in progress.",
+    "quarantined": "Records quarantined for damage.",
+    "regions": "Same-host shared-memory regions registered.",
+}
+COUNTERS = {
+    "hits": "Lookups and Gets that found their record.",
+    "misses": "Lookups and Gets that found nothing.",
+    "evictions": "Records evicted for room.",
+    "evicted_bytes": "Bytes evicted for room.",
+    "puts": "Records written.",
+    "gets": "Records read.",
+    "orphans_collected": "Chunks of unfinished writes collected.",
+    "map_resizes": "LMDB map growths.",
+}
+
+
+class StoreCollector(Collector):
+    def __init__(self, read: Callable[[], StoreStats], auth_failures: Callable[[], int]) -> None:
+        self.read = read
+        self.auth_failures = auth_failures
+
+    def collect(self) -> Iterator[Any]:
+        stats = self.read()
+        for name, documentation in GAUGES.items():
+            yield GaugeMetricFamily(f"tandem:store_{name}", documentation, getattr(stats, name))
+        for name, documentation in COUNTERS.items():
+            yield CounterMetricFamily(
+                f"tandem:store_{name}", documentation, value=getattr(stats, name)
+            )
+        yield CounterMetricFamily(
+            "tandem:store_auth_failures",
+            "Calls refused UNAUTHENTICATED.",
+            value=self.auth_failures(),
+        )

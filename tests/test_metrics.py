@@ -1,0 +1,99 @@
+"""Prometheus /metrics scraped from real servers during real work: the series exist and their
+values add up to what was done."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem_client import EngineClient, StoreClient
+from tests.conftest import make_checkpoint
+from tests.servers import InProcessStore, ServiceProcess, free_port, start_engine, start_store
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+@pytest.fixture(scope="module")
+def engine_with_metrics(
+    tmp_path_factory: pytest.TempPathFactory, engine_data_dir: Path
+) -> Iterator[tuple[ServiceProcess, int]]:
+    root = tmp_path_factory.mktemp("metrics")
+    store = InProcessStore(root / "store")
+    port = free_port()
+    engine = start_engine(
+        engine_data_dir,
+        "--store",
+        store.address,
+        "--metrics-listen",
+        f"127.0.0.1:{port}",
+        log_dir=root,
+    )
+    try:
+        yield engine, port
+    finally:
+        engine.stop()
+        store.stop()
+
+
+def test_engine_metrics_count_what_was_done(
+    engine_with_metrics: tuple[ServiceProcess, int],
+) -> None:
+    engine, port = engine_with_metrics
+    before = scrape(port)
+    assert before[("tandem:engine_core_up", ())] == 1
+    long_prompt = [(i * 11) % 700 + 30 for i in range(160)]
+    generated = []
+    with EngineClient(engine.address) as client:
+        for prompt in ("Hello metrics", long_prompt, long_prompt + [5]):
+            g = client.generate(prompt, max_tokens=6, ignore_eos=True)
+            generated.append(len(g.token_ids))
+    after = scrape(port)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert delta("tandem:time_to_first_token_seconds_count") == 3
+    assert delta("tandem:e2e_request_latency_seconds_count") == 3
+    assert delta("tandem:inter_token_latency_seconds_count") == sum(n - 1 for n in generated)
+    assert delta("tandem:request_success_total", finished_reason="length") == 3
+    assert delta("tandem:request_generation_tokens_sum") == sum(generated)
+    assert delta("tandem:generation_tokens_total") == sum(generated)
+    assert delta("tandem:prompt_tokens_total") >= 2 + 160
+    assert delta("tandem:prefix_cache_queries_total") >= 2
+    assert delta("tandem:prefix_cache_hits_total", tier="memory") == 1  # the third request
+    assert after[("tandem:num_requests_running", ())] == 0
+    assert after[("tandem:store_up", ())] == 1
+    assert 0 < delta("tandem:time_to_first_token_seconds_sum") < 60
+
+
+def test_store_metrics_follow_its_records(tmp_path: Path) -> None:
+    port = free_port()
+    store = start_store(tmp_path / "store", "--metrics-listen", f"127.0.0.1:{port}")
+    try:
+        before = scrape(port)
+        assert before[("tandem:store_records", ())] == 0
+        with StoreClient(store.address) as client:
+            client.put(make_checkpoint(b"metrics-key", {"k": 4096}))
+            assert client.get(b"metrics-key").key == b"metrics-key"
+        after = scrape(port)
+        assert after[("tandem:store_records", ())] == 1
+        assert after[("tandem:store_payload_bytes", ())] >= 4096
+        assert after[("tandem:store_puts_total", ())] - before[("tandem:store_puts_total", ())] == 1
+        assert after[("tandem:store_gets_total", ())] >= 1
+        assert after[("tandem:store_capacity_bytes", ())] > 0
+    finally:
+        store.stop()
