@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_service.kv_codec import BITS, GROUP_SIZES, KVCodec
+from tandem_wire.logs import add_logging_args
 from tandem_wire.tls import add_listening_args
 
 MAX_DRAFT = 32  # draft tokens per round a request may ask for
@@ -60,6 +61,8 @@ class EngineConfig:
     spill_batch_records: int = 32  # checkpoint Puts sent in one PutMany (1: one Put each)
     # Prometheus /metrics (metrics.py) on HOST:PORT; "" = off.
     metrics_listen: str = ""
+    log_format: str = "text"  # or "json" (tandem_wire/logs.py)
+    log_level: str = "info"
     # Run each decode and prefill shape once at start (MLX-CUDA compiles kernels on first use).
     warmup: bool = True
     # The decode step as one compiled MLX graph where the batch allows (compiled_decode.py),
@@ -219,6 +222,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         help="draft tokens per round for requests that do not choose (0: no speculation)",
     )
     add_listening_args(p, _env)
+    add_logging_args(p, _env)
     p.add_argument("--store-tls-ca", default=_env("STORE_TLS_CA", ""), help="the store's CA")
     p.add_argument("--store-tls-cert", default=_env("STORE_TLS_CERT", ""), help="client cert")
     p.add_argument("--store-tls-key", default=_env("STORE_TLS_KEY", ""), help="client key")
@@ -288,6 +292,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             store_region_bytes=a.store_region_bytes,
             spill_batch_records=a.spill_batch_records,
             metrics_listen=a.metrics_listen,
+            log_format=a.log_format,
+            log_level=a.log_level,
             warmup=a.warmup,
             compiled_decode=a.compiled_decode,
             compiled_decode_max_batch=a.compiled_decode_max_batch,

@@ -63,7 +63,7 @@ from engine_service.plans import Plan, PrefixPlan, ResumePlan
 from engine_service.requests import DraftSupport
 from engine_service.scheduler import Scheduler
 from engine_service.spill import FlushResult
-from tandem_wire.service import configure_logging
+from tandem_wire.logs import configure_logging
 
 log = logging.getLogger("tandem.engine.core")
 
@@ -297,7 +297,6 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_logging()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     p = argparse.ArgumentParser(prog="engine_service.core_process")
@@ -309,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     _die_with_parent(a.parent_pid)
     config = parse_args([arg for arg in a.engine_args if arg != "--"])
+    configure_logging(config.log_level, config.log_format)
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
     commands.connect(a.commands)

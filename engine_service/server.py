@@ -21,8 +21,9 @@ from grpc_reflection.v1alpha import reflection
 from engine_service.config import EngineConfig, parse_args
 from engine_service.core_spawn import CoreProcess, spawn_core
 from tandem_wire.auth import Authenticator, AuthFileError, Role
+from tandem_wire.logs import configure_logging
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
-from tandem_wire.service import SERVER_OPTIONS, Access, configure_logging, guarded
+from tandem_wire.service import SERVER_OPTIONS, Access, guarded
 from tandem_wire.tls import bind, check_exposure
 
 log = logging.getLogger("tandem.engine")
@@ -144,9 +145,9 @@ def _serve_metrics(listen: str, core: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_logging()
     args = sys.argv[1:] if argv is None else argv
     config = parse_args(args)
+    configure_logging(config.log_level, config.log_format)
     try:
         access = _access(config)
         spawned = spawn_core(args)  # it loads the model while this process imports the rest

@@ -25,12 +25,13 @@ from engine_service.core_link import CoreLink
 from engine_service.errors import EngineError, NotFound
 from engine_service.metrics import RequestMetrics
 from engine_service.requests import GenerationRequest, RequestPolicy, scoped_id
-from engine_service.response_stream import Backpressure, RequestStream, respond
+from engine_service.response_stream import Backpressure, RequestStream, ResponseChunk, respond
 from tandem_wire.auth import AuthError, current, namespace_for
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
 from tandem_wire.service import Access
 
 log = logging.getLogger(__name__)
+requests_log = logging.getLogger("tandem.engine.requests")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -94,7 +95,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             req = await self._request(request, context, arrival)
             events = RequestStream(self._backpressure(req, context))
             stream = self.core.open_stream(events)
-            completed = False
+            completed, last = False, None
             try:
                 # The core plans (a cached prefix, a checkpoint to resume) and admits it.
                 accepted = await self.core.submit(stream, req)
@@ -108,12 +109,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     self.metrics,
                 )
                 async for chunk in chunks:
+                    last = chunk
                     yield wire.response_to_pb(chunk)
                 completed = True
             finally:
                 # Not completed: the client went away or the deadline passed. The row is
                 # freed, its checkpoint kept so the client can resume.
                 self.core.close_stream(stream, drop=not completed)
+                _log_request(req, last, completed, arrival)
 
     async def _request(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext, arrival: float
@@ -205,3 +208,31 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self, request: engine_pb2.EngineFlushRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.EngineFlushResponse:
         return wire.flush_to_pb(await self.core.flush())
+
+
+def _log_request(
+    req: GenerationRequest, last: ResponseChunk | None, completed: bool, arrival: float
+) -> None:
+    """One line per request that reached the core: who, how much, how fast, how it ended.
+    Never the prompt's text."""
+    usage = last.usage if last is not None else None
+    fields: dict[str, Any] = {
+        "request_id": req.shown_id,
+        "namespace": req.namespace,
+        "prompt_tokens": len(req.prompt),
+        "finish": (last.finish_reason if last is not None else "") or "client_gone",
+        "seconds": round(time.monotonic() - arrival, 4),
+    }
+    if not completed:
+        fields["finish"] = "client_gone"
+    if usage is not None:
+        fields.update(
+            cached_tokens=usage.cached_prompt_tokens,
+            generated_tokens=usage.generated_tokens,
+            ttft_s=round(usage.ttft_seconds, 4),
+        )
+    if req.resume:
+        fields["resumed_from"] = req.tokens_held
+    if req.checkpoint_interval:
+        fields["checkpoint_interval"] = req.checkpoint_interval
+    requests_log.info("request", extra={"fields": fields})

@@ -6,6 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from tandem_wire.logs import add_logging_args
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -33,6 +35,8 @@ class GatewayConfig:
     engine_token_file: str = ""
     engine_tls_ca: str = ""
     metrics_listen: str = ""  # Prometheus /metrics on HOST:PORT; "" = off
+    log_format: str = "text"  # or "json" (tandem_wire/logs.py)
+    log_level: str = "info"
 
     def __post_init__(self) -> None:
         if not self.http_listen and not self.grpc_listen:
@@ -87,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         default=_env("METRICS_LISTEN", ""),
         help="serve Prometheus /metrics on HOST:PORT (default: off)",
     )
+    add_logging_args(p, _env)
     a = p.parse_args(argv)
     try:
         return GatewayConfig(
@@ -104,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             engine_token_file=a.engine_token_file,
             engine_tls_ca=a.engine_tls_ca,
             metrics_listen=a.metrics_listen,
+            log_format=a.log_format,
+            log_level=a.log_level,
         )
     except ValueError as exc:
         p.error(str(exc))

@@ -16,6 +16,7 @@ failover resumes at most that many tokens back.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -109,93 +110,118 @@ class Relay:
         sent, failovers, arrival, first_at = 0, 0, time.monotonic(), 0.0
         lost_at = 0.0  # when the last engine was lost (the failover gap's start)
         self.requests_total += 1
-        while True:
-            backend = await self._choose(model, chain, attempt.full)
-            running = self.running[key] = _Running(backend)
-            backend.streams += 1
-            call = backend.stub.Generate(
-                self._request(req, attempt, backend), metadata=caller.metadata
-            )
-            try:
-                async for message in call:
-                    if message.finish_reason == FINISH_CANCELLED and not running.cancelled:
-                        # Cancelled by the engine: failover only if it is going away (a
-                        # drain); a Cancel sent to it by some other way ends the stream.
-                        if not await self.pool.serving(backend):
-                            raise _EngineLost("the engine cancelled the stream (shutting down)")
-                    if message.token_ids and (not first_at or lost_at):
-                        now = time.monotonic()
-                        if self.metrics is not None:
-                            if not first_at:
-                                self.metrics.ttft.observe(now - arrival)
-                            else:
-                                self.metrics.failover_gap.observe(now - lost_at)
-                        first_at, lost_at = first_at or now, 0.0
-                    sent += len(message.token_ids)
-                    if message.finish_reason != FINISH_UNSET:
-                        message.usage.failovers = failovers
-                        if failovers and first_at:  # the engine's clock started at its resume
-                            message.usage.ttft_seconds = first_at - arrival
-                        yield message
-                        return
-                    yield message
-                if running.cancelled:
-                    return
-                raise _EngineLost("the stream ended without its last message")
-            except grpc.aio.AioRpcError as exc:
-                code = exc.code()
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not sent and not failovers:
-                    attempt.full.add(backend.address)  # try an engine with room
-                    if len(attempt.full) < len(self.pool.healthy(model)):
-                        continue
-                    raise
-                if (
-                    attempt.resume
-                    and failovers
-                    and code
-                    in (
-                        grpc.StatusCode.NOT_FOUND,
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                    )
-                ):
-                    # No checkpoint reached the store (or it ended there): start again.
-                    log.info(
-                        "request %s: no checkpoint to resume (%s); generating again, %d "
-                        "tokens held",
-                        req.request_id,
-                        code.name,
-                        held + sent,
-                    )
-                    self.restarts_total += 1
-                    attempt = _Attempt(resume=False, tokens_held=held + sent)
-                    continue
-                if code != grpc.StatusCode.UNAVAILABLE or running.cancelled:
-                    raise
-                failure = f"{code.name}: {exc.details()}"
-            except _EngineLost as exc:
-                failure = str(exc)
-            finally:
-                backend.streams -= 1
-                call.cancel()  # no-op once it ended; the client left otherwise
-                if self.running.get(key) is running:
-                    del self.running[key]
-            failovers += 1
-            self.failovers_total += 1
-            lost_at = lost_at or time.monotonic()
-            if failovers > self.settings.max_failovers:
-                raise GatewayError(
-                    grpc.StatusCode.UNAVAILABLE, f"gave up after {failovers - 1} failovers"
+        outcome = "error"
+        engines: list[str] = []
+        try:
+            while True:
+                backend = await self._choose(model, chain, attempt.full)
+                engines.append(backend.address)
+                running = self.running[key] = _Running(backend)
+                backend.streams += 1
+                call = backend.stub.Generate(
+                    self._request(req, attempt, backend), metadata=caller.metadata
                 )
-            self.pool.mark_down(backend, failure)
-            log.warning(
-                "request %s: engine %s lost after %d tokens (%s); failing over",
+                try:
+                    async for message in call:
+                        if message.finish_reason == FINISH_CANCELLED and not running.cancelled:
+                            # Cancelled by the engine: failover only if it is going away (a
+                            # drain); a Cancel sent to it by some other way ends the stream.
+                            if not await self.pool.serving(backend):
+                                raise _EngineLost("the engine cancelled the stream (shutting down)")
+                        if message.token_ids and (not first_at or lost_at):
+                            now = time.monotonic()
+                            if self.metrics is not None:
+                                if not first_at:
+                                    self.metrics.ttft.observe(now - arrival)
+                                else:
+                                    self.metrics.failover_gap.observe(now - lost_at)
+                            first_at, lost_at = first_at or now, 0.0
+                        sent += len(message.token_ids)
+                        if message.finish_reason != FINISH_UNSET:
+                            message.usage.failovers = failovers
+                            if failovers and first_at:  # the engine's clock started at its resume
+                                message.usage.ttft_seconds = first_at - arrival
+                            outcome = engine_pb2.FinishReason.Name(message.finish_reason)
+                            yield message
+                            return
+                        yield message
+                    if running.cancelled:
+                        outcome = "cancelled"
+                        return
+                    raise _EngineLost("the stream ended without its last message")
+                except grpc.aio.AioRpcError as exc:
+                    code = exc.code()
+                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not sent and not failovers:
+                        attempt.full.add(backend.address)  # try an engine with room
+                        if len(attempt.full) < len(self.pool.healthy(model)):
+                            continue
+                        raise
+                    if (
+                        attempt.resume
+                        and failovers
+                        and code
+                        in (
+                            grpc.StatusCode.NOT_FOUND,
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                        )
+                    ):
+                        # No checkpoint reached the store (or it ended there): start again.
+                        log.info(
+                            "request %s: no checkpoint to resume (%s); generating again, %d "
+                            "tokens held",
+                            req.request_id,
+                            code.name,
+                            held + sent,
+                        )
+                        self.restarts_total += 1
+                        attempt = _Attempt(resume=False, tokens_held=held + sent)
+                        continue
+                    if code != grpc.StatusCode.UNAVAILABLE or running.cancelled:
+                        raise
+                    failure = f"{code.name}: {exc.details()}"
+                except _EngineLost as exc:
+                    failure = str(exc)
+                finally:
+                    backend.streams -= 1
+                    call.cancel()  # no-op once it ended; the client left otherwise
+                    if self.running.get(key) is running:
+                        del self.running[key]
+                failovers += 1
+                self.failovers_total += 1
+                lost_at = lost_at or time.monotonic()
+                if failovers > self.settings.max_failovers:
+                    raise GatewayError(
+                        grpc.StatusCode.UNAVAILABLE, f"gave up after {failovers - 1} failovers"
+                    )
+                self.pool.mark_down(backend, failure)
+                log.warning(
+                    "request %s: engine %s lost after %d tokens (%s); failing over",
+                    req.request_id,
+                    backend.address,
+                    held + sent,
+                    failure,
+                )
+                checkpointed = backend.has_store and bool(self._interval(req, backend))
+                attempt = _Attempt(resume=checkpointed or req.resume, tokens_held=held + sent)
+        except (GeneratorExit, asyncio.CancelledError):
+            outcome = "client_gone"
+            raise
+        except grpc.aio.AioRpcError as exc:
+            outcome = exc.code().name
+            raise
+        except GatewayError as exc:
+            outcome = exc.code.name
+            raise
+        finally:
+            log_request(
                 req.request_id,
-                backend.address,
+                req.namespace,
+                outcome,
                 held + sent,
-                failure,
+                failovers,
+                engines,
+                time.monotonic() - arrival,
             )
-            checkpointed = backend.has_store and bool(self._interval(req, backend))
-            attempt = _Attempt(resume=checkpointed or req.resume, tokens_held=held + sent)
 
     async def cancel(self, request_id: str, caller: Caller) -> engine_pb2.CancelResponse:
         running = self.running.get((caller.scope, request_id))
@@ -249,3 +275,28 @@ class Relay:
         self.affinity.served(chain, least.address)
         least.routed += 1
         return least
+
+
+requests_log = logging.getLogger("tandem.gateway.requests")
+
+
+def log_request(
+    request_id: str,
+    namespace: str,
+    outcome: str,
+    tokens: int,
+    failovers: int,
+    engines: list[str],
+    seconds: float,
+) -> None:
+    """One line per generation relayed: where it ran, how it ended. Never the prompt."""
+    fields = {
+        "request_id": request_id,
+        "namespace": namespace,
+        "finish": outcome,
+        "tokens_sent": tokens,
+        "failovers": failovers,
+        "engines": ",".join(engines),
+        "seconds": round(seconds, 4),
+    }
+    requests_log.info("request", extra={"fields": fields})

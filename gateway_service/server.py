@@ -28,9 +28,10 @@ from gateway_service.openai_app import OpenAIFront
 from gateway_service.relay import Relay, RelaySettings
 from tandem_client.credentials import bearer_token, tls_credentials
 from tandem_wire.auth import Authenticator, AuthFileError, Role
+from tandem_wire.logs import configure_logging
 from tandem_wire.metrics import serve_metrics
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
-from tandem_wire.service import SERVER_OPTIONS, Access, configure_logging, guarded
+from tandem_wire.service import SERVER_OPTIONS, Access, guarded
 from tandem_wire.tls import bind, check_exposure
 
 log = logging.getLogger("tandem.gateway")
@@ -141,8 +142,8 @@ async def serve(config: GatewayConfig, authenticator: Authenticator | None) -> N
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_logging()
     config = parse_args(sys.argv[1:] if argv is None else argv)
+    configure_logging(config.log_level, config.log_format)
     try:
         listens = [x for x in (config.http_listen, config.grpc_listen) if x]
         check_exposure("tandem-gateway", listens, bool(config.auth_file), config.insecure_no_auth)

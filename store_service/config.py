@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from tandem_wire.logs import add_logging_args
 from tandem_wire.tls import add_listening_args
 
 
@@ -53,6 +54,8 @@ class StoreConfig:
     admin_listen: str = ""
     insecure_no_auth: bool = False
     metrics_listen: str = ""  # Prometheus /metrics on HOST:PORT; "" = off
+    log_format: str = "text"  # or "json" (tandem_wire/logs.py)
+    log_level: str = "info"
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -120,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
         help="initial LMDB map size in bytes (grows on demand); 0 = from capacity",
     )
     add_listening_args(parser, _env)
+    add_logging_args(parser, _env)
     parser.add_argument(
         "--admin-listen",
         default=_env("ADMIN_LISTEN", ""),
@@ -145,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
             auth_file=args.auth_file,
             admin_listen=args.admin_listen,
             metrics_listen=args.metrics_listen,
+            log_format=args.log_format,
+            log_level=args.log_level,
             insecure_no_auth=args.insecure_no_auth,
             bulk_calls_per_connection=args.max_bulk_calls_per_connection,
             grace_s=args.grace,

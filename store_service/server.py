@@ -21,8 +21,9 @@ from store_service.fair_share import BulkCallLimit
 from store_service.servicer import StoreAdminServicer, StoreServicer, store_handler
 from store_service.store import CheckpointStore
 from tandem_wire.auth import Authenticator, AuthFileError, Role
+from tandem_wire.logs import configure_logging
 from tandem_wire.pb import store_pb2, store_pb2_grpc
-from tandem_wire.service import SERVER_OPTIONS, Access, configure_logging, guarded
+from tandem_wire.service import SERVER_OPTIONS, Access, guarded
 from tandem_wire.tls import bind, check_exposure
 
 log = logging.getLogger("tandem.store")
@@ -172,11 +173,12 @@ def serve(config: StoreConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_logging()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["verify"], ["salvage"]):  # an operator's tools, with the store stopped
+        configure_logging()
         sys.exit(salvage.main(argv))
     config = parse_args(argv)
+    configure_logging(config.log_level, config.log_format)
     try:
         serve(config)
     except (StorageError, OSError) as exc:

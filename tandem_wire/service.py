@@ -14,8 +14,6 @@ itself (the store's Put does).
 from __future__ import annotations
 
 import inspect
-import logging
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,16 +30,9 @@ from tandem_wire.auth import (
     tls_identities,
 )
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
 # One server per port: gRPC binds with SO_REUSEPORT by default on Linux, so a second server on
 # a busy port would start and share its traffic with the first.
 SERVER_OPTIONS: list[tuple[str, Any]] = [("grpc.so_reuseport", 0)]
-
-
-def configure_logging(level: int = logging.INFO) -> None:
-    """Logs go to stderr (stdout carries only the `listening on` banner)."""
-    logging.basicConfig(level=level, stream=sys.stderr, format=LOG_FORMAT)
 
 
 @dataclass(frozen=True)
