@@ -9,7 +9,7 @@ PB_STAMP := tandem_wire/pb/store_pb2.py
 
 NODE_STAMP := clients/node/node_modules/.package-lock.json
 
-.PHONY: run test soak bench protos lint check clean
+.PHONY: run test soak bench protos lint check clean dist
 
 $(STAMP): pyproject.toml setup.py
 	@scripts/install-blas.sh
@@ -44,6 +44,15 @@ SOAK_KILLS ?= 30
 soak: $(PB_STAMP) $(NODE_STAMP)
 	TANDEM_SOAK_KILLS=$(SOAK_KILLS) TANDEM_GATEWAY_KILLS=$(SOAK_KILLS) \
 		$(PY) -m pytest -q -s tests/test_faults.py tests/test_gateway_failover.py
+
+# What a user installs elsewhere: the server wheel (tandem), the client wheel (tandem-client:
+# grpcio + protobuf, the CLI) and the Node.js client's tarball (protos inside), into dist/.
+dist: $(PB_STAMP) $(NODE_STAMP)
+	rm -rf dist && mkdir -p dist
+	$(PY) -m pip wheel --no-deps --quiet -w dist .
+	$(PY) scripts/build_client_dist.py dist
+	cd clients/node && npm pack --pack-destination ../../dist --loglevel=error
+	@ls -1 dist
 
 bench: $(PB_STAMP)
 	$(PY) bench/store_bench.py

@@ -50,3 +50,57 @@ def test_node_demo_streams_and_lists(services: dict[str, str]) -> None:
     assert result.returncode == 0, result.stderr
     assert "[FINISH_REASON_LENGTH: 24 tokens]" in result.stdout
     assert result.stdout.rstrip().endswith("checkpoints")
+
+
+def test_the_packed_tarball_installs_elsewhere_and_streams(
+    services: dict[str, str], tmp_path: Path
+) -> None:
+    npm = shutil.which("npm")
+    assert npm, "npm is required (make test runs npm ci)"
+    packed = subprocess.run(
+        [npm, "pack", "--pack-destination", str(tmp_path), "--loglevel=error"],
+        cwd=NODE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert packed.returncode == 0, packed.stderr
+    tarball = tmp_path / packed.stdout.strip().splitlines()[-1]
+    listing = subprocess.run(["tar", "tzf", str(tarball)], capture_output=True, text=True)
+    assert "package/protos/tandem/v1/engine.proto" in listing.stdout.split()
+    assert not (NODE_DIR / "protos").exists()  # the copy went away after packing
+    project = tmp_path / "elsewhere"
+    project.mkdir()
+    (project / "package.json").write_text('{"name": "elsewhere", "version": "1.0.0"}')
+    installed = subprocess.run(
+        [
+            npm,
+            "install",
+            str(tarball),
+            "--no-audit",
+            "--no-fund",
+            "--prefer-offline",
+            "--loglevel=error",
+        ],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert installed.returncode == 0, installed.stderr
+    script = (
+        'const { connect, generate } = require("tandem-client");'
+        "const { engine } = connect({ engine: process.env.TANDEM_ENGINE });"
+        'generate(engine, { text: "Hi", max_tokens: 6, sampling: { ignore_eos: true } })'
+        ".then((r) => { console.log(r.finishReason, r.tokenIds.length); engine.close(); });"
+    )
+    ran = subprocess.run(
+        [shutil.which("node") or "node", "-e", script],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **services},
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["FINISH_REASON_LENGTH", "6"]

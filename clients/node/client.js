@@ -1,12 +1,17 @@
-// A small Node.js client for Tandem: the protos in ../../protos are the whole contract, loaded at
+// A small Node.js client for Tandem: the protos (packed beside it, or ../../protos) are the whole contract, loaded at
 // run time with @grpc/proto-loader (no generated code).
 "use strict";
 
+const fs = require("node:fs");
 const path = require("node:path");
 const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
 
-const PROTO_ROOT = path.resolve(__dirname, "..", "..", "protos");
+// Installed from its tarball the protos sit beside this file; in the repository, two up.
+const PACKED_PROTOS = path.resolve(__dirname, "protos");
+const PROTO_ROOT = fs.existsSync(PACKED_PROTOS)
+  ? PACKED_PROTOS
+  : path.resolve(__dirname, "..", "..", "protos");
 
 function loadServices() {
   const definition = protoLoader.loadSync(
@@ -18,7 +23,6 @@ function loadServices() {
 
 const tandem = loadServices();
 
-const fs = require("node:fs");
 
 /** The bearer token: from tokenFile (keeps it out of `ps`), else token, else TANDEM_TOKEN_FILE
  * or TANDEM_TOKEN; "" when none. */

@@ -8,6 +8,7 @@ tandem generate "prompt"       stream a generation from a running engine
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import subprocess
@@ -73,6 +74,11 @@ def _wait_ready(client: EngineClient, timeout: float = 120.0) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("store_service") is None:  # the tandem-client distribution
+        raise TandemError(
+            "tandem up starts the servers, which this install lacks: install the `tandem` "
+            "distribution (this repository), not only tandem-client"
+        )
     data_dir = Path(args.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     host = args.host
