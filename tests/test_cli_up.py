@@ -90,3 +90,50 @@ def test_tandem_up_with_engines_starts_the_gateway_in_front(
     assert lines[5].startswith("gateway http listening on http://127.0.0.1:")
     assert "[length: 8 tokens" in result.stdout
     assert lines[-1] == ("stopped (gateway exit 0, engine exit 0, engine exit 0, store exit 0)")
+
+
+def test_ctrl_c_shows_the_drain_and_a_second_stops_at_once(
+    tmp_path: Path, engine_data_dir: Path, engine: ServiceProcess
+) -> None:
+    import signal
+    import time
+
+    data_dir = tmp_path / "up"
+    data_dir.mkdir()
+    (data_dir / "models").symlink_to(engine_data_dir / "models", target_is_directory=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-u",
+            "-m",
+            "tandem_client.cli",
+            "up",
+            "--data-dir",
+            str(data_dir),
+            "--store-port",
+            "0",
+            "--engine-port",
+            "0",
+            "--demo-tokens",
+            "4",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("serving;"):
+            break
+    proc.send_signal(signal.SIGINT)
+    drain = proc.stdout.readline()
+    assert drain.startswith("draining (0 running, 0 queued;"), lines + [drain]
+    assert "Ctrl-C again stops at once" in drain
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)  # the second: no waiting for graces
+    out, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - started < 10
+    assert out.strip().splitlines()[-1].startswith("stopped (engine exit")

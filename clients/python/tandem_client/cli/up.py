@@ -160,8 +160,33 @@ def cmd_up(args: argparse.Namespace) -> int:
             time.sleep(0.2)
         return 0
     finally:
-        stopped = [(s, s.stop()) for s in reversed(services)]  # gateway, engines, store
+        stopped = _stop_all(services, front if stop["now"] else "")
         print("stopped (" + ", ".join(f"{NAMES[s.module]} exit {c}" for s, c in stopped) + ")")
+
+
+def _stop_all(services: list[_Service], front: str) -> list[tuple[_Service, int]]:
+    """SIGTERM each in turn (gateway, engines, store): each drains its in-flight work. After a
+    Ctrl-C it says what drains, and a second Ctrl-C kills what is left at once."""
+    if front:
+        try:
+            with EngineClient(front, timeout=2) as client:
+                stats = client.stats()
+            busy = f"{stats.running} running, {stats.queued} queued"
+        except TandemError:
+            busy = "in-flight work unknown"
+        print(
+            f"draining ({busy}; each service has its --grace, 10 s by default); "
+            "Ctrl-C again stops at once",
+            flush=True,
+        )
+
+        def kill_all(*_: object) -> None:
+            for service in services:
+                if service.proc.poll() is None:
+                    service.proc.kill()
+
+        signal.signal(signal.SIGINT, kill_all)
+    return [(s, s.stop()) for s in reversed(services)]
 
 
 def _start_engines(
