@@ -135,6 +135,11 @@ def test_ckpt_commands(services: dict[str, str], tmp_path: Path) -> None:
 
     table = tandem(services, "ckpt", "ls", "--namespace", "cli")
     assert table.returncode == 0 and key[:16] in table.stdout and "prefix" in table.stdout
+    # In a pipe: a header and one tab-separated line a record, nothing wrapped.
+    title, header, row = table.stdout.splitlines()
+    assert title.startswith("# ")
+    assert header.split("\t")[:3] == ["key", "namespace", "kind"]
+    assert row.split("\t")[:3] == [key[:16], "cli", "prefix"]
     # The 16 digits the table shows name the record.
     pasted = tandem(services, "ckpt", "show", key[:16], "--namespace", "cli", "--json")
     assert pasted.returncode == 0 and json.loads(pasted.stdout)["summary"]["key"] == key

@@ -65,9 +65,17 @@ def print_json(value: Any) -> None:
 
 
 def table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    """A table for a terminal; in a pipe, a `# title` line, a header and tab-separated rows
+    (cut, awk and sort read them, and no cell is wrapped at 80 columns)."""
+    if not console.is_terminal:
+        sys.stdout.write(f"# {title}\n" + "\t".join(columns) + "\n")
+        for row in rows:
+            sys.stdout.write("\t".join(row) + "\n")
+        return
     t = Table(title=title, title_justify="left")
     for column in columns:
-        t.add_column(column, overflow="fold")
+        # Keys and ids stay whole (no folding); other cells may fold to fit the width.
+        t.add_column(column, overflow="fold", no_wrap=column in ("key", "model"))
     for row in rows:
         t.add_row(*row)
     console.print(t)
