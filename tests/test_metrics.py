@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tandem_client import EngineClient, StoreClient
 from tests.conftest import make_checkpoint
-from tests.servers import InProcessStore, ServiceProcess, free_port, start_engine, start_store
+from tests.servers import ROOT, InProcessStore, ServiceProcess, free_port, start_engine, start_store
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -97,3 +97,32 @@ def test_store_metrics_follow_its_records(tmp_path: Path) -> None:
         assert after[("tandem:store_capacity_bytes", ())] > 0
     finally:
         store.stop()
+
+
+def test_the_dashboard_asks_only_for_series_the_servers_export(
+    engine_with_metrics: tuple[ServiceProcess, int],
+) -> None:
+    import json
+    import re
+
+    from prometheus_client import CollectorRegistry
+
+    from gateway_service.backends import BackendPool
+    from gateway_service.metrics import GatewayMetrics, PoolCollector
+    from store_service.metrics import COUNTERS, GAUGES
+
+    dashboard = (ROOT / "docs" / "grafana" / "tandem-dashboard.json").read_text()
+    json.loads(dashboard)
+    wanted = set(re.findall(r"tandem:[a-z0-9_]+", dashboard))
+    exported = {name for name, _ in scrape(engine_with_metrics[1])}
+    exported |= {f"tandem:store_{n}" for n in GAUGES} | {
+        f"tandem:store_{n}_total" for n in COUNTERS
+    }
+    registry = CollectorRegistry()
+    relay = type("Counts", (), {"requests_total": 0, "failovers_total": 0, "restarts_total": 0})
+    GatewayMetrics(registry)
+    registry.register(PoolCollector(BackendPool([]), relay))
+    exported |= {s.name for family in registry.collect() for s in family.samples}
+    exported |= {f.name for f in registry.collect()}  # families without samples yet
+    missing = {w for w in wanted if w not in exported and f"{w}_bucket" not in exported}
+    assert not missing, missing
