@@ -9,7 +9,7 @@ PB_STAMP := tandem_wire/pb/store_pb2.py
 
 NODE_STAMP := clients/node/node_modules/.package-lock.json
 
-.PHONY: run test soak bench protos lint check clean dist
+.PHONY: run test soak bench protos lint check clean dist go-check
 
 $(STAMP): pyproject.toml setup.py
 	@scripts/install-blas.sh
@@ -53,6 +53,13 @@ dist: $(PB_STAMP) $(NODE_STAMP)
 	$(PY) scripts/build_client_dist.py dist
 	cd clients/node && npm pack --pack-destination ../../dist --loglevel=error
 	@ls -1 dist
+
+# The Go client built from the protos with Debian's toolchain and gRPC modules (needs apt).
+GO_PACKAGES := golang-go golang-google-grpc-dev golang-google-protobuf-dev protobuf-compiler \
+	protoc-gen-go-grpc golang-github-golang-protobuf-1-5-dev
+go-check: $(PB_STAMP)
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(GO_PACKAGES) >/dev/null
+	$(PY) -m pytest -q checks/test_go_client.py
 
 bench: $(PB_STAMP)
 	$(PY) bench/store_bench.py
