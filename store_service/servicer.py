@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, TypeVar
 
@@ -116,6 +117,23 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         context: grpc.ServicerContext,
     ) -> PutResult:
         """One record: its chunks from the stream, or read out of the caller's region."""
+        result = self._put_payload(header, chunks, context)
+        _mutation(
+            "put",
+            header.checkpoint.namespace,
+            result.key,
+            bytes=result.payload_bytes,
+            replaced=result.replaced,
+            evicted=result.evicted,
+        )
+        return result
+
+    def _put_payload(
+        self,
+        header: store_pb2.PutHeader,
+        chunks: Iterator[tuple[int, Any]],
+        context: grpc.ServicerContext,
+    ) -> PutResult:
         spec = PutSpec.from_pb(header)
         if not header.region:
             return self.store.put(spec, chunks)
@@ -307,6 +325,7 @@ class StoreAdminServicer(store_pb2_grpc.StoreAdminServicer):
     ) -> store_pb2.DeleteResponse:
         namespace = namespace_for(request.namespace)
         freed = self.admin.delete(namespace, request.key, request.force)
+        _mutation("delete", namespace, request.key, freed_bytes=freed)
         return store_pb2.DeleteResponse(freed_bytes=freed)
 
     @rpc_errors
@@ -314,7 +333,16 @@ class StoreAdminServicer(store_pb2_grpc.StoreAdminServicer):
         self, request: store_pb2.PurgeRequest, context: grpc.ServicerContext
     ) -> store_pb2.PurgeResponse:
         flt = self._visible(RecordFilter.from_pb(request.filter))
-        return self.admin.purge(flt, request.include_pinned, request.dry_run).to_pb()
+        purged = self.admin.purge(flt, request.include_pinned, request.dry_run)
+        if not request.dry_run:
+            _mutation(
+                "purge",
+                flt.namespace or "*",
+                b"",
+                records=len(purged.removed),
+                freed_bytes=purged.freed_bytes,
+            )
+        return purged.to_pb()
 
     @rpc_errors
     def Stats(
@@ -341,3 +369,17 @@ class StoreAdminServicer(store_pb2_grpc.StoreAdminServicer):
     ) -> store_pb2.CompactResponse:
         self._store_wide("Compact")
         return self.admin.compact().to_pb()
+
+
+mutations_log = logging.getLogger("tandem.store.mutations")
+
+
+def _mutation(action: str, namespace: str, key: bytes, **fields: Any) -> None:
+    """One line per change to the store: what, where, which key (its first 16 hex digits,
+    what `tandem ckpt ls` shows), and sizes. Never a payload or metadata value."""
+    mutations_log.info(
+        action,
+        extra={
+            "fields": {"action": action, "namespace": namespace, "key": key.hex()[:16], **fields}
+        },
+    )

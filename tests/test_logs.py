@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tandem_client import EngineClient
-from tests.servers import GatewayProcess, start_engine
+from tandem_client import EngineClient, StoreClient
+from tests.conftest import make_checkpoint
+from tests.servers import GatewayProcess, start_engine, start_store
 
 SECRET_PROMPT = "the launch code is swordfish"
 
@@ -51,3 +52,20 @@ def test_json_logs_carry_one_line_per_request(tmp_path: Path, engine_data_dir: P
     for log in (tmp_path / "engine" / "engine.log", tmp_path / "gateway.log"):
         assert SECRET_PROMPT not in log.read_text()
         _json_lines(log)  # the whole file, shutdown included
+
+
+def test_the_store_logs_each_mutation(tmp_path: Path) -> None:
+    store = start_store(tmp_path / "store", "--log-format", "json")
+    try:
+        with StoreClient(store.address) as client:
+            client.put(make_checkpoint(b"logged-key", {"k": 1024}, namespace="ops"))
+            client.delete(b"logged-key", "ops")
+    finally:
+        store.stop()
+    lines = _json_lines(store.log_path)
+    changes = [e for e in lines if e["logger"] == "tandem.store.mutations"]
+    assert [(e["action"], e["namespace"], e["key"]) for e in changes] == [
+        ("put", "ops", b"logged-key".hex()[:16]),
+        ("delete", "ops", b"logged-key".hex()[:16]),
+    ]
+    assert changes[0]["bytes"] == 1024 and changes[1]["freed_bytes"] == 1024
