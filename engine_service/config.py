@@ -63,6 +63,7 @@ class EngineConfig:
     metrics_listen: str = ""
     log_format: str = "text"  # or "json" (tandem_wire/logs.py)
     log_level: str = "info"
+    log_prompts: bool = False  # the prompt's token ids in each request line (private data)
     # Run each decode and prefill shape once at start (MLX-CUDA compiles kernels on first use).
     warmup: bool = True
     # The decode step as one compiled MLX graph where the batch allows (compiled_decode.py),
@@ -223,6 +224,12 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     )
     add_listening_args(p, _env)
     add_logging_args(p, _env)
+    p.add_argument(
+        "--log-prompts",
+        action="store_true",
+        default=_env("LOG_PROMPTS", "") == "1",
+        help="put each prompt's token ids in its request log line (they are user data)",
+    )
     p.add_argument("--store-tls-ca", default=_env("STORE_TLS_CA", ""), help="the store's CA")
     p.add_argument("--store-tls-cert", default=_env("STORE_TLS_CERT", ""), help="client cert")
     p.add_argument("--store-tls-key", default=_env("STORE_TLS_KEY", ""), help="client key")
@@ -294,6 +301,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             metrics_listen=a.metrics_listen,
             log_format=a.log_format,
             log_level=a.log_level,
+            log_prompts=a.log_prompts,
             warmup=a.warmup,
             compiled_decode=a.compiled_decode,
             compiled_decode_max_batch=a.compiled_decode_max_batch,

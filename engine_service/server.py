@@ -85,7 +85,9 @@ async def serve(
     server = grpc.aio.server(options=SERVER_OPTIONS)
     # Malformed requests: INVALID_ARGUMENT on every RPC; with access, callers authenticated.
     registrar = guarded(server, access)
-    servicer = EngineServicer(policy, core, config.park_after_tokens, access, metrics)
+    servicer = EngineServicer(
+        policy, core, config.park_after_tokens, access, metrics, config.log_prompts
+    )
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, registrar)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registrar)
     await set_serving(True)

@@ -78,9 +78,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         park_after_tokens: int,
         access: Access | None = None,
         metrics: RequestMetrics | None = None,
+        log_prompts: bool = False,
     ) -> None:
         self.policy = policy
         self.metrics = metrics
+        self.log_prompts = log_prompts
         self.access = access
         self.loaded = policy.loaded
         self.core = core
@@ -116,7 +118,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 # Not completed: the client went away or the deadline passed. The row is
                 # freed, its checkpoint kept so the client can resume.
                 self.core.close_stream(stream, drop=not completed)
-                _log_request(req, last, completed, arrival)
+                _log_request(req, last, completed, arrival, self.log_prompts)
 
     async def _request(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext, arrival: float
@@ -211,10 +213,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
 
 def _log_request(
-    req: GenerationRequest, last: ResponseChunk | None, completed: bool, arrival: float
+    req: GenerationRequest,
+    last: ResponseChunk | None,
+    completed: bool,
+    arrival: float,
+    with_prompt: bool,
 ) -> None:
     """One line per request that reached the core: who, how much, how fast, how it ended.
-    Never the prompt's text."""
+    The prompt's token ids only with --log-prompts; never text."""
     usage = last.usage if last is not None else None
     fields: dict[str, Any] = {
         "request_id": req.shown_id,
@@ -235,4 +241,6 @@ def _log_request(
         fields["resumed_from"] = req.tokens_held
     if req.checkpoint_interval:
         fields["checkpoint_interval"] = req.checkpoint_interval
+    if with_prompt:
+        fields["prompt_token_ids"] = list(req.prompt)
     requests_log.info("request", extra={"fields": fields})

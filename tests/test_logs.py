@@ -43,6 +43,7 @@ def test_json_logs_carry_one_line_per_request(tmp_path: Path, engine_data_dir: P
         assert line["level"] == "info" and line["logger"] == "tandem.engine.requests"
         assert line["generated_tokens"] == 5 and line["finish"] == "length"
         assert line["prompt_tokens"] > 0 and line["ttft_s"] > 0
+        assert "prompt_token_ids" not in line  # only with --log-prompts
         relayed = _request_line(tmp_path / "gateway.log", "log-me")
         assert relayed["finish"] == "FINISH_REASON_LENGTH" and relayed["tokens_sent"] == 5
         assert relayed["failovers"] == 0 and relayed["engines"] == engine.address
@@ -69,3 +70,18 @@ def test_the_store_logs_each_mutation(tmp_path: Path) -> None:
         ("delete", "ops", b"logged-key".hex()[:16]),
     ]
     assert changes[0]["bytes"] == 1024 and changes[1]["freed_bytes"] == 1024
+
+
+def test_log_prompts_adds_the_token_ids_only(tmp_path: Path, engine_data_dir: Path) -> None:
+    engine = start_engine(
+        engine_data_dir, "--log-format", "json", "--log-prompts", log_dir=tmp_path
+    )
+    try:
+        with EngineClient(engine.address) as client:
+            ids = client.tokenize(SECRET_PROMPT)
+            client.generate(ids, max_tokens=2, request_id="with-prompt")
+    finally:
+        engine.stop()
+    line = _request_line(tmp_path / "engine.log", "with-prompt")
+    assert line["prompt_token_ids"] == ids
+    assert SECRET_PROMPT not in (tmp_path / "engine.log").read_text()
