@@ -103,7 +103,9 @@ class Relay:
         req = engine_pb2.GenerateRequest()
         req.CopyFrom(request)
         req.request_id = req.request_id or f"gw-{uuid.uuid4().hex}"
-        held = req.tokens_held if req.resume else 0  # what the client held before this call
+        # What the client held before this call: the engine skips that many tokens, resume
+        # or not, so every later attempt skips them and what this stream sent.
+        held = req.tokens_held
         chain = prompt_chain(req, caller.scope)
         attempt = _Attempt(resume=req.resume, tokens_held=req.tokens_held)
         key = (caller.scope, req.request_id)
