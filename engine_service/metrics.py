@@ -19,28 +19,8 @@ from prometheus_client.registry import Collector
 
 from engine_service.checkpoint_stats import CheckpointStats
 from engine_service.engine_stats import EngineStats
+from tandem_wire.metrics import TTFT_BUCKETS
 
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
 ITL_BUCKETS = (
     0.001,
     0.005,

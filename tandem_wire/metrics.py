@@ -5,6 +5,29 @@ from __future__ import annotations
 
 from typing import Any
 
+# Time to first token, in seconds: the engine's and the gateway's histograms alike (vLLM's).
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
 
 def serve_metrics(listen: str, registry: Any) -> int:
     """Serves the registry on listen (HOST:PORT; port 0 = any); returns the port."""
