@@ -24,10 +24,10 @@ def test_the_client_wheel_alone_runs_tandem_generate(
     assert built.returncode == 0, built.stderr
     wheel = Path(built.stdout.strip().splitlines()[-1])
     env_dir = tmp_path / "fresh"
-    venv.create(env_dir, with_pip=True)
+    venv.create(env_dir, with_pip=False)  # this pip installs into it (--python): no ensurepip
     python, tandem = env_dir / "bin" / "python", env_dir / "bin" / "tandem"
     installed = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", str(wheel)],
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", str(wheel)],
         capture_output=True,
         text=True,
         timeout=600,
