@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -33,6 +34,50 @@ COUNTERS = {
     "orphans_collected": "Chunks of unfinished writes collected.",
     "map_resizes": "LMDB map growths.",
 }
+
+
+SECONDS_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(12))  # 1 KiB .. 4 GiB
+
+
+class TransferMetrics:
+    """Put and Get sizes and times, observed by the servicer as each call ends. One set per
+    process (a registry of its own), served by --metrics-listen when it is given."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=self.registry)
+
+        self.put_seconds = histogram(
+            "tandem:store_put_seconds", "A Put, first byte to commit.", SECONDS_BUCKETS
+        )
+        self.put_bytes = histogram("tandem:store_put_bytes", "A Put's payload.", BYTES_BUCKETS)
+        self.get_seconds = histogram(
+            "tandem:store_get_seconds", "A Get, open to last byte.", SECONDS_BUCKETS
+        )
+        self.get_bytes = histogram("tandem:store_get_bytes", "A Get's payload.", BYTES_BUCKETS)
+
+
+TRANSFERS = TransferMetrics()
 
 
 class StoreCollector(Collector):

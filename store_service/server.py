@@ -91,13 +91,11 @@ def create_server(
 
 
 def _serve_metrics(listen: str, store: CheckpointStore, access: Access | None) -> None:
-    from prometheus_client import CollectorRegistry
-
-    from store_service.metrics import StoreCollector
+    from store_service.metrics import TRANSFERS, StoreCollector
     from tandem_wire.metrics import serve_metrics
 
     admin = StoreAdmin(store)
-    registry = CollectorRegistry()
+    registry = TRANSFERS.registry  # the Put/Get histograms, and the stats read at scrape time
     failures = (lambda: access.authenticator.failures_total) if access is not None else (lambda: 0)
     registry.register(StoreCollector(admin.stats, failures))
     port = serve_metrics(listen, registry)

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, TypeVar
 
@@ -14,6 +15,7 @@ import grpc
 from store_service.admin import StoreAdmin
 from store_service.errors import InvalidRequest, Precondition, status_on_error
 from store_service.fair_share import BulkCallLimit
+from store_service.metrics import TRANSFERS
 from store_service.records import PutSpec, RecordFilter, all_tensors
 from store_service.regions import copy_in_parts, progress_part_bytes, region_payload
 from store_service.storage import now_ms
@@ -117,7 +119,10 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         context: grpc.ServicerContext,
     ) -> PutResult:
         """One record: its chunks from the stream, or read out of the caller's region."""
+        started = time.perf_counter()
         result = self._put_payload(header, chunks, context)
+        TRANSFERS.put_seconds.observe(time.perf_counter() - started)
+        TRANSFERS.put_bytes.observe(result.payload_bytes)
         _mutation(
             "put",
             header.checkpoint.namespace,
@@ -175,11 +180,14 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             placed = yield from self._get_into_region(request, namespace, context)
             if placed:
                 return
+        started = time.perf_counter()
         record = self.store.open_record(namespace, request.key)
         yield store_pb2.GetResponse(header=record.header)
         if not request.header_only:
             # Chunks leave as ready wire bytes; serialize_response passes them on.
             yield from self.store.read_payload(record, piece, encode_chunk)
+            TRANSFERS.get_seconds.observe(time.perf_counter() - started)
+            TRANSFERS.get_bytes.observe(record.payload_bytes)
 
     def _get_into_region(
         self, request: store_pb2.GetRequest, namespace: str, context: grpc.ServicerContext

@@ -95,6 +95,14 @@ def test_store_metrics_follow_its_records(tmp_path: Path) -> None:
         assert after[("tandem:store_puts_total", ())] - before[("tandem:store_puts_total", ())] == 1
         assert after[("tandem:store_gets_total", ())] >= 1
         assert after[("tandem:store_capacity_bytes", ())] > 0
+
+        def delta(name: str) -> float:
+            return after[(name, ())] - before.get((name, ()), 0.0)
+
+        assert delta("tandem:store_put_seconds_count") == 1
+        assert delta("tandem:store_put_bytes_sum") == 4096
+        assert delta("tandem:store_get_bytes_count") == 1
+        assert 0 < delta("tandem:store_get_seconds_sum") < 30
     finally:
         store.stop()
 
