@@ -329,6 +329,11 @@ def main(argv: list[str] | None = None) -> None:
     commands.close(linger=0)
     context.term()
     log.info("engine core stopped")
+    logging.shutdown()
+    # Everything is sent and flushed: leave without the interpreter's teardown, where native
+    # threads' destructors (MLX, the tokenizer) aborted about one exit in four with
+    # "terminate called without an active exception".
+    os._exit(0)
 
 
 if __name__ == "__main__":

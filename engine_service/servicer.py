@@ -118,7 +118,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 # Not completed: the client went away or the deadline passed. The row is
                 # freed, its checkpoint kept so the client can resume.
                 self.core.close_stream(stream, drop=not completed)
-                _log_request(req, last, completed, arrival, self.log_prompts)
+                _log_request(req, last, arrival, self.log_prompts)
 
     async def _request(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext, arrival: float
@@ -215,7 +215,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 def _log_request(
     req: GenerationRequest,
     last: ResponseChunk | None,
-    completed: bool,
     arrival: float,
     with_prompt: bool,
 ) -> None:
@@ -226,11 +225,11 @@ def _log_request(
         "request_id": req.shown_id,
         "namespace": req.namespace,
         "prompt_tokens": len(req.prompt),
+        # A last chunk with its finish reason was sent: finished, even if the client closed
+        # the call before this handler resumed. Without one the client left first.
         "finish": (last.finish_reason if last is not None else "") or "client_gone",
         "seconds": round(time.monotonic() - arrival, 4),
     }
-    if not completed:
-        fields["finish"] = "client_gone"
     if usage is not None:
         fields.update(
             cached_tokens=usage.cached_prompt_tokens,
