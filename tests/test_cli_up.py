@@ -9,25 +9,33 @@ from pathlib import Path
 from tests.servers import ROOT, ServiceProcess
 
 
-def test_tandem_up_streams_a_demo_and_stops_cleanly(
-    tmp_path: Path, engine_data_dir: Path, engine: ServiceProcess
-) -> None:
-    # Reuse the models the session's engine built, so the test doesn't rebuild them.
+def _up(tmp_path: Path, engine_data_dir: Path) -> list[str]:
+    """`tandem up` on free ports in a data directory of this test's own, reusing the models
+    the session's engine built (so the test doesn't rebuild them)."""
     data_dir = tmp_path / "up"
     data_dir.mkdir()
     (data_dir / "models").symlink_to(engine_data_dir / "models", target_is_directory=True)
+    return [
+        sys.executable,
+        "-u",
+        "-m",
+        "tandem_client.cli",
+        "up",
+        "--data-dir",
+        str(data_dir),
+        "--store-port",
+        "0",
+        "--engine-port",
+        "0",
+    ]
+
+
+def test_tandem_up_streams_a_demo_and_stops_cleanly(
+    tmp_path: Path, engine_data_dir: Path, engine: ServiceProcess
+) -> None:
     result = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "tandem_client.cli",
-            "up",
-            "--data-dir",
-            str(data_dir),
-            "--store-port",
-            "0",
-            "--engine-port",
-            "0",
+            *_up(tmp_path, engine_data_dir),
             "--exit-after-demo",
             "--demo-tokens",
             "12",
@@ -51,21 +59,9 @@ def test_tandem_up_streams_a_demo_and_stops_cleanly(
 def test_tandem_up_with_engines_starts_the_gateway_in_front(
     tmp_path: Path, engine_data_dir: Path, engine: ServiceProcess
 ) -> None:
-    data_dir = tmp_path / "up"
-    data_dir.mkdir()
-    (data_dir / "models").symlink_to(engine_data_dir / "models", target_is_directory=True)
     result = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "tandem_client.cli",
-            "up",
-            "--data-dir",
-            str(data_dir),
-            "--store-port",
-            "0",
-            "--engine-port",
-            "0",
+            *_up(tmp_path, engine_data_dir),
             "--engines",
             "2",
             "--gateway-grpc-port",
@@ -98,22 +94,9 @@ def test_ctrl_c_shows_the_drain_and_a_second_stops_at_once(
     import signal
     import time
 
-    data_dir = tmp_path / "up"
-    data_dir.mkdir()
-    (data_dir / "models").symlink_to(engine_data_dir / "models", target_is_directory=True)
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-u",
-            "-m",
-            "tandem_client.cli",
-            "up",
-            "--data-dir",
-            str(data_dir),
-            "--store-port",
-            "0",
-            "--engine-port",
-            "0",
+            *_up(tmp_path, engine_data_dir),
             "--demo-tokens",
             "4",
         ],
