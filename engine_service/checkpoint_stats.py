@@ -2,9 +2,39 @@
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+# Upper bounds of the transfer-rate histograms, in GB/s: a remote store over a slow network
+# sits at the left, a same-host region into device memory at the right.
+GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+
+
+@dataclass
+class RateHistogram:
+    """Transfers by rate in GB/s, kept in the core and exported by the front as a Prometheus
+    histogram (the core has no registry of its own: its numbers reach the front over the
+    Stats call). counts[i] are the transfers in bucket i alone; the last is +Inf."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(GBPS_BUCKETS) + 1))
+    sum_gbps: float = 0.0
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        gbps = nbytes / seconds / 1e9
+        index = next((i for i, le in enumerate(GBPS_BUCKETS) if gbps <= le), len(GBPS_BUCKETS))
+        self.counts[index] += 1
+        self.sum_gbps += gbps
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, count at or below) pairs, +Inf last, as Prometheus wants them."""
+        out, running = [], 0
+        for le, count in zip([*map(str, GBPS_BUCKETS), "+Inf"], self.counts, strict=True):
+            running += count
+            out.append((le, running))
+        return out
 
 
 @dataclass
@@ -29,6 +59,9 @@ class CheckpointStats:
     prefill_tokens_per_second: float = 0.0
     restore_chosen: int = 0
     prefill_chosen: int = 0
+    # Store reads into caches (prefix hits and resumes) and checkpoint writes, by GB/s.
+    restore_rate: RateHistogram = field(default_factory=RateHistogram)
+    checkpoint_rate: RateHistogram = field(default_factory=RateHistogram)
 
 
 class CheckpointCounters:
@@ -44,10 +77,18 @@ class CheckpointCounters:
             for name, delta in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
 
+    def observe_restore(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._stats.restore_rate.observe(nbytes, seconds)
+
+    def observe_checkpoint(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._stats.checkpoint_rate.observe(nbytes, seconds)
+
     def set_store_up(self, up: bool) -> None:
         with self._lock:
             self._stats.store_up = up
 
     def snapshot(self) -> CheckpointStats:
         with self._lock:
-            return dataclasses.replace(self._stats)
+            return copy.deepcopy(self._stats)

@@ -239,6 +239,12 @@ class GenerationCheckpoints:
     def materialize(self, plan: ResumePlan) -> list[Any]:
         """The caches of a resume plan (MLX thread): the whole snapshot, or the chain's
         segments joined in order."""
+        start = time.perf_counter()
+        caches = self._joined(plan)
+        self.counters.observe_restore(plan.nbytes, plan.fetch_s + time.perf_counter() - start)
+        return caches
+
+    def _joined(self, plan: ResumePlan) -> list[Any]:
         if not plan.chain_next:
             (whole,) = plan.parts
             return restore(whole.metadata, whole.tensors, plan.layout)

@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from engine_service.checkpoint_stats import CheckpointStats
+from engine_service.checkpoint_stats import CheckpointStats, RateHistogram
 from engine_service.engine_stats import EngineStats
 from tandem_wire.metrics import TTFT_BUCKETS
 
@@ -163,6 +163,16 @@ class CoreCollector(Collector):
         )
         yield _counter("tandem:restored_bytes", "Bytes restored from the store.", c.restored_bytes)
         yield _counter("tandem:restore_seconds", "Time spent restoring.", c.restore_seconds)
+        yield _rate(
+            "tandem:restore_rate_gb_per_second",
+            "Store reads into caches (prefix hits, resumes), by GB/s.",
+            c.restore_rate,
+        )
+        yield _rate(
+            "tandem:checkpoint_rate_gb_per_second",
+            "Checkpoint writes to the store, by GB/s.",
+            c.checkpoint_rate,
+        )
         yield _counter(
             "tandem:checkpoint_saved_bytes", "Checkpoint bytes queued for the store.", c.saved_bytes
         )
@@ -179,3 +189,9 @@ class CoreCollector(Collector):
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, documentation, value=value)
+
+
+def _rate(name: str, documentation: str, rates: RateHistogram) -> HistogramMetricFamily:
+    return HistogramMetricFamily(
+        name, documentation, buckets=rates.cumulative(), sum_value=rates.sum_gbps
+    )

@@ -178,6 +178,7 @@ class PrefixReuse:
             self.counters.add(local_hits=1, restore_seconds=seconds)
         else:
             self.counters.add(store_hits=1, restored_bytes=plan.nbytes, restore_seconds=seconds)
+            self.counters.observe_restore(plan.nbytes, seconds)
             self.cost.observe_restore(plan.nbytes, plan.matched, seconds)
         return caches
 

@@ -235,6 +235,7 @@ class SpillQueue:
                 self._failed(put)  # skipped, as a single Put would be
             else:
                 wanted.append(put)
+        start = time.perf_counter()
         try:
             self.sink.put_many([self._item(p) for p in wanted])
         except PutManyFailed as exc:
@@ -249,6 +250,8 @@ class SpillQueue:
                 self._failed(put)
             raise BatchFailed(exc.cause) from None
         self._landed(wanted)
+        seconds = time.perf_counter() - start
+        self.counters.observe_checkpoint(sum(p.nbytes for p in wanted), seconds)
         return len(batch)
 
     def _send_or_fail(self, put: Put) -> None:
@@ -277,6 +280,7 @@ class SpillQueue:
             return
         if item.still_wanted is not None and not item.still_wanted():
             raise StoreDown("skipped: what this record builds on did not reach the store")
+        start = time.perf_counter()
         try:
             if item.pinned:
                 self.sink.put(
@@ -292,6 +296,7 @@ class SpillQueue:
         with self._lock:
             self._since_flush.flushed += 1
         self.counters.add(saved=1, saved_bytes=item.nbytes)
+        self.counters.observe_checkpoint(item.nbytes, time.perf_counter() - start)
 
     def _failed(self, item: Put) -> None:
         with self._lock:

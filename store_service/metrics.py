@@ -3,6 +3,7 @@ under `tandem:store_*` names."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -57,6 +58,11 @@ SECONDS_BUCKETS = (
 BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(12))  # 1 KiB .. 4 GiB
 
 
+class TransferPath(enum.Enum):
+    STREAM = "stream"
+    REGION = "region"
+
+
 class TransferMetrics:
     """Put and Get sizes and times, observed by the servicer as each call ends. One set per
     process (a registry of its own), served by --metrics-listen when it is given."""
@@ -64,8 +70,9 @@ class TransferMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
 
+        # path: "stream" (bytes on the gRPC stream) or "region" (the same-host shared memory).
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, buckets=buckets, registry=self.registry)
+            return Histogram(name, doc, ["path"], buckets=buckets, registry=self.registry)
 
         self.put_seconds = histogram(
             "tandem:store_put_seconds", "A Put, first byte to commit.", SECONDS_BUCKETS
@@ -75,6 +82,14 @@ class TransferMetrics:
             "tandem:store_get_seconds", "A Get, open to last byte.", SECONDS_BUCKETS
         )
         self.get_bytes = histogram("tandem:store_get_bytes", "A Get's payload.", BYTES_BUCKETS)
+
+    def put(self, path: TransferPath, seconds: float, nbytes: int) -> None:
+        self.put_seconds.labels(path.value).observe(seconds)
+        self.put_bytes.labels(path.value).observe(nbytes)
+
+    def get(self, path: TransferPath, seconds: float, nbytes: int) -> None:
+        self.get_seconds.labels(path.value).observe(seconds)
+        self.get_bytes.labels(path.value).observe(nbytes)
 
 
 TRANSFERS = TransferMetrics()

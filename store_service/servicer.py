@@ -15,7 +15,7 @@ import grpc
 from store_service.admin import StoreAdmin
 from store_service.errors import InvalidRequest, Precondition, status_on_error
 from store_service.fair_share import BulkCallLimit
-from store_service.metrics import TRANSFERS
+from store_service.metrics import TRANSFERS, TransferPath
 from store_service.records import PutSpec, RecordFilter, all_tensors
 from store_service.regions import copy_in_parts, progress_part_bytes, region_payload
 from store_service.storage import now_ms
@@ -121,8 +121,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         """One record: its chunks from the stream, or read out of the caller's region."""
         started = time.perf_counter()
         result = self._put_payload(header, chunks, context)
-        TRANSFERS.put_seconds.observe(time.perf_counter() - started)
-        TRANSFERS.put_bytes.observe(result.payload_bytes)
+        path = TransferPath.REGION if header.region else TransferPath.STREAM
+        TRANSFERS.put(path, time.perf_counter() - started, result.payload_bytes)
         _mutation(
             "put",
             header.checkpoint.namespace,
@@ -186,8 +186,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         if not request.header_only:
             # Chunks leave as ready wire bytes; serialize_response passes them on.
             yield from self.store.read_payload(record, piece, encode_chunk)
-            TRANSFERS.get_seconds.observe(time.perf_counter() - started)
-            TRANSFERS.get_bytes.observe(record.payload_bytes)
+            TRANSFERS.get(TransferPath.STREAM, time.perf_counter() - started, record.payload_bytes)
 
     def _get_into_region(
         self, request: store_pb2.GetRequest, namespace: str, context: grpc.ServicerContext
@@ -195,6 +194,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         """Writes the payload into the caller's region and answers header + placement;
         returns False (sending nothing) when it does not fit and may be streamed instead.
         Progressive: the header first, then a progress message per verified part."""
+        started = time.perf_counter()
         region = self.store.regions.get(_caller(context), request.region, now_ms())
         parts: Generator[int, None, None] | None = None
         try:
@@ -226,6 +226,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             if parts is not None:
                 parts.close()  # a caller gone mid-copy: the part being copied ends first
             self.store.regions.done(region)
+        TRANSFERS.get(TransferPath.REGION, time.perf_counter() - started, record.payload_bytes)
         if not request.progressive:
             yield store_pb2.GetResponse(header=record.header)
         placed = store_pb2.RegionPlacement(

@@ -430,3 +430,18 @@ def test_the_default_region_is_sized_for_the_backend_within_shared_memory() -> N
     auto = region_bytes(-1)
     assert auto % 4096 == 0
     assert 0 < auto <= min(256 << 20, shutil.disk_usage(SHM_DIR).free // 2)  # no GPU here
+
+
+def test_rate_histograms_place_each_transfer_by_its_gb_per_second() -> None:
+    counters = CheckpointCounters()
+    counters.observe_restore(1_000_000_000, 2.0)  # 0.5 GB/s: the 0.5 bucket, edges included
+    counters.observe_restore(3_000_000_000, 1.0)  # 3 GB/s: the 4.0 bucket
+    counters.observe_restore(10**12, 1.0)  # 1000 GB/s: above every bound
+    counters.observe_restore(0, 1.0)  # nothing moved: not a transfer
+    snapshot = counters.snapshot()
+    counters.observe_restore(1, 1.0)  # the snapshot is a copy
+    cumulative = dict(snapshot.restore_rate.cumulative())
+    assert (cumulative["0.25"], cumulative["0.5"], cumulative["2.0"]) == (0, 1, 1)
+    assert (cumulative["4.0"], cumulative["64.0"], cumulative["+Inf"]) == (2, 2, 3)
+    assert snapshot.restore_rate.sum_gbps == pytest.approx(1003.5)
+    assert snapshot.checkpoint_rate.cumulative()[-1] == ("+Inf", 0)

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem_client import EngineClient, StoreClient
+from tandem_client.regions import SharedRegion
 from tests.conftest import make_checkpoint
 from tests.servers import ROOT, InProcessStore, ServiceProcess, free_port, start_engine, start_store
 
@@ -80,6 +81,44 @@ def test_engine_metrics_count_what_was_done(
     assert 0 < delta("tandem:time_to_first_token_seconds_sum") < 60
 
 
+def test_engine_rate_histograms_count_store_transfers(
+    tmp_path: Path, engine_data_dir: Path
+) -> None:
+    """With the memory tier off, a prefix hit is a read from the store: one restore and at
+    least one checkpoint write land in the GB/s histograms."""
+    store = InProcessStore(tmp_path / "store")
+    port = free_port()
+    engine = start_engine(
+        engine_data_dir,
+        "--store",
+        store.address,
+        "--prefix-cache-bytes",
+        "0",
+        "--metrics-listen",
+        f"127.0.0.1:{port}",
+        log_dir=tmp_path,
+    )
+    try:
+        long_prompt = [(i * 13) % 700 + 30 for i in range(160)]
+        with EngineClient(engine.address) as client:
+            client.generate(long_prompt, max_tokens=2)
+            assert client.flush().durable
+            before = scrape(port)
+            hit = client.generate(long_prompt + [7], max_tokens=2)
+            assert hit.usage is not None and hit.usage.cached_prompt_tokens > 0
+        after = scrape(port)
+        assert before[("tandem:checkpoint_rate_gb_per_second_count", ())] >= 1
+        assert before[("tandem:checkpoint_rate_gb_per_second_sum", ())] > 0
+        assert before[("tandem:restore_rate_gb_per_second_count", ())] == 0
+        assert after[("tandem:restore_rate_gb_per_second_count", ())] == 1
+        assert after[("tandem:prefix_cache_hits_total", (("tier", "store"),))] == 1
+        inf = after[("tandem:restore_rate_gb_per_second_bucket", (("le", "+Inf"),))]
+        assert inf == 1
+    finally:
+        engine.stop()
+        store.stop()
+
+
 def test_store_metrics_follow_its_records(tmp_path: Path) -> None:
     port = free_port()
     store = start_store(tmp_path / "store", "--metrics-listen", f"127.0.0.1:{port}")
@@ -89,6 +128,10 @@ def test_store_metrics_follow_its_records(tmp_path: Path) -> None:
         with StoreClient(store.address) as client:
             client.put(make_checkpoint(b"metrics-key", {"k": 4096}))
             assert client.get(b"metrics-key").key == b"metrics-key"
+            with SharedRegion(1 << 20) as region:
+                client.register_region(region)
+                assert client.get_into(b"metrics-key", region).payload_bytes >= 4096
+                client.unregister_region(region)
         after = scrape(port)
         assert after[("tandem:store_records", ())] == 1
         assert after[("tandem:store_payload_bytes", ())] >= 4096
@@ -97,12 +140,16 @@ def test_store_metrics_follow_its_records(tmp_path: Path) -> None:
         assert after[("tandem:store_capacity_bytes", ())] > 0
 
         def delta(name: str) -> float:
-            return after[(name, ())] - before.get((name, ()), 0.0)
+            key = (name, (("path", "stream"),))
+            return after[key] - before.get(key, 0.0)
 
         assert delta("tandem:store_put_seconds_count") == 1
         assert delta("tandem:store_put_bytes_sum") == 4096
         assert delta("tandem:store_get_bytes_count") == 1
         assert 0 < delta("tandem:store_get_seconds_sum") < 30
+        region_gets = (("path", "region"),)
+        assert after[("tandem:store_get_bytes_count", region_gets)] == 1
+        assert after[("tandem:store_get_bytes_sum", region_gets)] >= 4096
     finally:
         store.stop()
 
