@@ -45,11 +45,12 @@ soak: $(PB_STAMP) $(NODE_STAMP)
 	TANDEM_SOAK_KILLS=$(SOAK_KILLS) TANDEM_GATEWAY_KILLS=$(SOAK_KILLS) \
 		$(PY) -m pytest -q -s tests/test_faults.py tests/test_gateway_failover.py
 
-# What a user installs elsewhere: the server wheel (tandem), the client wheel (tandem-client:
-# grpcio + protobuf, the CLI) and the Node.js client's tarball (protos inside), into dist/.
+# What a user installs elsewhere, into dist/: the server sdist and wheel (tandem), the client
+# sdist and wheel (tandem-client: grpcio + protobuf, the CLI) and the Node.js client's tarball
+# (protos inside). Each wheel is built from its sdist, which proves the sdist complete.
 dist: $(PB_STAMP) $(NODE_STAMP)
 	rm -rf dist && mkdir -p dist
-	$(PY) -m pip wheel --no-deps --quiet -w dist .
+	$(PY) -m build --no-isolation --outdir dist . >/dev/null
 	$(PY) scripts/build_client_dist.py dist
 	cd clients/node && npm pack --pack-destination ../../dist --loglevel=error
 	@ls -1 dist

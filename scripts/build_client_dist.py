@@ -1,4 +1,4 @@
-"""Builds the `tandem-client` wheel: the Python clients and the `tandem` CLI with the wire
+"""Builds the `tandem-client` sdist and wheel: the Python clients and the `tandem` CLI with the wire
 package they speak through (generated stubs included), needing grpcio and protobuf, not the
 servers' stack (mlx, LMDB...).
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VERSION = "0.1.0"
 PYPROJECT = f"""\
 [build-system]
-requires = ["setuptools>=69"]
+requires = ["setuptools>=69", "wheel"]
 build-backend = "setuptools.build_meta"
 
 [project]
@@ -63,21 +63,13 @@ def main() -> None:
         shutil.copytree(ROOT / "tandem_wire", stage / "tandem_wire", ignore=ignore)
         (stage / "pyproject.toml").write_text(PYPROJECT)
         (stage / "README.md").write_text("tandem-client: see docs/clients.md in the repository.\n")
+        # The sdist, then the wheel built from it (python -m build's default).
         subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "wheel",
-                "--no-deps",
-                "--no-build-isolation",
-                "--quiet",
-                "-w",
-                str(out),
-                str(stage),
-            ],
+            [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(stage)],
             check=True,
+            stdout=subprocess.DEVNULL,
         )
+    print(out / f"tandem_client-{VERSION}.tar.gz")
     print(out / f"tandem_client-{VERSION}-py3-none-any.whl")
 
 
