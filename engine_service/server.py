@@ -94,18 +94,18 @@ async def serve(
     reflection.enable_server_reflection(
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = bind(server, config.listen, config.tls_cert, config.tls_key, config.tls_client_ca)
-    await server.start()
-    host = config.listen.rsplit(":", 1)[0]
-    print(f"tandem-engine listening on {host}:{port}", flush=True)
-    log.info("serving %s on %s:%d (core pid %d)", loaded.model_id, host, port, ready.pid)
-
+    # The handlers before the banner: a SIGTERM sent as soon as it is printed drains.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     if access is not None:
         loop.add_signal_handler(signal.SIGHUP, access.authenticator.reload)
+    port = bind(server, config.listen, config.tls_cert, config.tls_key, config.tls_client_ca)
+    await server.start()
+    host = config.listen.rsplit(":", 1)[0]
+    print(f"tandem-engine listening on {host}:{port}", flush=True)
+    log.info("serving %s on %s:%d (core pid %d)", loaded.model_id, host, port, ready.pid)
     await stop.wait()
 
     # Stop admitting, let in-flight generations finish within the grace period, then the

@@ -91,6 +91,13 @@ async def serve(config: GatewayConfig, authenticator: Authenticator | None) -> N
         port = serve_metrics(config.metrics_listen, registry)
         log.info("metrics on %s:%d/metrics", config.metrics_listen.rsplit(":", 1)[0], port)
     grpc_server = None
+    # The handlers before the banners: a SIGTERM sent as soon as they are printed stops cleanly.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    if authenticator is not None:
+        loop.add_signal_handler(signal.SIGHUP, authenticator.reload)
     if config.grpc_listen:
         access = Access(authenticator, ROLES) if authenticator is not None else None
         grpc_server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -124,12 +131,6 @@ async def serve(config: GatewayConfig, authenticator: Authenticator | None) -> N
         )
     log.info("serving %d engines: %s", len(pool.backends), ", ".join(pool.backends))
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    if authenticator is not None:
-        loop.add_signal_handler(signal.SIGHUP, authenticator.reload)
     await stop.wait()
     log.info("stopping")
     if http_server is not None and http_task is not None:
