@@ -15,6 +15,11 @@ from tandem_client.regions import SharedRegion
 from tests.conftest import make_checkpoint
 from tests.servers import ROOT, InProcessStore, ServiceProcess, free_port, start_engine, start_store
 
+PROMETHEUS_2_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample: (name, sorted labels) -> value."""
@@ -138,6 +143,13 @@ def test_store_metrics_follow_its_records(tmp_path: Path) -> None:
         assert after[("tandem:store_puts_total", ())] - before[("tandem:store_puts_total", ())] == 1
         assert after[("tandem:store_gets_total", ())] >= 1
         assert after[("tandem:store_capacity_bytes", ())] > 0
+        # Prometheus 2 asks for OpenMetrics first; the names must reach it with their colons.
+        asked = urllib.request.Request(
+            f"http://127.0.0.1:{port}/metrics", headers={"Accept": PROMETHEUS_2_ACCEPT}
+        )
+        with urllib.request.urlopen(asked, timeout=10) as reply:
+            text = reply.read().decode()
+        assert "\ntandem:store_records " in text and "tandem_store_records" not in text
 
         def delta(name: str) -> float:
             key = (name, (("path", "stream"),))
