@@ -35,6 +35,7 @@ class Finished(msgspec.Struct, frozen=True, tag=True):
     stop_token: int | None = None
     drafted: int = 0  # speculative decoding: draft tokens proposed and kept
     accepted: int = 0
+    constraint_incomplete: bool = False  # a constrained row cut short by max_tokens
 
 
 Event = Started | Token | Finished

@@ -92,6 +92,8 @@ def options_digest(options: SamplingOptions) -> bytes:
             "ignore_eos",
         )
     }
+    if options.constraint is not None:  # absent from unconstrained keys: they stay as they were
+        fields["constraint"] = options.constraint.digest()
     return hashlib.blake2b(
         json.dumps(fields, sort_keys=True, default=list).encode(), digest_size=16
     ).digest()

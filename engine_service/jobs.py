@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from engine_service.attachments import CapturedAttachment
 from engine_service.cache_codec import CapturedCache
+from engine_service.constraints import ConstrainedRow
 from engine_service.events import Sink
 from engine_service.plans import Plan, ResumePlan
 from engine_service.requests import GenerationRequest
@@ -52,6 +53,7 @@ class Job:
     plan: Plan = None
     uid: int = -1  # the BatchGenerator row; -1 while waiting or in the speculative lane
     tokens: list[int] = field(default_factory=list)  # generated so far (resumed ones too)
+    constrained: ConstrainedRow | None = None  # its structured-output processor, in a batch
     checkpoint_key: bytes = b""
     checkpointed: bool = False  # something of it is in (or on its way to) the store
     keep_checkpoint: bool = False  # a client that went away may come back and resume

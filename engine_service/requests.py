@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_service.constraints import Grammars
 from engine_service.kv_codec import PLAIN_KV, KVCodec
 from engine_service.model import LoadedModel
 from engine_service.sampling import SamplingOptions
@@ -28,6 +29,7 @@ class RequestPolicy:
     default_checkpoint_interval: int = 0
     default_kv: KVCodec = PLAIN_KV
     drafts: DraftSupport = DraftSupport()
+    grammars: Grammars | None = None  # checks constraints as they arrive (None: refused)
 
 
 def stop_token_ids(sampling: SamplingOptions, eos_token_ids: list[int]) -> frozenset[int]:
@@ -36,7 +38,8 @@ def stop_token_ids(sampling: SamplingOptions, eos_token_ids: list[int]) -> froze
     The one place this is decided: the batch, the speculative lane and the text stream all
     read `GenerationRequest.stop_ids`."""
     ids = set(sampling.stop_token_ids)
-    if not sampling.ignore_eos:
+    # A constraint's end is the end of sequence: a constrained row stops there, ignore_eos or not.
+    if not sampling.ignore_eos or sampling.constraint is not None:
         ids.update(eos_token_ids)
     return frozenset(ids)
 

@@ -48,6 +48,7 @@ class Usage:
     decode_tokens_per_second: float = 0.0
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    constraint_incomplete: bool = False
 
 
 @dataclass
@@ -243,6 +244,7 @@ async def respond(
                     raise Unavailable(event.error)
                 out.usage.draft_tokens = event.drafted
                 out.usage.accepted_draft_tokens = event.accepted
+                out.usage.constraint_incomplete = event.constraint_incomplete
                 chunk.error = event.error
                 yield out.finish(chunk, event.reason, event.stop_token)
                 return

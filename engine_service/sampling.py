@@ -17,6 +17,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
+from engine_service.constraints import Constraint
+
 Sampler = Callable[[mx.array], mx.array]
 _MASK64 = (1 << 64) - 1
 
@@ -34,6 +36,7 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = -1  # -1: none; n >= 0: the sampled token's logprob and n alternatives
     ignore_eos: bool = False
+    constraint: Constraint | None = None  # structured output (constraints.py)
     extra: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property

@@ -22,6 +22,7 @@ from mlx_lm.generate import BatchGenerator
 from engine_service.admissions import Admissions
 from engine_service.checkpoints import CheckpointManager, starting_point
 from engine_service.compiled_decode import CompiledDecode
+from engine_service.constraints import Grammars
 from engine_service.engine_stats import EngineStats
 from engine_service.events import Event, Finished, FinishReason, Sink, Started, Token
 from engine_service.jobs import Job, StartingPoint
@@ -80,6 +81,10 @@ class Scheduler:
             else loaded.model
         )
         self.checkpoints = checkpoints
+        # Structured output: the tokenizer llguidance needs is built on the first constraint.
+        self._grammars = Grammars(
+            loaded.tokenizer._tokenizer, loaded.vocab_size, loaded.eos_token_ids
+        )
         # Requests with num_draft_tokens run here, beside the batch (speculative_lane.py).
         self._speculative = (
             SpeculativeLane(self, loaded, draft, checkpoints) if draft is not None else None
@@ -309,18 +314,18 @@ class Scheduler:
         self._waiting.extendleft(reversed(arriving))
         if not batch:
             return
-        rows = NewRows(self.loaded.model)
+        rows = NewRows(self.loaded.model, self._grammars)
         for job in batch:
             fresh = not job.tokens  # not a parked row coming back
             try:
                 start = self.starting_point(job)
+                rows.add(job, start)
             except Exception as exc:  # a checkpoint that cannot be restored ends its request
                 log.exception("restoring %s failed", job.request.request_id)
                 job.ended = "failed"
                 self.finish(job)
                 self.emit(job, [Finished("error", error=f"restoring the checkpoint failed: {exc}")])
                 continue
-            rows.add(job, start)
             if fresh:
                 self.emit(job, [Started(len(job.request.prompt), start.cached_prompt_tokens)])
         if not rows.jobs:
@@ -358,7 +363,18 @@ class Scheduler:
                 self._step_checkpoints.after_token(job, self._bg, finished_cache)
             if r.finish_reason is not None:
                 stop = r.token if r.finish_reason == "stop" else None
-                events.append(Finished("stop" if stop is not None else "length", stop_token=stop))
+                cut = (
+                    stop is None
+                    and job.constrained is not None
+                    and not job.constrained.complete(job.tokens)
+                )
+                events.append(
+                    Finished(
+                        "stop" if stop is not None else "length",
+                        stop_token=stop,
+                        constraint_incomplete=cut,
+                    )
+                )
                 self.finish(job)
             self.emit(job, events)
         if self._step_checkpoints is not None:

@@ -55,6 +55,7 @@ async def serve(
 ) -> None:
     # Imported here, after the core was spawned: mlx-lm and the tokenizer stack take seconds
     # to import, and the core loads its model meanwhile.
+    from engine_service.constraints import Grammars
     from engine_service.core_link import CoreLink
     from engine_service.model import without_weights
     from engine_service.requests import DraftSupport, RequestPolicy
@@ -80,6 +81,7 @@ async def serve(
         default_checkpoint_interval=config.checkpoint_interval,
         default_kv=config.kv_codec,
         drafts=DraftSupport(ready.draft_model_id, config.num_draft_tokens),
+        grammars=Grammars(loaded.tokenizer._tokenizer, loaded.vocab_size, loaded.eos_token_ids),
     )
     metrics = _serve_metrics(config.metrics_listen, core) if config.metrics_listen else None
     server = grpc.aio.server(options=SERVER_OPTIONS)

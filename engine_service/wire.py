@@ -6,6 +6,7 @@ model info and flush results out. No other engine module imports `engine_pb2`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from engine_service import blas
 from engine_service.checkpoint_stats import CheckpointStats
 from engine_service.config import MAX_DRAFT
+from engine_service.constraints import Constraint, ConstraintKind, check_constraint
 from engine_service.engine_stats import EngineStats
 from engine_service.errors import InvalidRequest, Precondition
 from engine_service.kv_codec import BITS, GROUP_SIZES, KVCodec, request_layout
@@ -109,6 +111,28 @@ def kv_codec_from_pb(
     return KVCodec(bits, group, start)
 
 
+def constraint_from_pb(
+    request: engine_pb2.GenerateRequest, policy: RequestPolicy
+) -> Constraint | None:
+    """The request's structured-output constraint, compiled once here so that a bad one is
+    INVALID_ARGUMENT with the library's message before it takes a batch slot."""
+    which = request.constraint.WhichOneof("kind") if request.HasField("constraint") else None
+    if which is None:
+        return None
+    c = request.constraint
+    if which == "choice":
+        constraint = Constraint(ConstraintKind.CHOICE, choices=tuple(c.choice.options))
+    elif which == "json_object":
+        constraint = Constraint(ConstraintKind.JSON_OBJECT)
+    else:
+        constraint = Constraint(ConstraintKind(which), source=getattr(c, which))
+    check_constraint(constraint)
+    if policy.grammars is None:
+        raise Precondition("this engine does not take constraints")
+    policy.grammars.compile(constraint)
+    return constraint
+
+
 def num_draft_from_pb(
     request: engine_pb2.GenerateRequest, policy: RequestPolicy, kv: KVCodec
 ) -> int:
@@ -161,8 +185,9 @@ def prompt_from_pb(
 
 
 def needs_tokenizer(request: engine_pb2.GenerateRequest) -> bool:
-    """Text and chat prompts run the tokenizer or a chat template; token ids only checks."""
-    return bool(request.text or request.messages)
+    """Text and chat prompts run the tokenizer or a chat template, constraints compile; token
+    ids only checks."""
+    return bool(request.text or request.messages or request.HasField("constraint"))
 
 
 def request_from_pb(
@@ -185,8 +210,15 @@ def request_from_pb(
     if problem:
         raise InvalidRequest(problem)
     sampling = sampling_from_pb(request.sampling, loaded.vocab_size)
+    constraint = constraint_from_pb(request, policy)
+    if constraint is not None:
+        sampling = dataclasses.replace(sampling, constraint=constraint)
     kv = kv_codec_from_pb(request, loaded, policy.default_kv)
     num_draft = num_draft_from_pb(request, policy, kv)
+    if constraint is not None and num_draft:
+        if request.HasField("num_draft_tokens"):
+            raise Precondition("a constrained generation does not speculate; omit num_draft_tokens")
+        num_draft = 0  # the engine's default speculation is for unconstrained requests
     prompt = prompt_from_pb(request, loaded)
     if not prompt:
         raise InvalidRequest("the prompt is empty")
@@ -267,6 +299,7 @@ def response_to_pb(chunk: ResponseChunk) -> engine_pb2.GenerateResponse:
                 decode_tokens_per_second=u.decode_tokens_per_second,
                 draft_tokens=u.draft_tokens,
                 accepted_draft_tokens=u.accepted_draft_tokens,
+                constraint_incomplete=u.constraint_incomplete,
             )
         )
     return message

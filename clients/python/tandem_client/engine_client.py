@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ class Usage:
     draft_tokens: int = 0  # speculative decoding: proposed, and kept by the target
     accepted_draft_tokens: int = 0
     failovers: int = 0  # through a gateway: times the stream moved to another engine
+    constraint_incomplete: bool = False  # a constrained output cut short by max_tokens
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class GenerationChunk:
                 u.draft_tokens,
                 u.accepted_draft_tokens,
                 u.failovers,
+                u.constraint_incomplete,
             )
         return cls(
             token_ids=list(m.token_ids),
@@ -159,6 +162,12 @@ def generate_request(
     kv_group_size: int = 0,
     quantized_kv_start: int | None = None,
     num_draft_tokens: int | None = None,
+    json_schema: str | dict[str, Any] | None = None,
+    regex: str | None = None,
+    lark: str | None = None,
+    gbnf: str | None = None,
+    choice: Sequence[str] | None = None,
+    json_object: bool = False,
     **sampling: Any,
 ) -> engine_pb2.GenerateRequest:
     """A GenerateRequest from text, token ids or chat messages (dicts of role/content).
@@ -166,6 +175,8 @@ def generate_request(
     kv_bits: None = the engine's default KV codec, 0 = plain, 4 or 8 = quantized (see
     quantized_kv_start and kv_group_size). num_draft_tokens: None = the engine's default,
     0 = no speculative decoding, k = k draft tokens per round (needs --draft-model).
+    Structured output, one at most: json_schema (a dict or its JSON text), regex, lark,
+    gbnf, choice (the output is one of these strings) or json_object.
     """
     req = engine_pb2.GenerateRequest(
         request_id=request_id,
@@ -184,6 +195,25 @@ def generate_request(
         req.quantized_kv_start = quantized_kv_start
     if num_draft_tokens is not None:
         req.num_draft_tokens = num_draft_tokens
+    constraints = {
+        "json_schema": json_schema,
+        "regex": regex,
+        "lark": lark,
+        "gbnf": gbnf,
+        "choice": choice,
+        "json_object": json_object or None,
+    }
+    given = {k: v for k, v in constraints.items() if v is not None}
+    if len(given) > 1:
+        raise ValueError(f"one constraint at most, got {sorted(given)}")
+    for kind, value in given.items():
+        if kind == "choice":
+            req.constraint.choice.options.extend(value)  # type: ignore[arg-type]
+        elif kind == "json_object":
+            req.constraint.json_object = True
+        else:
+            text = json.dumps(value) if isinstance(value, dict) else value
+            setattr(req.constraint, kind, text)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):
