@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from gateway_service.backends import BackendPool
 from gateway_service.grpc_front import caller_of
+from gateway_service.openai_formats import apply_constraint
 from gateway_service.openai_wire import ApiError, Shaper, chat_request, completion_request
 from gateway_service.relay import Caller, GatewayError, Relay
 from tandem_wire.auth import Authenticator, AuthError
@@ -81,6 +82,7 @@ class OpenAIFront:
             caller = self._caller(request)
             body = await _json_body(request)
             req = chat_request(body) if chat else completion_request(body)
+            apply_constraint(body, req)
             model = body.get("model") or ""
             if not isinstance(model, str):
                 raise ApiError(400, "'model' must be a string", param="model")

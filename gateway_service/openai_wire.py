@@ -52,6 +52,10 @@ TANDEM_OPTIONS = {
     "min_p",
     "repetition_penalty",
     "ignore_eos",
+    "regex",  # the constraint extras (openai_formats.py)
+    "choice",
+    "lark",
+    "gbnf",
 }
 # Accepted only at their neutral values (what OpenAI's defaults mean).
 NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "best_of": 1}

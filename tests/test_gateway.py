@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
@@ -179,6 +180,54 @@ def test_errors_come_back_in_openai_shape(
         urllib.request.urlopen(request)
     assert raw.value.code == 400
     assert json.load(raw.value)["error"]["type"] == "invalid_request_error"
+
+
+def test_response_format_constrains_the_output(sdk: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 10},
+            "rank": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    for seed in range(3):
+        reply = sdk.chat.completions.create(
+            model="tandem-tiny",
+            messages=SDK_CHAT,
+            max_tokens=80,
+            seed=seed,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "city", "schema": schema, "strict": True},
+            },
+        )
+        content = reply.choices[0].message.content or ""
+        assert reply.choices[0].finish_reason == "stop", content
+        jsonschema.validate(json.loads(content), schema)
+    picked = sdk.completions.create(
+        model="tandem-tiny",
+        prompt="Pick one:",
+        max_tokens=8,
+        extra_body={"tandem": {"choice": ["north", "south"]}},
+    )
+    assert picked.choices[0].text in ("north", "south")
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.chat.completions.create(
+            model="tandem-tiny",
+            messages=SDK_CHAT,
+            max_tokens=8,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+            },
+        )
+    assert "nonsense" in str(bad.value)
+    with pytest.raises(openai.BadRequestError):
+        sdk.chat.completions.create(
+            model="tandem-tiny", messages=SDK_CHAT, response_format={"type": "yaml"}
+        )
 
 
 def test_a_shared_prefix_lands_on_the_engine_that_holds_it(
