@@ -226,7 +226,7 @@ def test_response_format_constrains_the_output(sdk: openai.OpenAI) -> None:
     assert "nonsense" in str(bad.value)
     with pytest.raises(openai.BadRequestError):
         sdk.chat.completions.create(
-            model="tandem-tiny", messages=SDK_CHAT, response_format={"type": "yaml"}
+            model="tandem-tiny", messages=SDK_CHAT, extra_body={"response_format": {"type": "yaml"}}
         )
 
 
