@@ -80,6 +80,32 @@ def test_generate_text_and_json(services: dict[str, str]) -> None:
     assert no_draft.returncode == 1 and "--draft-model" in _one_error_line(no_draft)
 
 
+def test_generate_with_constraints(services: dict[str, str], tmp_path: Path) -> None:
+    schema = tmp_path / "point.json"
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["x"],
+                "additionalProperties": False,
+            }
+        )
+    )
+    shaped = tandem(services, "generate", "Point:", "--json-schema", str(schema), "--json")
+    assert shaped.returncode == 0, shaped.stderr
+    assert set(json.loads(json.loads(shaped.stdout)["text"])) == {"x"}
+    picked = tandem(services, "generate", "Pick:", "--choice", "left", "--choice", "right")
+    assert picked.returncode == 0 and picked.stdout.strip() in ("left", "right")
+    grammar = tmp_path / "yn.gbnf"
+    grammar.write_text('root ::= "yes" | "no"\n')
+    said = tandem(services, "generate", "Say:", "--grammar", str(grammar))
+    assert said.returncode == 0 and said.stdout.strip() in ("yes", "no")
+    bad = tandem(services, "generate", "x", "--regex", "a(b")  # INVALID_ARGUMENT: exit 2
+    assert bad.returncode == 2 and "unclosed group" in bad.stderr, bad.stderr
+    assert bad.stderr.startswith("tandem: error:") and "Traceback" not in bad.stderr
+
+
 def test_bad_input_unreachable_and_bad_flags(services: dict[str, str]) -> None:
     bad = tandem(services, "generate", "hi", "--temperature", "-1")
     assert bad.returncode == 2

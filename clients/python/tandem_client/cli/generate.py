@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from tandem_client.cli.connection import add_connection_args, connection
@@ -60,6 +61,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     gen.add_argument("--request-id", default="")
     gen.add_argument("--logprobs", type=int)
     gen.add_argument("--json", action="store_true", help="one JSON object when done")
+    _constraint_args(gen)
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser("chat", help="interactive multi-turn chat (empty line or EOF ends)")
     _sampling_args(chat)
@@ -78,8 +80,29 @@ def _usage_line(last: GenerationChunk) -> str:
     )
 
 
+def _constraint_args(p: argparse.ArgumentParser) -> None:
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="output valid under this JSON Schema")
+    shape.add_argument("--regex", help="output matching this regular expression")
+    shape.add_argument("--grammar", metavar="FILE", help="a Lark grammar (.lark) or GBNF (.gbnf)")
+    shape.add_argument("--choice", action="append", help="output is one of these (repeatable)")
+
+
+def _constraint(args: argparse.Namespace) -> dict[str, Any]:
+    if args.json_schema:
+        return {"json_schema": Path(args.json_schema).read_text()}
+    if args.regex:
+        return {"regex": args.regex}
+    if args.grammar:
+        kind = "gbnf" if args.grammar.endswith(".gbnf") else "lark"
+        return {kind: Path(args.grammar).read_text()}
+    if args.choice:
+        return {"choice": args.choice}
+    return {}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    options = _options(args)
+    options = {**_options(args), **_constraint(args)}
     if args.logprobs is not None:
         options["logprobs"] = args.logprobs
     with EngineClient(engine_address(args.engine), **connection(args)) as client:
