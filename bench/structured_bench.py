@@ -103,7 +103,7 @@ def replay(spec: str, data_dir: Path, tokens: int) -> None:
     grammars = Grammars(loaded.tokenizer._tokenizer, loaded.vocab_size, loaded.eos_token_ids)
     # A regex that cannot complete within `tokens`, so a random walk over its own masks
     # makes a valid output of exactly that length.
-    constraint = Constraint(ConstraintKind.REGEX, "[a-z0-9 ,.]{%d}" % (tokens * 20))
+    constraint = Constraint(ConstraintKind.REGEX, f"[a-z0-9 ,.]{{{tokens * 20}}}")
     row = grammars.row(constraint, [])
     made: list[int] = []
     rng = np.random.default_rng(0)
