@@ -108,7 +108,7 @@ def replay(spec: str, data_dir: Path, tokens: int) -> None:
     made: list[int] = []
     rng = np.random.default_rng(0)
     mask_s: list[float] = []
-    bitmask = np.zeros((row._bitmask.shape[1],), dtype=np.int32)
+    bitmask = np.zeros_like(row._bitmask)
     while len(made) < tokens:
         t = time.perf_counter()
         row.matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.size * 4)
