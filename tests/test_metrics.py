@@ -32,11 +32,10 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return samples
 
 
-@pytest.fixture(scope="module")
-def engine_with_metrics(
-    tmp_path_factory: pytest.TempPathFactory, engine_data_dir: Path
-) -> Iterator[tuple[ServiceProcess, int]]:
-    root = tmp_path_factory.mktemp("metrics")
+def _store_and_engine(
+    root: Path, engine_data_dir: Path, *extra: str
+) -> tuple[InProcessStore, ServiceProcess, int]:
+    """A store and an engine on it serving /metrics; returns them and the metrics port."""
     store = InProcessStore(root / "store")
     port = free_port()
     engine = start_engine(
@@ -45,8 +44,18 @@ def engine_with_metrics(
         store.address,
         "--metrics-listen",
         f"127.0.0.1:{port}",
+        *extra,
         log_dir=root,
     )
+    return store, engine, port
+
+
+@pytest.fixture(scope="module")
+def engine_with_metrics(
+    tmp_path_factory: pytest.TempPathFactory, engine_data_dir: Path
+) -> Iterator[tuple[ServiceProcess, int]]:
+    root = tmp_path_factory.mktemp("metrics")
+    store, engine, port = _store_and_engine(root, engine_data_dir)
     try:
         yield engine, port
     finally:
@@ -91,18 +100,7 @@ def test_engine_rate_histograms_count_store_transfers(
 ) -> None:
     """With the memory tier off, a prefix hit is a read from the store: one restore and at
     least one checkpoint write land in the GB/s histograms."""
-    store = InProcessStore(tmp_path / "store")
-    port = free_port()
-    engine = start_engine(
-        engine_data_dir,
-        "--store",
-        store.address,
-        "--prefix-cache-bytes",
-        "0",
-        "--metrics-listen",
-        f"127.0.0.1:{port}",
-        log_dir=tmp_path,
-    )
+    store, engine, port = _store_and_engine(tmp_path, engine_data_dir, "--prefix-cache-bytes", "0")
     try:
         long_prompt = [(i * 13) % 700 + 30 for i in range(160)]
         with EngineClient(engine.address) as client:
