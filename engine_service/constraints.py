@@ -14,6 +14,7 @@ import enum
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,7 +123,9 @@ class Grammars:
             self._grammars[constraint] = grammar
         return grammar
 
-    def row(self, constraint: Constraint, generated: list[int]) -> ConstrainedRow:
+    def row(
+        self, constraint: Constraint, generated: list[int], step: StepTokens | None = None
+    ) -> ConstrainedRow:
         """A row's processor, its matcher past the tokens the row generated already."""
         from llguidance import LLMatcher
 
@@ -133,7 +136,32 @@ class Grammars:
             raise InvalidRequest(
                 f"the generated tokens do not fit the constraint: {matcher.get_error()}"
             )
-        return ConstrainedRow(matcher, self.vocab_size, len(generated))
+        return ConstrainedRow(matcher, self.vocab_size, len(generated), step)
+
+
+class StepTokens:
+    """The tokens the batch is fed this step, read from the device once for every constrained
+    row. Each row reading its own (`tokens[-1].item()`) was a device sync a row a step, and on
+    an H200 those syncs cost more than the masks. mlx-lm's BatchGenerator hands a processor
+    only its row's tokens, so the step's token array is read from the generation batch itself
+    (`_generation_batch`, `_current_tokens`, `uids`: mlx-lm is pinned to the version these
+    are read from; a row falls back to its own read if they are not there)."""
+
+    def __init__(self, generation_batch: Callable[[], Any]) -> None:
+        self._generation_batch = generation_batch
+        self._array: Any = None
+        self._by_uid: dict[int, int] = {}
+
+    def token_of(self, uid: int) -> int | None:
+        try:
+            batch = self._generation_batch()
+            array = batch._current_tokens
+            if array is not self._array:
+                self._by_uid = dict(zip(batch.uids, array.tolist(), strict=True))
+                self._array = array
+        except (AttributeError, TypeError, ValueError):
+            return None
+        return self._by_uid.get(uid)
 
 
 class ConstrainedRow:
@@ -144,8 +172,12 @@ class ConstrainedRow:
     built; each later call's last token is the one sampled a step before, consumed here.
     """
 
-    def __init__(self, matcher: Any, vocab_size: int, consumed: int) -> None:
+    def __init__(
+        self, matcher: Any, vocab_size: int, consumed: int, step: StepTokens | None = None
+    ) -> None:
         self.matcher = matcher
+        self.step = step
+        self.uid = -1  # the batch row, once inserted
         self.vocab_size = vocab_size
         self.consumed = consumed  # generated tokens the matcher has taken
         self._first = True
@@ -157,8 +189,13 @@ class ConstrainedRow:
         if self._first:
             self._first = False
         else:
-            last: Any = tokens[-1].item()
-            self.matcher.consume_token(int(last))
+            # Not the first call: the row is in the main generation batch (a new batch's
+            # first step is its rows' first call).
+            last = self.step.token_of(self.uid) if self.step is not None else None
+            if last is None:
+                own: Any = tokens[-1].item()
+                last = int(own)
+            self.matcher.consume_token(last)
             self.consumed += 1
         if self.matcher.is_error():  # only a bug gets here: the mask forbade that token
             log.error("a constrained row left its grammar: %s", self.matcher.get_error())

@@ -22,7 +22,7 @@ from mlx_lm.generate import BatchGenerator
 from engine_service.admissions import Admissions
 from engine_service.checkpoints import CheckpointManager, starting_point
 from engine_service.compiled_decode import CompiledDecode
-from engine_service.constraints import Grammars
+from engine_service.constraints import Grammars, StepTokens
 from engine_service.engine_stats import EngineStats
 from engine_service.events import Event, Finished, FinishReason, Sink, Started, Token
 from engine_service.jobs import Job, StartingPoint
@@ -85,6 +85,7 @@ class Scheduler:
         self._grammars = Grammars(
             loaded.tokenizer._tokenizer, loaded.vocab_size, loaded.eos_token_ids
         )
+        self._step_tokens = StepTokens(lambda: self._bg._generation_batch)
         # Requests with num_draft_tokens run here, beside the batch (speculative_lane.py).
         self._speculative = (
             SpeculativeLane(self, loaded, draft, checkpoints) if draft is not None else None
@@ -314,7 +315,7 @@ class Scheduler:
         self._waiting.extendleft(reversed(arriving))
         if not batch:
             return
-        rows = NewRows(self.loaded.model, self._grammars)
+        rows = NewRows(self.loaded.model, self._grammars, self._step_tokens)
         for job in batch:
             fresh = not job.tokens  # not a parked row coming back
             try:
