@@ -179,8 +179,17 @@ def _killed_mid_stream(stack: dict[str, Any], request: dict[str, Any]) -> tuple[
     _wait_for_checkpoint(store, len(PROMPT) + 20)
     stack["engine"].kill()
     engine.close()
-    (record,) = store.list_all(kind="generation")
-    checkpoint = store.get(record.key, record.namespace)
+    # A Put the engine finished sending just before it died may still commit: a read that
+    # meets it is ABORTED (the record changed under it), and is read again.
+    for _ in range(20):
+        (record,) = store.list_all(kind="generation")
+        try:
+            checkpoint = store.get(record.key, record.namespace)
+            break
+        except TandemError as exc:
+            if exc.code != grpc.StatusCode.ABORTED:
+                raise
+            time.sleep(0.1)
     store.close()
     return received, checkpoint
 
