@@ -100,7 +100,7 @@ def replay(spec: str, data_dir: Path, tokens: int) -> None:
     from engine_service.model import load_model
 
     loaded = load_model(spec, data_dir)
-    grammars = Grammars(loaded.tokenizer._tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+    grammars = Grammars.for_model(loaded)
     # A regex that cannot complete within `tokens`, so a random walk over its own masks
     # makes a valid output of exactly that length.
     constraint = Constraint(ConstraintKind.REGEX, f"[a-z0-9 ,.]{{{tokens * 20}}}")

@@ -98,6 +98,11 @@ class Grammars:
         self._tokenizer: Any = None
         self._grammars: dict[Constraint, str] = {}
 
+    @classmethod
+    def for_model(cls, loaded: Any) -> Grammars:
+        """For a LoadedModel: its Hugging Face tokenizer, token ids and EOS."""
+        return cls(loaded.tokenizer._tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:

@@ -82,9 +82,7 @@ class Scheduler:
         )
         self.checkpoints = checkpoints
         # Structured output: the tokenizer llguidance needs is built on the first constraint.
-        self._grammars = Grammars(
-            loaded.tokenizer._tokenizer, loaded.vocab_size, loaded.eos_token_ids
-        )
+        self._grammars = Grammars.for_model(loaded)
         self._step_tokens = StepTokens(lambda: self._bg._generation_batch)
         # Requests with num_draft_tokens run here, beside the batch (speculative_lane.py).
         self._speculative = (

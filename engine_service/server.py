@@ -81,7 +81,7 @@ async def serve(
         default_checkpoint_interval=config.checkpoint_interval,
         default_kv=config.kv_codec,
         drafts=DraftSupport(ready.draft_model_id, config.num_draft_tokens),
-        grammars=Grammars(loaded.tokenizer._tokenizer, loaded.vocab_size, loaded.eos_token_ids),
+        grammars=Grammars.for_model(loaded),
     )
     metrics = _serve_metrics(config.metrics_listen, core) if config.metrics_listen else None
     server = grpc.aio.server(options=SERVER_OPTIONS)
