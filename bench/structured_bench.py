@@ -96,7 +96,7 @@ def replay(spec: str, data_dir: Path, tokens: int) -> None:
     """The matcher rebuilt past `tokens` generated tokens (what a resume adds)."""
     import numpy as np
 
-    from engine_service.constraints import Constraint, ConstraintKind, Grammars
+    from engine_service.constraints import Constraint, ConstraintKind, Grammars, mask_words
     from engine_service.model import load_model
 
     loaded = load_model(spec, data_dir)
@@ -108,7 +108,7 @@ def replay(spec: str, data_dir: Path, tokens: int) -> None:
     made: list[int] = []
     rng = np.random.default_rng(0)
     mask_s: list[float] = []
-    bitmask = np.zeros_like(row._bitmask)
+    bitmask = np.zeros((mask_words(loaded.vocab_size),), dtype=np.int32)
     while len(made) < tokens:
         t = time.perf_counter()
         row.matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.size * 4)

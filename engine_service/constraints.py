@@ -1,11 +1,11 @@
 """Structured output: a request's constraint (JSON Schema, regex, Lark, GBNF, a choice of
-strings) compiled by llguidance, and the per-row logits processor that keeps each sampled
-token inside it.
+strings) compiled by llguidance, and each constrained row's matcher.
 
-llguidance does the grammar work (matchers, token masks); we only wire it into mlx-lm's
-BatchGenerator, whose rows each take their own logits processors, so unconstrained rows pay
-nothing. A matcher has no serialized state, so a resumed row rebuilds it by replaying the
-tokens generated before the checkpoint (consume_tokens: microseconds per token).
+llguidance does the grammar work (matchers, token masks); we wire it into mlx-lm's
+BatchGenerator: a row's first step through its per-row logits processor, every later step
+through BatchMasks (constraint_masks.py), all constrained rows of the batch together. A
+matcher has no serialized state, so a resumed row rebuilds it by replaying the tokens
+generated before the checkpoint (consume_tokens: microseconds per token).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import enum
 import hashlib
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,9 +127,7 @@ class Grammars:
             self._grammars[constraint] = grammar
         return grammar
 
-    def row(
-        self, constraint: Constraint, generated: list[int], step: StepTokens | None = None
-    ) -> ConstrainedRow:
+    def row(self, constraint: Constraint, generated: list[int]) -> ConstrainedRow:
         """A row's processor, its matcher past the tokens the row generated already."""
         from llguidance import LLMatcher
 
@@ -141,78 +138,42 @@ class Grammars:
             raise InvalidRequest(
                 f"the generated tokens do not fit the constraint: {matcher.get_error()}"
             )
-        return ConstrainedRow(matcher, self.vocab_size, len(generated), step)
-
-
-class StepTokens:
-    """The tokens the batch is fed this step, read from the device once for every constrained
-    row. Each row reading its own (`tokens[-1].item()`) was a device sync a row a step, and on
-    an H200 those syncs cost more than the masks. mlx-lm's BatchGenerator hands a processor
-    only its row's tokens, so the step's token array is read from the generation batch itself
-    (`_generation_batch`, `_current_tokens`, `uids`: mlx-lm is pinned to the version these
-    are read from; a row falls back to its own read if they are not there)."""
-
-    def __init__(self, generation_batch: Callable[[], Any]) -> None:
-        self._generation_batch = generation_batch
-        self._array: Any = None
-        self._by_uid: dict[int, int] = {}
-
-    def token_of(self, uid: int) -> int | None:
-        try:
-            batch = self._generation_batch()
-            array = batch._current_tokens
-            if array is not self._array:
-                self._by_uid = dict(zip(batch.uids, array.tolist(), strict=True))
-                self._array = array
-        except (AttributeError, TypeError, ValueError):
-            return None
-        return self._by_uid.get(uid)
+        return ConstrainedRow(matcher, self.vocab_size, len(generated))
 
 
 class ConstrainedRow:
-    """mlx-lm logits processor for one row: masks every token the constraint forbids.
+    """A constrained row's matcher, and mlx-lm logits processor for its first step.
 
-    The batch calls it once per step with the row's tokens so far. Its first call comes with
-    the last fed token, which is a prompt token or one the matcher consumed when it was
-    built; each later call's last token is the one sampled a step before, consumed here.
+    A new row's first step runs inside mlx-lm as a batch of the new rows alone, through this
+    processor; BatchMasks (constraint_masks.py) then takes the row out of mlx-lm's per-row
+    processors and masks every later step with the whole batch's rows together. The first
+    call's last token is a prompt token or one the matcher consumed when it was built; each
+    later token fed to the row is the one sampled a step before, consumed by `advance`.
     """
 
-    def __init__(
-        self, matcher: Any, vocab_size: int, consumed: int, step: StepTokens | None = None
-    ) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, consumed: int) -> None:
         self.matcher = matcher
-        self.step = step
         self.uid = -1  # the batch row, once inserted
         self.vocab_size = vocab_size
         self.consumed = consumed  # generated tokens the matcher has taken
-        self._first = True
-        self._bitmask = np.zeros(((vocab_size + 31) // 32,), dtype=np.int32)
-        self._bias: np.ndarray[Any, Any] | None = None  # 0 allowed, -inf not, logits wide
+        self.first_step_done = False
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         mx.async_eval(logits)  # the device computes the step while the mask is made here
-        if self._first:
-            self._first = False
-        else:
-            # Not the first call: the row is in the main generation batch (a new batch's
-            # first step is its rows' first call).
-            last = self.step.token_of(self.uid) if self.step is not None else None
-            if last is None:
-                own: Any = tokens[-1].item()
-                last = int(own)
-            self.matcher.consume_token(last)
-            self.consumed += 1
-        if self.matcher.is_error():  # only a bug gets here: the mask forbade that token
+        if self.first_step_done:
+            # Only where BatchMasks could not take the row over (see adopt): per row.
+            last: Any = tokens[-1].item()
+            self.advance(int(last))
+        self.first_step_done = True
+        bitmask = np.zeros((1, mask_words(self.vocab_size)), dtype=np.int32)
+        self.matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
+        return apply_bitmask(logits, bitmask, np.array([True]))
+
+    def advance(self, token: int) -> None:
+        """The token the batch fed this row (sampled under the last mask)."""
+        if not self.matcher.consume_token(token):  # only a bug gets here: the mask forbade it
             log.error("a constrained row left its grammar: %s", self.matcher.get_error())
-        self.matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
-        # The mask becomes an additive bias on the host: one transfer and one add on the
-        # device (the bit arithmetic as MLX ops was ~6 kernels a row a step).
-        allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
-        if self._bias is None:  # a padded vocabulary: the padding stays -inf
-            self._bias = np.full((logits.shape[-1],), -np.inf, dtype=np.float32)
-        width = min(self.vocab_size, logits.shape[-1])
-        self._bias[:width] = np.where(allowed[:width], 0.0, -np.inf)
-        return logits + mx.array(self._bias, dtype=logits.dtype)
+        self.consumed += 1
 
     def complete(self, generated: list[int]) -> bool:
         """Whether these generated tokens are a whole match. The batch samples a step ahead,
@@ -221,3 +182,32 @@ class ConstrainedRow:
         if not probe.consume_tokens(generated[self.consumed :]):
             return False
         return bool(probe.is_accepting())
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of llguidance's token bitmask for this vocabulary (bit i: token i)."""
+    return (vocab_size + 31) // 32
+
+
+def apply_bitmask(
+    logits: mx.array, bitmask: np.ndarray[Any, Any], masked: np.ndarray[Any, Any]
+) -> mx.array:
+    """-inf where a row's bitmask forbids a token; rows with masked False stay as they are.
+
+    logits: [rows, ..., width]; bitmask: [rows, words] int32, little-endian bits. The bits
+    are unpacked on the device (a few kernels for the batch), so a 150k vocabulary moves
+    19 KB a row to the device, not a 600 KB bias. Columns past the bitmask (a padded
+    vocabulary) are forbidden to masked rows.
+    """
+    rows, width = logits.shape[0], logits.shape[-1]
+    words = mx.array(bitmask.view(np.uint32))
+    bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
+    allowed = bits.reshape(rows, -1).astype(mx.bool_)
+    if allowed.shape[1] >= width:
+        allowed = allowed[:, :width]
+    else:
+        free = mx.array(~masked)[:, None]
+        pad = mx.broadcast_to(free, (rows, width - allowed.shape[1]))
+        allowed = mx.concatenate([allowed, pad], axis=1)
+    allowed = allowed.reshape(rows, *([1] * (logits.ndim - 2)), width)
+    return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))

@@ -8,7 +8,7 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine_service.constraints import Grammars, StepTokens
+from engine_service.constraints import Grammars
 from engine_service.jobs import Job, StartingPoint
 from engine_service.quantized_kv import adopt_row
 from engine_service.sampling import make_processors, make_sampler
@@ -18,7 +18,6 @@ from engine_service.sampling import make_processors, make_sampler
 class NewRows:
     model: Any
     grammars: Grammars | None = None  # structured output's compiler (None: no constraints)
-    step_tokens: StepTokens | None = None  # the batch's fed tokens, read once a step
     jobs: list[Job] = field(default_factory=list)
     prompts: list[list[int]] = field(default_factory=list)
     histories: list[list[int]] = field(default_factory=list)
@@ -45,7 +44,7 @@ class NewRows:
         if r.sampling.constraint is not None:
             assert self.grammars is not None, "a constrained request needs the engine's Grammars"
             # The matcher goes past what the row generated already (a resume, a parked row).
-            job.constrained = self.grammars.row(r.sampling.constraint, job.tokens, self.step_tokens)
+            job.constrained = self.grammars.row(r.sampling.constraint, job.tokens)
             processors = [*processors, job.constrained]
         self.processors.append(processors)
         self.stops.append(StopSequences([[t] for t in sorted(r.stop_ids)]))

@@ -22,7 +22,8 @@ from mlx_lm.generate import BatchGenerator
 from engine_service.admissions import Admissions
 from engine_service.checkpoints import CheckpointManager, starting_point
 from engine_service.compiled_decode import CompiledDecode
-from engine_service.constraints import Grammars, StepTokens
+from engine_service.constraint_masks import BatchMasks
+from engine_service.constraints import Grammars
 from engine_service.engine_stats import EngineStats
 from engine_service.events import Event, Finished, FinishReason, Sink, Started, Token
 from engine_service.jobs import Job, StartingPoint
@@ -75,15 +76,17 @@ class Scheduler:
         self.loaded = loaded
         # The batch's model: decode steps of small batches compiled (compiled_decode.py), or
         # as loaded (0).
-        self._batch_model = (
+        model = (
             CompiledDecode(loaded.model, compiled_decode_max_batch)
             if compiled_decode_max_batch > 0
             else loaded.model
         )
+        # Structured output: constrained rows' masks, all rows of a step together.
+        self._masks = BatchMasks(model, loaded.vocab_size, lambda: self._bg._generation_batch)
+        self._batch_model = self._masks
         self.checkpoints = checkpoints
-        # Structured output: the tokenizer llguidance needs is built on the first constraint.
+        # The tokenizer llguidance needs is built on the first constraint.
         self._grammars = Grammars.for_model(loaded)
-        self._step_tokens = StepTokens(lambda: self._bg._generation_batch)
         # Requests with num_draft_tokens run here, beside the batch (speculative_lane.py).
         self._speculative = (
             SpeculativeLane(self, loaded, draft, checkpoints) if draft is not None else None
@@ -313,7 +316,7 @@ class Scheduler:
         self._waiting.extendleft(reversed(arriving))
         if not batch:
             return
-        rows = NewRows(self.loaded.model, self._grammars, self._step_tokens)
+        rows = NewRows(self.loaded.model, self._grammars)
         for job in batch:
             fresh = not job.tokens  # not a parked row coming back
             try:
@@ -332,6 +335,8 @@ class Scheduler:
         rows.insert(self._bg)
         for job in rows.jobs:
             self._rows[job.uid] = job
+            if job.constrained is not None:
+                self._masks.add(job.constrained)
         with self._lock:
             self._stats.prompt_tokens_total += rows.prompt_tokens
 
@@ -348,6 +353,7 @@ class Scheduler:
             log.exception("batch step failed; failing its requests")
             self._fail_all(f"generation failed: {exc}")
             return
+        self._masks.settle(self._rows)
         if not responses:
             return
         for r in responses:
