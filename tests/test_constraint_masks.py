@@ -1,11 +1,13 @@
 """The batch masks of structured output (engine_service/constraint_masks.py) in-process: rows
 that join a running batch at different steps are masked together with the batch after their
-first step, keep their constraints, and give the tokens of their solo runs; the bitmask
+first step, keep their constraints, and give the tokens of their solo runs, in either order
+of a step's host work; the ordering follows the device's wait; the bitmask
 leaves unconstrained rows' logits bit for bit and forbids a padded vocabulary's columns."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine_service.constraint_masks import StepOrder
 from engine_service.constraints import ConstrainedRow, Constraint, ConstraintKind, apply_bitmask
 from engine_service.events import Finished
 from engine_service.model import LoadedModel, load_model
@@ -60,10 +63,14 @@ def _request(loaded: LoadedModel, i: int, constraint: Constraint | None) -> Gene
     )
 
 
-def _run(loaded: LoadedModel, indices: list[int], staggered: bool) -> dict[int, Collector]:
+def _run(
+    loaded: LoadedModel, indices: list[int], staggered: bool, order: StepOrder | None = None
+) -> dict[int, Collector]:
     """Each request's events; staggered: each joins after the one before it made a token, so
     new rows keep arriving in a running batch."""
     scheduler = Scheduler(loaded, Limits(max_running=8, max_queued=8))
+    if order is not None:
+        scheduler._masks.order = order
     scheduler.start()
     sinks = {}
     try:
@@ -81,10 +88,18 @@ def _run(loaded: LoadedModel, indices: list[int], staggered: bool) -> dict[int, 
     return sinks
 
 
+@pytest.mark.parametrize("read_first", [True, False], ids=["read-first", "queued-first"])
 def test_rows_joining_a_running_batch_are_masked_with_it_and_equal_their_solo_runs(
-    tiny: LoadedModel,
+    tiny: LoadedModel, read_first: bool
 ) -> None:
-    batched = _run(tiny, list(range(len(CONSTRAINTS))), staggered=True)
+    # Either order of a step's host work (StepOrder): fed tokens read before the forward
+    # pass is queued, masks made beside it; or the forward queued first, masks after.
+    order = StepOrder(wait_threshold_s=math.inf if read_first else -1.0, retry_after=10**9)
+    batched = _run(tiny, list(range(len(CONSTRAINTS))), staggered=True, order=order)
+    if read_first:
+        assert order.read_first_steps > 10 and order.queued_first_steps == 0
+    else:
+        assert order.queued_first_steps > 10 and order.read_first_steps == 4
     for i, sink in batched.items():
         text = tiny.tokenizer.decode(sink.tokens[:-1] if CONSTRAINTS[i] else sink.tokens)
         finished = sink.wait()
@@ -154,3 +169,16 @@ def test_a_processor_left_in_mlx_lms_rows_still_masks_every_step(tiny: LoadedMod
     assert "q" in second and all(re.fullmatch("[a-z]", text) for text in second), second
     q = next(t for t in range(tiny.vocab_size) if tiny.tokenizer.decode([t]) == "q")
     assert row.consumed == 1 and row.complete([seven, q]) and not row.complete([seven])
+
+
+def test_the_step_order_queues_first_while_reads_wait_and_tries_again_later() -> None:
+    order = StepOrder(wait_threshold_s=0.001, retry_after=3)
+    for _ in range(6):
+        order.waited(0.0001)  # the device keeps up: masks beside the host's graph building
+    assert order.read_first
+    for _ in range(4):
+        order.waited(0.010)  # the device is behind: the read would idle it
+    assert not order.read_first
+    for _ in range(3):
+        order.queued_first()
+    assert order.read_first and order.queued_first_steps == 3
