@@ -9,5 +9,5 @@ timeout 120 python3 bench/vocab_masks.py --tekken .whl2/tekken_240911.json.xz --
   --steps 100 2>&1 | tee "$out/vocab_masks.txt"
 timeout 260 python3 bench/structured_bench.py --model qwen3-0.6b-shape --constrained 0,8,32 \
   --pairs 4 2>&1 | tee "$out/structured_qwen06b.txt"
-timeout 200 python3 bench/structured_bench.py --model llama3-8b-shape --constrained 32 \
+timeout 170 python3 bench/structured_bench.py --model llama3-8b-shape --constrained 32 \
   --pairs 3 --replay-tokens 200 2>&1 | tee "$out/structured_llama8b.txt"

@@ -90,6 +90,12 @@ def throughput(root: Path, spec: str, streams: int, sides: list[int], pairs: int
             )
     finally:
         engine.stop()
+        switches = [
+            line for line in (root / "engine.log").read_text().splitlines() if "queue the" in line
+        ]
+        print(f"step order switches to forward-first (constraint_masks.StepOrder): {len(switches)}")
+        for line in switches[:3]:
+            print("  ", line[-140:])
 
 
 def replay(spec: str, data_dir: Path, tokens: int) -> None:

@@ -65,6 +65,12 @@ class StepOrder:
         self._samples += 1
         if self._samples >= 4 and self._wait > self.wait_threshold_s:
             self.read_first, self._countdown = False, self.retry_after
+            log.info(
+                "constrained steps queue the forward pass first for %d steps: reading the fed "
+                "tokens waited %.2f ms (the device is behind)",
+                self.retry_after,
+                self._wait * 1e3,
+            )
 
     def queued_first(self) -> None:
         self.queued_first_steps += 1
