@@ -1,0 +1,162 @@
+"""The TurboQuant KV codec (Zandieh et al., 2025, "TurboQuant: online vector quantization with
+near-optimal distortion rate"), in MLX ops: the first part of issue 18's TurboQuant rows.
+
+A key or value vector x of one head is stored as its norm and the indices of a scalar
+codebook, one a coordinate, of the unit vector after a fixed random rotation:
+
+    y = (x / |x|) @ R        R: a d x d random orthogonal matrix (a seed's, fixed per codec)
+    idx_j = the nearest of 2^b centroids to y_j * sqrt(d)
+    x_hat = |x| * (c[idx] / sqrt(d)) @ R^T
+
+After the rotation each coordinate of a unit vector follows (nearly) N(0, 1/d), whatever x
+was, so one codebook serves every vector: the Lloyd-Max quantizer of N(0, 1) at b bits,
+computed here once by Lloyd's iteration. The paper bounds the mean squared error of a unit
+vector by (sqrt(3) * pi / 2) * 4^-b and gives ~0.117, 0.03 and 0.009 at 2, 3 and 4 bits.
+
+Attention never needs x_hat itself. Scores are rotation-invariant (q . k = (q @ R) . (k @ R)),
+so the query is rotated once and meets the rotated keys; values are attended in the rotated
+domain and the output un-rotated once (the seeds' "rotated value attention"):
+sum_i p_i v_i = (sum_i p_i (v_i @ R)) @ R^T.
+
+Indices are packed into uint32 words, 32 // b to a word (16 at 2 bits, 10 at 3, 8 at 4);
+norms are float32. No library offers this codec for MLX: mlx-lm has affine quantization only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+BITS = (2, 3, 4)
+
+
+def distortion_bound(bits: int) -> float:
+    """The paper's bound on a unit vector's mean squared error at b bits (Theorem 1)."""
+    return math.sqrt(3) * math.pi / 2 * 4.0**-bits
+
+
+@functools.lru_cache(maxsize=8)
+def gaussian_codebook(bits: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Lloyd-Max centroids of N(0, 1) at b bits and the boundaries between them (midpoints),
+    by Lloyd's iteration over a fine grid of the density: deterministic, the same on every
+    machine (a checkpoint's codes must decode alike everywhere)."""
+    grid = np.linspace(-8.0, 8.0, 400_001)
+    weight = np.exp(-0.5 * grid**2)
+    levels = 2**bits
+    # Start at the quantiles' midpoints; 300 rounds move the centroids below 1e-9.
+    centroids = np.sqrt(2) * _erfinv(np.linspace(-1, 1, levels + 2)[1:-1])
+    for _ in range(300):
+        bounds = (centroids[1:] + centroids[:-1]) / 2
+        cell = np.searchsorted(bounds, grid)
+        mass = np.bincount(cell, weight, levels)
+        centroids = np.bincount(cell, weight * grid, levels) / mass
+    bounds = (centroids[1:] + centroids[:-1]) / 2
+    return tuple(float(c) for c in centroids), tuple(float(b) for b in bounds)
+
+
+def _erfinv(y: np.ndarray) -> np.ndarray:
+    """Inverse error function by Newton's method on math.erf (numpy has none)."""
+    x = np.zeros_like(y)
+    erf = np.vectorize(math.erf)
+    for _ in range(60):
+        x = x - (erf(x) - y) / (2 / math.sqrt(math.pi) * np.exp(-(x**2)))
+    return x
+
+
+@functools.lru_cache(maxsize=16)
+def _rotation(head_dim: int, seed: int) -> np.ndarray:
+    """A random orthogonal matrix (QR of a Gaussian, signs fixed so it is Haar-distributed);
+    numpy's PCG64 makes it the same on every machine."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    q, r = np.linalg.qr(rng.standard_normal((head_dim, head_dim)))
+    return (q * np.sign(np.diag(r))).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class TurboQuantPlanes:
+    """One encoded tensor: [..., words] packed indices and [..., 1] norms."""
+
+    codes: mx.array  # uint32
+    norms: mx.array  # float32
+
+
+class TurboQuantCodec:
+    """Encodes and decodes [..., head_dim] vectors at b bits a coordinate."""
+
+    def __init__(self, head_dim: int, bits: int, seed: int = 0) -> None:
+        if bits not in BITS:
+            raise ValueError(f"TurboQuant takes {BITS} bits, not {bits}")
+        self.head_dim, self.bits, self.seed = head_dim, bits, seed
+        self.per_word = 32 // bits
+        self.words = -(-head_dim // self.per_word)
+        centroids, bounds = gaussian_codebook(bits)
+        scale = 1 / math.sqrt(head_dim)
+        self.centroids = mx.array(centroids, dtype=mx.float32) * scale
+        self.bounds = mx.array(bounds, dtype=mx.float32) * scale
+        self.rotation = mx.array(_rotation(head_dim, seed))
+        self._shifts = mx.arange(self.per_word, dtype=mx.uint32) * bits
+
+    def bytes_per_vector(self) -> int:
+        return self.words * 4 + 4
+
+    def rotate(self, x: mx.array) -> mx.array:
+        return x.astype(mx.float32) @ self.rotation
+
+    def unrotate(self, y: mx.array) -> mx.array:
+        return y @ self.rotation.T
+
+    def encode(self, x: mx.array) -> TurboQuantPlanes:
+        norms = mx.linalg.norm(x.astype(mx.float32), axis=-1, keepdims=True)
+        y = self.rotate(x) / mx.maximum(norms, 1e-30)
+        idx = (y[..., None] > self.bounds).sum(axis=-1).astype(mx.uint32)
+        return TurboQuantPlanes(self._pack(idx), norms)
+
+    def decode_rotated(self, planes: TurboQuantPlanes) -> mx.array:
+        """x_hat @ R: what attention reads (keys against a rotated query, values before the
+        output's un-rotation)."""
+        return self.centroids[self._unpack(planes.codes)] * planes.norms
+
+    def decode(self, planes: TurboQuantPlanes) -> mx.array:
+        return self.unrotate(self.decode_rotated(planes))
+
+    def _pack(self, idx: mx.array) -> mx.array:
+        pad = self.words * self.per_word - self.head_dim
+        if pad:
+            idx = mx.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, pad)])
+        grouped = idx.reshape(*idx.shape[:-1], self.words, self.per_word)
+        return (grouped << self._shifts).sum(axis=-1).astype(mx.uint32)
+
+    def _unpack(self, codes: mx.array) -> mx.array:
+        mask = (1 << self.bits) - 1
+        idx = (codes[..., None] >> self._shifts) & mask
+        return idx.reshape(*codes.shape[:-1], self.words * self.per_word)[..., : self.head_dim]
+
+
+def rotated_attention(
+    queries: mx.array,
+    keys: TurboQuantPlanes,
+    values: TurboQuantPlanes,
+    key_codec: TurboQuantCodec,
+    value_codec: TurboQuantCodec,
+    scale: float,
+    mask: mx.array | None = None,
+) -> mx.array:
+    """Attention over TurboQuant keys and values without un-rotating either: the query is
+    rotated into the keys' domain, the output out of the values'. queries: [B, H, L, D];
+    keys/values: [B, H_kv, S, ...] planes (grouped-query heads repeat)."""
+    q = key_codec.rotate(queries) * scale
+    k = key_codec.decode_rotated(keys)
+    v = value_codec.decode_rotated(values)
+    heads, kv_heads = queries.shape[1], k.shape[1]
+    if heads != kv_heads:
+        k = mx.repeat(k, heads // kv_heads, axis=1)
+        v = mx.repeat(v, heads // kv_heads, axis=1)
+    scores = q @ k.swapaxes(-1, -2)
+    if mask is not None:
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+    out = mx.softmax(scores, axis=-1) @ v
+    return value_codec.unrotate(out).astype(queries.dtype)
