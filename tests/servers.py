@@ -34,7 +34,8 @@ class InProcessStore:
 
     def __init__(self, data_dir: Path, **settings: Any) -> None:
         settings.setdefault("sync_mode", SyncMode.COMMIT)
-        self.config = StoreConfig(data_dir=data_dir, listen="127.0.0.1:0", **settings)
+        settings.setdefault("listen", "127.0.0.1:0")
+        self.config = StoreConfig(data_dir=data_dir, **settings)
         self.store = CheckpointStore(self.config)
         try:
             self.server, port, _ = create_server(
@@ -44,7 +45,7 @@ class InProcessStore:
         except BaseException:
             self.store.close()
             raise
-        self.address = f"127.0.0.1:{port}"
+        self.address = f"{self.config.listen.rsplit(':', 1)[0]}:{port}"
 
     def stop(self) -> None:
         """Stops serving (in-flight calls get a moment), then closes the store cleanly."""
