@@ -3,14 +3,15 @@ before it is wired into the batch rows (issue 18): bytes per token of a model's 
 streams a memory budget holds, and the time of one decode step's attention over a batch's
 cached positions.
 
-Sides, each over the same random keys and values:
-- bf16 planes through mlx's fused SDPA (what a plain batch row runs);
+Bytes are of bf16 keys and values (a GPU model's). Attention runs in the engine's dtype
+(bf16 on a GPU, float32 on the CPU), sides each over the same random keys and values:
+- plain planes through mlx's fused SDPA (what a plain batch row runs);
 - mlx-lm's affine 4-bit planes through `quantized_scaled_dot_product_attention` (our
   `--kv-bits 4` rows);
 - TurboQuant planes through `rotated_attention` (pure MLX: the codes are decoded to rotated
   vectors each step; no fused kernel yet).
 
-Bytes are those of the encoded arrays. Times alternate the sides' order each round after a
+Bytes are those of the encoded arrays; times alternate the sides' order each round after a
 warm-up; medians of per-round ratios to bf16, with min-max.
 
     python bench/turboquant_bench.py [--shape qwen3-0.6b|llama3-8b] [--rows 8,32]
@@ -41,6 +42,8 @@ from engine_service.turboquant import TurboQuantCodec, rotated_attention  # noqa
 
 # (layers, query heads, KV heads, head dim) of the shapes the engine benches use.
 SHAPES = {"qwen3-0.6b": (28, 16, 8, 128), "llama3-8b": (32, 32, 8, 128)}
+# Attention runs in the engine's dtype: bf16 on a GPU, float32 on the CPU (no bf16 compute).
+DTYPE = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
 
 
 def _nbytes(*arrays: mx.array) -> int:
@@ -66,15 +69,16 @@ def attention_sides(
 ) -> dict[str, Callable[[], mx.array]]:
     _, heads, kv_heads, dim = shape
     scale = 1 / math.sqrt(dim)
-    q = mx.random.normal((rows, heads, 1, dim)).astype(mx.bfloat16)
-    k = mx.random.normal((rows, kv_heads, positions, dim)).astype(mx.bfloat16)
-    v = mx.random.normal((rows, kv_heads, positions, dim)).astype(mx.bfloat16)
+    dtype = DTYPE
+    q = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
+    k = mx.random.normal((rows, kv_heads, positions, dim)).astype(dtype)
+    v = mx.random.normal((rows, kv_heads, positions, dim)).astype(dtype)
     qk, qv = mx.quantize(k, group_size=64, bits=4), mx.quantize(v, group_size=64, bits=4)
     kc, vc = TurboQuantCodec(dim, 3, seed=1), TurboQuantCodec(dim, 3, seed=2)
     tk, tv = kc.encode(k), vc.encode(v)
     mx.eval(q, k, v, *qk, *qv, tk.codes, tk.norms, tv.codes, tv.norms)
     return {
-        "bf16 SDPA": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),
+        "plain SDPA": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),
         "affine 4-bit": lambda: quantized_scaled_dot_product_attention(
             q, qk, qv, scale=scale, mask=None, group_size=64, bits=4
         ),
@@ -116,13 +120,13 @@ def main() -> None:
               f"{streams} streams of {a.context} tokens in {a.budget_gib:g} GiB")  # fmt: skip
     for rows in (int(x) for x in a.rows.split(",")):
         times = time_sides(attention_sides(rows, a.positions, shape), a.rounds)
-        ref = times["bf16 SDPA"]
+        ref = times["plain SDPA"]
         line = [f"attention, {rows} rows x {a.positions} positions, one layer:"]
         for name, ts in times.items():
             ratios = [t / r for t, r in zip(ts, ref, strict=True)]
             line.append(
                 f"{name} {statistics.median(ts) * 1e3:.2f} ms ({statistics.median(ratios):.2f}x"
-                f" bf16, {min(ratios):.2f}-{max(ratios):.2f})"
+                f" plain, {min(ratios):.2f}-{max(ratios):.2f})"
             )
         print("  " + "; ".join(line))
 
