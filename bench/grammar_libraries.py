@@ -16,9 +16,7 @@ Run this from a virtualenv of its own:
 from __future__ import annotations
 
 import argparse
-import base64
 import json
-import lzma
 import statistics
 import sys
 import tempfile
@@ -32,18 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
-from bench.vocab_masks import REGEX, SCHEMA, tekken_file, tekken_tokenizer  # noqa: E402
-
-
-def _raw_vocab(path: Path) -> list[bytes]:
-    """Tekken's tokens as bytes, ids as in tekken_tokenizer (1,000 specials first)."""
-    raw = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
-    data = json.loads(raw)
-    specials = data["config"]["default_num_special_tokens"]
-    n_vocab = data["config"]["default_vocab_size"]
-    vocab = [f"<SPECIAL_{i}>".encode() for i in range(specials)]
-    vocab += [base64.b64decode(e["token_bytes"]) for e in data["vocab"][: n_vocab - specials]]
-    return vocab
+from bench.vocab_masks import BOUNDED, REGEX, SCHEMA, read_tekken, tekken_file, tekken_tokenizer  # noqa: E402
 
 
 def _median_us(values: list[float]) -> float:
@@ -124,15 +111,14 @@ def main() -> None:
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="tandem-tekken-") as tmp:
         path = tekken_file(a.tekken, Path(tmp))
-        ll_tok, n_vocab = tekken_tokenizer(path)
-        vocab = _raw_vocab(path)
+        tekken = read_tekken(path)
+    ll_tok, vocab, n_vocab = tekken_tokenizer(tekken), tekken.tokens, len(tekken.tokens)
     info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=n_vocab,
                              stop_token_ids=[2])  # fmt: skip
     compiler = xgr.GrammarCompiler(info)
     versions = {name: metadata.version(name) for name in ("llguidance", "xgrammar", "torch")}
     print(f"Tekken vocabulary {n_vocab}; {versions}")
     schema = json.dumps(SCHEMA)
-    bounded = r"[A-Za-z ,.]{20,400}"
     cases = {
         "json_schema": (
             LLMatcher.grammar_from_json_schema(schema, {"whitespace_flexible": False}),
@@ -141,7 +127,7 @@ def main() -> None:
             ),
         ),
         "regex": (LLMatcher.grammar_from_regex(REGEX), lambda: compiler.compile_regex(REGEX)),
-        "bounded": (LLMatcher.grammar_from_regex(bounded), lambda: compiler.compile_regex(bounded)),
+        "bounded": (LLMatcher.grammar_from_regex(BOUNDED), lambda: compiler.compile_regex(BOUNDED)),
     }
     for name, (ll_grammar, xg_compile) in cases.items():
         compare(name, ll_grammar, xg_compile, ll_tok, n_vocab, a.steps)

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,26 +65,38 @@ def tekken_file(spec: str, into: Path) -> Path:
     return into / TEKKEN
 
 
-def tekken_tokenizer(path: Path) -> tuple[Any, int]:
-    """llguidance's tokenizer for Tekken (its 1,000 special tokens first, then the byte-level
-    ranks), and the vocabulary size."""
-    from llguidance import LLTokenizer
+@dataclass(frozen=True)
+class Tekken:
+    """Tekken's tokens by id (its 1,000 special tokens first, then the byte-level ranks) and
+    its pre-tokenizer pattern."""
 
+    tokens: list[bytes]
+    specials: int
+    pattern: str
+
+
+def read_tekken(path: Path) -> Tekken:
     raw = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
     data = json.loads(raw)
     config = data["config"]
     specials = config["default_num_special_tokens"]
-    n_vocab = config["default_vocab_size"]
-    ranks = {
-        base64.b64decode(entry["token_bytes"]): entry["rank"] + specials
-        for entry in data["vocab"][: n_vocab - specials]
-    }
-    special = {f"<SPECIAL_{i}>": i for i in range(specials)}
-    tokenizer = LLTokenizer.from_tiktoken(
-        encoder=ranks, special_tokens=special, pattern=config["pattern"], eos_token=2,
-        n_vocab=n_vocab,
+    tokens = [f"<SPECIAL_{i}>".encode() for i in range(specials)]
+    tokens += [b""] * (config["default_vocab_size"] - specials)
+    for entry in data["vocab"][: len(tokens) - specials]:
+        tokens[entry["rank"] + specials] = base64.b64decode(entry["token_bytes"])
+    return Tekken(tokens, specials, config["pattern"])
+
+
+def tekken_tokenizer(tekken: Tekken) -> Any:
+    """llguidance's tokenizer for Tekken (EOS is token 2)."""
+    from llguidance import LLTokenizer
+
+    ranks = {token: i for i, token in enumerate(tekken.tokens) if i >= tekken.specials}
+    special = {tekken.tokens[i].decode(): i for i in range(tekken.specials)}
+    return LLTokenizer.from_tiktoken(
+        encoder=ranks, special_tokens=special, pattern=tekken.pattern, eos_token=2,
+        n_vocab=len(tekken.tokens),
     )  # fmt: skip
-    return tokenizer, n_vocab
 
 
 def _walk(tokenizer: Any, grammar: str, rows: int, steps: int, n_vocab: int) -> dict[str, float]:
@@ -141,7 +154,8 @@ def run(spec: str, rows: int, steps: int) -> dict[str, dict[str, float]]:
     from llguidance import LLMatcher
 
     with tempfile.TemporaryDirectory(prefix="tandem-tekken-") as tmp:
-        tokenizer, n_vocab = tekken_tokenizer(tekken_file(spec, Path(tmp)))
+        tekken = read_tekken(tekken_file(spec, Path(tmp)))
+    tokenizer, n_vocab = tekken_tokenizer(tekken), len(tekken.tokens)
     print(f"Tekken vocabulary: {n_vocab} tokens; {rows} rows, {steps} steps")
     print(f"{'grammar':>12} {'one mask':>9} {'rows one by one':>16} {'rows together':>14} "
           f"{'speedup':>18}")  # fmt: skip
