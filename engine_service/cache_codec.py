@@ -29,10 +29,18 @@ from engine_service.device_landing import WORD_VIEWS, host_array
 from engine_service.errors import Corrupt, Precondition
 from engine_service.kv_codec import layout_accepts
 from engine_service.model import layout_codec
-from engine_service.quantized_kv import PackedRow, PlainRow
+from engine_service.quantized_kv import PackedRow, PlainRow, TurboQuantRow
 from tandem_client.records import Tensor
 
 CODEC_VERSION = "tandem.cache.v1"
+
+# Cache classes of our own a checkpoint may name, beside mlx-lm's (looked up by name there).
+OWN_CLASSES: dict[str, Any] = {"TurboQuantRow": TurboQuantRow}
+
+
+def cache_class(name: str) -> Any:
+    """The class a checkpoint's layer names (None: unknown)."""
+    return OWN_CLASSES.get(name) or getattr(cache_lib, name, None)
 
 
 @dataclass
@@ -197,7 +205,7 @@ def check_restorable(
     except (KeyError, ValueError) as exc:
         raise Corrupt("checkpoint has no readable cache skeleton") from exc
     for layer in layers:
-        if not isinstance(layer, dict) or not hasattr(cache_lib, str(layer.get("class"))):
+        if not isinstance(layer, dict) or cache_class(str(layer.get("class"))) is None:
             raise Corrupt(f"checkpoint names an unknown cache class {layer!r:.80}")
         visit(layer.get("state"))
 
@@ -241,7 +249,7 @@ def _rebuild(
 
     caches = []
     for layer in json.loads(meta["cache"]):
-        cls = getattr(cache_lib, layer["class"])
+        cls = cache_class(layer["class"])
         cache = cls.from_state(_tuples(decode(layer["state"]), layer["class"]))
         if layer["meta"]:
             cache.meta_state = tuple(layer["meta"])

@@ -7,9 +7,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_service.kv_codec import BITS, GROUP_SIZES, KVCodec
+from engine_service.kv_codec import KVCodec, Scheme, checked_codec
 from tandem_wire.logs import add_logging_args
 from tandem_wire.tls import add_listening_args
+
+SCHEMES = {"affine": Scheme.AFFINE, "turboquant": Scheme.TURBOQUANT}
 
 MAX_DRAFT = 32  # draft tokens per round a request may ask for
 
@@ -75,13 +77,21 @@ class EngineConfig:
     kv_bits: int = 0
     kv_group_size: int = 64
     quantized_kv_start: int = 0
+    kv_scheme: str = "affine"  # or "turboquant" (kv_codec.Scheme)
+    kv_value_bits: int = 0  # TurboQuant's value bits (0: kv_bits)
     # Speculative decoding: a draft model (same tokenizer) and the default draft length.
     draft_model: str = ""
     num_draft_tokens: int = 0
 
     @property
     def kv_codec(self) -> KVCodec:
-        return KVCodec(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
+        return checked_codec(
+            self.kv_bits,
+            self.kv_group_size,
+            self.quantized_kv_start,
+            SCHEMES[self.kv_scheme],
+            self.kv_value_bits,
+        )
 
     def __post_init__(self) -> None:
         if self.store_region_bytes < -1:
@@ -90,12 +100,12 @@ class EngineConfig:
             raise ValueError("--max-running must be >= 1 and --max-queued >= 0")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError("--dtype must be auto, float32, bfloat16 or float16")
-        if self.kv_bits not in (0, *BITS):
-            raise ValueError(f"--kv-bits must be 0 (plain), 4 or 8, got {self.kv_bits}")
-        if self.kv_group_size not in GROUP_SIZES:
-            raise ValueError(f"--kv-group-size must be 32, 64 or 128, got {self.kv_group_size}")
-        if self.quantized_kv_start < 0:
-            raise ValueError("--quantized-kv-start must be >= 0")
+        if self.kv_scheme not in SCHEMES:
+            raise ValueError(f"--kv-scheme must be affine or turboquant, got {self.kv_scheme!r}")
+        try:
+            self.kv_codec  # noqa: B018  (checks the flags)
+        except ValueError as exc:
+            raise ValueError("--" + str(exc).replace("_", "-")) from exc
         if not 0 <= self.num_draft_tokens <= MAX_DRAFT:
             raise ValueError(f"--num-draft-tokens must be in 0..{MAX_DRAFT}")
         if self.admission_window_s < 0:
@@ -202,7 +212,20 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         "--kv-bits",
         type=int,
         default=int(_env("KV_BITS", "0")),
-        help="quantize full-attention KV caches to 4 or 8 bits by default (0: plain)",
+        help="quantize full-attention KV caches by default: 4 or 8 bits affine, 2-4 bits "
+        "TurboQuant keys (0: plain)",
+    )
+    p.add_argument(
+        "--kv-scheme",
+        choices=sorted(SCHEMES),
+        default=_env("KV_SCHEME", "affine"),
+        help="how quantized KV rows are coded: affine (mlx-lm's) or turboquant",
+    )
+    p.add_argument(
+        "--kv-value-bits",
+        type=int,
+        default=int(_env("KV_VALUE_BITS", "0")),
+        help="TurboQuant's value bits, 2-4 (0: --kv-bits)",
     )
     p.add_argument("--kv-group-size", type=int, default=int(_env("KV_GROUP_SIZE", "64")))
     p.add_argument(
@@ -308,6 +331,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             kv_bits=a.kv_bits,
             kv_group_size=a.kv_group_size,
             quantized_kv_start=a.quantized_kv_start,
+            kv_scheme=a.kv_scheme,
+            kv_value_bits=a.kv_value_bits,
             draft_model=a.draft_model,
             num_draft_tokens=a.num_draft_tokens,
         )

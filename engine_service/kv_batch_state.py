@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
-from engine_service.kv_codec import PLAIN, KVCodec
+from engine_service.kv_codec import KVCodec, Storage
 from engine_service.kv_planes import PlaneGroup
 
 S = TypeVar("S", bound="BatchState")
@@ -77,11 +77,11 @@ class BatchState:
         heads, kdim, vdim, dtype = self._shape or (0, 0, 0, "float32")
         return json.dumps(
             {
-                "groups": [[g.storage, g.rows, len(g.keys)] for g in self._groups],
+                "groups": [[g.storage.to_json(), g.rows, len(g.keys)] for g in self._groups],
                 "lp": self._lp,
                 "idx": self._idx,
                 "cap": self._cap,
-                "codecs": [[c.bits, c.group_size, c.start] for c in self._codecs],
+                "codecs": [c.to_json() for c in self._codecs],
                 "shape": [heads, kdim, vdim, dtype],
             }
         )
@@ -92,14 +92,15 @@ class BatchState:
         arrays = getattr(self, "_state_arrays", [])
         self._lp = meta["lp"]
         self._idx, self._cap = meta["idx"], meta["cap"]
-        self._codecs = [KVCodec(*c) for c in meta["codecs"]]
+        self._codecs = [KVCodec.from_json(c) for c in meta["codecs"]]
         heads, kdim, vdim, dtype = meta["shape"]
         self._shape = (heads, kdim, vdim, dtype) if heads else None
         self._groups, at = [], 0
         for storage, rows, n in meta["groups"]:
-            storage = PLAIN if storage == PLAIN else tuple(storage)
             planes = arrays[at : at + 2 * n]
-            self._groups.append(PlaneGroup(storage, rows, planes[:n], planes[n:]))
+            self._groups.append(
+                PlaneGroup(Storage.from_json(storage), rows, planes[:n], planes[n:])
+            )
             at += 2 * n
         self.offset, self.left_padding = arrays[at], arrays[at + 1]
         self._right_padding = None

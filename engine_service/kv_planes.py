@@ -1,6 +1,8 @@
 """Rows of one storage format and the planes they live in, for the batch KV cache
-(quantized_kv.py): plain rows in one tensor per side, packed rows in (values, scales, biases)
-planes as mlx-lm's QuantizedKVCache lays them out, all of shape (rows, heads, columns, width).
+(quantized_kv.py), all of shape (rows, heads, columns, width):
+- plain rows: one tensor per side;
+- affine rows: (values, scales, biases) planes as mlx-lm's QuantizedKVCache lays them out;
+- TurboQuant rows: (codes, norms) planes (turboquant.py), keys and values at their own bits.
 """
 
 from __future__ import annotations
@@ -10,29 +12,42 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as cache_lib
 
-from engine_service.kv_codec import PLAIN
+from engine_service.kv_codec import PLAIN, Storage, StorageKind
+from engine_service.turboquant import TurboQuantPlanes, codec_for, words_for
 
 
-def storage_of(cache: Any) -> Any:
+def storage_of(cache: Any) -> Storage:
     """The storage format a solo cache holds its tokens in (PLAIN when it holds none)."""
-    if cache.keys is None or not isinstance(cache, cache_lib.QuantizedKVCache):
+    if cache.keys is None:
         return PLAIN
-    return (cache.bits, cache.group_size)
+    stored = getattr(cache, "stored_as", None)  # a TurboQuantRow's
+    if stored is not None:
+        return stored  # type: ignore[no-any-return]
+    if isinstance(cache, cache_lib.QuantizedKVCache):
+        return Storage(StorageKind.AFFINE, cache.bits, cache.group_size)
+    return PLAIN
 
 
 class PlaneGroup:
     """Rows of one storage format: planes of shape (rows, heads, columns, width)."""
 
-    def __init__(self, storage: Any, rows: list[int], keys: list[mx.array], values: list[mx.array]):
+    def __init__(
+        self, storage: Storage, rows: list[int], keys: list[mx.array], values: list[mx.array]
+    ):
         self.storage = storage
         self.rows = rows  # batch row of each plane row, ascending
-        self.keys = keys  # [tensor] when plain, [packed, scales, biases] when quantized
+        # [tensor] when plain, [packed, scales, biases] when affine, [codes, norms] TurboQuant
+        self.keys = keys
         self.values = values
         self._index: mx.array | None = None
 
     @property
     def packed(self) -> bool:
-        return bool(self.storage != PLAIN)
+        return self.storage.packed
+
+    @property
+    def turboquant(self) -> bool:
+        return self.storage.kind is StorageKind.TURBOQUANT
 
     @property
     def planes(self) -> list[mx.array]:
@@ -90,7 +105,7 @@ class PlaneGroup:
     @classmethod
     def gather(
         cls,
-        storage: Any,
+        storage: Storage,
         rows: list[int],
         caches: list[Any],
         padding: list[int],
@@ -103,7 +118,7 @@ class PlaneGroup:
         heads, kdim, vdim = shape[:3]
         dtype = getattr(mx, shape[3])
         keys = zeros_like_storage(storage, len(rows), heads, width, kdim, dtype)
-        values = zeros_like_storage(storage, len(rows), heads, width, vdim, dtype)
+        values = zeros_like_storage(storage, len(rows), heads, width, vdim, dtype, values=True)
         for local, row in enumerate(rows):
             cache, p, n = caches[row], padding[row], lengths[row]
             if cache.keys is None:
@@ -120,26 +135,58 @@ class PlaneGroup:
         order = sorted(range(len(self.rows)), key=self.rows.__getitem__)
         self.take(order)
 
-    def encode(self, x: mx.array) -> list[mx.array]:
-        if not self.packed:
+    def encode(self, x: mx.array, values: bool = False) -> list[mx.array]:
+        s = self.storage
+        if s.kind is StorageKind.PLAIN:
             return [x]
-        bits, group = self.storage
-        return list(mx.quantize(x, group_size=group, bits=bits))
+        if s.kind is StorageKind.TURBOQUANT:
+            coded = codec_for(x.shape[-1], s.value_bits if values else s.bits).encode(x)
+            return [coded.codes, coded.norms]
+        return list(mx.quantize(x, group_size=s.group_size, bits=s.bits))
 
-    def decode(self, planes: list[mx.array], dtype: mx.Dtype) -> mx.array:
-        if not self.packed:
+    def decode(
+        self, planes: list[mx.array], dtype: mx.Dtype, dim: int, values: bool = False
+    ) -> mx.array:
+        """The vectors of `planes` (this group's keys, or its values), `dim` wide."""
+        s = self.storage
+        if s.kind is StorageKind.PLAIN:
             return planes[0]
-        bits, group = self.storage
+        if s.kind is StorageKind.TURBOQUANT:
+            coded = turboquant_planes(planes, s, dim, values)
+            return coded.codec.decode(coded).astype(dtype)
         packed, scales, biases = planes
-        return mx.dequantize(packed, scales, biases, group_size=group, bits=bits).astype(dtype)
+        return mx.dequantize(packed, scales, biases, group_size=s.group_size, bits=s.bits).astype(
+            dtype
+        )
+
+
+def turboquant_planes(
+    planes: list[mx.array], storage: Storage, dim: int, values: bool
+) -> TurboQuantPlanes:
+    """A TurboQuant group's keys or values planes as the codec's type."""
+    codec = codec_for(dim, storage.value_bits if values else storage.bits)
+    return TurboQuantPlanes(planes[0], planes[1], codec)
 
 
 def zeros_like_storage(
-    storage: Any, rows: int, heads: int, columns: int, dim: int, dtype: mx.Dtype
+    storage: Storage,
+    rows: int,
+    heads: int,
+    columns: int,
+    dim: int,
+    dtype: mx.Dtype,
+    values: bool = False,
 ) -> list[mx.array]:
-    if storage == PLAIN:
+    """Empty planes of a group (TurboQuant zeros decode to zero vectors: norm 0)."""
+    if storage.kind is StorageKind.PLAIN:
         return [mx.zeros((rows, heads, columns, dim), dtype=dtype)]
-    bits, group = storage
+    if storage.kind is StorageKind.TURBOQUANT:
+        words = words_for(dim, storage.value_bits if values else storage.bits)
+        return [
+            mx.zeros((rows, heads, columns, words), dtype=mx.uint32),
+            mx.zeros((rows, heads, columns, 1), dtype=mx.float32),
+        ]
+    bits, group = storage.bits, storage.group_size
     return [
         mx.zeros((rows, heads, columns, dim * bits // 32), dtype=mx.uint32),
         mx.zeros((rows, heads, columns, dim // group), dtype=dtype),
@@ -156,6 +203,9 @@ def row_shape(caches: list[Any]) -> tuple[int, int, int, str]:
     for cache in caches:
         if cache.keys is None:
             continue
+        shape = getattr(cache, "row_shape", None)  # a TurboQuantRow knows its own
+        if shape is not None:
+            return shape  # type: ignore[no-any-return]
         if isinstance(cache, cache_lib.QuantizedKVCache):
             assert cache.keys is not None and cache.values is not None
             packed, scales, _ = cache.keys

@@ -1,14 +1,17 @@
 """One request's KV layer as a row BatchQuantizedKVCache can batch: `PlainRow` (plain tensors,
-with the codec it converts to) and `PackedRow` (quantized planes), both mlx-lm's own solo
-caches underneath, adopted without a copy (quantized_kv.py explains the batch)."""
+with the codec it converts to) and `PackedRow` (affine planes), both mlx-lm's own solo caches
+underneath, adopted without a copy, and `TurboQuantRow` (codes and norms: no mlx-lm cache holds
+them). quantized_kv.py explains the batch."""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import mlx.core as mx
 from mlx_lm.models import cache as cache_lib
 
-from engine_service.kv_codec import PLAIN_KV, KVCodec
+from engine_service.kv_codec import PLAIN_KV, KVCodec, Storage, StorageKind
+from engine_service.mlx_compat import BaseCache
 
 
 class Row:
@@ -50,6 +53,61 @@ class PackedRow(Row, cache_lib.QuantizedKVCache):
         self.codec = codec
 
 
+class TurboQuantRow(Row, BaseCache):
+    """One request's converted TurboQuant KV layer: keys and values each (codes, norms)
+    planes of shape (1, heads, tokens, width), cut from a batch (BatchQuantizedKVCache.extract)
+    or restored from a checkpoint. It only ever runs inside a batch (merge)."""
+
+    def __init__(self, codec: KVCodec, shape: tuple[int, int, int, str] | None = None) -> None:
+        self.codec = codec
+        self.keys: tuple[mx.array, mx.array] | None = None
+        self.values: tuple[mx.array, mx.array] | None = None
+        self.offset = 0
+        # (heads, key width, value width, model dtype): widths are not readable off packed
+        # words, and mixed batches decode to the model's dtype.
+        self.row_shape = shape
+
+    @property
+    def stored_as(self) -> Storage:
+        return self.codec.storage
+
+    @property
+    def state(self) -> list[Any]:
+        assert self.keys is not None and self.values is not None and self.row_shape
+        return [*self.keys, *self.values, self.offset, self.codec.to_json(), list(self.row_shape)]
+
+    @state.setter
+    def state(self, v: list[Any]) -> None:
+        kc, kn, vc, vn, offset, codec, shape = v
+        self.keys, self.values, self.offset = (kc, kn), (vc, vn), int(offset)
+        self.codec = KVCodec.from_json(codec)
+        heads, kdim, vdim, dtype = shape
+        self.row_shape = (int(heads), int(kdim), int(vdim), str(dtype))
+
+    def size(self) -> int:
+        return self.offset
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drops the last n positions (a prefix saved without the token fed after it)."""
+        n = min(self.offset, n)
+        if n and self.keys is not None and self.values is not None:
+            end = self.offset - n
+            self.keys = (self.keys[0][..., :end, :], self.keys[1][..., :end, :])
+            self.values = (self.values[0][..., :end, :], self.values[1][..., :end, :])
+        self.offset -= n
+        return n
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in (*(self.keys or ()), *(self.values or ())))
+
+
 def adopt_row(cache: Any, codec: KVCodec) -> Any:
     """A request's layer cache as one BatchQuantizedKVCache can batch; other kinds unchanged.
 
@@ -59,12 +117,14 @@ def adopt_row(cache: Any, codec: KVCodec) -> Any:
     if type(cache) is cache_lib.KVCache:
         return PlainRow.adopt(cache, codec)
     if type(cache) is cache_lib.QuantizedKVCache:
-        if codec.storage != (cache.bits, cache.group_size):
+        if codec.storage != Storage(StorageKind.AFFINE, cache.bits, cache.group_size):
             raise ValueError(
                 f"a {cache.bits}-bit/{cache.group_size} cache cannot continue as {codec}"
             )
         return PackedRow.adopt(cache, codec)
-    if isinstance(cache, (PlainRow, PackedRow)):
+    if isinstance(cache, TurboQuantRow) and codec.storage != cache.stored_as:
+        raise ValueError(f"a {cache.codec.signature()} cache cannot continue as {codec}")
+    if isinstance(cache, (PlainRow, PackedRow, TurboQuantRow)):
         cache.codec = codec
     return cache
 

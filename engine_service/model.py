@@ -15,7 +15,9 @@ from mlx_lm.models import cache as cache_lib
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load, load_tokenizer
 
+from engine_service import attention_routing
 from engine_service.default_model import DEFAULT_MODEL, ensure_model, is_embedded
+from engine_service.kv_codec import storage_signature
 from engine_service.mlx_compat import download
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,9 @@ def without_weights(facts: ModelFacts) -> LoadedModel:
 
 def layout_codec(cache: Any) -> str:
     """The codec id of one layer's cache, as DESIGN.md's layout signature names them."""
+    stored = getattr(cache, "stored_as", None)  # a TurboQuant row (kv_rows.py)
+    if stored is not None:
+        return storage_signature(stored)
     if isinstance(cache, cache_lib.QuantizedKVCache):
         return f"kv:quant:{cache.bits}:{cache.group_size}"
     if isinstance(cache, cache_lib.RotatingKVCache):
@@ -123,6 +128,7 @@ def resolve(spec: str, data_dir: Path) -> tuple[str, Path]:
 def load_model(spec: str, data_dir: Path, dtype: str = "auto") -> LoadedModel:
     name, path = resolve(spec, data_dir)
     model, tokenizer, config = load(str(path), return_config=True)  # type: ignore[misc]
+    attention_routing.install()  # TurboQuant rows' attention (the model's module is loaded now)
     if dtype == "auto":
         # CPU matmuls in bf16/fp16 do not use BLAS and run far slower than fp32.
         dtype = "float32" if mx.default_device() == mx.cpu else ""

@@ -1,4 +1,5 @@
-"""Batched KV caches whose rows may be quantized, each on its own schedule.
+"""Batched KV caches whose rows may be quantized (affine or TurboQuant), each on its own
+schedule.
 
 mlx-lm quantizes a solo request's cache (`QuantizedKVCache`, `--kv-bits`) but its
 `BatchGenerator` cannot batch one: `QuantizedKVCache` has no `merge`, and `BatchKVCache`
@@ -6,18 +7,22 @@ holds one plain tensor for every row. No library has a batch cache whose rows di
 codec, so this module writes one, on mlx-lm's cache contract (merge, extend, filter,
 extract, prepare/finalize, make_mask, trim, state/meta_state/from_state).
 
-Rows are kept in *groups* by storage format: one plain group (the model's dtype) and one
-packed group per (bits, group size), each holding packed planes (values, scales, biases) as
-mlx-lm's `QuantizedKVCache` does. Every group shares the batch's column axis: a row's
-tokens end at column `_idx` and begin after its left padding, exactly as in `BatchKVCache`.
+Rows are kept in *groups* by storage format (kv_planes.py): one plain group (the model's
+dtype), one affine group per (bits, group size), holding packed planes (values, scales,
+biases) as mlx-lm's `QuantizedKVCache` does, and one TurboQuant group per (key bits, value
+bits), holding (codes, norms) planes (turboquant.py). Every group shares the batch's column
+axis: a row's tokens end at column `_idx` and begin after its left padding, exactly as in
+`BatchKVCache`.
 
 A row with a quantized codec stays plain until it holds `start` tokens after a model call,
 then moves into its packed group once (mlx-lm's `maybe_quantize_kv_cache` converts a solo
 cache at the same point). Attention then runs on:
 - one plain group: the plain tensors, mlx's fused SDPA (what BatchKVCache does);
-- one packed group: the packed planes through mlx-lm's `quantized_scaled_dot_product_attention`
+- one affine group: the packed planes through mlx-lm's `quantized_scaled_dot_product_attention`
   (`bits`/`group_size` are visible on the cache only in this state, which is how
   `scaled_dot_product_attention` picks the quantized path);
+- one TurboQuant group: the planes are handed to attention as `TurboQuantPlanes`, which
+  attention_routing.py sends to `turboquant_attention` (rotated domain);
 - several groups: packed rows are dequantized for this step into one plain tensor. The values
   are those the packed path reads; only the rounding order of the arithmetic differs.
 
@@ -34,24 +39,26 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import dynamic_roll
 
 from engine_service.kv_batch_state import BatchState
-from engine_service.kv_codec import PLAIN, PLAIN_KV, KVCodec
+from engine_service.kv_codec import PLAIN, PLAIN_KV, KVCodec, Storage, StorageKind
 from engine_service.kv_planes import (
     PlaneGroup,
     dtype_name,
     row_shape,
     storage_of,
+    turboquant_planes,
     zeros_like_storage,
 )
-from engine_service.kv_rows import PackedRow, PlainRow, Row, adopt_row, codec_of
+from engine_service.kv_rows import PackedRow, PlainRow, Row, TurboQuantRow, adopt_row, codec_of
 from engine_service.mlx_compat import BaseCache
 
-__all__ = ["BatchQuantizedKVCache", "PackedRow", "PlainRow", "adopt_row"]
+__all__ = ["BatchQuantizedKVCache", "PackedRow", "PlainRow", "TurboQuantRow", "adopt_row"]
 
 # MLX-CUDA's quantized matmul has no kernel for a column slice of a larger buffer
-# (shared/gpu/README.md). A contiguous copy of every plane every step works but costs a fresh
-# buffer of growing size per plane and layer; instead, while a batch holds packed rows,
-# attention reads the whole step-grown planes and the mask hides the columns past the last
-# token (zeros: scales and biases 0). Metal and the CPU read column slices directly.
+# (shared/gpu/README.md); this is about affine rows only (TurboQuant's are read elementwise).
+# A contiguous copy of every plane every step works but costs a fresh buffer of growing size
+# per plane and layer; instead, while a batch holds affine rows, attention reads the whole
+# step-grown planes and the mask hides the columns past the last token (zeros: scales and
+# biases 0). Metal and the CPU read column slices directly.
 FULL_WIDTH_PLANES = mx.default_device() == mx.gpu and not mx.metal.is_available()
 
 
@@ -81,18 +88,18 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
     @property
     def bits(self) -> int:
         storage = self._only_storage()
-        if storage == PLAIN or storage is None:
-            raise AttributeError("bits")  # hasattr() is False: plain SDPA
-        return int(storage[0])
+        if storage is None or storage.kind is not StorageKind.AFFINE:
+            raise AttributeError("bits")  # hasattr() is False: not affine SDPA
+        return storage.bits
 
     @property
     def group_size(self) -> int:
         storage = self._only_storage()
-        if storage == PLAIN or storage is None:
+        if storage is None or storage.kind is not StorageKind.AFFINE:
             raise AttributeError("group_size")
-        return int(storage[1])
+        return storage.group_size
 
-    def _only_storage(self) -> Any:
+    def _only_storage(self) -> Storage | None:
         return self._groups[0].storage if len(self._groups) == 1 else None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
@@ -118,7 +125,7 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
                 v = values if whole else values[group.index()]
                 for plane, part in zip(group.keys, group.encode(k), strict=True):
                     plane[..., prev:end, :] = part
-                for plane, part in zip(group.values, group.encode(v), strict=True):
+                for plane, part in zip(group.values, group.encode(v, values=True), strict=True):
                     plane[..., prev:end, :] = part
         self._idx = end
         self.offset = self.offset + steps
@@ -140,14 +147,21 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
         def live(p: mx.array) -> mx.array:
             return p if full else p[..., :n, :]
 
+        assert self._shape is not None
+        kdim, vdim = self._shape[1], self._shape[2]
         if len(self._groups) == 1:
             group = self._groups[0]
             if not group.packed:
                 return live(group.keys[0]), live(group.values[0])
+            if group.turboquant:  # attention_routing.py routes on this type
+                return (
+                    turboquant_planes([live(p) for p in group.keys], group.storage, kdim, False),
+                    turboquant_planes([live(p) for p in group.values], group.storage, vdim, True),
+                )
             return tuple(live(p) for p in group.keys), tuple(live(p) for p in group.values)
         # Mixed formats: one plain tensor in batch order for this step.
-        ks = [g.decode([live(p) for p in g.keys], dtype) for g in self._groups]
-        vs = [g.decode([live(p) for p in g.values], dtype) for g in self._groups]
+        ks = [g.decode([live(p) for p in g.keys], dtype, kdim) for g in self._groups]
+        vs = [g.decode([live(p) for p in g.values], dtype, vdim, True) for g in self._groups]
         rows = [r for g in self._groups for r in g.rows]
         order = mx.array(sorted(range(len(rows)), key=rows.__getitem__), dtype=mx.int32)
         return mx.concatenate(ks)[order], mx.concatenate(vs)[order]
@@ -166,10 +180,17 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
         the state before the update, so make_mask (first layer) and every layer agree."""
         if not FULL_WIDTH_PLANES or not self._groups:
             return False
-        if any(g.packed for g in self._groups):
+        if any(g.storage.kind is StorageKind.AFFINE for g in self._groups):
             return True
-        plain = self._groups[0]
-        return bool(plain.keys) and any(self._due(row) for row in plain.rows)
+        plain = self._group(PLAIN)
+        return (
+            plain is not None
+            and bool(plain.keys)
+            and any(
+                self._due(row) and self._codecs[row].storage.kind is StorageKind.AFFINE
+                for row in plain.rows
+            )
+        )
 
     def _due(self, row: int) -> bool:
         codec = self._codecs[row]
@@ -190,7 +211,9 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
         """Moves rows that have reached their codec's start into their packed group."""
         plain = self._group(PLAIN)
         if plain is None:
-            self._waiting = 0
+            # No plain rows: none to convert, but an empty batch (no groups yet) has not
+            # counted its rows.
+            self._waiting = 0 if self._groups else None
             return
         if self._waiting is None:  # recounted after rows move; most steps skip the scan
             self._waiting = sum(self._codecs[r].quantized for r in plain.rows)
@@ -198,7 +221,7 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
             return
         if not plain.keys:  # nothing stored yet: rows convert after their first call
             return
-        due: dict[Any, list[int]] = {}
+        due: dict[Storage, list[int]] = {}
         for local, row in enumerate(plain.rows):
             if self._due(row):
                 due.setdefault(self._codecs[row].storage, []).append(local)
@@ -211,14 +234,14 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
             # Quantization works per position, so whole columns quantize as the live ones
             # would; padding columns (zeros or masked activations) stay finite.
             moving.keys = moving.encode(plain.keys[0][idx])
-            moving.values = moving.encode(plain.values[0][idx])
+            moving.values = moving.encode(plain.values[0][idx], values=True)
             moved.update(positions)
             self._join(moving)
         plain.take([i for i in range(len(plain.rows)) if i not in moved])
         self._waiting = None
         self._groups = [g for g in self._groups if g.rows]
 
-    def _group(self, storage: Any) -> PlaneGroup | None:
+    def _group(self, storage: Storage) -> PlaneGroup | None:
         for group in self._groups:
             if group.storage == storage:
                 return group
@@ -243,7 +266,7 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
             if self._cap and prev % self.step != 0:
                 group.map_planes(lambda p: p[..., :prev, :])
             new_k = zeros_like_storage(group.storage, n, heads, extra, kdim, dtype)
-            new_v = zeros_like_storage(group.storage, n, heads, extra, vdim, dtype)
+            new_v = zeros_like_storage(group.storage, n, heads, extra, vdim, dtype, values=True)
             if group.keys:
                 group.keys = [
                     mx.concatenate([p, z], axis=2) for p, z in zip(group.keys, new_k, strict=True)
@@ -370,8 +393,8 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
 
     @classmethod
     def merge(cls, caches: list[Any]) -> BatchQuantizedKVCache:
-        """A batch of solo rows (PlainRow/PackedRow or mlx-lm's KVCache/QuantizedKVCache),
-        right-aligned at the longest; packed rows keep their bytes."""
+        """A batch of solo rows (PlainRow/PackedRow/TurboQuantRow or mlx-lm's
+        KVCache/QuantizedKVCache), right-aligned at the longest; packed rows keep their bytes."""
         codecs = [codec_of(c) for c in caches]
         lengths = [0 if c.keys is None else int(c.offset) for c in caches]
         width = max(lengths)
@@ -380,7 +403,7 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
         padding = [width - n for n in lengths]
         batch = cls(padding, codecs)
         batch._shape = row_shape(caches)
-        formats: dict[Any, list[int]] = {}
+        formats: dict[Storage, list[int]] = {}
         for row, cache in enumerate(caches):
             formats.setdefault(storage_of(cache), []).append(row)
         for storage, rows in formats.items():
@@ -391,15 +414,19 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
         batch._sync_positions()
         return batch
 
-    def extract(self, idx: int) -> PlainRow | PackedRow:
+    def extract(self, idx: int) -> PlainRow | PackedRow | TurboQuantRow:
         """Row idx as a solo cache: a copy of its plain tensors or of its packed bytes."""
         codec = self._codecs[idx]
         start, end = self._lp[idx], self._idx
         for group in self._groups:
             if idx in group.rows:
                 keys, values = group.cut(group.rows.index(idx), start, end)
-                if group.packed:
-                    row: PlainRow | PackedRow = PackedRow(codec)
+                row: PlainRow | PackedRow | TurboQuantRow
+                if group.turboquant:
+                    row = TurboQuantRow(codec, self._shape)
+                    row.keys, row.values = (keys[0], keys[1]), (values[0], values[1])
+                elif group.packed:
+                    row = PackedRow(codec)
                     row.keys, row.values = tuple(keys), tuple(values)
                 else:
                     row = PlainRow(codec)
@@ -410,7 +437,7 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
 
     # -- mlx-lm's cache contract -------------------------------------------------------------
 
-    def row_storage(self, idx: int) -> Any:
+    def row_storage(self, idx: int) -> Storage:
         for group in self._groups:
             if idx in group.rows:
                 return group.storage

@@ -78,10 +78,27 @@ def _rotation(head_dim: int, seed: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TurboQuantPlanes:
-    """One encoded tensor: [..., words] packed indices and [..., 1] norms."""
+    """One encoded tensor: [..., words] packed indices and [..., 1] norms, with the codec that
+    decodes them (what a batch cache hands attention: attention_routing.py routes on it)."""
 
     codes: mx.array  # uint32
     norms: mx.array  # float32
+    codec: TurboQuantCodec
+
+
+SEED = 0  # the rotation of every TurboQuant row: part of the codec (kv:turboquant:<k>:<v>)
+
+
+@functools.lru_cache(maxsize=32)
+def codec_for(head_dim: int, bits: int) -> TurboQuantCodec:
+    """The engine's codec of a head width and bit count: built once (its rotation is a d x d
+    matrix), shared by every row and layer."""
+    return TurboQuantCodec(head_dim, bits, SEED)
+
+
+def words_for(head_dim: int, bits: int) -> int:
+    """uint32 words of one vector's packed indices."""
+    return -(-head_dim // (32 // bits))
 
 
 class TurboQuantCodec:
@@ -92,7 +109,7 @@ class TurboQuantCodec:
             raise ValueError(f"TurboQuant takes {BITS} bits, not {bits}")
         self.head_dim, self.bits, self.seed = head_dim, bits, seed
         self.per_word = 32 // bits
-        self.words = -(-head_dim // self.per_word)
+        self.words = words_for(head_dim, bits)
         centroids, bounds = gaussian_codebook(bits)
         scale = 1 / math.sqrt(head_dim)
         self.centroids = mx.array(centroids, dtype=mx.float32) * scale
@@ -113,7 +130,7 @@ class TurboQuantCodec:
         norms = mx.linalg.norm(x.astype(mx.float32), axis=-1, keepdims=True)
         y = self.rotate(x) / mx.maximum(norms, 1e-30)
         idx = (y[..., None] > self.bounds).sum(axis=-1).astype(mx.uint32)
-        return TurboQuantPlanes(self._pack(idx), norms)
+        return TurboQuantPlanes(self._pack(idx), norms, self)
 
     def decode_rotated(self, planes: TurboQuantPlanes) -> mx.array:
         """x_hat @ R: what attention reads (keys against a rotated query, values before the
@@ -160,3 +177,24 @@ def rotated_attention(
         scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
     out = mx.softmax(scores, axis=-1) @ v
     return value_codec.unrotate(out).astype(queries.dtype)
+
+
+def turboquant_attention(
+    queries: mx.array,
+    keys: TurboQuantPlanes,
+    values: TurboQuantPlanes,
+    scale: float,
+    mask: mx.array | str | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """What a batch of TurboQuant rows attends with: `rotated_attention`'s algebra on mlx's
+    fused SDPA (grouped-query heads, masks and sinks as the plain path has them). The codes are
+    decoded to rotated vectors in the queries' dtype for this step; the query is rotated in,
+    the output out. queries: [B, H, L, D]; keys/values: [B, H_kv, S, ...] planes."""
+    kc, vc = keys.codec, values.codec
+    dtype = queries.dtype
+    q = kc.rotate(queries).astype(dtype)
+    k = kc.decode_rotated(keys).astype(dtype)
+    v = vc.decode_rotated(values).astype(dtype)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+    return vc.unrotate(out.astype(mx.float32)).astype(dtype)

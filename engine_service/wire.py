@@ -17,7 +17,7 @@ from engine_service.config import MAX_DRAFT
 from engine_service.constraints import Constraint, ConstraintKind, check_constraint
 from engine_service.engine_stats import EngineStats
 from engine_service.errors import InvalidRequest, Precondition
-from engine_service.kv_codec import BITS, GROUP_SIZES, KVCodec, request_layout
+from engine_service.kv_codec import KVCodec, Scheme, checked_codec, request_layout
 from engine_service.model import LoadedModel
 from engine_service.requests import GenerationRequest, RequestPolicy, stop_token_ids
 from engine_service.response_stream import ResponseChunk
@@ -39,6 +39,13 @@ _FINISH = {
 
 
 # -- requests in ---------------------------------------------------------------------------
+
+
+SCHEMES_PB = {
+    engine_pb2.KV_SCHEME_AFFINE: Scheme.AFFINE,
+    engine_pb2.KV_SCHEME_TURBOQUANT: Scheme.TURBOQUANT,
+}
+SCHEME_TO_PB = {v: k for k, v in SCHEMES_PB.items()}
 
 
 def _check_ids(ids: Any, vocab: int, what: str) -> None:
@@ -91,24 +98,29 @@ def kv_codec_from_pb(
     bits = request.kv_bits if request.HasField("kv_bits") else default.bits
     group = request.kv_group_size or default.group_size
     start = request.quantized_kv_start if request.HasField("quantized_kv_start") else default.start
-    if bits not in (0, *BITS):
-        raise InvalidRequest(f"kv_bits must be 0 (plain), 4 or 8, got {bits}")
-    if group not in GROUP_SIZES:
-        raise InvalidRequest(f"kv_group_size must be 32, 64 or 128, got {group}")
-    if start < 0:
-        raise InvalidRequest(f"quantized_kv_start must be >= 0, got {start}")
-    if not bits:
-        return KVCodec()
+    if request.kv_scheme not in (engine_pb2.KV_SCHEME_UNSPECIFIED, *SCHEMES_PB):
+        raise InvalidRequest(f"kv_scheme {request.kv_scheme} is not a KVScheme")
+    scheme = SCHEMES_PB.get(request.kv_scheme, default.scheme)
+    value_bits = request.kv_value_bits
+    if not value_bits and scheme is default.scheme and bits == default.bits:
+        value_bits = default.value_bits
+    try:
+        codec = checked_codec(bits, group, start, scheme, value_bits)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+    if not codec.quantized:
+        return codec
     if "kv:plain" not in loaded.layout:
         raise Precondition(
             f"this model has no plain KV layers to quantize (layout {sorted(set(loaded.layout))})"
         )
-    bad = [d for d in loaded.kv_head_dims if d % group]
-    if bad:
-        raise InvalidRequest(
-            f"kv_group_size {group} does not divide the model's head dimension {bad[0]}"
-        )
-    return KVCodec(bits, group, start)
+    if codec.scheme is Scheme.AFFINE:
+        bad = [d for d in loaded.kv_head_dims if d % group]
+        if bad:
+            raise InvalidRequest(
+                f"kv_group_size {group} does not divide the model's head dimension {bad[0]}"
+            )
+    return codec
 
 
 def constraint_from_pb(
@@ -317,6 +329,8 @@ def model_info_to_pb(policy: RequestPolicy) -> engine_pb2.ModelInfoResponse:
         kv_bits=kv.bits,
         kv_group_size=kv.group_size,
         quantized_kv_start=kv.start,
+        kv_scheme=SCHEME_TO_PB[kv.scheme] if kv.quantized else engine_pb2.KV_SCHEME_UNSPECIFIED,
+        kv_value_bits=kv.value_bits,
         draft_model_id=policy.drafts.model_id,
         num_draft_tokens=policy.drafts.default,
         model_type=str(m.config.get("model_type", "")),

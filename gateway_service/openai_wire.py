@@ -47,6 +47,8 @@ TANDEM_OPTIONS = {
     "kv_bits",
     "kv_group_size",
     "quantized_kv_start",
+    "kv_scheme",
+    "kv_value_bits",
     "num_draft_tokens",
     "top_k",
     "min_p",
@@ -136,13 +138,21 @@ def _common(body: dict[str, Any], req: engine_pb2.GenerateRequest) -> None:
     for name in ("namespace", "request_id"):
         if name in extra:
             setattr(req, name, str(extra[name]))
-    for name in ("checkpoint_interval", "tokens_held", "kv_group_size"):
+    for name in ("checkpoint_interval", "tokens_held", "kv_group_size", "kv_value_bits"):
         if name in extra:
             setattr(req, name, _number(extra, name, int, 0))
     for name in ("kv_bits", "quantized_kv_start", "num_draft_tokens"):
         if name in extra:
             setattr(req, name, _number(extra, name, int, 0))
     req.resume = bool(extra.get("resume", False))
+    if "kv_scheme" in extra:
+        schemes = {
+            "affine": engine_pb2.KV_SCHEME_AFFINE,
+            "turboquant": engine_pb2.KV_SCHEME_TURBOQUANT,
+        }
+        if extra["kv_scheme"] not in schemes:
+            raise ApiError(400, "'tandem.kv_scheme' must be affine or turboquant", param="tandem")
+        req.kv_scheme = schemes[extra["kv_scheme"]]
     s.top_k = _number(extra, "top_k", int, 0) or 0
     s.min_p = _number(extra, "min_p", float, 0, 1) or 0.0
     s.repetition_penalty = _number(extra, "repetition_penalty", float, 0) or 0.0

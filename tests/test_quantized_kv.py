@@ -138,7 +138,7 @@ def test_a_row_moved_to_another_batch_keeps_its_bytes_and_its_tokens(reference: 
     second.next()  # joins the running batch: merge, then extend
     layer0 = second._generation_batch.prompt_cache[0]
     assert isinstance(layer0, BatchQuantizedKVCache)
-    assert layer0.row_storage(1) == (4, 64)
+    assert layer0.row_storage(1) == codec.storage
     rejoined = second.extract_cache([uid])[uid][0]
     for b, c in zip(before, rejoined, strict=True):
         after = _planes(c)

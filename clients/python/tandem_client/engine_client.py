@@ -161,6 +161,8 @@ def generate_request(
     kv_bits: int | None = None,
     kv_group_size: int = 0,
     quantized_kv_start: int | None = None,
+    kv_scheme: str | None = None,
+    kv_value_bits: int = 0,
     num_draft_tokens: int | None = None,
     json_schema: str | dict[str, Any] | None = None,
     regex: str | None = None,
@@ -173,8 +175,10 @@ def generate_request(
     """A GenerateRequest from text, token ids or chat messages (dicts of role/content).
 
     kv_bits: None = the engine's default KV codec, 0 = plain, 4 or 8 = quantized (see
-    quantized_kv_start and kv_group_size). num_draft_tokens: None = the engine's default,
-    0 = no speculative decoding, k = k draft tokens per round (needs --draft-model).
+    quantized_kv_start and kv_group_size); with kv_scheme "turboquant" (None: the engine's
+    scheme, or "affine"), 2-4 bits for keys and kv_value_bits (0: kv_bits) for values.
+    num_draft_tokens: None = the engine's default, 0 = no speculative decoding, k = k draft
+    tokens per round (needs --draft-model).
     Structured output, one at most: json_schema (a dict or its JSON text), regex, lark,
     gbnf, choice (the output is one of these strings) or json_object.
     """
@@ -193,6 +197,15 @@ def generate_request(
     req.kv_group_size = kv_group_size
     if quantized_kv_start is not None:
         req.quantized_kv_start = quantized_kv_start
+    if kv_scheme is not None:
+        schemes = {
+            "affine": engine_pb2.KV_SCHEME_AFFINE,
+            "turboquant": engine_pb2.KV_SCHEME_TURBOQUANT,
+        }
+        if kv_scheme not in schemes:
+            raise ValueError(f"kv_scheme must be affine or turboquant, got {kv_scheme!r}")
+        req.kv_scheme = schemes[kv_scheme]
+    req.kv_value_bits = kv_value_bits
     if num_draft_tokens is not None:
         req.num_draft_tokens = num_draft_tokens
     constraints = {

@@ -25,8 +25,12 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--namespace", default="", help="(default: the principal's first)")
     p.add_argument(
-        "--kv-bits", type=int, help="KV cache: 0 plain, 4 or 8 quantized (default: the engine's)"
+        "--kv-bits",
+        type=int,
+        help="KV cache: 0 plain, 4 or 8 affine, 2-4 TurboQuant keys (default: the engine's)",
     )
+    p.add_argument("--kv-scheme", choices=["affine", "turboquant"], help="(default: the engine's)")
+    p.add_argument("--kv-value-bits", type=int, default=0, help="TurboQuant values: 2-4")
     p.add_argument("--kv-group-size", type=int, default=0, help="32, 64 or 128; 0: the engine's")
     p.add_argument("--quantized-kv-start", type=int, help="tokens kept plain before converting")
     p.add_argument(
@@ -47,6 +51,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
         quantized_kv_start=args.quantized_kv_start,
+        kv_scheme=args.kv_scheme,
+        kv_value_bits=args.kv_value_bits,
         num_draft_tokens=args.num_draft_tokens,
     )
     if args.top_p is not None:
