@@ -1,11 +1,14 @@
 """Batched quantized KV caches: bytes per token, decode rate, and streams per memory budget.
 
-For each KV codec (plain = the model's dtype, 8-bit, 4-bit) and each batch size (default 8
-and 32), in one run: mlx-lm's BatchGenerator decodes `--steps` tokens per stream after
+For each KV codec (plain = the model's dtype, affine 8-bit and 4-bit, TurboQuant 4/4 and 3/3
+bits) and each batch size (default 8 and 32), in one run: mlx-lm's BatchGenerator decodes `--steps` tokens per stream after
 prompts of `--prompt` tokens, with the baseline's caches (mlx-lm's own BatchKVCache, plain
 only: it cannot batch QuantizedKVCache) and with ours (BatchQuantizedKVCache rows, which
 is what the engine runs). Decode time is measured from the step at which every row is
-generating. Prints decode tokens/s and the ratio to the baseline, KV bytes per token
+generating. Each round runs the baseline and every codec once, in an order that rotates
+round by round; a codec's ratio is the median of its per-round ratios to that round's
+baseline, with their min-max. Prints decode tokens/s and the ratio to the baseline, KV bytes
+per token
 of one row (its extracted caches over the tokens they hold), and how many
 `--stream-tokens`-token streams fit `--budget-gib`.
 
@@ -44,7 +47,13 @@ from engine_service.kv_codec import KVCodec  # noqa: E402
 from engine_service.model import load_model  # noqa: E402
 from engine_service.quantized_kv import adopt_row  # noqa: E402
 
-CODECS = {"plain": KVCodec(), "8-bit": KVCodec(8, 64, 0), "4-bit": KVCodec(4, 64, 0)}
+CODECS = {
+    "plain": KVCodec(),
+    "8-bit": KVCodec(8, 64, 0),
+    "4-bit": KVCodec(4, 64, 0),
+    "tq-4/4": KVCodec.turboquant(4, 4),
+    "tq-3/3": KVCodec.turboquant(3, 3),
+}
 
 
 def decode_run(
@@ -114,16 +123,18 @@ def main() -> None:
             decode_run(model, prompts[:2], 4, None)  # warm-up: kernels compile once
             for codec in CODECS.values():
                 decode_run(model, prompts[:2], 4, codec)
-            runs: dict[str, list[tuple[float, float]]] = {"baseline": []}
-            runs.update({name: [] for name in CODECS})
-            for _ in range(args.repeat):  # interleaved, so drift hits every codec alike
-                runs["baseline"].append(decode_run(model, prompts, args.steps, None))
-                for name, codec in CODECS.items():
-                    runs[name].append(decode_run(model, prompts, args.steps, codec))
-            base_tps = statistics.median(t for t, _ in runs["baseline"])
+            sides: dict[str, KVCodec | None] = {"baseline": None, **CODECS}
+            runs: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
+            names = list(sides)
+            for r in range(args.repeat):  # interleaved, the order rotating each round
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    runs[name].append(decode_run(model, prompts, args.steps, sides[name]))
+            base = [t for t, _ in runs["baseline"]]
             plain_bpt = None
-            for name in ["baseline", *CODECS]:
+            for name in names:
                 tps = statistics.median(t for t, _ in runs[name])
+                ratios = [t / b for (t, _), b in zip(runs[name], base, strict=True)]
+                ratio = statistics.median(ratios)
                 per_token = runs[name][-1][1]
                 fit = int(budget // (per_token * args.stream_tokens))
                 if name == "plain":
@@ -132,7 +143,8 @@ def main() -> None:
                     "streams": streams,
                     "kv": name,
                     "decode_tokens_per_s": round(tps, 1),
-                    "ratio_to_baseline": round(tps / base_tps, 3),
+                    "ratio_to_baseline": round(ratio, 3),
+                    "ratio_spread": [round(min(ratios), 3), round(max(ratios), 3)],
                     "kv_bytes_per_token": round(per_token),
                     "streams_in_budget": fit,
                     "capacity_vs_plain": round(plain_bpt / per_token, 2) if plain_bpt else None,
@@ -140,7 +152,8 @@ def main() -> None:
                 out["rows"].append(row)
                 print(
                     f"  {streams:>3} streams {name:>8}: {tps:8.1f} tok/s "
-                    f"(x{tps / base_tps:.3f} of mlx-lm BatchKVCache), "
+                    f"(x{ratio:.3f} [{min(ratios):.2f}-{max(ratios):.2f}] of mlx-lm "
+                    "BatchKVCache), "
                     f"{per_token / 1024:7.1f} KiB/token, {fit} x {args.stream_tokens}-token "
                     f"streams in {args.budget_gib:g} GiB"
                     + (f" ({plain_bpt / per_token:.2f}x plain)" if plain_bpt else "")

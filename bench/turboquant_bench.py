@@ -8,8 +8,10 @@ Bytes are of bf16 keys and values (a GPU model's). Attention runs in the engine'
 - plain planes through mlx's fused SDPA (what a plain batch row runs);
 - mlx-lm's affine 4-bit planes through `quantized_scaled_dot_product_attention` (our
   `--kv-bits 4` rows);
-- TurboQuant planes through `rotated_attention` (pure MLX: the codes are decoded to rotated
-  vectors each step; no fused kernel yet).
+- TurboQuant planes through `rotated_attention` (the reference: matmuls and softmax in MLX
+  ops) and through `turboquant_attention` (what the engine's TurboQuant rows run: one compiled
+  graph, the codes decoded to rotated vectors in a fused elementwise kernel, then mlx's fused
+  SDPA).
 
 Bytes are those of the encoded arrays; times alternate the sides' order each round after a
 warm-up; medians of per-round ratios to bf16, with min-max.
@@ -37,7 +39,11 @@ import engine_service  # noqa: E402, F401  (the fast BLAS must load before mlx)
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.base import quantized_scaled_dot_product_attention  # noqa: E402
 
-from engine_service.turboquant import TurboQuantCodec, rotated_attention  # noqa: E402
+from engine_service.turboquant import (  # noqa: E402
+    TurboQuantCodec,
+    rotated_attention,
+    turboquant_attention,
+)
 # isort: on
 
 # (layers, query heads, KV heads, head dim) of the shapes the engine benches use.
@@ -82,7 +88,8 @@ def attention_sides(
         "affine 4-bit": lambda: quantized_scaled_dot_product_attention(
             q, qk, qv, scale=scale, mask=None, group_size=64, bits=4
         ),
-        "TurboQuant 3/3": lambda: rotated_attention(q, tk, tv, kc, vc, scale),
+        "TurboQuant 3/3 reference": lambda: rotated_attention(q, tk, tv, kc, vc, scale),
+        "TurboQuant 3/3 engine": lambda: turboquant_attention(q, tk, tv, scale),
     }
 
 

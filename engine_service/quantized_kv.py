@@ -60,6 +60,8 @@ __all__ = ["BatchQuantizedKVCache", "PackedRow", "PlainRow", "TurboQuantRow", "a
 # step-grown planes and the mask hides the columns past the last token (zeros: scales and
 # biases 0). Metal and the CPU read column slices directly.
 FULL_WIDTH_PLANES = mx.default_device() == mx.gpu and not mx.metal.is_available()
+WIDE = frozenset({StorageKind.TURBOQUANT})  # the formats whose attention reads whole planes
+WIDE_AFFINE = WIDE | {StorageKind.AFFINE}
 
 
 class BatchQuantizedKVCache(BatchState, BaseCache):
@@ -176,19 +178,21 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
         return mask
 
     def _full_width(self) -> bool:
-        """Whether this step's attention reads whole planes (FULL_WIDTH_PLANES): decided from
-        the state before the update, so make_mask (first layer) and every layer agree."""
-        if not FULL_WIDTH_PLANES or not self._groups:
+        """Whether this step's attention reads whole planes: TurboQuant rows always (their
+        compiled decode then sees one shape per 256 steps), affine rows on MLX-CUDA
+        (FULL_WIDTH_PLANES). Decided from the state before the update, so make_mask (first
+        layer) and every layer agree."""
+        if not self._groups:
             return False
-        if any(g.storage.kind is StorageKind.AFFINE for g in self._groups):
+        wide = WIDE_AFFINE if FULL_WIDTH_PLANES else WIDE
+        if any(g.storage.kind in wide for g in self._groups):
             return True
         plain = self._group(PLAIN)
         return (
             plain is not None
             and bool(plain.keys)
             and any(
-                self._due(row) and self._codecs[row].storage.kind is StorageKind.AFFINE
-                for row in plain.rows
+                self._due(row) and self._codecs[row].storage.kind in wide for row in plain.rows
             )
         )
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -116,6 +117,11 @@ class TurboQuantCodec:
         self.bounds = mx.array(bounds, dtype=mx.float32) * scale
         self.rotation = mx.array(_rotation(head_dim, seed))
         self._shifts = mx.arange(self.per_word, dtype=mx.uint32) * bits
+        self._levels = [float(c) * scale for c in centroids]
+        # One fused kernel each where the backend compiles elementwise graphs (shapes are
+        # traced once per distinct shape: a batch's planes grow 256 columns at a time).
+        self._quantize = mx.compile(self._quantize_graph)
+        self._decoders: dict[str, Any] = {}  # by output dtype (compile takes arrays only)
 
     def bytes_per_vector(self) -> int:
         return self.words * 4 + 4
@@ -127,18 +133,42 @@ class TurboQuantCodec:
         return y @ self.rotation.T
 
     def encode(self, x: mx.array) -> TurboQuantPlanes:
-        norms = mx.linalg.norm(x.astype(mx.float32), axis=-1, keepdims=True)
-        y = self.rotate(x) / mx.maximum(norms, 1e-30)
-        idx = (y[..., None] > self.bounds).sum(axis=-1).astype(mx.uint32)
-        return TurboQuantPlanes(self._pack(idx), norms, self)
+        codes, norms = self._quantize(x)
+        return TurboQuantPlanes(codes, norms, self)
 
-    def decode_rotated(self, planes: TurboQuantPlanes) -> mx.array:
-        """x_hat @ R: what attention reads (keys against a rotated query, values before the
-        output's un-rotation)."""
-        return self.centroids[self._unpack(planes.codes)] * planes.norms
+    def decode_rotated(self, planes: TurboQuantPlanes, dtype: mx.Dtype = mx.float32) -> mx.array:
+        """x_hat @ R in `dtype`: what attention reads (keys against a rotated query, values
+        before the output's un-rotation)."""
+        decoder = self._decoders.get(str(dtype))
+        if decoder is None:
+            decoder = self._decoders[str(dtype)] = mx.compile(
+                lambda codes, norms: self._decode_graph(codes, norms, dtype)
+            )
+        return decoder(planes.codes, planes.norms)  # type: ignore[no-any-return]
 
     def decode(self, planes: TurboQuantPlanes) -> mx.array:
         return self.unrotate(self.decode_rotated(planes))
+
+    def _quantize_graph(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        norms = mx.linalg.norm(x.astype(mx.float32), axis=-1, keepdims=True)
+        y = self.rotate(x) / mx.maximum(norms, 1e-30)
+        idx = (y[..., None] > self.bounds).sum(axis=-1).astype(mx.uint32)
+        return self._pack(idx), norms
+
+    def _decode_graph(self, codes: mx.array, norms: mx.array, dtype: mx.Dtype) -> mx.array:
+        return (self._centroid(self._unpack(codes)) * norms).astype(dtype)
+
+    def _centroid(self, idx: mx.array) -> mx.array:
+        """The codebook's value of each index, as a tree of selects on the index's bits: all
+        elementwise, so it fuses with the unpacking (a gather from the 2^b-entry table does
+        not fuse, and MLX's CPU gather cost ~5x the whole fused decode)."""
+        layer = [mx.array(v, dtype=mx.float32) for v in self._levels]
+        bit = 0
+        while len(layer) > 1:
+            set_ = ((idx >> bit) & 1).astype(mx.bool_)
+            layer = [mx.where(set_, layer[i + 1], layer[i]) for i in range(0, len(layer), 2)]
+            bit += 1
+        return layer[0]
 
     def _pack(self, idx: mx.array) -> mx.array:
         pad = self.words * self.per_word - self.head_dim
@@ -190,11 +220,60 @@ def turboquant_attention(
     """What a batch of TurboQuant rows attends with: `rotated_attention`'s algebra on mlx's
     fused SDPA (grouped-query heads, masks and sinks as the plain path has them). The codes are
     decoded to rotated vectors in the queries' dtype for this step; the query is rotated in,
-    the output out. queries: [B, H, L, D]; keys/values: [B, H_kv, S, ...] planes."""
+    the output out. queries: [B, H, L, D]; keys/values: [B, H_kv, S, ...] planes.
+
+    The whole of it is one compiled function per codec pair, scale, dtype and mask kind:
+    graph building is the decode step's bound on a GPU, and this is ~10 operations a layer."""
     kc, vc = keys.codec, values.codec
-    dtype = queries.dtype
-    q = kc.rotate(queries).astype(dtype)
-    k = kc.decode_rotated(keys).astype(dtype)
-    v = vc.decode_rotated(values).astype(dtype)
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
-    return vc.unrotate(out.astype(mx.float32)).astype(dtype)
+    fn = _attention_graph(
+        kc.head_dim,
+        kc.bits,
+        vc.head_dim,
+        vc.bits,
+        scale,
+        str(queries.dtype),
+        mask if isinstance(mask, str) else ("array" if mask is not None else None),
+        sinks is not None,
+    )
+    arrays = [queries, keys.codes, keys.norms, values.codes, values.norms]
+    if isinstance(mask, mx.array):
+        arrays.append(mask)
+    if sinks is not None:
+        arrays.append(sinks)
+    return fn(*arrays)  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=64)
+def _attention_graph(
+    kdim: int,
+    kbits: int,
+    vdim: int,
+    vbits: int,
+    scale: float,
+    dtype_name: str,
+    mask_kind: str | None,
+    has_sinks: bool,
+) -> Any:
+    kc, vc = codec_for(kdim, kbits), codec_for(vdim, vbits)
+
+    def attend(
+        q: mx.array,
+        kcodes: mx.array,
+        knorms: mx.array,
+        vcodes: mx.array,
+        vnorms: mx.array,
+        *rest: mx.array,
+    ) -> mx.array:
+        dtype = q.dtype
+        mask: mx.array | str | None = mask_kind
+        if mask_kind == "array":
+            mask, rest = rest[0], rest[1:]
+        sinks = rest[0] if has_sinks else None
+        k = kc._decode_graph(kcodes, knorms, dtype)
+        v = vc._decode_graph(vcodes, vnorms, dtype)
+        out = mx.fast.scaled_dot_product_attention(
+            kc.rotate(q).astype(dtype), k, v, scale=scale, mask=mask, sinks=sinks
+        )
+        return vc.unrotate(out.astype(mx.float32)).astype(dtype)
+
+    return mx.compile(attend)
