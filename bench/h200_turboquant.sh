@@ -4,7 +4,7 @@
 set -u
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader; nproc
-timeout 100 python3 bench/turboquant_bench.py --rows 8,32 --positions 4096 --rounds 5 2>&1 \
+timeout 150 python3 bench/turboquant_bench.py --rows 8,32 --positions 4096 --rounds 4 2>&1 \
   | tee "$out/turboquant_attention.txt"
 timeout 300 python3 bench/kv_quant_bench.py --model qwen3-0.6b-shape --streams 8,32 \
   --prompt 2048 --steps 64 --repeat 4 --budget-gib 64 --stream-tokens 8192 \

@@ -1,8 +1,8 @@
 """Batched quantized KV caches: bytes per token, decode rate, and streams per memory budget.
 
 For each KV codec (plain = the model's dtype, affine 8-bit and 4-bit, TurboQuant 4/4 and 3/3
-bits) and each batch size (default 8 and 32), in one run: mlx-lm's BatchGenerator decodes `--steps` tokens per stream after
-prompts of `--prompt` tokens, with the baseline's caches (mlx-lm's own BatchKVCache, plain
+bits) and each batch size (default 8 and 32), in one run: mlx-lm's BatchGenerator decodes
+`--steps` tokens per stream after prompts of `--prompt` tokens, with the baseline's caches (mlx-lm's own BatchKVCache, plain
 only: it cannot batch QuantizedKVCache) and with ours (BatchQuantizedKVCache rows, which
 is what the engine runs). Decode time is measured from the step at which every row is
 generating. Each round runs the baseline and every codec once, in an order that rotates
@@ -41,7 +41,7 @@ from mlx_lm.generate import BatchGenerator  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 # isort: on
 
-from bench.engine_bench import model_spec  # noqa: E402
+from bench.shapes import model_spec  # noqa: E402
 from engine_service import blas  # noqa: E402
 from engine_service.kv_codec import KVCodec  # noqa: E402
 from engine_service.model import load_model  # noqa: E402

@@ -1,0 +1,53 @@
+"""The random-weight model shapes the benches load (no downloads here), without the gRPC
+imports of engine_bench.py: benches that only run MLX import them from here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from engine_service.default_model import build_model_dir
+
+SHAPES = {
+    # Random-weight stand-ins for real checkpoints (no downloads here).
+    "qwen3-0.6b-shape": {
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": True,
+        "vocab_size": 151936,
+    },
+    "llama3-8b-shape": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "vocab_size": 128256,
+    },
+}
+
+
+def model_spec(spec: str, root: Path, shapes: dict[str, dict] | None = None) -> str:
+    """A model spec the engine can load: a shape name (SHAPES) becomes a random-weight
+    directory under root (fp32 on the CPU, bf16 on a GPU); anything else is returned as is."""
+    shapes = SHAPES if shapes is None else shapes
+    if spec not in shapes:
+        return spec
+    dtype = "float32" if mx.default_device() == mx.cpu else "bfloat16"
+    build_model_dir(shapes[spec], root / spec, dtype=dtype)
+    return str(root / spec)
