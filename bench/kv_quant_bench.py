@@ -2,8 +2,8 @@
 
 For each KV codec (plain = the model's dtype, affine 8-bit and 4-bit, TurboQuant 4/4 and 3/3
 bits) and each batch size (default 8 and 32), in one run: mlx-lm's BatchGenerator decodes
-`--steps` tokens per stream after prompts of `--prompt` tokens, with the baseline's caches (mlx-lm's own BatchKVCache, plain
-only: it cannot batch QuantizedKVCache) and with ours (BatchQuantizedKVCache rows, which
+`--steps` tokens per stream after prompts of `--prompt` tokens, with the baseline's caches
+(mlx-lm's own BatchKVCache, plain only: it cannot batch QuantizedKVCache) and with ours (BatchQuantizedKVCache rows, which
 is what the engine runs). Decode time is measured from the step at which every row is
 generating. Each round runs the baseline and every codec once, in an order that rotates
 round by round; a codec's ratio is the median of its per-round ratios to that round's
