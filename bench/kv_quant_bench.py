@@ -3,14 +3,13 @@
 For each KV codec (plain = the model's dtype, affine 8-bit and 4-bit, TurboQuant 4/4 and 3/3
 bits) and each batch size (default 8 and 32), in one run: mlx-lm's BatchGenerator decodes
 `--steps` tokens per stream after prompts of `--prompt` tokens, with the baseline's caches
-(mlx-lm's own BatchKVCache, plain only: it cannot batch QuantizedKVCache) and with ours (BatchQuantizedKVCache rows, which
-is what the engine runs). Decode time is measured from the step at which every row is
-generating. Each round runs the baseline and every codec once, in an order that rotates
-round by round; a codec's ratio is the median of its per-round ratios to that round's
-baseline, with their min-max. Prints decode tokens/s and the ratio to the baseline, KV bytes
-per token
-of one row (its extracted caches over the tokens they hold), and how many
-`--stream-tokens`-token streams fit `--budget-gib`.
+(mlx-lm's own BatchKVCache, plain only: it cannot batch QuantizedKVCache) and with ours
+(BatchQuantizedKVCache rows, which is what the engine runs). Decode time is measured from the
+step at which every row is generating. Each round runs the baseline and every codec once, in
+an order that rotates round by round; a codec's ratio is the median of its per-round ratios
+to that round's baseline, with their min-max. Prints decode tokens/s and the ratio to the
+baseline, KV bytes per token of one row (its extracted caches over the tokens they hold), and
+how many `--stream-tokens`-token streams fit `--budget-gib`.
 
     python bench/kv_quant_bench.py [--model tandem-tiny|qwen3-0.6b-shape|PATH]
         [--streams 8,32] [--prompt 1024] [--steps 64] [--repeat 3] [--budget-gib 16]
