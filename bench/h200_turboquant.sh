@@ -4,11 +4,8 @@
 set -u
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader; nproc
-timeout 150 python3 bench/turboquant_bench.py --rows 8,32 --positions 4096 --rounds 4 2>&1 \
-  | tee "$out/turboquant_attention.txt"
-timeout 300 python3 bench/kv_quant_bench.py --model qwen3-0.6b-shape --streams 8,32 \
-  --prompt 2048 --steps 64 --repeat 4 --budget-gib 64 --stream-tokens 8192 \
-  --json "$out/kv_quant_06b.json" 2>&1 | tee "$out/kv_quant_06b.txt"
-timeout 170 python3 bench/kv_quant_bench.py --model llama3-8b-shape --streams 32 \
-  --prompt 2048 --steps 48 --repeat 3 --budget-gib 64 --stream-tokens 8192 \
-  --json "$out/kv_quant_8b.json" 2>&1 | tee "$out/kv_quant_8b.txt"
+timeout 120 python3 bench/turboquant_probe.py --rows 8,32 --positions 2304 2>&1 \
+  | tee "$out/turboquant_probe.txt"
+timeout 330 python3 bench/kv_quant_bench.py --model qwen3-0.6b-shape --streams 8,32 \
+  --codecs plain,4-bit,tq-3/3 --prompt 2048 --steps 48 --repeat 3 --budget-gib 64 \
+  --stream-tokens 8192 --json "$out/kv_quant_06b.json" 2>&1 | tee "$out/kv_quant_06b.txt"

@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--budget-gib", type=float, default=16.0)
     parser.add_argument("--stream-tokens", type=int, default=2048)
+    parser.add_argument("--codecs", default=",".join(CODECS), help="which of " + ",".join(CODECS))
     parser.add_argument("--json")
     args = parser.parse_args()
     out: dict[str, Any] = {
@@ -119,10 +120,11 @@ def main() -> None:
             prompts = [
                 [rng.randrange(3, vocab) for _ in range(args.prompt)] for _ in range(streams)
             ]
+            chosen = {name: CODECS[name] for name in args.codecs.split(",")}
             decode_run(model, prompts[:2], 4, None)  # warm-up: kernels compile once
-            for codec in CODECS.values():
+            for codec in chosen.values():
                 decode_run(model, prompts[:2], 4, codec)
-            sides: dict[str, KVCodec | None] = {"baseline": None, **CODECS}
+            sides: dict[str, KVCodec | None] = {"baseline": None, **chosen}
             runs: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
             names = list(sides)
             for r in range(args.repeat):  # interleaved, the order rotating each round

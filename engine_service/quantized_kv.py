@@ -191,9 +191,7 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
         return (
             plain is not None
             and bool(plain.keys)
-            and any(
-                self._due(row) and self._codecs[row].storage.kind in wide for row in plain.rows
-            )
+            and any(self._due(row) and self._codecs[row].storage.kind in wide for row in plain.rows)
         )
 
     def _due(self, row: int) -> bool:

@@ -32,6 +32,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from engine_service import turboquant_cuda
+
 BITS = (2, 3, 4)
 
 
@@ -122,6 +124,11 @@ class TurboQuantCodec:
         # traced once per distinct shape: a batch's planes grow 256 columns at a time).
         self._quantize = mx.compile(self._quantize_graph)
         self._decoders: dict[str, Any] = {}  # by output dtype (compile takes arrays only)
+        self._cuda = (
+            turboquant_cuda.CudaKernels(head_dim, bits, self.words, self.centroids, self.bounds)
+            if turboquant_cuda.AVAILABLE
+            else None
+        )
 
     def bytes_per_vector(self) -> int:
         return self.words * 4 + 4
@@ -133,17 +140,24 @@ class TurboQuantCodec:
         return y @ self.rotation.T
 
     def encode(self, x: mx.array) -> TurboQuantPlanes:
+        if self._cuda is not None and turboquant_cuda.ENABLED:
+            norms = mx.linalg.norm(x.astype(mx.float32), axis=-1, keepdims=True)
+            return TurboQuantPlanes(self._cuda.quantize(self.rotate(x), norms), norms, self)
         codes, norms = self._quantize(x)
         return TurboQuantPlanes(codes, norms, self)
 
     def decode_rotated(self, planes: TurboQuantPlanes, dtype: mx.Dtype = mx.float32) -> mx.array:
         """x_hat @ R in `dtype`: what attention reads (keys against a rotated query, values
         before the output's un-rotation)."""
+        if self._cuda is not None and turboquant_cuda.ENABLED:
+            return self._cuda.decode(planes.codes, planes.norms, dtype)
         decoder = self._decoders.get(str(dtype))
         if decoder is None:
-            decoder = self._decoders[str(dtype)] = mx.compile(
-                lambda codes, norms: self._decode_graph(codes, norms, dtype)
-            )
+
+            def decode(codes: mx.array, norms: mx.array) -> mx.array:
+                return self._decode_graph(codes, norms, dtype)
+
+            decoder = self._decoders[str(dtype)] = mx.compile(decode)
         return decoder(planes.codes, planes.norms)  # type: ignore[no-any-return]
 
     def decode(self, planes: TurboQuantPlanes) -> mx.array:
@@ -225,6 +239,17 @@ def turboquant_attention(
     The whole of it is one compiled function per codec pair, scale, dtype and mask kind:
     graph building is the decode step's bound on a GPU, and this is ~10 operations a layer."""
     kc, vc = keys.codec, values.codec
+    if turboquant_cuda.ENABLED:  # the decode kernels, then the fused SDPA
+        dtype = queries.dtype
+        out = mx.fast.scaled_dot_product_attention(
+            kc.rotate(queries).astype(dtype),
+            kc.decode_rotated(keys, dtype),
+            vc.decode_rotated(values, dtype),
+            scale=scale,
+            mask=mask,
+            sinks=sinks,
+        )
+        return vc.unrotate(out.astype(mx.float32)).astype(dtype)
     fn = _attention_graph(
         kc.head_dim,
         kc.bits,
