@@ -81,19 +81,36 @@ def main() -> None:
         q = mx.random.normal((rows, HEADS, 1, DIM)).astype(mx.bfloat16)
         kp, vp = codec.encode(k), codec.encode(v)
         mx.eval(k, v, q, kp.codes, kp.norms, vp.codes, vp.norms)
-        sides: dict[str, Callable[[], mx.array]] = {
-            "plain SDPA": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088),
-            "TQ 3/3 kernels": lambda: turboquant_attention(q, kp, vp, 0.088),
-            "TQ 3/3 reference": lambda: turboquant_attention(q, kp, vp, 0.088),
-            "decode kernel": lambda: codec.decode_rotated(kp, mx.bfloat16),
-            "decode reference": lambda: codec.decode_rotated(kp, mx.bfloat16),
-        }
+        mask = mx.ones((rows, 1, 1, a.positions), dtype=mx.bool_)
+        mask[:, :, :, : a.positions // 4] = False  # left padding of a kind
+        attend = lambda: turboquant_attention(q, kp, vp, 0.088, mask)  # noqa: E731
+        turboquant_cuda.FUSED = None  # the engine's first-call check
+        mx.eval(attend())
+        print(f"  fused attention after its check: {turboquant_cuda.FUSED}")
+        if turboquant_cuda.AVAILABLE:
+            turboquant_cuda.FUSED = True
+            fused = attend().astype(mx.float32)
+            turboquant_cuda.FUSED = False
+            unfused = attend().astype(mx.float32)
+            print(f"  fused vs decode+SDPA: max diff {float(mx.abs(fused - unfused).max()):.3g}")
+        sides: dict[str, tuple[bool, bool, Callable[[], mx.array]]] = {  # kernels, fused, fn
+            "plain SDPA": (False, False, lambda: mx.fast.scaled_dot_product_attention(
+                q, k, v, scale=0.088, mask=mask)),
+            "TQ fused kernel": (True, True, attend),
+            "TQ decode kernel+SDPA": (True, False, attend),
+            "TQ reference": (False, False, attend),
+            "decode kernel": (True, False, lambda: codec.decode_rotated(kp, mx.bfloat16)),
+            "decode reference": (False, False, lambda: codec.decode_rotated(kp, mx.bfloat16)),
+        }  # fmt: skip
         times: dict[str, list[float]] = {name: [] for name in sides}
         for r in range(5):
             for name in sides if r % 2 == 0 else list(sides)[::-1]:
-                turboquant_cuda.ENABLED = "reference" not in name and turboquant_cuda.AVAILABLE
-                times[name].append(timed(sides[name]))
+                kernels, fused_on, fn = sides[name]
+                turboquant_cuda.ENABLED = kernels and turboquant_cuda.AVAILABLE
+                turboquant_cuda.FUSED = fused_on
+                times[name].append(timed(fn))
         turboquant_cuda.ENABLED = turboquant_cuda.AVAILABLE
+        turboquant_cuda.FUSED = None
         print(f"  {rows} rows x {a.positions} positions, one layer (ms, median of 5):")
         for name, ts in times.items():
             print(f"    {name:>18}: {statistics.median(ts) * 1e3:.3f}")

@@ -25,6 +25,7 @@ norms are float32. No library offers this codec for MLX: mlx-lm has affine quant
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ import numpy as np
 from engine_service import turboquant_cuda
 
 BITS = (2, 3, 4)
+log = logging.getLogger(__name__)
 
 
 def distortion_bound(bits: int) -> float:
@@ -239,17 +241,8 @@ def turboquant_attention(
     The whole of it is one compiled function per codec pair, scale, dtype and mask kind:
     graph building is the decode step's bound on a GPU, and this is ~10 operations a layer."""
     kc, vc = keys.codec, values.codec
-    if turboquant_cuda.ENABLED:  # the decode kernels, then the fused SDPA
-        dtype = queries.dtype
-        out = mx.fast.scaled_dot_product_attention(
-            kc.rotate(queries).astype(dtype),
-            kc.decode_rotated(keys, dtype),
-            vc.decode_rotated(values, dtype),
-            scale=scale,
-            mask=mask,
-            sinks=sinks,
-        )
-        return vc.unrotate(out.astype(mx.float32)).astype(dtype)
+    if turboquant_cuda.ENABLED:
+        return _cuda_attention(queries, keys, values, scale, mask, sinks)
     fn = _attention_graph(
         kc.head_dim,
         kc.bits,
@@ -266,6 +259,58 @@ def turboquant_attention(
     if sinks is not None:
         arrays.append(sinks)
     return fn(*arrays)  # type: ignore[no-any-return]
+
+
+def _cuda_attention(
+    queries: mx.array,
+    keys: TurboQuantPlanes,
+    values: TurboQuantPlanes,
+    scale: float,
+    mask: mx.array | str | None,
+    sinks: mx.array | None,
+) -> mx.array:
+    """MLX-CUDA: a decode step straight from the codes (turboquant_cuda.fused_attention) once
+    it matched the decode + SDPA path on this device's first call; that path otherwise."""
+    kc, vc = keys.codec, values.codec
+    assert kc._cuda is not None and vc._cuda is not None
+    dtype = queries.dtype
+    q = kc.rotate(queries)
+    out: mx.array | None = None
+    if turboquant_cuda.FUSED is not False and sinks is None:
+        out = turboquant_cuda.fused_attention(
+            q, (keys.codes, keys.norms, kc._cuda), (values.codes, values.norms, vc._cuda),
+            scale, mask,
+        )  # fmt: skip
+    if out is None or turboquant_cuda.FUSED is None:
+        reference = mx.fast.scaled_dot_product_attention(
+            q.astype(dtype),
+            kc.decode_rotated(keys, dtype),
+            vc.decode_rotated(values, dtype),
+            scale=scale,
+            mask=mask,
+            sinks=sinks,
+        ).astype(mx.float32)
+        if out is not None:  # the first fused call: checked once against the reference
+            turboquant_cuda.FUSED = _fused_matches(out, reference)
+        out = out if turboquant_cuda.FUSED and out is not None else reference
+    return vc.unrotate(out).astype(dtype)
+
+
+def _fused_matches(fused: mx.array, reference: mx.array) -> bool:
+    try:
+        error, size = float(mx.abs(fused - reference).max()), float(mx.abs(reference).max())
+    except Exception as exc:  # noqa: BLE001  (a kernel this device cannot build or run)
+        log.warning("TurboQuant fused decode attention off: %s", exc)
+        return False
+    ok = error <= 0.02 * size + 1e-3
+    log.log(
+        logging.INFO if ok else logging.WARNING,
+        "TurboQuant fused decode attention %s: max difference %.3g (outputs up to %.3g)",
+        "in use" if ok else "off, differs from the reference",
+        error,
+        size,
+    )
+    return ok
 
 
 @functools.lru_cache(maxsize=64)

@@ -109,3 +109,199 @@ class CudaKernels:
             output_dtypes=[mx.uint32],
         )
         return codes  # type: ignore[no-any-return]
+
+
+# One decode step's attention read straight from the codes (flash-decoding): a block per
+# (row, KV head, chunk of CHUNK positions) holds the G query heads that share the KV head,
+# scores its positions from the key codes, and accumulates the value codes weighted by the
+# softmax numerators; the chunks' partial sums are merged afterwards (combine). Nothing of
+# the size of the cache is written: the decode + SDPA path writes two bf16 copies of it.
+_ATTEND = """
+    constexpr int NT = 128;
+    constexpr float NEG = -1e30f;
+    __shared__ float q_s[G * D];
+    __shared__ float score[G * CHUNK];
+    __shared__ float red[G * NT];
+    const int tid = threadIdx.x;
+    const uint32_t S = sizes[0];
+    const uint32_t splits = sizes[1];
+    const uint32_t blk = blockIdx.x;
+    const uint32_t split = blk % splits;
+    const uint32_t bh = blk / splits;
+    const uint32_t b = bh / HKV;
+    for (int i = tid; i < G * D; i += NT) q_s[i] = q[(size_t)bh * G * D + i];
+    __syncthreads();
+    const uint32_t s0 = split * CHUNK;
+    for (int j = tid; j < CHUNK; j += NT) {
+        const uint32_t s = s0 + j;
+        float acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = 0.f;
+        const bool ok = s < S && mask[(size_t)b * S + s] != 0;
+        if (ok) {
+            const uint32_t* row = kcodes + ((size_t)bh * S + s) * KW;
+            for (int w = 0; w < KW; ++w) {
+                const uint32_t word = row[w];
+                for (int e = 0; e < KPW; ++e) {
+                    const int d = w * KPW + e;
+                    if (d >= D) break;
+                    const float c = klevels[(word >> (e * KB)) & ((1u << KB) - 1u)];
+                    for (int g = 0; g < G; ++g) acc[g] += q_s[g * D + d] * c;
+                }
+            }
+            const float n = knorms[(size_t)bh * S + s];
+            for (int g = 0; g < G; ++g) score[g * CHUNK + j] = acc[g] * n;
+        } else {
+            for (int g = 0; g < G; ++g) score[g * CHUNK + j] = NEG;
+        }
+    }
+    __syncthreads();
+    for (int g = 0; g < G; ++g) {
+        float m = NEG;
+        for (int j = tid; j < CHUNK; j += NT) m = fmaxf(m, score[g * CHUNK + j]);
+        red[g * NT + tid] = m;
+    }
+    __syncthreads();
+    for (int stride = NT / 2; stride > 0; stride >>= 1) {
+        if (tid < stride)
+            for (int g = 0; g < G; ++g)
+                red[g * NT + tid] = fmaxf(red[g * NT + tid], red[g * NT + tid + stride]);
+        __syncthreads();
+    }
+    float top[G];
+    for (int g = 0; g < G; ++g) top[g] = red[g * NT];
+    __syncthreads();
+    for (int g = 0; g < G; ++g) {
+        float sum = 0.f;
+        for (int j = tid; j < CHUNK; j += NT) {
+            const float x = score[g * CHUNK + j];
+            const float p = x <= 0.5f * NEG ? 0.f : __expf(x - top[g]);
+            score[g * CHUNK + j] = p;
+            sum += p;
+        }
+        red[g * NT + tid] = sum;
+    }
+    __syncthreads();
+    for (int stride = NT / 2; stride > 0; stride >>= 1) {
+        if (tid < stride)
+            for (int g = 0; g < G; ++g) red[g * NT + tid] += red[g * NT + tid + stride];
+        __syncthreads();
+    }
+    for (int d = tid; d < D; d += NT) {
+        float acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = 0.f;
+        const int w = d / VPW;
+        const int shift = (d % VPW) * VB;
+        for (int j = 0; j < CHUNK; ++j) {
+            const uint32_t s = s0 + j;
+            if (s >= S) break;
+            const uint32_t word = vcodes[((size_t)bh * S + s) * VW + w];
+            const float n = vnorms[(size_t)bh * S + s];
+            const float c = vlevels[(word >> shift) & ((1u << VB) - 1u)] * n;
+            for (int g = 0; g < G; ++g) acc[g] += score[g * CHUNK + j] * c;
+        }
+        for (int g = 0; g < G; ++g)
+            partial[(((size_t)bh * G + g) * splits + split) * D + d] = acc[g];
+    }
+    if (tid < G) {
+        tops[((size_t)bh * G + tid) * splits + split] = top[tid];
+        sums[((size_t)bh * G + tid) * splits + split] = red[tid * NT];
+    }
+"""
+
+CHUNK = 256  # positions a block scores
+
+
+class FusedAttention:
+    """`_ATTEND` for one pair of key/value codecs and one grouped-query shape."""
+
+    def __init__(self, keys: CudaKernels, values: CudaKernels, group: int, kv_heads: int):
+        self.keys, self.values = keys, values
+        self.group, self.kv_heads = group, kv_heads
+        self._kernel: Any = mx.fast.cuda_kernel(
+            name=f"tandem_tq_attend_{keys.head_dim}_{keys.bits}_{values.bits}_{group}_{kv_heads}",
+            input_names=[
+                "q", "kcodes", "knorms", "vcodes", "vnorms", "klevels", "vlevels", "mask", "sizes",
+            ],
+            output_names=["partial", "tops", "sums"],
+            source=_ATTEND,
+        )  # fmt: skip
+        self._template: list[tuple[str, Any]] = [
+            ("G", group),
+            ("D", keys.head_dim),
+            ("HKV", kv_heads),
+            ("KB", keys.bits),
+            ("VB", values.bits),
+            ("KW", keys.words),
+            ("VW", values.words),
+            ("KPW", 32 // keys.bits),
+            ("VPW", 32 // values.bits),
+            ("CHUNK", CHUNK),
+        ]
+
+    def __call__(
+        self,
+        q: mx.array,  # (B, H, D) float32: rotated and scaled
+        kcodes: mx.array,
+        knorms: mx.array,
+        vcodes: mx.array,
+        vnorms: mx.array,
+        mask: mx.array,  # (B, S) uint8: 1 where a position is attended
+    ) -> mx.array:
+        rows, heads, dim = q.shape
+        positions = kcodes.shape[2]
+        splits = -(-positions // CHUNK)
+        blocks = rows * self.kv_heads * splits
+        partial, tops, sums = self._kernel(
+            inputs=[
+                q, kcodes, knorms, vcodes, vnorms,
+                self.keys.levels, self.values.levels, mask,
+                mx.array([positions, splits], dtype=mx.uint32),
+            ],
+            template=self._template,
+            grid=(blocks * 128, 1, 1),
+            threadgroup=(128, 1, 1),
+            output_shapes=[
+                (rows, heads, splits, dim), (rows, heads, splits), (rows, heads, splits),
+            ],
+            output_dtypes=[mx.float32] * 3,
+        )  # fmt: skip
+        # The chunks' softmax pieces merged: each weighted by exp(its max - the overall max).
+        top = mx.max(tops, axis=-1, keepdims=True)
+        weight = mx.exp(tops - top)
+        total = mx.sum(weight * sums, axis=-1, keepdims=True)
+        return mx.sum(partial * weight[..., None], axis=-2) / total
+
+
+FUSED: bool | None = None  # None: not yet checked on this device (turboquant.py checks once)
+_fused: dict[tuple[int, int, int, int, int], FusedAttention] = {}
+
+
+def fused_attention(
+    q: mx.array,  # (B, H, 1, D) float32, rotated
+    keys: tuple[mx.array, mx.array, CudaKernels],
+    values: tuple[mx.array, mx.array, CudaKernels],
+    scale: float,
+    mask: Any,
+) -> mx.array | None:
+    """One decode step's attention from the codes, in the rotated domain (B, H, 1, D) float32;
+    None where the kernel does not apply (several query positions, unequal key and value
+    widths, a mask that is not a boolean array)."""
+    kcodes, knorms, kk = keys
+    vcodes, vnorms, vk = values
+    rows, heads, length, dim = q.shape
+    kv_heads, positions = kcodes.shape[1], kcodes.shape[2]
+    if length != 1 or kk.head_dim != vk.head_dim or heads % kv_heads:
+        return None
+    if mask is None:
+        flat = mx.ones((rows, positions), dtype=mx.uint8)
+    elif isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.shape[-1] == positions:
+        flat = mx.broadcast_to(mask, (rows, 1, 1, positions)).reshape(rows, positions)
+        flat = flat.astype(mx.uint8)
+    else:
+        return None
+    key = (kk.head_dim, kk.bits, vk.bits, heads // kv_heads, kv_heads)
+    attend = _fused.get(key)
+    if attend is None:
+        attend = _fused[key] = FusedAttention(kk, vk, heads // kv_heads, kv_heads)
+    out = attend((q * scale).reshape(rows, heads, dim), kcodes, knorms, vcodes, vnorms, flat)
+    return out.reshape(rows, heads, 1, dim)
