@@ -19,10 +19,21 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine_service import attention_routing
-from engine_service.kv_codec import KVCodec, StorageKind
+from engine_service.kv_codec import (
+    KVCodec,
+    Scheme,
+    StorageKind,
+    checked_codec,
+    codec_of_signature,
+    layout_accepts,
+    request_layout,
+)
 from engine_service.quantized_kv import BatchQuantizedKVCache, TurboQuantRow, adopt_row
+from gateway_service.openai_wire import ApiError, completion_request
 from tandem_client import EngineClient, StoreClient
+from tandem_client.engine_client import generate_request
 from tandem_client.errors import TandemError
+from tandem_wire.pb import engine_pb2
 from tests.servers import ServiceProcess, free_port, start_engine, start_store_on
 
 TEXT = "The quick brown fox jumps over the lazy dog. "
@@ -207,6 +218,52 @@ def test_a_turboquant_batch_state_round_trips_through_from_state(reference: Any)
     b = copy.update_and_fetch(keys, values)
     assert mx.array_equal(a[0], b[0]) and mx.array_equal(a[1], b[1])
     assert copy.meta_state == layer.meta_state
+
+
+# -- the codec's rules and its request surfaces (in-process) -------------------------------
+
+
+def test_turboquant_codec_rules_and_signatures() -> None:
+    codec = checked_codec(3, 64, 0, Scheme.TURBOQUANT)
+    assert codec == KVCodec.turboquant(3, 3) and codec.signature() == "kv:turboquant:3:3"
+    late = checked_codec(4, 64, 512, Scheme.TURBOQUANT, 2)
+    assert late.signature() == "kv:turboquant:4:2:from512"
+    assert codec_of_signature(late.signature()) == late
+    assert checked_codec(0, 64, 0, Scheme.TURBOQUANT) == KVCodec()  # 0 bits: plain
+    for bad in [(5, 0), (3, 1), (8, 0)]:
+        with pytest.raises(ValueError):
+            checked_codec(bad[0], 64, 0, Scheme.TURBOQUANT, bad[1])
+    with pytest.raises(ValueError, match="TurboQuant's"):
+        checked_codec(4, 64, 0, Scheme.AFFINE, 2)
+    # A request layout takes a converted layer of its own bits, or a plain one not yet
+    # converted; never affine bytes nor another bit pair.
+    want = request_layout(["kv:plain", "kv:rotating:64:0"], late)
+    assert want == ["kv:turboquant:4:2:from512", "kv:rotating:64:0"]
+    assert layout_accepts(want, ["kv:turboquant:4:2", "kv:rotating:64:0"])
+    assert layout_accepts(want, ["kv:plain", "kv:rotating:64:0"])
+    assert not layout_accepts(want, ["kv:turboquant:4:4", "kv:rotating:64:0"])
+    assert not layout_accepts(want, ["kv:quant:4:64", "kv:rotating:64:0"])
+
+
+def test_clients_and_gateway_carry_the_turboquant_choice() -> None:
+    req = generate_request("hi", kv_bits=3, kv_scheme="turboquant", kv_value_bits=2)
+    assert (req.kv_bits, req.kv_scheme, req.kv_value_bits) == (
+        3,
+        engine_pb2.KV_SCHEME_TURBOQUANT,
+        2,
+    )
+    with pytest.raises(ValueError, match="kv_scheme"):
+        generate_request("hi", kv_scheme="hadamard")
+    body = {"prompt": "hi", "tandem": {"kv_scheme": "turboquant", "kv_bits": 3, "kv_value_bits": 3}}
+    req = completion_request(body)
+    assert (req.kv_bits, req.kv_scheme, req.kv_value_bits) == (
+        3,
+        engine_pb2.KV_SCHEME_TURBOQUANT,
+        3,
+    )
+    with pytest.raises(ApiError) as err:
+        completion_request({"prompt": "hi", "tandem": {"kv_scheme": "hadamard"}})
+    assert err.value.status == 400
 
 
 # -- through the engine process ------------------------------------------------------------
