@@ -20,6 +20,7 @@ def scheduler_limits(config: EngineConfig) -> Limits:
         config.prefill_step_size,
         config.admission_window_s,
         ParkSettings(config.park_after_tokens, config.park_bytes, config.park_idle_timeout_s),
+        config.kv_codec,
     )
 
 

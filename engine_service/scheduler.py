@@ -27,6 +27,7 @@ from engine_service.constraints import Grammars
 from engine_service.engine_stats import EngineStats
 from engine_service.events import Event, Finished, FinishReason, Sink, Started, Token
 from engine_service.jobs import Job, StartingPoint
+from engine_service.kv_codec import PLAIN_KV, KVCodec
 from engine_service.loop_commands import Cancel, Command, Park, Restored, Stop, Submit, Unpark
 from engine_service.model import LoadedModel
 from engine_service.new_rows import NewRows
@@ -61,6 +62,8 @@ class Limits:
     admission_window_s: float = 0.002
     # Rows whose clients stopped reading leave their slots (preemption.py).
     park: ParkSettings = field(default_factory=ParkSettings)
+    # The engine's default KV codec: the warm-up's rows run under it (its kernels compile then).
+    default_kv: KVCodec = PLAIN_KV
 
 
 class Scheduler:
@@ -204,7 +207,7 @@ class Scheduler:
         if self._warm:
             limits = self.limits
             sizes = [1, min(limits.prefill_batch_size, limits.max_running), limits.max_running]
-            warm_up(self._bg, self.loaded, sizes, limits.prefill_step_size)
+            warm_up(self._bg, self.loaded, sizes, limits.prefill_step_size, limits.default_kv)
         self._ready.set()
         was_idle = True
         while True:

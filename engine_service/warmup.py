@@ -14,6 +14,7 @@ import time
 from mlx_lm.generate import BatchGenerator
 
 from engine_service.jobs import Job, StartingPoint
+from engine_service.kv_codec import PLAIN_KV, KVCodec
 from engine_service.model import LoadedModel
 from engine_service.new_rows import NewRows
 from engine_service.requests import GenerationRequest
@@ -34,16 +35,25 @@ def _prompt(length: int, seed: int, vocab: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % vocab for i in range(length)]
 
 
-def warm_up(bg: BatchGenerator, loaded: LoadedModel, batch_sizes: list[int], long: int) -> None:
-    """One long prefill, then a few tokens at each decode batch size the engine will run.
+def warm_up(
+    bg: BatchGenerator,
+    loaded: LoadedModel,
+    batch_sizes: list[int],
+    long: int,
+    kv: KVCodec = PLAIN_KV,
+) -> None:
+    """One long prefill, then a few tokens at each decode batch size the engine will run, with
+    the engine's default KV codec (a TurboQuant default builds and checks its kernels here).
     A failure is logged: serving still works, only the first requests wait."""
     try:
-        _run(bg, loaded, batch_sizes, long)
+        _run(bg, loaded, batch_sizes, long, kv)
     except Exception:  # noqa: BLE001 - see above
         log.exception("warm-up failed; the first requests compile their shapes")
 
 
-def _run(bg: BatchGenerator, loaded: LoadedModel, batch_sizes: list[int], long: int) -> None:
+def _run(
+    bg: BatchGenerator, loaded: LoadedModel, batch_sizes: list[int], long: int, kv: KVCodec
+) -> None:
     started = time.monotonic()
     rounds = [(1, max(SHORT_PROMPT, min(long, LONG_PROMPT)))]
     rounds += [(n, SHORT_PROMPT) for n in sorted(set(batch_sizes)) if n > 0]
@@ -51,7 +61,7 @@ def _run(bg: BatchGenerator, loaded: LoadedModel, batch_sizes: list[int], long: 
         rows = NewRows(loaded.model)
         for i in range(n):
             prompt = _prompt(length, i, loaded.vocab_size)
-            request = GenerationRequest(f"warmup-{i}", prompt, TOKENS, SamplingOptions(), "")
+            request = GenerationRequest(f"warmup-{i}", prompt, TOKENS, SamplingOptions(), "", kv=kv)
             rows.add(Job(request, _discard), StartingPoint(prompt, [], None, 0))
         rows.insert(bg)
         left = {job.uid for job in rows.jobs}
