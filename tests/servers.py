@@ -298,3 +298,38 @@ class GatewayProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+
+def kill_after_checkpoint(
+    engine_proc: ServiceProcess,
+    store: Any,
+    prompt: list[int],
+    request: dict[str, Any],
+    received_at_least: int,
+    checkpoint_tokens: int,
+) -> tuple[list[int], Any]:
+    """Streams `request` until the client holds `received_at_least` tokens, waits until its
+    generation checkpoint holds the prompt and `checkpoint_tokens` more, then SIGKILLs the
+    engine. Returns the tokens received and the checkpoint as the store holds it (a
+    StoreClient's `get`)."""
+    from tandem_client import EngineClient
+
+    received: list[int] = []
+    engine = EngineClient(engine_proc.address)
+    for chunk in engine.stream_request(engine.request(prompt, **request)):
+        received.extend(chunk.token_ids)
+        if len(received) >= received_at_least:
+            break
+
+    def checkpointed() -> bool:
+        found = store.list_all(kind="generation")
+        return bool(found) and found[0].token_count >= len(prompt) + checkpoint_tokens
+
+    deadline = time.monotonic() + 30
+    while not checkpointed():
+        assert time.monotonic() < deadline, "no generation checkpoint in 30 s"
+        time.sleep(0.05)
+    engine_proc.kill()
+    engine.close()
+    (record,) = store.list_all(kind="generation")  # read once nothing replaces it
+    return received, store.get(record.key, record.namespace)

@@ -21,7 +21,13 @@ from engine_service.kv_codec import KVCodec
 from engine_service.quantized_kv import BatchQuantizedKVCache, PackedRow, adopt_row
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import TandemError
-from tests.servers import ServiceProcess, free_port, start_engine, start_store_on
+from tests.servers import (
+    ServiceProcess,
+    free_port,
+    kill_after_checkpoint,
+    start_engine,
+    start_store_on,
+)
 
 TEXT = "The quick brown fox jumps over the lazy dog. "
 
@@ -282,25 +288,7 @@ def test_quantized_checkpoints_resume_exactly_and_never_mix_with_plain(
 
     request = dict(max_tokens=64, ignore_eos=True, checkpoint_interval=8, request_id="q-1", **q8)
     store = StoreClient(f"127.0.0.1:{port}")
-    received: list[int] = []
-    engine = EngineClient(engine_proc.address)
-    for chunk in engine.stream_request(engine.request(PROMPT, **request)):
-        received.extend(chunk.token_ids)
-        if len(received) >= 33:
-            break
-
-    def checkpointed() -> bool:
-        found = store.list_all(kind="generation")
-        return bool(found) and found[0].token_count >= len(PROMPT) + 24
-
-    deadline = time.monotonic() + 30
-    while not checkpointed():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    engine_proc.kill()
-    engine.close()
-    (record,) = store.list_all(kind="generation")  # read once nothing replaces it
-    saved = store.get(record.key, record.namespace)
+    received, saved = kill_after_checkpoint(engine_proc, store, PROMPT, request, 33, 24)
     assert saved.layout == ["kv:quant:8:64"] * len(saved.layout)
     assert any(t.dtype == "uint32" for t in saved.tensors)  # packed planes, as they were
     fresh = start_engine(engine_data_dir, "--store", f"127.0.0.1:{port}", log_dir=tmp_path)

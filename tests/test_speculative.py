@@ -115,9 +115,10 @@ def test_speculative_requests_give_the_plain_tokens(stack: dict[str, Any]) -> No
         with pytest.raises(TandemError) as err:
             engine.generate(ids, max_tokens=4, num_draft_tokens=99)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        with pytest.raises(TandemError) as err:
-            engine.generate(ids, max_tokens=4, num_draft_tokens=2, kv_bits=8)
-        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        for quantized in (dict(kv_bits=8), dict(kv_bits=3, kv_scheme="turboquant")):
+            with pytest.raises(TandemError) as err:
+                engine.generate(ids, max_tokens=4, num_draft_tokens=2, **quantized)
+            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_no_draft_model_or_untrimmable_caches_are_refused(

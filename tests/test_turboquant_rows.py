@@ -34,7 +34,13 @@ from tandem_client import EngineClient, StoreClient
 from tandem_client.engine_client import generate_request
 from tandem_client.errors import TandemError
 from tandem_wire.pb import engine_pb2
-from tests.servers import ServiceProcess, free_port, start_engine, start_store_on
+from tests.servers import (
+    ServiceProcess,
+    free_port,
+    kill_after_checkpoint,
+    start_engine,
+    start_store_on,
+)
 
 TEXT = "The quick brown fox jumps over the lazy dog. "
 TQ33 = KVCodec.turboquant(3, 3)
@@ -323,6 +329,12 @@ def test_bad_turboquant_options_are_invalid_argument(
 PROMPT = [(i * 977) % 2000 + 3 for i in range(300)]
 
 
+def turboquant_engine(engine_data_dir: Path, port: int, log_dir: Path) -> ServiceProcess:
+    """An engine on the store at `port` whose default codec is TurboQuant 3/3 (the flags)."""
+    flags = ["--store", f"127.0.0.1:{port}", "--kv-scheme", "turboquant", "--kv-bits", "3"]
+    return start_engine(engine_data_dir, *flags, log_dir=log_dir)
+
+
 @pytest.fixture
 def turboquant_stack(
     tmp_path: Path, engine_data_dir: Path
@@ -330,16 +342,7 @@ def turboquant_stack(
     """A store and an engine whose default codec is TurboQuant 3/3 (the flags)."""
     port = free_port()
     store = start_store_on(tmp_path / "store", port)
-    engine = start_engine(
-        engine_data_dir,
-        "--store",
-        f"127.0.0.1:{port}",
-        "--kv-scheme",
-        "turboquant",
-        "--kv-bits",
-        "3",
-        log_dir=tmp_path,
-    )
+    engine = turboquant_engine(engine_data_dir, port, tmp_path)
     try:
         yield store, engine, port
     finally:
@@ -372,37 +375,10 @@ def test_turboquant_checkpoint_resumes_after_sigkill_as_uninterrupted(
 
     request = dict(max_tokens=64, ignore_eos=True, checkpoint_interval=8, request_id="tq-1")
     store = StoreClient(f"127.0.0.1:{port}")
-    received: list[int] = []
-    engine = EngineClient(engine_proc.address)
-    for chunk in engine.stream_request(engine.request(PROMPT, **request)):
-        received.extend(chunk.token_ids)
-        if len(received) >= 33:
-            break
-
-    def checkpointed() -> bool:
-        found = store.list_all(kind="generation")
-        return bool(found) and found[0].token_count >= len(PROMPT) + 24
-
-    deadline = time.monotonic() + 30
-    while not checkpointed():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    engine_proc.kill()
-    engine.close()
-    (record,) = store.list_all(kind="generation")  # read once nothing replaces it
-    saved = store.get(record.key, record.namespace)
+    received, saved = kill_after_checkpoint(engine_proc, store, PROMPT, request, 33, 24)
     assert saved.layout == ["kv:turboquant:3:3"] * len(saved.layout)
     assert any(t.dtype == "uint32" for t in saved.tensors)  # the codes, as they were
-    fresh = start_engine(
-        engine_data_dir,
-        "--store",
-        f"127.0.0.1:{port}",
-        "--kv-scheme",
-        "turboquant",
-        "--kv-bits",
-        "3",
-        log_dir=tmp_path,
-    )
+    fresh = turboquant_engine(engine_data_dir, port, tmp_path)
     try:
         with EngineClient(fresh.address) as engine:
             with pytest.raises(TandemError) as err:  # another codec: another checkpoint key
