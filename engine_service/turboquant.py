@@ -1,5 +1,6 @@
 """The TurboQuant KV codec (Zandieh et al., 2025, "TurboQuant: online vector quantization with
-near-optimal distortion rate"), in MLX ops: the first part of issue 18's TurboQuant rows.
+near-optimal distortion rate"), in MLX ops, and the attention a batch of TurboQuant rows runs
+(quantized_kv.py stores the rows; attention_routing.py sends their attention here).
 
 A key or value vector x of one head is stored as its norm and the indices of a scalar
 codebook, one a coordinate, of the unit vector after a fixed random rotation:
@@ -20,6 +21,9 @@ sum_i p_i v_i = (sum_i p_i (v_i @ R)) @ R^T.
 
 Indices are packed into uint32 words, 32 // b to a word (16 at 2 bits, 10 at 3, 8 at 4);
 norms are float32. No library offers this codec for MLX: mlx-lm has affine quantization only.
+
+The graphs here are the reference and what the CPU and Metal run; on MLX-CUDA the encode,
+decode and decode-step attention go through turboquant_cuda.py's kernels.
 """
 
 from __future__ import annotations
