@@ -27,6 +27,8 @@ class EngineStats:
     rejected_total: int = 0
     steps_total: int = 0
     parking: ParkCounters = field(default_factory=ParkCounters)
+    # Bytes the running batch's KV caches hold (read every few steps; 0 when idle).
+    kv_cache_bytes: int = 0
     # (time.monotonic(), tokens) of recent steps, for the decode rate.
     recent: collections.deque[tuple[float, int]] = field(
         default_factory=lambda: collections.deque(maxlen=256)
@@ -66,4 +68,5 @@ class EngineStats:
             rejected_total=self.rejected_total,
             steps_total=self.steps_total,
             parking=dataclasses.replace(self.parking),
+            kv_cache_bytes=self.kv_cache_bytes,
         )

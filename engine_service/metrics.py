@@ -138,6 +138,9 @@ class CoreCollector(Collector):
         e, c = answer
         yield GaugeMetricFamily("tandem:num_requests_running", "Rows decoding.", value=e.running)
         yield GaugeMetricFamily("tandem:num_requests_waiting", "Queued.", value=e.queued)
+        yield GaugeMetricFamily(
+            "tandem:kv_cache_bytes", "Bytes the running batch's KV caches hold.", e.kv_cache_bytes
+        )
         yield _counter("tandem:prompt_tokens", "Prompt tokens admitted.", e.prompt_tokens_total)
         yield _counter("tandem:generation_tokens", "Tokens generated.", e.generated_tokens_total)
         yield _counter(

@@ -26,3 +26,21 @@ def download(repo_id: str) -> Path:
 def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
     """mlx-lm's (Model, ModelArgs) classes for a config's model_type."""
     return _get_classes(config)  # type: ignore[no-any-return]
+
+
+def running_batch(bg: Any) -> Any:
+    """The BatchGenerator's batch of decoding rows (None when none): its `uids` and
+    `prompt_cache` (one batch cache per layer)."""
+    return bg._generation_batch
+
+
+def batch_cache_bytes(bg: Any) -> int:
+    """Bytes the running batch's layer caches hold (a cache kind without `nbytes` counts 0)."""
+    batch = running_batch(bg)
+    total = 0
+    for cache in batch.prompt_cache if batch is not None else []:
+        try:
+            total += int(cache.nbytes)
+        except NotImplementedError:
+            pass
+    return total

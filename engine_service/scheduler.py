@@ -29,6 +29,7 @@ from engine_service.events import Event, Finished, FinishReason, Sink, Started, 
 from engine_service.jobs import Job, StartingPoint
 from engine_service.kv_codec import PLAIN_KV, KVCodec
 from engine_service.loop_commands import Cancel, Command, Park, Restored, Stop, Submit, Unpark
+from engine_service.mlx_compat import batch_cache_bytes, running_batch
 from engine_service.model import LoadedModel
 from engine_service.new_rows import NewRows
 from engine_service.parking import Parking
@@ -42,6 +43,8 @@ from engine_service.step_checkpoints import StepCheckpoints
 from engine_service.warmup import warm_up
 
 log = logging.getLogger(__name__)
+
+KV_BYTES_EVERY = 16  # steps between readings of the batch's KV bytes (Stats.kv_cache_bytes)
 
 # An idle engine receiving a burst gathers it for at most this many admission windows.
 GATHER_WINDOWS = 25
@@ -85,7 +88,7 @@ class Scheduler:
             else loaded.model
         )
         # Structured output: constrained rows' masks, all rows of a step together.
-        self._masks = BatchMasks(model, loaded.vocab_size, lambda: self._bg._generation_batch)
+        self._masks = BatchMasks(model, loaded.vocab_size, lambda: running_batch(self._bg))
         self._batch_model = self._masks
         self.checkpoints = checkpoints
         # The tokenizer llguidance needs is built on the first constraint.
@@ -216,6 +219,7 @@ class Scheduler:
                 # Nothing runs: the buffers MLX cached for the batch go back to the device
                 # (a GPU may be shared; the next burst allocates what it needs again).
                 mx.clear_cache()
+                self._stats.kv_cache_bytes = 0
             was_idle = idle
             waiting_before = len(self._waiting)
             if not self._drain_inbox(block=idle):
@@ -391,6 +395,8 @@ class Scheduler:
             self._preemption.step(self._bg, self._rows, time.monotonic(), self._parking.save)
         with self._lock:
             self._stats.add_step(len(responses), time.monotonic())
+            if self._stats.steps_total % KV_BYTES_EVERY == 0:  # a sum over layers: not each step
+                self._stats.kv_cache_bytes = batch_cache_bytes(self._bg)
 
     def _expire_idle(self) -> None:
         timeout = self.limits.park.idle_timeout_s

@@ -364,6 +364,7 @@ def stats_to_pb(
         parked=s.parking.parked,
         parked_bytes=s.parking.parked_bytes,
         parked_to_store_total=s.parking.parked_to_store_total,
+        kv_cache_bytes=s.kv_cache_bytes,
     )
     if checkpoints is not None:
         c = checkpoints

@@ -83,11 +83,13 @@ def test_eight_concurrent_streams_match_their_solo_runs(engine_client: EngineCli
 
 def test_logprobs_are_returned_and_consistent(engine_client: EngineClient) -> None:
     got = engine_client.generate("Hello", max_tokens=6, logprobs=3, ignore_eos=True)
+    # One logprob a token, in each chunk's order. A chunk may carry several tokens: events a
+    # reader has not taken yet are coalesced (response_stream.py), as under a loaded machine.
     chunks = [c for c in got.chunks if c.token_ids]
-    assert len(chunks) == 6
+    assert sum(len(c.token_ids) for c in chunks) == 6
     for chunk in chunks:
-        (lp,) = chunk.logprobs
-        assert lp.token_id == chunk.token_ids[0]
+        assert [lp.token_id for lp in chunk.logprobs] == list(chunk.token_ids)
+    for lp in (lp for c in chunks for lp in c.logprobs):
         assert len(lp.top) == 3
         assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
         assert lp.logprob == pytest.approx(lp.top[0][1], abs=1e-4)  # greedy takes the top
