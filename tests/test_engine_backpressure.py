@@ -90,6 +90,35 @@ def test_32_unread_streams_give_their_slots_up_and_resume_exactly(tmp_path: Path
         engine.stop()
 
 
+CODECS: list[dict[str, Any]] = [
+    dict(kv_bits=0),
+    dict(kv_bits=8),
+    dict(kv_bits=3, kv_scheme="turboquant"),
+    dict(kv_bits=4, kv_scheme="turboquant", kv_value_bits=2),
+]
+
+
+def test_parked_rows_of_every_kv_codec_come_back_exactly(tmp_path: Path) -> None:
+    """Parking captures a row's caches as they are (packed affine planes, TurboQuant codes)
+    and puts them back in the batch: each codec's streams end as their uninterrupted runs."""
+    engine = start_engine(tmp_path, "--max-running", "8", "--park-after-tokens", "32")
+    requests = [_request(i, **CODECS[i % len(CODECS)]) for i in range(8)]
+    try:
+        channel = grpc.insecure_channel(engine.address, options=SMALL_WINDOW)
+        stub = engine_pb2_grpc.EngineStub(channel)
+        unread = [stub.Generate(r) for r in requests]
+        _wait(engine.address, lambda s: s.parked == len(requests))
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(_read_all, unread))
+        with EngineClient(engine.address, timeout=120) as c:
+            want = [[t for m in c.stream_request(r) for t in m.token_ids] for r in requests]
+        assert got == want
+        assert all(len(t) == MAX_TOKENS for t in got)
+        channel.close()
+    finally:
+        engine.stop()
+
+
 def test_a_stream_parked_past_the_idle_timeout_is_cancelled_and_resumable(tmp_path: Path) -> None:
     store = start_store(tmp_path / "store")
     engine = start_engine(
