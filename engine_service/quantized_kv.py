@@ -188,11 +188,9 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
         if any(g.storage.kind in wide for g in self._groups):
             return True
         plain = self._group(PLAIN)
-        return (
-            plain is not None
-            and bool(plain.keys)
-            and any(self._due(row) and self._codecs[row].storage.kind in wide for row in plain.rows)
-        )
+        if plain is None or not plain.keys or self._waiting == 0:
+            return False  # _waiting 0: no plain row has a quantized codec (most batches)
+        return any(self._due(r) and self._codecs[r].storage.kind in wide for r in plain.rows)
 
     def _due(self, row: int) -> bool:
         codec = self._codecs[row]
