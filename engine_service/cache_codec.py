@@ -28,6 +28,7 @@ from mlx_lm.models import cache as cache_lib
 from engine_service.device_landing import WORD_VIEWS, host_array
 from engine_service.errors import Corrupt, Precondition
 from engine_service.kv_codec import layout_accepts
+from engine_service.kv_rows import PackedRingRow, PlainRingRow
 from engine_service.model import layout_codec
 from engine_service.quantized_kv import PackedRow, PlainRow, TurboQuantRow
 from tandem_client.records import Tensor
@@ -35,7 +36,7 @@ from tandem_client.records import Tensor
 CODEC_VERSION = "tandem.cache.v1"
 
 # Cache classes of our own a checkpoint may name, beside mlx-lm's (looked up by name there).
-OWN_CLASSES: dict[str, Any] = {"TurboQuantRow": TurboQuantRow}
+OWN_CLASSES: dict[str, Any] = {"TurboQuantRow": TurboQuantRow, "PackedRingRow": PackedRingRow}
 
 
 def cache_class(name: str) -> Any:
@@ -119,6 +120,8 @@ def _class_name(cache: Any) -> str:
         return "KVCache"
     if isinstance(cache, PackedRow):
         return "QuantizedKVCache"
+    if isinstance(cache, PlainRingRow):
+        return "RotatingKVCache"
     return type(cache).__name__
 
 

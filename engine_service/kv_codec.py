@@ -152,9 +152,27 @@ def codec_of_signature(signature: str) -> KVCodec | None:
     return KVCodec(int(parts[2]), int(parts[3]), start)
 
 
+def ring_signature(max_size: int, keep: int, storage: Storage) -> str:
+    """The layout codec id of a sliding-window layer stored as `storage`, e.g.
+    kv:rotating:64:0 (plain) or kv:rotating:64:0:turboquant:3:3 (no start: a ring converts
+    after its first call)."""
+    base = f"kv:rotating:{max_size}:{keep}"
+    return base if not storage.packed else base + storage_signature(storage).removeprefix("kv")
+
+
 def request_layout(layout: list[str], codec: KVCodec) -> list[str]:
-    """A model's layout signature under a codec: its plain KV layers take the codec's id."""
-    return [codec.signature() if c == "kv:plain" else c for c in layout]
+    """A model's layout signature under a codec: its plain KV layers take the codec's id, its
+    sliding-window layers (without kept tokens) the ring form of it."""
+    out = []
+    for c in layout:
+        if c == "kv:plain":
+            out.append(codec.signature())
+        elif c.startswith("kv:rotating:") and c.endswith(":0") and c.count(":") == 3:
+            max_size = int(c.split(":")[2])
+            out.append(ring_signature(max_size, 0, codec.storage))
+        else:
+            out.append(c)
+    return out
 
 
 def layout_accepts(expected: list[str], stored: list[str]) -> bool:
@@ -165,6 +183,9 @@ def layout_accepts(expected: list[str], stored: list[str]) -> bool:
         codec = codec_of_signature(want)
         if codec is not None:
             if not codec.accepts(got):
+                return False
+        elif want.startswith("kv:rotating:") and want.count(":") > 3:
+            if got not in (want, ":".join(want.split(":")[:4])):  # packed, or not yet converted
                 return False
         elif want != got:
             return False

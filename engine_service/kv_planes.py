@@ -15,6 +15,14 @@ from mlx_lm.models import cache as cache_lib
 from engine_service.kv_codec import PLAIN, Storage, StorageKind
 from engine_service.turboquant import TurboQuantPlanes, codec_for, words_for
 
+# MLX-CUDA's quantized matmul has no kernel for a column slice of a larger buffer
+# (shared/gpu/README.md); this is about affine rows only (TurboQuant's are read elementwise).
+# A contiguous copy of every plane every step works but costs a fresh buffer of growing size
+# per plane and layer; instead, while a batch holds affine rows, attention reads the whole
+# step-grown planes and the mask hides the columns past the last token (zeros: scales and
+# biases 0). Metal and the CPU read column slices directly.
+FULL_WIDTH_PLANES = mx.default_device() == mx.gpu and not mx.metal.is_available()
+
 
 def storage_of(cache: Any) -> Storage:
     """The storage format a solo cache holds its tokens in (PLAIN when it holds none)."""

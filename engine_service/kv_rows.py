@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 from mlx_lm.models import cache as cache_lib
 
-from engine_service.kv_codec import PLAIN_KV, KVCodec, Storage, StorageKind
+from engine_service.kv_codec import PLAIN_KV, KVCodec, Storage, StorageKind, ring_signature
 from engine_service.mlx_compat import BaseCache
 
 
@@ -108,6 +108,113 @@ class TurboQuantRow(Row, BaseCache):
         return sum(p.nbytes for p in (*(self.keys or ()), *(self.values or ())))
 
 
+class RingRow(Row):
+    """What the solo ring rows share: batching as a BatchQuantizedRingCache (set by
+    quantized_ring.py) and their planes in temporal order."""
+
+    max_size: int
+
+    def temporal_planes(self) -> tuple[list[mx.array], list[mx.array]]:
+        raise NotImplementedError
+
+
+class PlainRingRow(RingRow, cache_lib.RotatingKVCache):
+    """One request's plain sliding-window layer (mlx-lm's RotatingKVCache), with its codec."""
+
+    def __init__(self, max_size: int, codec: KVCodec = PLAIN_KV) -> None:
+        cache_lib.RotatingKVCache.__init__(self, max_size)
+        self.codec = codec
+
+    def temporal_planes(self) -> tuple[list[mx.array], list[mx.array]]:
+        return [self._temporal_order(self.keys)], [self._temporal_order(self.values)]
+
+
+class PackedRingRow(RingRow, BaseCache):
+    """One request's converted sliding-window layer: its window's packed planes (affine or
+    TurboQuant) in temporal order, cut from a batch. It only ever runs inside a batch."""
+
+    keep = 0
+
+    def __init__(
+        self, max_size: int, codec: KVCodec, shape: tuple[int, int, int, str] | None = None
+    ) -> None:
+        self.max_size, self.codec, self.row_shape = max_size, codec, shape
+        self.keys: tuple[mx.array, ...] | None = None
+        self.values: tuple[mx.array, ...] | None = None
+        self.offset = 0  # tokens seen (RoPE position)
+        self._idx = 0  # columns held
+
+    @property
+    def stored_as(self) -> Storage:
+        return self.codec.storage
+
+    @property
+    def layout_id(self) -> str:
+        return ring_signature(self.max_size, self.keep, self.codec.storage)
+
+    def temporal_planes(self) -> tuple[list[mx.array], list[mx.array]]:
+        assert self.keys is not None and self.values is not None
+        return list(self.keys), list(self.values)
+
+    @property
+    def state(self) -> list[Any]:
+        assert self.keys is not None and self.values is not None and self.row_shape
+        return [
+            list(self.keys),
+            list(self.values),
+            self.offset,
+            self.max_size,
+            self._idx,
+            self.codec.to_json(),
+            list(self.row_shape),
+        ]
+
+    @state.setter
+    def state(self, v: list[Any]) -> None:
+        keys, values, offset, max_size, idx, codec, shape = v
+        self.keys, self.values = tuple(keys), tuple(values)
+        self.offset, self.max_size, self._idx = int(offset), int(max_size), int(idx)
+        self.codec = KVCodec.from_json(codec)
+        heads, kdim, vdim, dtype = shape
+        self.row_shape = (int(heads), int(kdim), int(vdim), str(dtype))
+
+    def size(self) -> int:
+        return min(self.offset, self.max_size)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def is_trimmable(self) -> bool:
+        return self.offset < self.max_size
+
+    def trim(self, n: int) -> int:
+        """Drops the last n positions of a ring that has not wrapped (a saved prefix)."""
+        n = min(self.offset, n)
+        if n and self.keys is not None and self.values is not None:
+            end = self._idx - n
+            self.keys = tuple(p[..., :end, :] for p in self.keys)
+            self.values = tuple(p[..., :end, :] for p in self.values)
+            self._idx = end
+        self.offset -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in (*(self.keys or ()), *(self.values or ())))
+
+
+def ring_shape(caches: list[Any]) -> tuple[int, int, int, str]:
+    """(heads, key width, value width, dtype) of the first ring row holding anything."""
+    for cache in caches:
+        if cache.keys is None:
+            continue
+        if getattr(cache, "row_shape", None) is not None:
+            return cache.row_shape  # type: ignore[no-any-return]
+        k, v = cache.keys, cache.values
+        return k.shape[1], k.shape[3], v.shape[3], str(k.dtype).removeprefix("mlx.core.")
+    raise ValueError("no row holds any tokens")
+
+
 def adopt_row(cache: Any, codec: KVCodec) -> Any:
     """A request's layer cache as one BatchQuantizedKVCache can batch; other kinds unchanged.
 
@@ -116,6 +223,17 @@ def adopt_row(cache: Any, codec: KVCodec) -> Any:
     """
     if type(cache) is cache_lib.KVCache:
         return PlainRow.adopt(cache, codec)
+    if type(cache) is cache_lib.RotatingKVCache and cache.keep == 0:
+        ring = PlainRingRow(cache.max_size, codec)
+        ring.keys, ring.values, ring.offset, ring._idx = (
+            cache.keys,
+            cache.values,
+            cache.offset,
+            cache._idx,
+        )
+        return ring
+    if isinstance(cache, PackedRingRow) and codec.storage != cache.stored_as:
+        raise ValueError(f"a {cache.layout_id} cache cannot continue as {codec}")
     if type(cache) is cache_lib.QuantizedKVCache:
         if codec.storage != Storage(StorageKind.AFFINE, cache.bits, cache.group_size):
             raise ValueError(
@@ -124,7 +242,7 @@ def adopt_row(cache: Any, codec: KVCodec) -> Any:
         return PackedRow.adopt(cache, codec)
     if isinstance(cache, TurboQuantRow) and codec.storage != cache.stored_as:
         raise ValueError(f"a {cache.codec.signature()} cache cannot continue as {codec}")
-    if isinstance(cache, (PlainRow, PackedRow, TurboQuantRow)):
+    if isinstance(cache, (PlainRow, PackedRow, TurboQuantRow, PlainRingRow, PackedRingRow)):
         cache.codec = codec
     return cache
 

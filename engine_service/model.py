@@ -78,6 +78,9 @@ def without_weights(facts: ModelFacts) -> LoadedModel:
 
 def layout_codec(cache: Any) -> str:
     """The codec id of one layer's cache, as DESIGN.md's layout signature names them."""
+    layout_id = getattr(cache, "layout_id", None)  # a packed ring row (kv_rows.py)
+    if layout_id is not None:
+        return str(layout_id)
     stored = getattr(cache, "stored_as", None)  # a TurboQuant row (kv_rows.py)
     if stored is not None:
         return storage_signature(stored)

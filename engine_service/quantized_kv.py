@@ -38,9 +38,11 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import dynamic_roll
 
+from engine_service import quantized_ring
 from engine_service.kv_batch_state import BatchState
 from engine_service.kv_codec import PLAIN, PLAIN_KV, KVCodec, Storage, StorageKind
 from engine_service.kv_planes import (
+    FULL_WIDTH_PLANES,
     PlaneGroup,
     dtype_name,
     row_shape,
@@ -53,13 +55,6 @@ from engine_service.mlx_compat import BaseCache
 
 __all__ = ["BatchQuantizedKVCache", "PackedRow", "PlainRow", "TurboQuantRow", "adopt_row"]
 
-# MLX-CUDA's quantized matmul has no kernel for a column slice of a larger buffer
-# (shared/gpu/README.md); this is about affine rows only (TurboQuant's are read elementwise).
-# A contiguous copy of every plane every step works but costs a fresh buffer of growing size
-# per plane and layer; instead, while a batch holds affine rows, attention reads the whole
-# step-grown planes and the mask hides the columns past the last token (zeros: scales and
-# biases 0). Metal and the CPU read column slices directly.
-FULL_WIDTH_PLANES = mx.default_device() == mx.gpu and not mx.metal.is_available()
 WIDE = frozenset({StorageKind.TURBOQUANT})  # the formats whose attention reads whole planes
 WIDE_AFFINE = WIDE | {StorageKind.AFFINE}
 
@@ -465,3 +460,5 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
 
 # Solo rows merge into this batch (kv_rows.py cannot import it: it is imported from here).
 Row.batch_type = BatchQuantizedKVCache
+# Solo ring rows merge into their batch (quantized_ring.py sets RingRow.batch_type on import).
+quantized_ring.register()

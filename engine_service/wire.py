@@ -110,9 +110,9 @@ def kv_codec_from_pb(
         raise InvalidRequest(str(exc)) from exc
     if not codec.quantized:
         return codec
-    if "kv:plain" not in loaded.layout:
+    if request_layout(loaded.layout, codec) == loaded.layout:
         raise Precondition(
-            f"this model has no plain KV layers to quantize (layout {sorted(set(loaded.layout))})"
+            f"this model has no KV layers to quantize (layout {sorted(set(loaded.layout))})"
         )
     if codec.scheme is Scheme.AFFINE:
         bad = [d for d in loaded.kv_head_dims if d % group]

@@ -34,6 +34,7 @@ from tandem_client import EngineClient, StoreClient
 from tandem_client.engine_client import generate_request
 from tandem_client.errors import TandemError
 from tandem_wire.pb import engine_pb2
+from tests.batch_rows import alone, batched
 from tests.servers import (
     ServiceProcess,
     free_port,
@@ -44,29 +45,6 @@ from tests.servers import (
 
 TEXT = "The quick brown fox jumps over the lazy dog. "
 TQ33 = KVCodec.turboquant(3, 3)
-
-
-def batched(
-    model: Any, prompts: list[list[int]], n: int, codecs: list[KVCodec]
-) -> tuple[list[list[int]], list[list[Any]]]:
-    """The requests as one continuous batch over BatchQuantizedKVCache rows: tokens and
-    logprobs of each, in order."""
-    bg = BatchGenerator(model, completion_batch_size=16, prefill_batch_size=16)
-    caches = [[adopt_row(c, codec) for c in make_prompt_cache(model)] for codec in codecs]
-    uids = bg.insert(prompts, max_tokens=[n] * len(prompts), caches=caches)
-    tokens: dict[int, list[int]] = {u: [] for u in uids}
-    logprobs: dict[int, list[Any]] = {u: [] for u in uids}
-    while any(len(v) < n for v in tokens.values()):
-        for r in bg.next()[1]:
-            tokens[r.uid].append(r.token)
-            logprobs[r.uid].append(r.logprobs)
-    return [tokens[u] for u in uids], [logprobs[u] for u in uids]
-
-
-def alone(model: Any, prompt: list[int], n: int, codec: KVCodec) -> tuple[list[int], list[Any]]:
-    """The request in a batch of its own: the solo reference (mlx-lm has no TurboQuant cache)."""
-    tokens, logprobs = batched(model, [prompt], n, [codec])
-    return tokens[0], logprobs[0]
 
 
 def _max_diff(a: list[Any], b: list[Any]) -> float:
@@ -242,13 +220,23 @@ def test_turboquant_codec_rules_and_signatures() -> None:
     with pytest.raises(ValueError, match="TurboQuant's"):
         checked_codec(4, 64, 0, Scheme.AFFINE, 2)
     # A request layout takes a converted layer of its own bits, or a plain one not yet
-    # converted; never affine bytes nor another bit pair.
-    want = request_layout(["kv:plain", "kv:rotating:64:0"], late)
-    assert want == ["kv:turboquant:4:2:from512", "kv:rotating:64:0"]
-    assert layout_accepts(want, ["kv:turboquant:4:2", "kv:rotating:64:0"])
-    assert layout_accepts(want, ["kv:plain", "kv:rotating:64:0"])
-    assert not layout_accepts(want, ["kv:turboquant:4:4", "kv:rotating:64:0"])
-    assert not layout_accepts(want, ["kv:quant:4:64", "kv:rotating:64:0"])
+    # converted; never affine bytes nor another bit pair. Ring layers take the ring form
+    # (no start: a ring converts after its first call); kept-token rings stay as they are.
+    layout = ["kv:plain", "kv:rotating:64:0", "kv:rotating:64:4", "ssm:arrays:2"]
+    want = request_layout(layout, late)
+    ring = "kv:rotating:64:0:turboquant:4:2"
+    assert want == ["kv:turboquant:4:2:from512", ring, "kv:rotating:64:4", "ssm:arrays:2"]
+    for stored in (
+        ["kv:turboquant:4:2", ring, "kv:rotating:64:4", "ssm:arrays:2"],
+        ["kv:plain", "kv:rotating:64:0", "kv:rotating:64:4", "ssm:arrays:2"],
+    ):
+        assert layout_accepts(want, stored)
+    for stored in (
+        ["kv:turboquant:4:4", ring, "kv:rotating:64:4", "ssm:arrays:2"],
+        ["kv:quant:4:64", ring, "kv:rotating:64:4", "ssm:arrays:2"],
+        ["kv:plain", "kv:rotating:64:0:quant:4:64", "kv:rotating:64:4", "ssm:arrays:2"],
+    ):
+        assert not layout_accepts(want, stored)
 
 
 def test_clients_and_gateway_carry_the_turboquant_choice() -> None:

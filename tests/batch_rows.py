@@ -1,0 +1,35 @@
+"""In-process batches over the engine's KV rows (adopt_row), for tests comparing a row in a
+batch with the same request alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine_service.kv_codec import KVCodec
+from engine_service.quantized_kv import adopt_row
+
+
+def batched(
+    model: Any, prompts: list[list[int]], n: int, codecs: list[KVCodec]
+) -> tuple[list[list[int]], list[list[Any]]]:
+    """The requests as one continuous batch over BatchQuantizedKVCache rows: tokens and
+    logprobs of each, in order."""
+    bg = BatchGenerator(model, completion_batch_size=16, prefill_batch_size=16)
+    caches = [[adopt_row(c, codec) for c in make_prompt_cache(model)] for codec in codecs]
+    uids = bg.insert(prompts, max_tokens=[n] * len(prompts), caches=caches)
+    tokens: dict[int, list[int]] = {u: [] for u in uids}
+    logprobs: dict[int, list[Any]] = {u: [] for u in uids}
+    while any(len(v) < n for v in tokens.values()):
+        for r in bg.next()[1]:
+            tokens[r.uid].append(r.token)
+            logprobs[r.uid].append(r.logprobs)
+    return [tokens[u] for u in uids], [logprobs[u] for u in uids]
+
+
+def alone(model: Any, prompt: list[int], n: int, codec: KVCodec) -> tuple[list[int], list[Any]]:
+    """The request in a batch of its own: the solo reference (mlx-lm has no TurboQuant cache)."""
+    tokens, logprobs = batched(model, [prompt], n, [codec])
+    return tokens[0], logprobs[0]

@@ -1,0 +1,243 @@
+"""Sliding-window (ring) KV rows in the batch, plain or quantized (issue 18): plain rings equal
+mlx-lm's BatchRotatingKVCache; affine and TurboQuant rings, wrapped and mixed in one batch,
+decode each row as alone; a moved packed ring keeps its bytes; through the engine, a
+TurboQuant ring's prefix is reused and its checkpoint resumes after SIGKILL exactly."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from engine_service.cache_codec import capture, restore_captured
+from engine_service.kv_codec import KVCodec, StorageKind, request_layout
+from engine_service.kv_rows import PackedRingRow
+from engine_service.model import LoadedModel, load_model
+from engine_service.quantized_kv import adopt_row
+from engine_service.quantized_ring import BatchQuantizedRingCache
+from tandem_client import EngineClient, StoreClient
+from tests.batch_rows import alone, batched
+from tests.servers import (
+    ServiceProcess,
+    free_port,
+    kill_after_checkpoint,
+    start_engine,
+    start_store_on,
+)
+
+TEXT = "The quick brown fox jumps over the lazy dog. "
+TQ33 = KVCodec.turboquant(3, 3)
+
+
+@pytest.fixture(scope="module")
+def swa(engine_data_dir: Path) -> LoadedModel:
+    """tandem-tiny-swa in this process: layers alternate a 64-token ring and full attention."""
+    loaded = load_model("tandem-tiny-swa", engine_data_dir)
+    assert loaded.layout == ["kv:rotating:64:0", "kv:plain"] * 2
+    return loaded
+
+
+def _prompts(swa: LoadedModel) -> list[list[int]]:
+    # 18 to 120 tokens: two prompts are longer than the window, so rings wrap in the prefill,
+    # and every ring wraps while it decodes 40 tokens.
+    return [swa.tokenizer.encode(TEXT * k) for k in (1, 4, 2, 7)]
+
+
+def test_plain_ring_rows_equal_mlx_lms_batch_rotating_cache(swa: LoadedModel) -> None:
+    prompts = _prompts(swa)
+    ours, _ = batched(swa.model, prompts, 40, [KVCodec()] * len(prompts))
+    bg = BatchGenerator(swa.model, completion_batch_size=16, prefill_batch_size=16)
+    uids = bg.insert(prompts, max_tokens=[40] * len(prompts))  # mlx-lm's own caches
+    theirs: dict[int, list[int]] = {u: [] for u in uids}
+    while any(len(v) < 40 for v in theirs.values()):
+        for r in bg.next()[1]:
+            theirs[r.uid].append(r.token)
+    assert ours == [theirs[u] for u in uids]
+
+
+def _ring_storage(bg: BatchGenerator) -> list[set[StorageKind]]:
+    rings = [c for c in bg._generation_batch.prompt_cache if isinstance(c, BatchQuantizedRingCache)]
+    assert rings and all(c.rotated for c in rings)  # every ring has wrapped
+    return [{g.storage.kind for g in c._groups} for c in rings]
+
+
+@pytest.mark.parametrize(
+    "codecs",
+    [
+        [KVCodec(8, 64, 0)] * 4,
+        [KVCodec.turboquant(4, 4)] * 4,
+        [KVCodec(), TQ33, KVCodec(4, 32, 0), KVCodec.turboquant(4, 2, 30)],
+    ],
+    ids=["affine-8", "turboquant-4-4", "mixed"],
+)
+def test_quantized_ring_rows_decode_each_row_as_alone(
+    swa: LoadedModel, codecs: list[KVCodec]
+) -> None:
+    prompts = _prompts(swa)
+    tokens, logprobs = batched(swa.model, prompts, 40, codecs)
+    worst = 0.0
+    for prompt, codec, got, got_lp in zip(prompts, codecs, tokens, logprobs, strict=True):
+        want, want_lp = alone(swa.model, prompt, 40, codec)
+        assert got == want, codec.signature()
+        diffs = [float(mx.abs(a - b).max()) for a, b in zip(got_lp, want_lp, strict=True)]
+        worst = max(worst, *diffs)
+    print(f"\nring rows batched vs alone: max logprob difference {worst:.2e}")
+    assert worst < 1e-3
+    # The rings really hold packed rows (mid-run, once wrapped).
+    bg = BatchGenerator(swa.model, completion_batch_size=16, prefill_batch_size=16)
+    caches = [[adopt_row(c, codec) for c in make_prompt_cache(swa.model)] for codec in codecs]
+    bg.insert(prompts, max_tokens=[100] * len(prompts), caches=caches)
+    for _ in range(70):
+        bg.next()
+    want_kinds = {c.storage.kind for c in codecs}
+    assert all(kinds == want_kinds for kinds in _ring_storage(bg))
+
+
+def _planes(row: PackedRingRow) -> list[np.ndarray]:
+    assert row.keys is not None and row.values is not None
+    return [np.array(p) for p in (*row.keys, *row.values)]
+
+
+def test_a_wrapped_packed_ring_row_moved_to_another_batch_keeps_its_tokens(
+    swa: LoadedModel,
+) -> None:
+    model, tok = swa.model, swa.tokenizer
+    prompt = tok.encode(TEXT * 7)  # 120 tokens: past the window
+    want, _ = alone(model, prompt, 30, TQ33)
+    first = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+    codecs = (KVCodec(), TQ33, KVCodec(8, 64, 0))
+    rows = [[adopt_row(c, k) for c in make_prompt_cache(model)] for k in codecs]
+    others = [tok.encode(TEXT * k) for k in (1, 2)]
+    uids = first.insert([others[0], prompt, others[1]], max_tokens=[60] * 3, caches=rows)
+    got: list[int] = []
+    while len(got) < 12:
+        got += [r.token for r in first.next()[1] if r.uid == uids[1]]
+    caches, history = first.remove([uids[1]], return_prompt_caches=True)[uids[1]]
+    ring = caches[0]
+    assert isinstance(ring, PackedRingRow) and ring.size() == 64 and ring.offset > 64
+
+    second = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+    second.insert(
+        [tok.encode(TEXT * 6)],
+        max_tokens=[60],
+        caches=[[adopt_row(c, KVCodec(8, 64, 0)) for c in make_prompt_cache(model)]],
+    )
+    for _ in range(3):
+        second.next()
+    (uid,) = second.insert(
+        [[want[len(got)]]], max_tokens=[30 - len(got) - 1], caches=[caches], all_tokens=[history]
+    )
+    second.next()  # joins the running batch: merge, then extend
+    layer0 = second._generation_batch.prompt_cache[0]
+    assert isinstance(layer0, BatchQuantizedRingCache)
+    assert layer0.row_storage(1) == TQ33.storage
+    rest: list[int] = []
+    while len(rest) < 30 - len(got) - 1:
+        rest += [r.token for r in second.next()[1] if r.uid == uid]
+    assert got + [want[len(got)]] + rest == want
+
+
+def test_a_packed_ring_row_extracted_and_merged_is_byte_identical(swa: LoadedModel) -> None:
+    model, tok = swa.model, swa.tokenizer
+    bg = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+    codecs = (TQ33, KVCodec(4, 64, 0))
+    rows = [[adopt_row(c, k) for c in make_prompt_cache(model)] for k in codecs]
+    bg.insert([tok.encode(TEXT * 7), tok.encode(TEXT * 3)], max_tokens=[60] * 2, caches=rows)
+    for _ in range(20):
+        bg.next()
+    ring = bg._generation_batch.prompt_cache[0]
+    assert isinstance(ring, BatchQuantizedRingCache)
+    for i in range(2):
+        row = ring.extract(i)
+        assert isinstance(row, PackedRingRow)
+        again = BatchQuantizedRingCache.merge([row]).extract(0)
+        assert isinstance(again, PackedRingRow)
+        pairs = zip(_planes(row), _planes(again), strict=True)
+        assert all(np.array_equal(a, b) for a, b in pairs)
+        assert (again.offset, again.size()) == (row.offset, row.size())
+
+
+def test_an_unwrapped_packed_ring_saved_as_a_prefix_continues_as_alone(swa: LoadedModel) -> None:
+    """What a prefix save does to a ring that has not wrapped (prefix_reuse.py): the row cut
+    after its first token, trimmed by one, captured and restored, then fed the prompt's last
+    token. (A 64-token block and a 64-token window leave tandem-tiny-swa no prompt to save
+    through the engine, so the mechanism is tested here.)"""
+    model = swa.model
+    prompt = [(i * 37) % 1500 + 5 for i in range(40)]
+    want, _ = alone(model, prompt, 16, TQ33)
+    bg = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
+    rows = [[adopt_row(c, TQ33) for c in make_prompt_cache(model)]]
+    (uid,) = bg.insert([prompt], max_tokens=[16], caches=rows)
+    bg.next()  # the prefill and the first token
+    bg.next()  # the rows convert at this call
+    caches, _ = bg.extract_cache([uid])[uid]
+    assert isinstance(caches[0], PackedRingRow) and caches[0].is_trimmable()
+    assert can_trim_prompt_cache(caches)
+    trim_prompt_cache(caches, 2)  # back to the prompt less its last token
+    restored = restore_captured(capture(caches, len(prompt) - 1), request_layout(swa.layout, TQ33))
+    rows = [[adopt_row(c, TQ33) for c in restored]]
+    again = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
+    (uid,) = again.insert([prompt[-1:]], max_tokens=[16], caches=rows, all_tokens=[prompt[:-1]])
+    got: list[int] = []
+    while len(got) < 16:
+        got += [r.token for r in again.next()[1] if r.uid == uid]
+    assert got == want
+
+
+# -- through the engine process ------------------------------------------------------------
+
+PROMPT = [(i * 977) % 2000 + 3 for i in range(300)]
+
+
+@pytest.fixture
+def swa_stack(tmp_path: Path, engine_data_dir: Path) -> Iterator[tuple[ServiceProcess, int]]:
+    port = free_port()
+    store = start_store_on(tmp_path / "store", port)
+    engine = _swa_engine(engine_data_dir, port, tmp_path)
+    try:
+        yield engine, port
+    finally:
+        engine.stop()
+        store.stop()
+
+
+def _swa_engine(engine_data_dir: Path, port: int, log_dir: Path) -> ServiceProcess:
+    flags = ["--model", "tandem-tiny-swa", "--store", f"127.0.0.1:{port}"]
+    return start_engine(engine_data_dir, *flags, log_dir=log_dir)
+
+
+def test_a_turboquant_ring_through_the_engine_resumes_after_sigkill(
+    swa_stack: tuple[ServiceProcess, int], engine_data_dir: Path, tmp_path: Path, swa: Any
+) -> None:
+    engine_proc, port = swa_stack
+    tq: dict[str, Any] = dict(kv_bits=3, kv_scheme="turboquant")
+    with EngineClient(engine_proc.address) as engine:
+        info = engine.model_info()
+        assert list(info.layout) == ["kv:rotating:64:0", "kv:plain"] * 2
+        ids = swa.tokenizer.encode(TEXT * 7)
+        got = engine.generate(ids, max_tokens=24, ignore_eos=True, **tq)
+        assert got.token_ids == alone(swa.model, ids, 24, TQ33)[0]
+
+    request = dict(max_tokens=64, ignore_eos=True, checkpoint_interval=8, request_id="ring-1", **tq)
+    store = StoreClient(f"127.0.0.1:{port}")
+    received, saved = kill_after_checkpoint(engine_proc, store, PROMPT, request, 33, 24)
+    ring = "kv:rotating:64:0:turboquant:3:3"
+    assert saved.layout == [ring, "kv:turboquant:3:3"] * 2  # the wrapped rings, packed
+    fresh = _swa_engine(engine_data_dir, port, tmp_path)
+    try:
+        with EngineClient(fresh.address) as engine:
+            resumed = engine.generate(PROMPT, resume=True, tokens_held=len(received), **request)
+            assert resumed.usage is not None
+            assert resumed.usage.cached_prompt_tokens == len(PROMPT)
+            full = engine.generate(PROMPT, **{**request, "request_id": "ring-reference"})
+    finally:
+        fresh.stop()
+        store.close()
+    assert len(full.token_ids) == 64
+    assert received + resumed.token_ids == full.token_ids
