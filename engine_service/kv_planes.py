@@ -227,3 +227,40 @@ def row_shape(caches: list[Any]) -> tuple[int, int, int, str]:
         keys, values = cache.keys, cache.values
         return keys.shape[1], keys.shape[3], values.shape[3], dtype_name(keys.dtype)
     raise ValueError("no row holds any tokens")
+
+
+def only_affine(groups: list[PlaneGroup], name: str) -> Storage:
+    """The storage of a batch held in one affine group; AttributeError(name) otherwise, so
+    that `hasattr(cache, "bits")` (how mlx-lm picks its quantized attention) is False."""
+    if len(groups) != 1 or groups[0].storage.kind is not StorageKind.AFFINE:
+        raise AttributeError(name)
+    return groups[0].storage
+
+
+def attention_planes(
+    groups: list[PlaneGroup],
+    shape: tuple[int, int, int, str],
+    dtype: mx.Dtype,
+    live: Any,
+) -> tuple[Any, Any]:
+    """What attention reads of a batch's groups, each plane through `live` (the columns
+    attention sees): one plain group's tensors (plain SDPA), one affine group's planes
+    (mlx-lm's quantized SDPA), one TurboQuant group's `TurboQuantPlanes` (routed by
+    attention_routing.py), or for mixed groups one plain tensor in batch order, the packed
+    rows decoded for the step."""
+    kdim, vdim = shape[1], shape[2]
+    if len(groups) == 1:
+        g = groups[0]
+        if not g.packed:
+            return live(g.keys[0]), live(g.values[0])
+        if g.turboquant:
+            return (
+                turboquant_planes([live(p) for p in g.keys], g.storage, kdim, False),
+                turboquant_planes([live(p) for p in g.values], g.storage, vdim, True),
+            )
+        return tuple(live(p) for p in g.keys), tuple(live(p) for p in g.values)
+    ks = [g.decode([live(p) for p in g.keys], dtype, kdim) for g in groups]
+    vs = [g.decode([live(p) for p in g.values], dtype, vdim, True) for g in groups]
+    rows = [r for g in groups for r in g.rows]
+    order = mx.array(sorted(range(len(rows)), key=rows.__getitem__), dtype=mx.int32)
+    return mx.concatenate(ks)[order], mx.concatenate(vs)[order]

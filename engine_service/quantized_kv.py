@@ -44,10 +44,11 @@ from engine_service.kv_codec import PLAIN, PLAIN_KV, KVCodec, Storage, StorageKi
 from engine_service.kv_planes import (
     FULL_WIDTH_PLANES,
     PlaneGroup,
+    attention_planes,
     dtype_name,
+    only_affine,
     row_shape,
     storage_of,
-    turboquant_planes,
     zeros_like_storage,
 )
 from engine_service.kv_rows import PackedRow, PlainRow, Row, TurboQuantRow, adopt_row, codec_of
@@ -84,20 +85,11 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
 
     @property
     def bits(self) -> int:
-        storage = self._only_storage()
-        if storage is None or storage.kind is not StorageKind.AFFINE:
-            raise AttributeError("bits")  # hasattr() is False: not affine SDPA
-        return storage.bits
+        return only_affine(self._groups, "bits").bits
 
     @property
     def group_size(self) -> int:
-        storage = self._only_storage()
-        if storage is None or storage.kind is not StorageKind.AFFINE:
-            raise AttributeError("group_size")
-        return storage.group_size
-
-    def _only_storage(self) -> Storage | None:
-        return self._groups[0].storage if len(self._groups) == 1 else None
+        return only_affine(self._groups, "group_size").group_size
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         # Runs once per layer per step: the common case (one group, nothing to convert)
@@ -145,23 +137,7 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
             return p if full else p[..., :n, :]
 
         assert self._shape is not None
-        kdim, vdim = self._shape[1], self._shape[2]
-        if len(self._groups) == 1:
-            group = self._groups[0]
-            if not group.packed:
-                return live(group.keys[0]), live(group.values[0])
-            if group.turboquant:  # attention_routing.py routes on this type
-                return (
-                    turboquant_planes([live(p) for p in group.keys], group.storage, kdim, False),
-                    turboquant_planes([live(p) for p in group.values], group.storage, vdim, True),
-                )
-            return tuple(live(p) for p in group.keys), tuple(live(p) for p in group.values)
-        # Mixed formats: one plain tensor in batch order for this step.
-        ks = [g.decode([live(p) for p in g.keys], dtype, kdim) for g in self._groups]
-        vs = [g.decode([live(p) for p in g.values], dtype, vdim, True) for g in self._groups]
-        rows = [r for g in self._groups for r in g.rows]
-        order = mx.array(sorted(range(len(rows)), key=rows.__getitem__), dtype=mx.int32)
-        return mx.concatenate(ks)[order], mx.concatenate(vs)[order]
+        return attention_planes(self._groups, self._shape, dtype, live)
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:  # noqa: N803
         mask: mx.array = create_causal_mask(

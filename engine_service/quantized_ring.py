@@ -25,13 +25,14 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import dynamic_roll
 
-from engine_service.kv_codec import PLAIN, PLAIN_KV, KVCodec, Storage, StorageKind
+from engine_service.kv_codec import PLAIN, PLAIN_KV, KVCodec, Storage
 from engine_service.kv_planes import (
     FULL_WIDTH_PLANES,
     PlaneGroup,
+    attention_planes,
     dtype_name,
+    only_affine,
     storage_of,
-    turboquant_planes,
     zeros_like_storage,
 )
 from engine_service.kv_rows import PackedRingRow, PlainRingRow, RingRow, codec_of, ring_shape
@@ -59,21 +60,14 @@ class BatchQuantizedRingCache(BaseCache):
 
     @property
     def bits(self) -> int:
-        only = self._groups[0].storage if len(self._groups) == 1 else None
-        if only is None or only.kind is not StorageKind.AFFINE:
-            raise AttributeError("bits")  # hasattr() is False: not affine SDPA
-        return only.bits
+        return only_affine(self._groups, "bits").bits
 
     @property
     def group_size(self) -> int:
-        only = self._groups[0].storage if len(self._groups) == 1 else None
-        if only is None or only.kind is not StorageKind.AFFINE:
-            raise AttributeError("group_size")
-        return only.group_size
+        return only_affine(self._groups, "group_size").group_size
 
     def _fetch(self, dtype: mx.Dtype) -> tuple[Any, Any]:
         assert self._shape is not None
-        kdim, vdim = self._shape[1], self._shape[2]
         n = self._offset
 
         def live(p: mx.array) -> mx.array:
@@ -82,21 +76,7 @@ class BatchQuantizedRingCache(BaseCache):
             # MLX-CUDA's quantized matmul cannot read a column slice (quantized_kv.py).
             return mx.contiguous(p[..., :n, :]) if FULL_WIDTH_PLANES else p[..., :n, :]
 
-        if len(self._groups) == 1:
-            g = self._groups[0]
-            if not g.packed:
-                return live(g.keys[0]), live(g.values[0])
-            if g.turboquant:
-                return (
-                    turboquant_planes([live(p) for p in g.keys], g.storage, kdim, False),
-                    turboquant_planes([live(p) for p in g.values], g.storage, vdim, True),
-                )
-            return tuple(live(p) for p in g.keys), tuple(live(p) for p in g.values)
-        ks = [g.decode([live(p) for p in g.keys], dtype, kdim) for g in self._groups]
-        vs = [g.decode([live(p) for p in g.values], dtype, vdim, True) for g in self._groups]
-        rows = [r for g in self._groups for r in g.rows]
-        order = mx.array(sorted(range(len(rows)), key=rows.__getitem__), dtype=mx.int32)
-        return mx.concatenate(ks)[order], mx.concatenate(vs)[order]
+        return attention_planes(self._groups, self._shape, dtype, live)
 
     # -- column and row operations over every group -----------------------------------------
 
