@@ -264,3 +264,35 @@ def attention_planes(
     rows = [r for g in groups for r in g.rows]
     order = mx.array(sorted(range(len(rows)), key=rows.__getitem__), dtype=mx.int32)
     return mx.concatenate(ks)[order], mx.concatenate(vs)[order]
+
+
+def group_of(groups: list[PlaneGroup], storage: Storage) -> PlaneGroup | None:
+    return next((g for g in groups if g.storage == storage), None)
+
+
+def join_group(groups: list[PlaneGroup], incoming: PlaneGroup) -> None:
+    """Adds rows to the group of their format (planes of equal column count)."""
+    group = group_of(groups, incoming.storage)
+    if group is None:
+        groups.append(incoming)
+    else:
+        group.concat(incoming)
+
+
+def convert_rows(groups: list[PlaneGroup], due: dict[Storage, list[int]]) -> list[PlaneGroup]:
+    """The groups after the plain group's rows at `due`'s local positions moved into their
+    packed groups. Whole columns are encoded: quantization works per position, so the live
+    ones get the bytes they would alone, and padding columns (zeros or masked activations)
+    stay finite."""
+    plain = group_of(groups, PLAIN)
+    assert plain is not None
+    moved: set[int] = set()
+    for storage, positions in due.items():
+        moving = PlaneGroup(storage, [plain.rows[i] for i in positions], [], [])
+        idx = mx.array(positions, dtype=mx.int32)
+        moving.keys = moving.encode(plain.keys[0][idx])
+        moving.values = moving.encode(plain.values[0][idx], values=True)
+        moved.update(positions)
+        join_group(groups, moving)
+    plain.take([i for i in range(len(plain.rows)) if i not in moved])
+    return [g for g in groups if g.rows]

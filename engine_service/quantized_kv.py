@@ -45,7 +45,10 @@ from engine_service.kv_planes import (
     FULL_WIDTH_PLANES,
     PlaneGroup,
     attention_planes,
+    convert_rows,
     dtype_name,
+    group_of,
+    join_group,
     only_affine,
     row_shape,
     storage_of,
@@ -198,33 +201,14 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
                 due.setdefault(self._codecs[row].storage, []).append(local)
         if not due:
             return
-        moved: set[int] = set()
-        for storage, positions in due.items():
-            moving = PlaneGroup(storage, [plain.rows[i] for i in positions], [], [])
-            idx = mx.array(positions, dtype=mx.int32)
-            # Quantization works per position, so whole columns quantize as the live ones
-            # would; padding columns (zeros or masked activations) stay finite.
-            moving.keys = moving.encode(plain.keys[0][idx])
-            moving.values = moving.encode(plain.values[0][idx], values=True)
-            moved.update(positions)
-            self._join(moving)
-        plain.take([i for i in range(len(plain.rows)) if i not in moved])
+        self._groups = convert_rows(self._groups, due)
         self._waiting = None
-        self._groups = [g for g in self._groups if g.rows]
 
     def _group(self, storage: Storage) -> PlaneGroup | None:
-        for group in self._groups:
-            if group.storage == storage:
-                return group
-        return None
+        return group_of(self._groups, storage)
 
     def _join(self, incoming: PlaneGroup) -> None:
-        """Adds rows to the group of their format (planes of equal column count)."""
-        group = self._group(incoming.storage)
-        if group is None:
-            self._groups.append(incoming)
-        else:
-            group.concat(incoming)
+        join_group(self._groups, incoming)
 
     # -- growth and padding ------------------------------------------------------------------
 

@@ -30,7 +30,10 @@ from engine_service.kv_planes import (
     FULL_WIDTH_PLANES,
     PlaneGroup,
     attention_planes,
+    convert_rows,
     dtype_name,
+    group_of,
+    join_group,
     only_affine,
     storage_of,
     zeros_like_storage,
@@ -55,6 +58,7 @@ class BatchQuantizedRingCache(BaseCache):
         self.rotated = False
         self._lengths: mx.array | None = None
         self._shape: tuple[int, int, int, str] | None = None
+        self._waiting: int | None = None  # plain rows with a quantized codec (None: recount)
 
     # -- what attention sees -----------------------------------------------------------------
 
@@ -111,29 +115,18 @@ class BatchQuantizedRingCache(BaseCache):
     def _convert_due(self) -> None:
         """Moves plain rows with a quantized codec into their packed groups (after their
         first call: a ring converts at once)."""
-        plain = next((g for g in self._groups if g.storage == PLAIN), None)
+        if self._waiting == 0:
+            return  # most steps: nothing waits (recounted after rows join or leave)
+        plain = group_of(self._groups, PLAIN)
         if plain is None or not plain.keys:
             return
         due: dict[Storage, list[int]] = {}
         for local, row in enumerate(plain.rows):
             if self._codecs[row].quantized:
                 due.setdefault(self._codecs[row].storage, []).append(local)
-        if not due:
-            return
-        moved: set[int] = set()
-        for storage, positions in due.items():
-            idx = mx.array(positions, dtype=mx.int32)
-            moving = PlaneGroup(storage, [plain.rows[i] for i in positions], [], [])
-            moving.keys = moving.encode(plain.keys[0][idx])
-            moving.values = moving.encode(plain.values[0][idx], values=True)
-            moved.update(positions)
-            same = next((g for g in self._groups if g.storage == storage), None)
-            if same is None:
-                self._groups.append(moving)
-            else:
-                same.concat(moving)
-        plain.take([i for i in range(len(plain.rows)) if i not in moved])
-        self._groups = [g for g in self._groups if g.rows]
+        if due:
+            self._groups = convert_rows(self._groups, due)
+        self._waiting = 0
 
     # -- updates (mlx-lm's BatchRotatingKVCache, on groups) ----------------------------------
 
@@ -295,12 +288,14 @@ class BatchQuantizedRingCache(BaseCache):
         self.offset = self.offset[idx]
         self.left_padding = self.left_padding[idx]
         self._codecs = [self._codecs[i] for i in keep]
+        self._waiting = None
 
     def extend(self, other: BatchQuantizedRingCache) -> None:
         if not isinstance(other, BatchQuantizedRingCache):
             raise TypeError(f"cannot batch {type(other).__name__} with BatchQuantizedRingCache")
         base = int(self.offset.shape[0])
         codecs = self._codecs + other._codecs
+        self._waiting = None
         if not self._groups and not other._groups:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
@@ -322,12 +317,9 @@ class BatchQuantizedRingCache(BaseCache):
                 g.pad_columns(left, right)
             side.left_padding = side.left_padding + left
         for g in other._groups:
-            incoming = PlaneGroup(g.storage, [r + base for r in g.rows], g.keys, g.values)
-            same = next((h for h in self._groups if h.storage == g.storage), None)
-            if same is None:
-                self._groups.append(incoming)
-            else:
-                same.concat(incoming)
+            join_group(
+                self._groups, PlaneGroup(g.storage, [r + base for r in g.rows], g.keys, g.values)
+            )
         self.offset = mx.concatenate([self.offset, other.offset])
         self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
         self._codecs = codecs
