@@ -139,6 +139,27 @@ class PlaneGroup:
                 dst[local : local + 1, :, p : p + n] = src[..., :n, :]
         return cls(storage, rows, keys, values)
 
+    def append_columns(self, columns: int, shape: tuple[int, int, int, str]) -> None:
+        """Adds `columns` empty columns after the last (the planes' first ones if none)."""
+        heads, kdim, vdim, dtype = shape[0], shape[1], shape[2], getattr(mx, shape[3])
+        n = len(self.rows)
+        new_k = zeros_like_storage(self.storage, n, heads, columns, kdim, dtype)
+        new_v = zeros_like_storage(self.storage, n, heads, columns, vdim, dtype, values=True)
+        if not self.keys:
+            self.keys, self.values = new_k, new_v
+            return
+        self.keys = [mx.concatenate([p, z], axis=2) for p, z in zip(self.keys, new_k, strict=True)]
+        self.values = [
+            mx.concatenate([p, z], axis=2) for p, z in zip(self.values, new_v, strict=True)
+        ]
+
+    @classmethod
+    def empty_plain(cls, rows: int, shape: tuple[int, int, int, str]) -> PlaneGroup:
+        """`rows` rows with nothing stored: plain planes of no columns."""
+        group = cls(PLAIN, list(range(rows)), [], [])
+        group.append_columns(0, shape)
+        return group
+
     def sort(self) -> None:
         order = sorted(range(len(self.rows)), key=self.rows.__getitem__)
         self.take(order)
@@ -295,4 +316,15 @@ def convert_rows(groups: list[PlaneGroup], due: dict[Storage, list[int]]) -> lis
         moved.update(positions)
         join_group(groups, moving)
     plain.take([i for i in range(len(plain.rows)) if i not in moved])
+    return [g for g in groups if g.rows]
+
+
+def keep_rows(groups: list[PlaneGroup], keep: list[int]) -> list[PlaneGroup]:
+    """The groups holding only the batch rows `keep`, renumbered in that order (a filter)."""
+    new_row = {old: new for new, old in enumerate(keep)}
+    for g in groups:
+        g.take([i for i, r in enumerate(g.rows) if r in new_row])
+        g.rows = [new_row[r] for r in g.rows]
+        g._index = None
+        g.sort()
     return [g for g in groups if g.rows]

@@ -49,10 +49,10 @@ from engine_service.kv_planes import (
     dtype_name,
     group_of,
     join_group,
+    keep_rows,
     only_affine,
     row_shape,
     storage_of,
-    zeros_like_storage,
 )
 from engine_service.kv_rows import PackedRow, PlainRow, Row, TurboQuantRow, adopt_row, codec_of
 from engine_service.mlx_compat import BaseCache
@@ -214,23 +214,11 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
 
     def _grow(self, prev: int, steps: int) -> None:
         assert self._shape is not None
-        heads, kdim, vdim, dtype = self._shape[:3] + (getattr(mx, self._shape[3]),)
         extra = (self.step + steps - 1) // self.step * self.step
         for group in self._groups:
-            n = len(group.rows)
             if self._cap and prev % self.step != 0:
                 group.map_planes(lambda p: p[..., :prev, :])
-            new_k = zeros_like_storage(group.storage, n, heads, extra, kdim, dtype)
-            new_v = zeros_like_storage(group.storage, n, heads, extra, vdim, dtype, values=True)
-            if group.keys:
-                group.keys = [
-                    mx.concatenate([p, z], axis=2) for p, z in zip(group.keys, new_k, strict=True)
-                ]
-                group.values = [
-                    mx.concatenate([p, z], axis=2) for p, z in zip(group.values, new_v, strict=True)
-                ]
-            else:
-                group.keys, group.values = new_k, new_v
+            group.append_columns(extra, self._shape)
         self._cap = (prev if self._cap and prev % self.step != 0 else self._cap) + extra
 
     def prepare(
@@ -265,14 +253,7 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
     def filter(self, batch_indices: Any) -> None:
         keep = [int(i) for i in batch_indices]
         self._waiting = None
-        new_row = {old: new for new, old in enumerate(keep)}
-        for group in self._groups:
-            local = [i for i, r in enumerate(group.rows) if r in new_row]
-            group.take(local)
-            group.rows = [new_row[r] for r in group.rows]
-            group._index = None
-            group.sort()
-        self._groups = [g for g in self._groups if g.rows]
+        self._groups = keep_rows(self._groups, keep)
         self._lp = [self._lp[i] for i in keep]
         self._codecs = [self._codecs[i] for i in keep]
         if self._right_padding is not None:
@@ -326,17 +307,7 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
         """Gives rows with nothing stored yet (a batch with no tensors) plain zero planes."""
         if self._groups or not self._lp:
             return
-        heads, kdim, vdim = shape[:3]
-        dtype = getattr(mx, shape[3])
-        n = len(self._lp)
-        self._groups = [
-            PlaneGroup(
-                PLAIN,
-                list(range(n)),
-                zeros_like_storage(PLAIN, n, heads, 0, kdim, dtype),
-                zeros_like_storage(PLAIN, n, heads, 0, vdim, dtype),
-            )
-        ]
+        self._groups = [PlaneGroup.empty_plain(len(self._lp), shape)]
         self._idx = self._cap = 0
 
     def _pad_columns(self, left: int, right: int) -> None:

@@ -34,6 +34,7 @@ from engine_service.kv_planes import (
     dtype_name,
     group_of,
     join_group,
+    keep_rows,
     only_affine,
     storage_of,
     zeros_like_storage,
@@ -178,7 +179,6 @@ class BatchQuantizedRingCache(BaseCache):
         if self._lengths is not None:
             raise RuntimeError("finalize() must be called before decoding")
         assert self._shape is not None
-        heads, kdim, vdim = self._shape[:3]
         steps = keys.shape[2]
         prev = self._offset
         if not self._groups:
@@ -186,18 +186,7 @@ class BatchQuantizedRingCache(BaseCache):
         if not self._groups[0].keys or (prev >= self._cols() and self._cols() < self.max_size):
             size = min(self.step, self.max_size - prev)
             for g in self._groups:
-                n = len(g.rows)
-                new_k = zeros_like_storage(g.storage, n, heads, size, kdim, keys.dtype)
-                new_v = zeros_like_storage(g.storage, n, heads, size, vdim, keys.dtype, True)
-                if g.keys:
-                    g.keys = [
-                        mx.concatenate([p, z], axis=2) for p, z in zip(g.keys, new_k, strict=True)
-                    ]
-                    g.values = [
-                        mx.concatenate([p, z], axis=2) for p, z in zip(g.values, new_v, strict=True)
-                    ]
-                else:
-                    g.keys, g.values = new_k, new_v
+                g.append_columns(size, self._shape)
             self._idx = prev
         trim = self._cols() - self.max_size
         if trim > 0:
@@ -277,13 +266,7 @@ class BatchQuantizedRingCache(BaseCache):
 
     def filter(self, batch_indices: Any) -> None:
         keep = [int(i) for i in batch_indices]
-        new_row = {old: new for new, old in enumerate(keep)}
-        for g in self._groups:
-            g.take([i for i, r in enumerate(g.rows) if r in new_row])
-            g.rows = [new_row[r] for r in g.rows]
-            g._index = None
-            g.sort()
-        self._groups = [g for g in self._groups if g.rows]
+        self._groups = keep_rows(self._groups, keep)
         idx = mx.array(keep, dtype=mx.int32)
         self.offset = self.offset[idx]
         self.left_padding = self.left_padding[idx]
@@ -330,16 +313,7 @@ class BatchQuantizedRingCache(BaseCache):
         """Rows with nothing stored yet get plain planes of no columns."""
         if self._groups:
             return
-        heads, kdim, vdim, dtype = shape[0], shape[1], shape[2], getattr(mx, shape[3])
-        n = int(self.offset.shape[0])
-        self._groups = [
-            PlaneGroup(
-                PLAIN,
-                list(range(n)),
-                zeros_like_storage(PLAIN, n, heads, 0, kdim, dtype),
-                zeros_like_storage(PLAIN, n, heads, 0, vdim, dtype),
-            )
-        ]
+        self._groups = [PlaneGroup.empty_plain(int(self.offset.shape[0]), shape)]
         self._idx = 0
 
     def extract(self, idx: int) -> RingRow:

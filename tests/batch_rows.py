@@ -33,3 +33,36 @@ def alone(model: Any, prompt: list[int], n: int, codec: KVCodec) -> tuple[list[i
     """The request in a batch of its own: the solo reference (mlx-lm has no TurboQuant cache)."""
     tokens, logprobs = batched(model, [prompt], n, [codec])
     return tokens[0], logprobs[0]
+
+
+def remove_after(
+    model: Any, prompts: list[list[int]], codecs: list[KVCodec], index: int, tokens: int
+) -> tuple[list[int], list[Any], list[int]]:
+    """Runs the requests as one batch until request `index` has `tokens` tokens, then takes
+    it out with its caches: (its tokens, its layer caches, the history they hold)."""
+    bg = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+    rows = [[adopt_row(c, k) for c in make_prompt_cache(model)] for k in codecs]
+    uids = bg.insert(prompts, max_tokens=[60] * len(prompts), caches=rows)
+    got: list[int] = []
+    while len(got) < tokens:
+        got += [r.token for r in bg.next()[1] if r.uid == uids[index]]
+    caches, history = bg.remove([uids[index]], return_prompt_caches=True)[uids[index]]
+    return got, caches, history
+
+
+def decoding_batch(model: Any, prompt: list[int], codec: KVCodec) -> BatchGenerator:
+    """A batch already decoding one request (three steps in): for rows to join."""
+    bg = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+    caches = [[adopt_row(c, codec) for c in make_prompt_cache(model)]]
+    bg.insert([prompt], max_tokens=[60], caches=caches)
+    for _ in range(3):
+        bg.next()
+    return bg
+
+
+def tokens_of(bg: BatchGenerator, uid: int, n: int) -> list[int]:
+    """The next n tokens row `uid` generates."""
+    out: list[int] = []
+    while len(out) < n:
+        out += [r.token for r in bg.next()[1] if r.uid == uid]
+    return out

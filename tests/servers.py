@@ -333,3 +333,32 @@ def kill_after_checkpoint(
     engine.close()
     (record,) = store.list_all(kind="generation")  # read once nothing replaces it
     return received, store.get(record.key, record.namespace)
+
+
+def resume_equals_uninterrupted(
+    address: str,
+    prompt: list[int],
+    request: dict[str, Any],
+    received: list[int],
+    other_codec: dict[str, Any] | None = None,
+) -> None:
+    """On a fresh engine at `address`: a resume of `request` (with `other_codec` first, which
+    must be NOT_FOUND: another codec is another checkpoint key) restores the whole prompt, and
+    what the client received before plus the resumed tokens equal an uninterrupted run."""
+    from tandem_client import EngineClient
+    from tandem_client.errors import TandemError
+
+    with EngineClient(address) as engine:
+        if other_codec is not None:
+            try:
+                engine.generate(prompt, resume=True, **{**request, **other_codec})
+            except TandemError as err:
+                assert err.code == grpc.StatusCode.NOT_FOUND
+            else:
+                raise AssertionError("a resume under another codec found a checkpoint")
+        resumed = engine.generate(prompt, resume=True, tokens_held=len(received), **request)
+        assert resumed.usage is not None
+        assert resumed.usage.cached_prompt_tokens == len(prompt)
+        full = engine.generate(prompt, **{**request, "request_id": request["request_id"] + "-ref"})
+    assert len(full.token_ids) == request["max_tokens"]
+    assert received + resumed.token_ids == full.token_ids

@@ -21,10 +21,12 @@ from engine_service.kv_codec import KVCodec
 from engine_service.quantized_kv import BatchQuantizedKVCache, PackedRow, adopt_row
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import TandemError
+from tests.batch_rows import batched
 from tests.servers import (
     ServiceProcess,
     free_port,
     kill_after_checkpoint,
+    resume_equals_uninterrupted,
     start_engine,
     start_store_on,
 )
@@ -42,22 +44,6 @@ def solo(model: Any, prompt: list[int], n: int, codec: KVCodec) -> tuple[list[in
     return [int(t) for t, _ in out], [lp for _, lp in out]
 
 
-def batched(
-    model: Any, prompts: list[list[int]], n: int, codecs: list[KVCodec]
-) -> tuple[dict[int, list[int]], dict[int, list[Any]], list[int]]:
-    """The same requests as one continuous batch over BatchQuantizedKVCache rows."""
-    bg = BatchGenerator(model, completion_batch_size=16, prefill_batch_size=16)
-    caches = [[adopt_row(c, codec) for c in make_prompt_cache(model)] for codec in codecs]
-    uids = bg.insert(prompts, max_tokens=[n] * len(prompts), caches=caches)
-    tokens: dict[int, list[int]] = {u: [] for u in uids}
-    logprobs: dict[int, list[Any]] = {u: [] for u in uids}
-    while any(len(v) < n for v in tokens.values()):
-        for r in bg.next()[1]:
-            tokens[r.uid].append(r.token)
-            logprobs[r.uid].append(r.logprobs)
-    return tokens, logprobs, uids
-
-
 def _max_diff(a: list[Any], b: list[Any]) -> float:
     return max(float(mx.abs(x - y).max()) for x, y in zip(a, b, strict=True))
 
@@ -72,12 +58,12 @@ def test_all_quantized_batch_matches_mlx_lm_solo(
     tok = reference.tokenizer
     prompts = [tok.encode(TEXT * k) for k in (1, 4, 2, 7)]
     codecs = [KVCodec(bits, 64, 0)] * len(prompts)
-    tokens, logprobs, uids = batched(reference.model, prompts, 24, codecs)
+    tokens, logprobs = batched(reference.model, prompts, 24, codecs)
     worst = 0.0
-    for uid, prompt, codec in zip(uids, prompts, codecs, strict=True):
+    for prompt, codec, got, got_lp in zip(prompts, codecs, tokens, logprobs, strict=True):
         want, want_lp = solo(reference.model, prompt, 24, codec)
-        assert tokens[uid] == want
-        worst = max(worst, _max_diff(logprobs[uid], want_lp))
+        assert got == want
+        worst = max(worst, _max_diff(got_lp, want_lp))
     # Batched and solo quantized attention differ only in padding columns and reduction
     # order; on fp32 that stays far below any logit gap that could flip a greedy token.
     print(f"\n{bits}-bit batched vs solo QuantizedKVCache: max logprob difference {worst:.2e}")
@@ -95,12 +81,12 @@ def test_mixed_codecs_convert_at_their_own_steps(
     tok = reference.tokenizer
     prompts = [tok.encode(TEXT * k) for k in (3, 1, 5, 2)]
     codecs = [KVCodec(), KVCodec(8, 64, 0), KVCodec(4, 64, 30), KVCodec(8, 32, 75)]
-    tokens, logprobs, uids = batched(reference.model, prompts, 40, codecs)
+    tokens, logprobs = batched(reference.model, prompts, 40, codecs)
     worst = 0.0
-    for uid, prompt, codec in zip(uids, prompts, codecs, strict=True):
+    for prompt, codec, got, got_lp in zip(prompts, codecs, tokens, logprobs, strict=True):
         want, want_lp = solo(reference.model, prompt, 40, codec)
-        assert tokens[uid] == want, f"{codec} changed in a mixed batch"
-        worst = max(worst, _max_diff(logprobs[uid], want_lp))
+        assert got == want, f"{codec} changed in a mixed batch"
+        worst = max(worst, _max_diff(got_lp, want_lp))
     print(f"\nmixed batch vs solo: max logprob difference {worst:.2e}")
     assert worst < 1e-3
 
@@ -293,17 +279,8 @@ def test_quantized_checkpoints_resume_exactly_and_never_mix_with_plain(
     assert any(t.dtype == "uint32" for t in saved.tensors)  # packed planes, as they were
     fresh = start_engine(engine_data_dir, "--store", f"127.0.0.1:{port}", log_dir=tmp_path)
     try:
-        with EngineClient(fresh.address) as engine:
-            with pytest.raises(TandemError) as err:  # another codec: another checkpoint key
-                engine.generate(PROMPT, resume=True, **{**request, "kv_bits": 4})
-            assert err.value.code == grpc.StatusCode.NOT_FOUND
-            resumed = engine.generate(PROMPT, resume=True, tokens_held=len(received), **request)
-            assert resumed.usage is not None
-            assert resumed.usage.cached_prompt_tokens == len(PROMPT)
-            full = engine.generate(PROMPT, **{**request, "request_id": "q-reference"})
+        resume_equals_uninterrupted(fresh.address, PROMPT, request, received, {"kv_bits": 4})
     finally:
         fresh.stop()
         store.close()
-    assert len(full.token_ids) == 64
-    assert received + resumed.token_ids == full.token_ids
     del store_proc

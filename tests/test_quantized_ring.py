@@ -22,11 +22,12 @@ from engine_service.model import LoadedModel, load_model
 from engine_service.quantized_kv import adopt_row
 from engine_service.quantized_ring import BatchQuantizedRingCache
 from tandem_client import EngineClient, StoreClient
-from tests.batch_rows import alone, batched
+from tests.batch_rows import alone, batched, decoding_batch, remove_after, tokens_of
 from tests.servers import (
     ServiceProcess,
     free_port,
     kill_after_checkpoint,
+    resume_equals_uninterrupted,
     start_engine,
     start_store_on,
 )
@@ -110,26 +111,13 @@ def test_a_wrapped_packed_ring_row_moved_to_another_batch_keeps_its_tokens(
     model, tok = swa.model, swa.tokenizer
     prompt = tok.encode(TEXT * 7)  # 120 tokens: past the window
     want, _ = alone(model, prompt, 30, TQ33)
-    first = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
-    codecs = (KVCodec(), TQ33, KVCodec(8, 64, 0))
-    rows = [[adopt_row(c, k) for c in make_prompt_cache(model)] for k in codecs]
     others = [tok.encode(TEXT * k) for k in (1, 2)]
-    uids = first.insert([others[0], prompt, others[1]], max_tokens=[60] * 3, caches=rows)
-    got: list[int] = []
-    while len(got) < 12:
-        got += [r.token for r in first.next()[1] if r.uid == uids[1]]
-    caches, history = first.remove([uids[1]], return_prompt_caches=True)[uids[1]]
+    codecs = [KVCodec(), TQ33, KVCodec(8, 64, 0)]
+    got, caches, history = remove_after(model, [others[0], prompt, others[1]], codecs, 1, 12)
     ring = caches[0]
     assert isinstance(ring, PackedRingRow) and ring.size() == 64 and ring.offset > 64
 
-    second = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
-    second.insert(
-        [tok.encode(TEXT * 6)],
-        max_tokens=[60],
-        caches=[[adopt_row(c, KVCodec(8, 64, 0)) for c in make_prompt_cache(model)]],
-    )
-    for _ in range(3):
-        second.next()
+    second = decoding_batch(model, tok.encode(TEXT * 6), KVCodec(8, 64, 0))
     (uid,) = second.insert(
         [[want[len(got)]]], max_tokens=[30 - len(got) - 1], caches=[caches], all_tokens=[history]
     )
@@ -137,9 +125,7 @@ def test_a_wrapped_packed_ring_row_moved_to_another_batch_keeps_its_tokens(
     layer0 = second._generation_batch.prompt_cache[0]
     assert isinstance(layer0, BatchQuantizedRingCache)
     assert layer0.row_storage(1) == TQ33.storage
-    rest: list[int] = []
-    while len(rest) < 30 - len(got) - 1:
-        rest += [r.token for r in second.next()[1] if r.uid == uid]
+    rest = tokens_of(second, uid, 30 - len(got) - 1)
     assert got + [want[len(got)]] + rest == want
 
 
@@ -231,13 +217,7 @@ def test_a_turboquant_ring_through_the_engine_resumes_after_sigkill(
     assert saved.layout == [ring, "kv:turboquant:3:3"] * 2  # the wrapped rings, packed
     fresh = _swa_engine(engine_data_dir, port, tmp_path)
     try:
-        with EngineClient(fresh.address) as engine:
-            resumed = engine.generate(PROMPT, resume=True, tokens_held=len(received), **request)
-            assert resumed.usage is not None
-            assert resumed.usage.cached_prompt_tokens == len(PROMPT)
-            full = engine.generate(PROMPT, **{**request, "request_id": "ring-reference"})
+        resume_equals_uninterrupted(fresh.address, PROMPT, request, received)
     finally:
         fresh.stop()
         store.close()
-    assert len(full.token_ids) == 64
-    assert received + resumed.token_ids == full.token_ids

@@ -34,11 +34,12 @@ from tandem_client import EngineClient, StoreClient
 from tandem_client.engine_client import generate_request
 from tandem_client.errors import TandemError
 from tandem_wire.pb import engine_pb2
-from tests.batch_rows import alone, batched
+from tests.batch_rows import alone, batched, decoding_batch, remove_after, tokens_of
 from tests.servers import (
     ServiceProcess,
     free_port,
     kill_after_checkpoint,
+    resume_equals_uninterrupted,
     start_engine,
     start_store_on,
 )
@@ -145,27 +146,13 @@ def test_a_turboquant_row_moved_to_another_batch_keeps_its_codes_and_tokens(
     prompt = tok.encode(TEXT * 3)
     want, _ = alone(model, prompt, 30, TQ33)
 
-    first = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
-    codecs = (KVCodec(), TQ33, KVCodec(8, 64, 0))
-    rows = [[adopt_row(c, k) for c in make_prompt_cache(model)] for k in codecs]
     others = [tok.encode(TEXT * k) for k in (1, 2)]
-    uids = first.insert([others[0], prompt, others[1]], max_tokens=[60] * 3, caches=rows)
-    got: list[int] = []
-    while len(got) < 12:
-        got += [r.token for r in first.next()[1] if r.uid == uids[1]]
-    caches, history = first.remove([uids[1]], return_prompt_caches=True)[uids[1]]
+    codecs = [KVCodec(), TQ33, KVCodec(8, 64, 0)]
+    got, caches, history = remove_after(model, [others[0], prompt, others[1]], codecs, 1, 12)
     assert all(isinstance(c, TurboQuantRow) for c in caches)
     assert len(history) == len(prompt) + len(got)
 
-    second = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
-    tq42 = KVCodec.turboquant(4, 2)
-    second.insert(
-        [tok.encode(TEXT * 6)],
-        max_tokens=[60],
-        caches=[[adopt_row(c, tq42) for c in make_prompt_cache(model)]],
-    )
-    for _ in range(3):
-        second.next()
+    second = decoding_batch(model, tok.encode(TEXT * 6), KVCodec.turboquant(4, 2))
     before = [_planes(c) for c in caches]
     (uid,) = second.insert(
         [[want[len(got)]]], max_tokens=[30 - len(got) - 1], caches=[caches], all_tokens=[history]
@@ -179,9 +166,7 @@ def test_a_turboquant_row_moved_to_another_batch_keeps_its_codes_and_tokens(
     for b, c in zip(before, rejoined, strict=True):
         for x, y in zip(b, _planes(c), strict=True):  # the moved positions, byte for byte
             assert np.array_equal(x, y[..., : x.shape[2], :])
-    rest: list[int] = []
-    while len(rest) < 30 - len(got) - 1:
-        rest += [r.token for r in second.next()[1] if r.uid == uid]
+    rest = tokens_of(second, uid, 30 - len(got) - 1)
     assert got + [want[len(got)]] + rest == want
 
 
@@ -400,16 +385,7 @@ def test_turboquant_checkpoint_resumes_after_sigkill_as_uninterrupted(
     assert any(t.dtype == "uint32" for t in saved.tensors)  # the codes, as they were
     fresh = turboquant_engine(engine_data_dir, port, tmp_path)
     try:
-        with EngineClient(fresh.address) as engine:
-            with pytest.raises(TandemError) as err:  # another codec: another checkpoint key
-                engine.generate(PROMPT, resume=True, **{**request, "kv_value_bits": 2})
-            assert err.value.code == grpc.StatusCode.NOT_FOUND
-            resumed = engine.generate(PROMPT, resume=True, tokens_held=len(received), **request)
-            assert resumed.usage is not None
-            assert resumed.usage.cached_prompt_tokens == len(PROMPT)
-            full = engine.generate(PROMPT, **{**request, "request_id": "tq-reference"})
+        resume_equals_uninterrupted(fresh.address, PROMPT, request, received, {"kv_value_bits": 2})
     finally:
         fresh.stop()
         store.close()
-    assert len(full.token_ids) == 64
-    assert received + resumed.token_ids == full.token_ids
