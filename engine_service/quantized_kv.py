@@ -378,6 +378,24 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
         self.offset = self.offset - n
         return n
 
+    def rollback(self, counts: list[int]) -> None:
+        """Forgets each row's last `counts[row]` tokens (speculative rows' rejected drafts).
+
+        The batch trims what every row gives back; a row giving back more is shifted right by
+        the rest (dynamic_roll, as `finalize` does for right padding) and its left padding
+        grows, so the rows keep one column axis and one `_idx`. Tokens keep their order."""
+        least = min(counts)
+        self.trim(least)
+        extra = [c - least for c in counts]
+        if not any(extra):
+            return
+        for group in self._groups:
+            if any(extra[r] for r in group.rows):
+                shifts = mx.array([extra[r] for r in group.rows])[:, None]
+                group.map_planes(lambda p, s=shifts: dynamic_roll(p, s, axis=2))
+        self._lp = [p + e for p, e in zip(self._lp, extra, strict=True)]
+        self._sync_positions()
+
     def size(self) -> int:
         return self._idx
 

@@ -403,6 +403,26 @@ class BatchQuantizedRingCache(BaseCache):
         self.offset = self.offset - n
         return n
 
+    def rollback(self, counts: list[int]) -> None:
+        """Forgets each row's last `counts[row]` tokens, written by the last call (speculative
+        rows' rejected drafts). A multi-token call leaves the ring in temporal order
+        (`_update_concat` keeps max_size - 1 older columns), so they are its last columns: the
+        batch trims what every row gives back, and a row giving back more is shifted right by
+        the rest, its left padding grown (the seeds' `rotatingRollbackPlan`)."""
+        if not any(counts):
+            return
+        if self.rotated:
+            raise RuntimeError("a ring rolls back only what a multi-token call wrote")
+        least = min(counts)
+        self.trim(least)
+        end = self._idx
+        self._map(lambda p: p[..., :end, :])
+        extra = mx.array([c - least for c in counts])
+        if least != max(counts):
+            self._roll_rows(extra)
+            self.left_padding = self.left_padding + extra
+            self.offset = self.offset - extra
+
     def size(self) -> int:
         return min(self._offset, self.max_size)
 
