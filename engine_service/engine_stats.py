@@ -13,6 +13,16 @@ RATE_WINDOW_S = 5.0
 
 
 @dataclass
+class SpeculativeCounters:
+    """The speculative batch's rounds, proposals and rollbacks since start."""
+
+    rounds_total: int = 0
+    drafted_total: int = 0
+    accepted_total: int = 0
+    rollbacks_total: int = 0
+
+
+@dataclass
 class EngineStats:
     running: int = 0
     queued: int = 0
@@ -29,6 +39,7 @@ class EngineStats:
     parking: ParkCounters = field(default_factory=ParkCounters)
     # Bytes the running batch's KV caches hold (read every few steps; 0 when idle).
     kv_cache_bytes: int = 0
+    speculative: SpeculativeCounters = field(default_factory=lambda: SpeculativeCounters())
     # (time.monotonic(), tokens) of recent steps, for the decode rate.
     recent: collections.deque[tuple[float, int]] = field(
         default_factory=lambda: collections.deque(maxlen=256)
@@ -69,4 +80,5 @@ class EngineStats:
             steps_total=self.steps_total,
             parking=dataclasses.replace(self.parking),
             kv_cache_bytes=self.kv_cache_bytes,
+            speculative=dataclasses.replace(self.speculative),
         )

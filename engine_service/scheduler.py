@@ -95,7 +95,9 @@ class Scheduler:
         self._grammars = Grammars.for_model(loaded)
         # Requests with num_draft_tokens run here, beside the batch (speculative_lane.py).
         self._speculative = (
-            SpeculativeLane(self, loaded, draft, checkpoints) if draft is not None else None
+            SpeculativeLane(self, loaded, draft, checkpoints, limits.prefill_step_size)
+            if draft is not None
+            else None
         )
         self.limits = limits
         self.deliver = deliver
@@ -302,6 +304,7 @@ class Scheduler:
         produced = self._speculative.step()
         with self._lock:
             self._stats.add_tokens(produced, time.monotonic())
+            self._stats.speculative = dataclasses.replace(self._speculative.counters)
 
     def _admit(self) -> None:
         free = self.limits.max_running - self._running()

@@ -33,6 +33,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from engine_service.engine_stats import SpeculativeCounters
 from engine_service.kv_codec import PLAIN_KV, KVCodec
 from engine_service.quantized_kv import adopt_row
 from engine_service.sampling import SamplingOptions, SeededSampler
@@ -107,12 +108,13 @@ class RowRound:
 class SpeculativeBatch:
     """The speculative rows, their target and draft batch caches (one per layer)."""
 
-    def __init__(self, target: Any, draft: Any) -> None:
+    def __init__(self, target: Any, draft: Any, counters: SpeculativeCounters | None = None):
         self.target, self.draft = target, draft
         self.rows: list[SpecRow] = []
         self.target_cache: list[Any] = []
         self.draft_cache: list[Any] = []
-        self.rollbacks = 0  # row rollbacks of rejected proposals, every round together
+        # Rounds, proposals and row rollbacks, every round together (the engine's Stats).
+        self.counters = counters if counters is not None else SpeculativeCounters()
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -157,7 +159,7 @@ class SpeculativeBatch:
         saved = self._recurrent_state()
         logits = self.target(verify, cache=self.target_cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        picked = self._pick_targets(logprobs, drafts, k)
+        picked = self._pick(logprobs, drafts, first=0, count=k + 1)
         mx.eval(picked, *drafts)
         targets: list[list[int]] = picked.tolist()  # type: ignore[assignment]
         proposed: list[list[int]] = mx.stack(drafts, axis=1).tolist() if k else [[]] * len(rows)  # type: ignore[assignment]
@@ -169,6 +171,7 @@ class SpeculativeBatch:
             agreed.append(n)
         self._roll_back_target(k, agreed, verify, saved)
         self._roll_back_draft(k, agreed)
+        self.counters.rounds_total += 1
         results = []
         for i, (row, n, ki) in enumerate(zip(rows, agreed, ks, strict=True)):
             out = targets[i][: n + 1]
@@ -178,7 +181,9 @@ class SpeculativeBatch:
             row.accepted += n
             if n < ki:
                 row.rollbacks += 1
-                self.rollbacks += 1
+                self.counters.rollbacks_total += 1
+            self.counters.drafted_total += ki
+            self.counters.accepted_total += n
             results.append(RowRound(out, [logprobs[i, j] for j in range(n + 1)], ki, n))
         return results
 
@@ -186,36 +191,25 @@ class SpeculativeBatch:
         """K proposals a row, (B,) each. The first call feeds the two owed tokens (a row with
         a one-token history feeds its token twice and drafts nothing); when no row drafts,
         that call still runs, so the draft keeps its invariant."""
-        rows = self.rows
-        y = mx.array([[row.history[-2 if len(row.history) > 1 else -1], row.pending] for row in rows], mx.uint32)
+        owed = [[row.history[-2 if len(row.history) > 1 else -1], row.pending] for row in self.rows]
+        y = mx.array(owed, mx.uint32)
         drafts: list[mx.array] = []
         for i in range(max(k, 1)):
             logits = self.draft(y, cache=self.draft_cache)[:, -1, :]
             if i >= k:
                 break
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            if all(row.plain_greedy for row in rows):
-                picks = mx.argmax(logprobs, axis=-1)
-            else:
-                proposed = _ints_by_row(drafts, len(rows)) if any(r.processors for r in rows) else None
-                picks = mx.concatenate(
-                    [
-                        row.pick(
-                            logprobs[j : j + 1],
-                            row.step + i,
-                            row.history + proposed[j] if proposed is not None else [],
-                        )
-                        for j, row in enumerate(rows)
-                    ]
-                )
+            picks = self._pick(logprobs[:, None, :], drafts, first=i, count=1)[:, 0]
             picks = picks.astype(mx.uint32)
             mx.async_eval(picks)
             drafts.append(picks)
             y = picks[:, None]
         return drafts
 
-    def _pick_targets(self, logprobs: mx.array, drafts: list[mx.array], k: int) -> mx.array:
-        """The target's token at each verified position, (B, K + 1)."""
+    def _pick(self, logprobs: mx.array, drafts: list[mx.array], first: int, count: int) -> mx.array:
+        """Tokens at generated indices step + first .. step + first + count - 1 of each row,
+        from logprobs (B, count, vocab) whose position i follows the history and the first
+        + i proposals; (B, count). Greedy rows without processors: one batched argmax."""
         rows = self.rows
         if all(row.plain_greedy for row in rows):
             return mx.argmax(logprobs, axis=-1)
@@ -223,9 +217,10 @@ class SpeculativeBatch:
         out = []
         for j, row in enumerate(rows):
             picks = []
-            for i in range(k + 1):
+            for i in range(first, first + count):
                 context = row.history + proposed[j][:i] if proposed is not None else []
-                picks.append(row.pick(logprobs[j, i : i + 1], row.step + i, context))
+                at = logprobs[j, i - first : i - first + 1]
+                picks.append(row.pick(at, row.step + i, context))
             out.append(mx.concatenate(picks))
         return mx.stack(out)
 
@@ -256,10 +251,10 @@ class SpeculativeBatch:
         width = max(agreed) + 1
         replay = verify[:, :width]
         for layer in layers:
-            layer.lengths = mx.array([n + 1 for n in agreed])
+            layer.prepare(lengths=[n + 1 for n in agreed])
         self.target(replay, cache=self.target_cache)
         for layer in layers:
-            layer.lengths = None
+            layer.finalize()
         _roll_back(self.target_cache, [width - (n + 1) for n in agreed])
 
     def _roll_back_draft(self, k: int, agreed: list[int]) -> None:

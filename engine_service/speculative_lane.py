@@ -1,20 +1,21 @@
-"""Speculative requests, run beside the batch on the MLX thread.
+"""Speculative requests: one batch of their own on the MLX thread (speculative_batch.py).
 
-mlx-lm's BatchGenerator has no speculative mode (a batch would need per-row draft lengths and
-per-row rollback of every batch cache), so requests with `num_draft_tokens` run solo: after
-each batch step, every speculative request does one round (draft k, verify, keep the agreeing
-prefix). They share the engine's admission limits, cancel, deadlines, stop handling and
-checkpoints with batched requests through `LaneHost` (the scheduler); their checkpoints carry
-the draft model's cache as an attachment (engine_service/attachments.py).
+The requests that asked for speculation draft together and are verified together, one round
+per loop iteration, while the other requests step in mlx-lm's BatchGenerator (it has no
+speculative mode: a row there advances one token a step). Each request is prefilled solo on
+admission (its target prefix restored from a checkpoint or the store when there is one), then
+joins the batch. The lane shares the engine's admission limits, cancel, deadlines, stop
+handling and checkpoints with batched requests through `LaneHost` (the scheduler); its
+checkpoints carry the draft model's cache as an attachment (engine_service/attachments.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from engine_service.attachments import (
     DRAFT_SCHEMA,
@@ -24,12 +25,14 @@ from engine_service.attachments import (
 )
 from engine_service.attachments import find as find_attachment
 from engine_service.checkpoints import CheckpointManager
+from engine_service.engine_stats import SpeculativeCounters
 from engine_service.events import Event, Finished, FinishReason, Started, Token
 from engine_service.jobs import Job, StartingPoint
 from engine_service.model import LoadedModel
 from engine_service.plans import ResumePlan
 from engine_service.sampling import make_processors, requested_logprobs
-from engine_service.speculative import SpeculativeDecoder, feed_prompt
+from engine_service.speculative import feed_prompt
+from engine_service.speculative_batch import SpecRow, SpeculativeBatch
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +54,16 @@ class SpeculativeLane:
         target: LoadedModel,
         draft: LoadedModel,
         checkpoints: CheckpointManager | None = None,
+        prefill_step: int = 2048,
     ) -> None:
         self.host = host
         self.target = target
         self.draft = draft
         self.checkpoints = checkpoints
+        self.prefill_step = prefill_step
         self.jobs: dict[str, Job] = {}  # by request id
-        self.decoders: dict[str, SpeculativeDecoder] = {}
+        self.counters = SpeculativeCounters()
+        self.batch = SpeculativeBatch(target.model, draft.model, self.counters)
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -66,78 +72,88 @@ class SpeculativeLane:
         return request_id in self.jobs
 
     def admit(self, job: Job) -> None:
-        """Prefills (or restores) both models for a request; emits Started."""
+        """Prefills (or restores) both models for a request, joins it to the batch; emits
+        Started."""
         r = job.request
         try:
             start = self.host.starting_point(job)
-            decoder = self._decoder(job, start)
+            row, target_cache, draft_cache = self._row(job, start)
+            self.batch.add(row, target_cache, draft_cache)
         except Exception as exc:  # a failed prefill ends this request, not the engine
             log.exception("speculative prefill failed")
             self._fail(job, exc)
             return
-        decoder.step = len(job.tokens)
         self.jobs[r.request_id] = job
-        self.decoders[r.request_id] = decoder
         self.host.emit(job, [Started(len(r.prompt), start.cached_prompt_tokens)])
 
-    def _decoder(self, job: Job, start: StartingPoint) -> SpeculativeDecoder:
-        target, req, plan = self.target.model, job.request, job.plan
-        processors = make_processors(req.sampling)
+    def _row(self, job: Job, start: StartingPoint) -> tuple[SpecRow, list[Any], list[Any]]:
+        """The row and its solo caches: the target holding all of the history but its last
+        token, the draft all but the last two."""
+        req, plan = job.request, job.plan
         if isinstance(plan, ResumePlan):
-            # The target cache holds prompt + generated; the pending token is fed next.
             assert start.caches is not None
+            target_cache = start.caches
+            history = [*start.history, plan.pending]
             attachment = find_attachment(plan.attachments, DRAFT_SCHEMA)
             if attachment is not None:
                 draft_cache = restore_attachment(attachment, self.draft.layout)
-                owed = draft_pending(attachment)
+                # A draft that owes fewer than two tokens (an older lane's checkpoint) gives
+                # the rest back: its caches are trimmable (checked at start-up).
+                trim_prompt_cache(draft_cache, 1 - len(draft_pending(attachment)))
             else:  # a checkpoint without the draft's state: rebuild it from the tokens
-                draft_cache = make_prompt_cache(self.draft.model)
-                feed_prompt(self.draft.model, draft_cache, start.history, 2048)
-                owed = []
-            return SpeculativeDecoder(
-                target,
-                self.draft.model,
-                start.caches,
-                draft_cache,
-                plan.pending,
-                owed,
-                [*start.history, plan.pending],
-                req.sampling,
-                processors,
-                req.num_draft,
+                draft_cache = self._draft_prefill(history)
+        else:
+            history = list(req.prompt)
+            target_cache = (
+                start.caches if start.caches is not None else make_prompt_cache(self.target.model)
             )
-        return SpeculativeDecoder.prefill(
-            target,
-            self.draft.model,
-            req.prompt,
-            req.sampling,
-            processors,
+            feed_prompt(
+                self.target.model,
+                target_cache,
+                history[start.cached_prompt_tokens : -1],
+                self.prefill_step,
+            )
+            draft_cache = self._draft_prefill(history)
+        row = SpecRow(
+            req.request_id,
+            history,
+            len(job.tokens),
             req.num_draft,
-            target_cache=start.caches,
-            cached=start.cached_prompt_tokens,
+            req.sampling,
+            make_processors(req.sampling),
+            req.kv,
         )
+        return row, target_cache, draft_cache
+
+    def _draft_prefill(self, history: list[int]) -> list[Any]:
+        cache = make_prompt_cache(self.draft.model)
+        feed_prompt(self.draft.model, cache, history[:-2], self.prefill_step)
+        return cache
 
     def remove(self, request_id: str) -> None:
-        self.jobs.pop(request_id, None)
-        self.decoders.pop(request_id, None)
+        if self.jobs.pop(request_id, None) is not None:
+            self.batch.remove(request_id)
 
     def clear(self) -> None:
         self.jobs.clear()
-        self.decoders.clear()
+        self.batch = SpeculativeBatch(self.target.model, self.draft.model, self.counters)
 
     def step(self) -> int:
         """One round for every speculative request; returns the tokens generated."""
-        produced = 0
-        for request_id, job in list(self.jobs.items()):
-            decoder = self.decoders[request_id]
-            r = job.request
-            try:
-                result = decoder.round(job.remaining)
-            except Exception as exc:
-                log.exception("speculative round failed")
-                self.remove(request_id)
+        rows = list(self.batch.rows)
+        try:
+            results = self.batch.round([self.jobs[row.request_id].remaining for row in rows])
+        except Exception as exc:
+            log.exception("speculative round failed")
+            for row in rows:
+                job = self.jobs.pop(row.request_id)
                 self._fail(job, exc)
-                continue
+            self.clear()
+            return 0
+        produced = 0
+        for row, result in zip(rows, results, strict=True):
+            job = self.jobs[row.request_id]
+            r = job.request
             events: list[Event] = []
             finished: FinishReason | None = None
             for token, logprobs in zip(result.tokens, result.logprobs, strict=True):
@@ -155,14 +171,14 @@ class SpeculativeLane:
                     Finished(
                         finished,
                         stop_token=job.tokens[-1] if finished == "stop" else None,
-                        drafted=decoder.drafted_total,
-                        accepted=decoder.accepted_total,
+                        drafted=row.drafted,
+                        accepted=row.accepted,
                     )
                 )
-                self.remove(request_id)
+                self.remove(r.request_id)
                 self.host.finish(job)
             else:
-                self._checkpoint(job, decoder)
+                self._checkpoint(job)
             self.host.emit(job, events)
         return produced
 
@@ -170,20 +186,23 @@ class SpeculativeLane:
         self.host.finish(job)
         self.host.emit(job, [Finished("error", error=f"generation failed: {exc}")])
 
-    def _checkpoint(self, job: Job, decoder: SpeculativeDecoder) -> None:
+    def _checkpoint(self, job: Job) -> None:
         """At a round boundary, when due: the target's caches and the draft's as an
-        attachment, with the tokens the draft still owes."""
+        attachment; the draft owes the history's last two tokens (the pending one is not in
+        the attachment's count, the one before it is `draft_pending`)."""
         ckpt, r = self.checkpoints, job.request
         if ckpt is None or not ckpt.generations.due(job):
             return
         held = len(r.prompt) + len(job.tokens) - 1  # all but the pending token
+        target_cache, draft_cache = self.batch.extract(r.request_id)
+        owed = job.tokens[-2:-1] if len(job.tokens) > 1 else r.prompt[-1:]
         attachment = capture_attachment(
             DRAFT_SCHEMA,
-            decoder.draft_cache,
+            draft_cache,
             boundary=held,
-            held=held - len(decoder.draft_pending),
+            held=held - 1,
             draft_model=self.draft.model_id,
-            draft_pending=json.dumps(decoder.draft_pending),
+            draft_pending=json.dumps(owed),
         )
-        snapshot = ckpt.generations.capture_whole(job, decoder.target_cache, [attachment])
+        snapshot = ckpt.generations.capture_whole(job, target_cache, [attachment])
         ckpt.generations.save(job, snapshot, pending=job.tokens[-1])

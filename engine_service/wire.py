@@ -145,9 +145,17 @@ def constraint_from_pb(
     return constraint
 
 
-def num_draft_from_pb(
-    request: engine_pb2.GenerateRequest, policy: RequestPolicy, kv: KVCodec
-) -> int:
+def rolls_back(layout_id: str) -> bool:
+    """Whether a layer of this layout can give rejected draft positions back in the
+    speculative batch: plain KV, rings without kept tokens, recurrent state (restored)."""
+    return (
+        layout_id == "kv:plain"
+        or layout_id.startswith("ssm:arrays:")
+        or (layout_id.startswith("kv:rotating:") and layout_id.endswith(":0"))
+    )
+
+
+def num_draft_from_pb(request: engine_pb2.GenerateRequest, policy: RequestPolicy) -> int:
     """Draft tokens per round for this request (0: no speculation)."""
     drafts = policy.drafts
     n = request.num_draft_tokens if request.HasField("num_draft_tokens") else drafts.default
@@ -157,14 +165,12 @@ def num_draft_from_pb(
         return 0
     if not drafts.model_id:
         raise Precondition("speculative decoding needs an engine started with --draft-model")
-    untrimmable = sorted({c for c in policy.loaded.layout if c != "kv:plain"})
-    if untrimmable:
+    cannot = sorted({c for c in policy.loaded.layout if not rolls_back(c)})
+    if cannot:
         raise Precondition(
-            f"speculative decoding rolls back rejected tokens, which {untrimmable} layers "
-            "cannot do (sliding-window and recurrent caches are not trimmable)"
+            f"speculative decoding rolls back rejected tokens, which {cannot} layers "
+            "cannot do (rings that keep tokens, and nested caches)"
         )
-    if kv.quantized:
-        raise Precondition("speculative decoding runs on plain KV caches; send kv_bits=0")
     return int(n)
 
 
@@ -226,7 +232,7 @@ def request_from_pb(
     if constraint is not None:
         sampling = dataclasses.replace(sampling, constraint=constraint)
     kv = kv_codec_from_pb(request, loaded, policy.default_kv)
-    num_draft = num_draft_from_pb(request, policy, kv)
+    num_draft = num_draft_from_pb(request, policy)
     if constraint is not None and num_draft:
         if request.HasField("num_draft_tokens"):
             raise Precondition("a constrained generation does not speculate; omit num_draft_tokens")
@@ -365,6 +371,10 @@ def stats_to_pb(
         parked_bytes=s.parking.parked_bytes,
         parked_to_store_total=s.parking.parked_to_store_total,
         kv_cache_bytes=s.kv_cache_bytes,
+        speculative_rounds_total=s.speculative.rounds_total,
+        draft_tokens_total=s.speculative.drafted_total,
+        accepted_draft_tokens_total=s.speculative.accepted_total,
+        speculative_rollbacks_total=s.speculative.rollbacks_total,
     )
     if checkpoints is not None:
         c = checkpoints

@@ -115,36 +115,18 @@ def test_speculative_requests_give_the_plain_tokens(stack: dict[str, Any]) -> No
         with pytest.raises(TandemError) as err:
             engine.generate(ids, max_tokens=4, num_draft_tokens=99)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        # Quantized KV rows speculate too: their rollbacks shift packed planes.
         for quantized in (dict(kv_bits=8), dict(kv_bits=3, kv_scheme="turboquant")):
-            with pytest.raises(TandemError) as err:
-                engine.generate(ids, max_tokens=4, num_draft_tokens=2, **quantized)
-            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            options = dict(max_tokens=24, ignore_eos=True, **quantized)
+            spec = engine.generate(ids, num_draft_tokens=3, **options)
+            assert spec.token_ids == engine.generate(ids, **options).token_ids, quantized
 
 
-def test_no_draft_model_or_untrimmable_caches_are_refused(
-    engine_client: EngineClient, engine_data_dir: Path, tmp_path: Path
-) -> None:
+def test_no_draft_model_is_refused(engine_client: EngineClient) -> None:
     with pytest.raises(TandemError) as err:
         engine_client.generate("hello", max_tokens=4, num_draft_tokens=2)
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "--draft-model" in str(err.value)
-    proc = start_engine(
-        engine_data_dir,
-        "--model",
-        "tandem-tiny-swa",
-        "--draft-model",
-        "tandem-tiny-draft",
-        log_dir=tmp_path,
-    )
-    try:
-        with EngineClient(proc.address) as client:
-            with pytest.raises(TandemError) as err:
-                client.generate("hello", max_tokens=4, num_draft_tokens=2)
-            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
-            assert "kv:rotating" in str(err.value)
-            assert client.generate("hello", max_tokens=4, ignore_eos=True).token_ids
-    finally:
-        proc.stop()
 
 
 def _checkpointed_request(request_id: str) -> dict[str, Any]:
