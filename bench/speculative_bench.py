@@ -1,16 +1,21 @@
-"""Speculative decoding: solo greedy tokens/s with and without a draft model, and acceptance.
+"""Speculative decoding: greedy tokens/s with and without a draft model, solo and batched.
 
 In one run, for each draft (the small companion, and the target itself as the upper bound
-on acceptance), solo and greedy, medians of `--repeat`:
-- baseline: mlx-lm's `generate_step` (no draft) and mlx-lm's `speculative_generate_step`;
-- ours: `SpeculativeDecoder` in-process, and a Generate stream through a `tandem-engine`
-  started with `--draft-model` (num_draft_tokens=k beside num_draft_tokens=0).
-Prints decode tokens/s (after the first token), the ratio to plain decoding, and the share of
-draft tokens the target kept. Random-weight models agree rarely; the self-draft run shows
-what a draft that always agrees buys.
+on acceptance), greedy:
+- solo, medians of `--repeat`: baselines mlx-lm's `generate_step` (no draft) and mlx-lm's
+  `speculative_generate_step`; ours a `SpeculativeBatch` of one row in-process, and a
+  Generate stream through a `tandem-engine` started with `--draft-model`
+  (num_draft_tokens=k beside num_draft_tokens=0);
+- batched, at each of `--streams` (8 and 32): the baseline is mlx-lm's `BatchGenerator`
+  decoding the same prompts without speculation, ours the `SpeculativeBatch` of as many rows
+  (every row drafting k); baseline and ours alternate (ABAB) over `--pairs` rounds, and the
+  figure is the median of the paired ratios with their spread.
+Prints decode tokens/s (after the first token), the ratios, and the share of draft tokens
+the target kept. The self-draft run shows what a draft that always agrees buys.
 
     python bench/speculative_bench.py [--target tandem-tiny --draft tandem-tiny-draft]
         [--target llama3-8b-shape --draft qwen3-0.6b-shape] [--k 4] [--tokens 128]
+        [--streams 8,32] [--pairs 3] [--skip-solo] [--skip-engine]
 """
 
 from __future__ import annotations
@@ -35,14 +40,18 @@ sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
 import engine_service  # noqa: E402, F401  (the fast BLAS must load before mlx)
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.generate import generate_step, speculative_generate_step  # noqa: E402
+from mlx_lm.generate import (  # noqa: E402
+    BatchGenerator,
+    generate_step,
+    speculative_generate_step,
+)
 # isort: on
 
 from bench.engine_bench import SHAPES, model_spec  # noqa: E402
 from engine_service import blas  # noqa: E402
 from engine_service.model import load_model  # noqa: E402
 from engine_service.sampling import SamplingOptions  # noqa: E402
-from engine_service.speculative import SpeculativeDecoder  # noqa: E402
+from engine_service.speculative_batch import SpecRow, SpeculativeBatch, prefilled  # noqa: E402
 from tandem_client import EngineClient  # noqa: E402
 from tests.servers import start_engine  # noqa: E402
 
@@ -64,18 +73,68 @@ def decode_rate(tokens: Iterator[Any], n: int) -> float:
     return (count - 1) / (time.perf_counter() - first)
 
 
+def speculative_batch(
+    target: Any, draft: Any, prompts: list[list[int]], k: int
+) -> SpeculativeBatch:
+    """Greedy rows drafting k, prefilled (the target holds prompt[:-1], the draft
+    prompt[:-2])."""
+    batch = SpeculativeBatch(target, draft)
+    for j, prompt in enumerate(prompts):
+        row = SpecRow(str(j), list(prompt), 0, k, SamplingOptions())
+        batch.add(row, prefilled(target, prompt[:-1]), prefilled(draft, prompt[:-2]))
+    return batch
+
+
 def ours(target: Any, draft: Any, prompt: list[int], k: int, n: int) -> tuple[float, float]:
-    decoder = SpeculativeDecoder.prefill(target, draft, prompt, SamplingOptions(), [], k)
+    batch = speculative_batch(target, draft, [prompt], k)
 
     def tokens() -> Iterator[int]:
         made = 0
         while made < n:
-            for token in decoder.round(n - made).tokens:
+            (result,) = batch.round([n - made])
+            for token in result.tokens:
                 made += 1
                 yield token
 
     rate = decode_rate(tokens(), n)
-    return rate, decoder.accepted_total / max(decoder.drafted_total, 1)
+    c = batch.counters
+    return rate, c.accepted_total / max(c.drafted_total, 1)
+
+
+def batch_plain(model: Any, prompts: list[list[int]], n: int) -> float:
+    """mlx-lm's BatchGenerator without speculation: decode tokens/s of every row together,
+    after each row's first token, over n steps."""
+    bg = BatchGenerator(
+        model, completion_batch_size=len(prompts), prefill_batch_size=min(8, len(prompts))
+    )
+    uids = bg.insert(prompts, max_tokens=[n + 2 * len(prompts) + 8] * len(prompts))
+    started: set[int] = set()
+    while len(started) < len(uids):  # prefill, until every row has its first token
+        started.update(r.uid for r in bg.next()[1])
+    tokens = 0
+    start = time.perf_counter()
+    for _ in range(n):
+        tokens += len(bg.next()[1])
+    wall = time.perf_counter() - start
+    bg.close()
+    return tokens / wall
+
+
+def batch_speculative(
+    target: Any, draft: Any, prompts: list[list[int]], k: int, n: int
+) -> tuple[float, float]:
+    """The SpeculativeBatch of the same rows: (decode tokens/s after a first round, until
+    every row made n more tokens; acceptance)."""
+    batch = speculative_batch(target, draft, prompts, k)
+    unlimited = [1 << 30] * len(prompts)
+    batch.round(unlimited)  # the first round: the rows' first tokens
+    made = 0
+    start = time.perf_counter()
+    while made < n * len(prompts):
+        made += sum(len(r.tokens) for r in batch.round(unlimited))
+    wall = time.perf_counter() - start
+    c = batch.counters
+    return made / wall, c.accepted_total / max(c.drafted_total, 1)
 
 
 def engine_rate(address: str, prompt: list[int], n: int, k: int) -> tuple[float, float]:
@@ -100,7 +159,10 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4, help="draft tokens per round")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=3, help="solo runs (medians)")
+    p.add_argument("--streams", default="8,32", help="batch sizes of the batched runs")
+    p.add_argument("--pairs", type=int, default=3, help="ABAB rounds of the batched runs")
+    p.add_argument("--skip-solo", action="store_true")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--json")
     a = p.parse_args()
@@ -113,6 +175,7 @@ def main() -> None:
         "machine": f"{platform.node()} {os.cpu_count()} cores",
         "k": a.k,
         "rows": [],
+        "batched": [],
     }
     with tempfile.TemporaryDirectory(prefix="tandem-spec-bench-") as tmp:
         specs = {
@@ -123,83 +186,134 @@ def main() -> None:
         drafts = {"draft": load_model(specs["draft"], Path(tmp)), "self": target}
         rng = random.Random(0)
         prompt = [rng.randrange(3, target.vocab_size) for _ in range(a.prompt)]
-        n = a.tokens
-        x = mx.array(prompt)
         print(
             f"target {a.target}, draft {a.draft}, {target.dtype} on {out['device']}, prompt "
-            f"{a.prompt}, {n} tokens, k={a.k}, medians of {a.repeat}"
+            f"{a.prompt}, {a.tokens} tokens, k={a.k}"
         )
         # Warm-up: kernels compile on first use.
-        list(generate_step(x, target.model, max_tokens=4))
+        list(generate_step(mx.array(prompt), target.model, max_tokens=4))
         ours(target.model, drafts["draft"].model, prompt, a.k, 8)
-        plain = median_of(
-            a.repeat, lambda: decode_rate(generate_step(x, target.model, max_tokens=n), n)
-        )
-        print(f"  mlx-lm generate_step (no draft): {plain:8.1f} tok/s")
-        out["plain_tokens_per_s"] = round(plain, 1)
-        engines = {}
-        if not a.skip_engine:
-            for name, draft_spec in (("draft", specs["draft"]), ("self", specs["target"])):
-                engines[name] = start_engine(
-                    Path(tmp),
-                    "--model",
-                    specs["target"],
-                    "--draft-model",
-                    draft_spec,
-                    log_dir=Path(tmp),
-                )
-        try:
-            if engines:
-                address = engines["draft"].address
-                engine_rate(address, prompt, 8, a.k)
-                engine_plain = median_of(a.repeat, lambda: engine_rate(address, prompt, n, 0))[0]
-                print(f"  engine, num_draft_tokens=0:      {engine_plain:8.1f} tok/s")
-                out["engine_plain_tokens_per_s"] = round(engine_plain, 1)
-            for name, draft in drafts.items():
-                theirs = median_of(
-                    a.repeat,
-                    lambda d=draft: decode_rate(
-                        speculative_generate_step(
-                            x, target.model, d.model, num_draft_tokens=a.k, max_tokens=n
-                        ),
-                        n,
-                    ),
-                )
-                rate, accepted = median_of(
-                    a.repeat, lambda d=draft: ours(target.model, d.model, prompt, a.k, n)
-                )
-                row = {
-                    "draft": name,
-                    "mlx_lm_speculative_tokens_per_s": round(theirs, 1),
-                    "ours_tokens_per_s": round(rate, 1),
-                    "ours_vs_plain": round(rate / plain, 3),
-                    "mlx_lm_speculative_vs_plain": round(theirs / plain, 3),
-                    "acceptance": round(accepted, 3),
-                }
-                print(
-                    f"  draft={name:<5} mlx-lm speculative {theirs:8.1f} tok/s "
-                    f"(x{theirs / plain:.2f}), ours {rate:8.1f} tok/s (x{rate / plain:.2f}), "
-                    f"acceptance {accepted:.0%}"
-                )
-                if name in engines:
-                    address = engines[name].address
-                    engine_rate(address, prompt, 8, a.k)
-                    e_rate, e_acc = median_of(
-                        a.repeat, lambda ad=address: engine_rate(ad, prompt, n, a.k)
-                    )
-                    row["engine_tokens_per_s"] = round(e_rate, 1)
-                    row["engine_vs_engine_plain"] = round(e_rate / engine_plain, 3)
-                    print(
-                        f"               engine {e_rate:8.1f} tok/s "
-                        f"(x{e_rate / engine_plain:.2f} of the engine without a draft), "
-                        f"acceptance {e_acc:.0%}"
-                    )
-                out["rows"].append(row)
-        finally:
-            for proc in engines.values():
-                proc.stop()
+        if not a.skip_solo:
+            solo(a, specs, target, drafts, prompt, out, Path(tmp))
+        for streams in [int(x) for x in a.streams.split(",") if x]:
+            prompts = [
+                [rng.randrange(3, target.vocab_size) for _ in range(a.prompt)]
+                for _ in range(streams)
+            ]
+            out["batched"].append(batched(a, target, drafts, prompts))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
+
+
+def batched(
+    a: argparse.Namespace, target: Any, drafts: dict[str, Any], prompts: list[list[int]]
+) -> dict[str, Any]:
+    """Baseline and speculative batches alternate; the median of paired ratios, and spread."""
+    n, streams = a.tokens, len(prompts)
+    batch_plain(target.model, prompts, 4)  # warm-up at this batch size
+    for draft in drafts.values():
+        batch_speculative(target.model, draft.model, prompts, a.k, 4)
+    bases: list[float] = []
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in drafts}
+    for _ in range(a.pairs):
+        bases.append(batch_plain(target.model, prompts, n))
+        for name, draft in drafts.items():
+            runs[name].append(batch_speculative(target.model, draft.model, prompts, a.k, n))
+    base = statistics.median(bases)
+    row: dict[str, Any] = {"streams": streams, "mlx_lm_batch_tokens_per_s": round(base, 1)}
+    print(f"  {streams} streams: mlx-lm BatchGenerator (no draft) {base:8.1f} tok/s")
+    for name, results in runs.items():
+        ratios = [r / b for (r, _), b in zip(results, bases, strict=True)]
+        rate = statistics.median(r for r, _ in results)
+        accepted = statistics.median(acc for _, acc in results)
+        ratio = statistics.median(ratios)
+        row[name] = {
+            "tokens_per_s": round(rate, 1),
+            "vs_batch": round(ratio, 3),
+            "spread": [round(min(ratios), 3), round(max(ratios), 3)],
+            "acceptance": round(accepted, 3),
+        }
+        print(
+            f"    draft={name:<5} speculative batch {rate:8.1f} tok/s, x{ratio:.2f} of the batch "
+            f"({min(ratios):.2f}-{max(ratios):.2f}, {a.pairs} pairs), acceptance {accepted:.0%}"
+        )
+    return row
+
+
+def solo(
+    a: argparse.Namespace,
+    specs: dict[str, Any],
+    target: Any,
+    drafts: dict[str, Any],
+    prompt: list[int],
+    out: dict[str, Any],
+    tmp: Path,
+) -> None:
+    """One stream: mlx-lm's plain and speculative decoding, ours in process and the engine's."""
+    n = a.tokens
+    x = mx.array(prompt)
+    plain = median_of(
+        a.repeat, lambda: decode_rate(generate_step(x, target.model, max_tokens=n), n)
+    )
+    print(f"  solo: mlx-lm generate_step (no draft): {plain:8.1f} tok/s")
+    out["plain_tokens_per_s"] = round(plain, 1)
+    engines = {}
+    if not a.skip_engine:
+        for name, draft_spec in (("draft", specs["draft"]), ("self", specs["target"])):
+            engines[name] = start_engine(
+                tmp, "--model", specs["target"], "--draft-model", draft_spec, log_dir=tmp
+            )
+    try:
+        engine_plain = 0.0
+        if engines:
+            address = engines["draft"].address
+            engine_rate(address, prompt, 8, a.k)
+            engine_plain = median_of(a.repeat, lambda: engine_rate(address, prompt, n, 0))[0]
+            print(f"  engine, num_draft_tokens=0:      {engine_plain:8.1f} tok/s")
+            out["engine_plain_tokens_per_s"] = round(engine_plain, 1)
+        for name, draft in drafts.items():
+            theirs = median_of(
+                a.repeat,
+                lambda d=draft: decode_rate(
+                    speculative_generate_step(
+                        x, target.model, d.model, num_draft_tokens=a.k, max_tokens=n
+                    ),
+                    n,
+                ),
+            )
+            rate, accepted = median_of(
+                a.repeat, lambda d=draft: ours(target.model, d.model, prompt, a.k, n)
+            )
+            row = {
+                "draft": name,
+                "mlx_lm_speculative_tokens_per_s": round(theirs, 1),
+                "ours_tokens_per_s": round(rate, 1),
+                "ours_vs_plain": round(rate / plain, 3),
+                "mlx_lm_speculative_vs_plain": round(theirs / plain, 3),
+                "acceptance": round(accepted, 3),
+            }
+            print(
+                f"  draft={name:<5} mlx-lm speculative {theirs:8.1f} tok/s "
+                f"(x{theirs / plain:.2f}), ours {rate:8.1f} tok/s (x{rate / plain:.2f}), "
+                f"acceptance {accepted:.0%}"
+            )
+            if name in engines:
+                address = engines[name].address
+                engine_rate(address, prompt, 8, a.k)
+                e_rate, e_acc = median_of(
+                    a.repeat, lambda ad=address: engine_rate(ad, prompt, n, a.k)
+                )
+                row["engine_tokens_per_s"] = round(e_rate, 1)
+                row["engine_vs_engine_plain"] = round(e_rate / engine_plain, 3)
+                print(
+                    f"               engine {e_rate:8.1f} tok/s "
+                    f"(x{e_rate / engine_plain:.2f} of the engine without a draft), "
+                    f"acceptance {e_acc:.0%}"
+                )
+            out["rows"].append(row)
+    finally:
+        for proc in engines.values():
+            proc.stop()
 
 
 if __name__ == "__main__":

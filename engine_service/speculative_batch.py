@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from engine_service.engine_stats import SpeculativeCounters
 from engine_service.kv_codec import PLAIN_KV, KVCodec
@@ -265,6 +265,17 @@ class SpeculativeBatch:
             keep = len(row.history) + n + 1 - 2 - held_before  # history not yet extended
             back.append(fed - keep)
         _roll_back(self.draft_cache, back)
+
+
+def prefilled(
+    model: Any, tokens: list[int], step: int = 2048, cache: list[Any] | None = None, held: int = 0
+) -> list[Any]:
+    """A solo cache holding `tokens`: fed `step` at a time past the `held` a given cache has."""
+    cache = cache if cache is not None else make_prompt_cache(model)
+    for start in range(held, len(tokens), step):
+        model(mx.array(tokens[start : start + step])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
 
 
 def _roll_back(caches: list[Any], counts: list[int]) -> None:

@@ -15,7 +15,7 @@ import json
 import logging
 from typing import Any, Protocol
 
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import trim_prompt_cache
 
 from engine_service.attachments import (
     DRAFT_SCHEMA,
@@ -31,8 +31,7 @@ from engine_service.jobs import Job, StartingPoint
 from engine_service.model import LoadedModel
 from engine_service.plans import ResumePlan
 from engine_service.sampling import make_processors, requested_logprobs
-from engine_service.speculative import feed_prompt
-from engine_service.speculative_batch import SpecRow, SpeculativeBatch
+from engine_service.speculative_batch import SpecRow, SpeculativeBatch, prefilled
 
 log = logging.getLogger(__name__)
 
@@ -101,19 +100,17 @@ class SpeculativeLane:
                 # the rest back: its caches are trimmable (checked at start-up).
                 trim_prompt_cache(draft_cache, 1 - len(draft_pending(attachment)))
             else:  # a checkpoint without the draft's state: rebuild it from the tokens
-                draft_cache = self._draft_prefill(history)
+                draft_cache = prefilled(self.draft.model, history[:-2], self.prefill_step)
         else:
             history = list(req.prompt)
-            target_cache = (
-                start.caches if start.caches is not None else make_prompt_cache(self.target.model)
-            )
-            feed_prompt(
+            target_cache = prefilled(
                 self.target.model,
-                target_cache,
-                history[start.cached_prompt_tokens : -1],
+                history[:-1],
                 self.prefill_step,
+                start.caches,
+                start.cached_prompt_tokens,
             )
-            draft_cache = self._draft_prefill(history)
+            draft_cache = prefilled(self.draft.model, history[:-2], self.prefill_step)
         row = SpecRow(
             req.request_id,
             history,
@@ -124,11 +121,6 @@ class SpeculativeLane:
             req.kv,
         )
         return row, target_cache, draft_cache
-
-    def _draft_prefill(self, history: list[int]) -> list[Any]:
-        cache = make_prompt_cache(self.draft.model)
-        feed_prompt(self.draft.model, cache, history[:-2], self.prefill_step)
-        return cache
 
     def remove(self, request_id: str) -> None:
         if self.jobs.pop(request_id, None) is not None:

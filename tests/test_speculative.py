@@ -16,7 +16,7 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from engine_service.attachments import DRAFT_SCHEMA
 from engine_service.model import load_model
 from engine_service.sampling import SamplingOptions, SeededSampler
-from engine_service.speculative import SpeculativeDecoder
+from engine_service.speculative_batch import SpecRow, SpeculativeBatch, prefilled
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import TandemError
 from tests.servers import ServiceProcess, free_port, start_engine, start_store_on
@@ -25,10 +25,21 @@ TEXT = "The quick brown fox jumps over the lazy dog. "
 PROMPT = [(i * 977) % 2000 + 3 for i in range(300)]
 
 
-def _run(decoder: SpeculativeDecoder, n: int) -> list[int]:
+def _solo(
+    target: Any, draft: Any, prompt: list[int], options: SamplingOptions, k: int
+) -> SpeculativeBatch:
+    """A speculative batch of one row."""
+    batch = SpeculativeBatch(target, draft)
+    row = SpecRow("solo", list(prompt), 0, k, options)
+    batch.add(row, prefilled(target, prompt[:-1]), prefilled(draft, prompt[:-2]))
+    return batch
+
+
+def _run(batch: SpeculativeBatch, n: int) -> list[int]:
     out: list[int] = []
     while len(out) < n:
-        out += decoder.round(n - len(out)).tokens
+        (result,) = batch.round([n - len(out)])
+        out += result.tokens
     return out
 
 
@@ -45,13 +56,13 @@ def test_decoder_matches_mlx_lm_speculative_and_plain_decoding(
             mx.array(prompt), target, draft, num_draft_tokens=3, max_tokens=48
         )
     ]
-    ours = SpeculativeDecoder.prefill(target, draft, prompt, SamplingOptions(), [], 3)
+    ours = _solo(target, draft, prompt, SamplingOptions(), 3)
     assert _run(ours, 48) == theirs == plain
-    assert ours.drafted_total > 0
+    assert ours.counters.drafted_total > 0
     # The target as its own draft agrees on every proposal: the upper bound.
-    self_draft = SpeculativeDecoder.prefill(target, target, prompt, SamplingOptions(), [], 4)
+    self_draft = _solo(target, target, prompt, SamplingOptions(), 4)
     assert _run(self_draft, 48) == plain
-    assert self_draft.accepted_total == self_draft.drafted_total > 0
+    assert self_draft.counters.accepted_total == self_draft.counters.drafted_total > 0
     # Seeded sampling draws token t with the key of (seed, t), as plain decoding does.
     options = SamplingOptions(temperature=0.9, top_p=0.95, seed=11)
     sampled = [
@@ -60,7 +71,7 @@ def test_decoder_matches_mlx_lm_speculative_and_plain_decoding(
             mx.array(prompt), target, max_tokens=40, sampler=SeededSampler(options)
         )
     ]
-    seeded = SpeculativeDecoder.prefill(target, draft, prompt, options, [], 3)
+    seeded = _solo(target, draft, prompt, options, 3)
     assert _run(seeded, 40) == sampled
 
 

@@ -10,15 +10,14 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from engine_service.kv_codec import PLAIN_KV, KVCodec
 from engine_service.model import LoadedModel, load_model
 from engine_service.quantized_kv import BatchQuantizedKVCache, adopt_row
 from engine_service.quantized_ring import BatchQuantizedRingCache
 from engine_service.sampling import SamplingOptions, SeededSampler
-from engine_service.speculative import feed_prompt
-from engine_service.speculative_batch import SpecRow, SpeculativeBatch
+from engine_service.speculative_batch import SpecRow, SpeculativeBatch, prefilled
 
 TOKENS = 40
 EIGHT_BIT = KVCodec(8, 64)
@@ -61,7 +60,7 @@ def test_kv_rollback_per_row_equals_never_having_the_tokens() -> None:
         alone = BatchQuantizedKVCache.merge([row])
         alone.update_and_fetch(block_k[i : i + 1, :, :keep], block_v[i : i + 1, :, :keep])
         want, got = alone.extract(0), batch.extract(i)
-        assert got.offset == want.offset == int(batch.offset[i].item())
+        assert got.offset == want.offset == batch.offset[i].item()
         assert type(got) is type(want)
         for a, b in zip(_planes(got), _planes(want), strict=True):
             assert mx.array_equal(a, b), (i, codecs[i])
@@ -89,11 +88,16 @@ def test_ring_rollback_after_a_block_keeps_each_window() -> None:
     keys, _ = batch.update_and_fetch(step, step)  # a decode step after the rollback
     for i, t in enumerate(tokens):
         kept = mx.concatenate([t, block[i : i + 1, :, : 5 - back[i]], step[i : i + 1]], axis=2)
-        window_keys = kept[0, 0, -window:].tolist()
-        columns = [c for c, seen in enumerate(mask[i, 0, 0].tolist()) if seen]
-        visible = keys[i, 0, mx.array(columns)].tolist()
-        assert sorted(map(tuple, visible)) == sorted(map(tuple, window_keys)), i
-        assert int(batch.offset[i].item()) == t.shape[2] + 5 - back[i] + 1
+        seen: Any = mask[i, 0, 0].tolist()
+        visible = keys[i, 0, mx.array([c for c, v in enumerate(seen) if v])]
+        assert _as_rows(visible) == _as_rows(kept[0, 0, -window:]), i
+        assert batch.offset[i].item() == t.shape[2] + 5 - back[i] + 1
+
+
+def _as_rows(vectors: mx.array) -> list[tuple[float, ...]]:
+    """Key vectors as a sorted list (a ring holds its window in rotated order)."""
+    listed: Any = vectors.tolist()
+    return sorted(tuple(v) for v in listed)
 
 
 def _plain_tokens(model: Any, prompt: list[int], options: SamplingOptions) -> list[int]:
@@ -131,12 +135,8 @@ def test_batched_speculation_equals_plain_decoding(
 
     def add(j: int) -> None:
         prompt = _prompt(j)
-        target_cache = make_prompt_cache(target.model)
-        feed_prompt(target.model, target_cache, prompt[:-1], 2048)
-        draft_cache = make_prompt_cache(draft.model)
-        feed_prompt(draft.model, draft_cache, prompt[:-2], 2048)
         row = SpecRow(str(j), list(prompt), 0, lengths[j], options[j % 2])
-        batch.add(row, target_cache, draft_cache)
+        batch.add(row, prefilled(target.model, prompt[:-1]), prefilled(draft.model, prompt[:-2]))
 
     for j in range(6):
         add(j)
