@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +48,12 @@ from mlx_lm.generate import (  # noqa: E402
 )
 # isort: on
 
-from bench.engine_bench import SHAPES, model_spec  # noqa: E402
+from bench.shapes import SHAPES, model_spec  # noqa: E402
 from engine_service import blas  # noqa: E402
+from engine_service.compiled_decode import CompiledDecode  # noqa: E402
 from engine_service.model import load_model  # noqa: E402
 from engine_service.sampling import SamplingOptions  # noqa: E402
 from engine_service.speculative_batch import SpecRow, SpeculativeBatch, prefilled  # noqa: E402
-from tandem_client import EngineClient  # noqa: E402
-from tests.servers import start_engine  # noqa: E402
 
 # A Qwen3-0.6B-shaped draft with the Llama-3 vocabulary size (same tokenizer as the target).
 DRAFT_SHAPES = {"qwen3-0.6b-shape": {**SHAPES["qwen3-0.6b-shape"], "vocab_size": 128256}}
@@ -73,12 +73,36 @@ def decode_rate(tokens: Iterator[Any], n: int) -> float:
     return (count - 1) / (time.perf_counter() - first)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """How the speculative batch runs: attention over whole planes (wide reads), the draft's
+    one-token steps compiled (CompiledDecode, batches up to 8 rows)."""
+
+    wide_reads: bool = False
+    compiled_draft: bool = False
+
+    @classmethod
+    def parse(cls, name: str) -> Variant:
+        parts = set(name.split("+"))
+        return cls("wide" in parts, "compiled" in parts)
+
+    @property
+    def name(self) -> str:
+        return (
+            "+".join(
+                n for n, on in (("wide", self.wide_reads), ("compiled", self.compiled_draft)) if on
+            )
+            or "eager"
+        )
+
+
 def speculative_batch(
-    target: Any, draft: Any, prompts: list[list[int]], k: int
+    target: Any, draft: Any, prompts: list[list[int]], k: int, variant: Variant = Variant()
 ) -> SpeculativeBatch:
     """Greedy rows drafting k, prefilled (the target holds prompt[:-1], the draft
     prompt[:-2])."""
-    batch = SpeculativeBatch(target, draft)
+    stepper = CompiledDecode(draft, 8) if variant.compiled_draft else draft
+    batch = SpeculativeBatch(target, stepper, wide_reads=variant.wide_reads)
     for j, prompt in enumerate(prompts):
         row = SpecRow(str(j), list(prompt), 0, k, SamplingOptions())
         batch.add(row, prefilled(target, prompt[:-1]), prefilled(draft, prompt[:-2]))
@@ -101,43 +125,69 @@ def ours(target: Any, draft: Any, prompt: list[int], k: int, n: int) -> tuple[fl
     return rate, c.accepted_total / max(c.drafted_total, 1)
 
 
-def batch_plain(model: Any, prompts: list[list[int]], n: int) -> float:
+@dataclass
+class BatchRun:
+    tokens_per_s: float
+    tokens: list[list[int]]  # each row's first tokens, for the agreement with plain decoding
+    acceptance: float = 0.0
+
+
+def batch_plain(model: Any, prompts: list[list[int]], n: int) -> BatchRun:
     """mlx-lm's BatchGenerator without speculation: decode tokens/s of every row together,
     after each row's first token, over n steps."""
     bg = BatchGenerator(
         model, completion_batch_size=len(prompts), prefill_batch_size=min(8, len(prompts))
     )
     uids = bg.insert(prompts, max_tokens=[n + 2 * len(prompts) + 8] * len(prompts))
-    started: set[int] = set()
-    while len(started) < len(uids):  # prefill, until every row has its first token
-        started.update(r.uid for r in bg.next()[1])
+    rows: dict[int, list[int]] = {uid: [] for uid in uids}
+    while any(not r for r in rows.values()):  # prefill, until every row has its first token
+        for r in bg.next()[1]:
+            rows[r.uid].append(r.token)
     tokens = 0
     start = time.perf_counter()
     for _ in range(n):
-        tokens += len(bg.next()[1])
+        responses = bg.next()[1]
+        tokens += len(responses)
+        for r in responses:
+            rows[r.uid].append(r.token)
     wall = time.perf_counter() - start
     bg.close()
-    return tokens / wall
+    return BatchRun(tokens / wall, [rows[uid] for uid in uids])
 
 
 def batch_speculative(
-    target: Any, draft: Any, prompts: list[list[int]], k: int, n: int
-) -> tuple[float, float]:
-    """The SpeculativeBatch of the same rows: (decode tokens/s after a first round, until
-    every row made n more tokens; acceptance)."""
-    batch = speculative_batch(target, draft, prompts, k)
+    target: Any, draft: Any, prompts: list[list[int]], k: int, n: int, variant: Variant
+) -> BatchRun:
+    """The SpeculativeBatch of the same rows: decode tokens/s after a first round, until the
+    rows made n tokens each on average; acceptance."""
+    batch = speculative_batch(target, draft, prompts, k, variant)
     unlimited = [1 << 30] * len(prompts)
-    batch.round(unlimited)  # the first round: the rows' first tokens
+    rows = [r.tokens for r in batch.round(unlimited)]  # the first round: first tokens
     made = 0
     start = time.perf_counter()
     while made < n * len(prompts):
-        made += sum(len(r.tokens) for r in batch.round(unlimited))
+        for row, result in zip(rows, batch.round(unlimited), strict=True):
+            row += result.tokens
+            made += len(result.tokens)
     wall = time.perf_counter() - start
     c = batch.counters
-    return made / wall, c.accepted_total / max(c.drafted_total, 1)
+    return BatchRun(made / wall, rows, c.accepted_total / max(c.drafted_total, 1))
+
+
+def agreement(ours: list[list[int]], plain: list[list[int]]) -> tuple[float, int]:
+    """(share of rows whose tokens equal plain decoding's over the tokens both made, the
+    fewest tokens compared in a row)."""
+    equal, fewest = 0, 1 << 30
+    for mine, theirs in zip(ours, plain, strict=True):
+        both = min(len(mine), len(theirs))
+        equal += mine[:both] == theirs[:both]
+        fewest = min(fewest, both)
+    return equal / len(ours), fewest
 
 
 def engine_rate(address: str, prompt: list[int], n: int, k: int) -> tuple[float, float]:
+    from tandem_client import EngineClient  # the engine runs only here (the device: no grpc)
+
     with EngineClient(address) as client:
         got = client.generate(prompt, max_tokens=n, ignore_eos=True, num_draft_tokens=k)
     assert got.usage is not None
@@ -162,6 +212,9 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="solo runs (medians)")
     p.add_argument("--streams", default="8,32", help="batch sizes of the batched runs")
     p.add_argument("--pairs", type=int, default=3, help="ABAB rounds of the batched runs")
+    p.add_argument(
+        "--variants", default="eager", help="batched runs: eager, wide, wide+compiled (comma)"
+    )
     p.add_argument("--skip-solo", action="store_true")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--json")
@@ -210,32 +263,41 @@ def batched(
 ) -> dict[str, Any]:
     """Baseline and speculative batches alternate; the median of paired ratios, and spread."""
     n, streams = a.tokens, len(prompts)
+    variants = [Variant.parse(v) for v in a.variants.split(",")]
+    cases = [(name, v) for v in variants for name in drafts]
     batch_plain(target.model, prompts, 4)  # warm-up at this batch size
-    for draft in drafts.values():
-        batch_speculative(target.model, draft.model, prompts, a.k, 4)
-    bases: list[float] = []
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in drafts}
+    for name, v in cases:
+        batch_speculative(target.model, drafts[name].model, prompts, a.k, 4, v)
+    bases: list[BatchRun] = []
+    runs: dict[tuple[str, Variant], list[BatchRun]] = {case: [] for case in cases}
     for _ in range(a.pairs):
         bases.append(batch_plain(target.model, prompts, n))
-        for name, draft in drafts.items():
-            runs[name].append(batch_speculative(target.model, draft.model, prompts, a.k, n))
-    base = statistics.median(bases)
+        for name, v in cases:
+            runs[(name, v)].append(
+                batch_speculative(target.model, drafts[name].model, prompts, a.k, n, v)
+            )
+    base = statistics.median(b.tokens_per_s for b in bases)
     row: dict[str, Any] = {"streams": streams, "mlx_lm_batch_tokens_per_s": round(base, 1)}
     print(f"  {streams} streams: mlx-lm BatchGenerator (no draft) {base:8.1f} tok/s")
-    for name, results in runs.items():
-        ratios = [r / b for (r, _), b in zip(results, bases, strict=True)]
-        rate = statistics.median(r for r, _ in results)
-        accepted = statistics.median(acc for _, acc in results)
+    for (name, v), results in runs.items():
+        ratios = [r.tokens_per_s / b.tokens_per_s for r, b in zip(results, bases, strict=True)]
+        rate = statistics.median(r.tokens_per_s for r in results)
+        accepted = statistics.median(r.acceptance for r in results)
         ratio = statistics.median(ratios)
-        row[name] = {
+        equal, compared = agreement(results[0].tokens, bases[0].tokens)
+        row[f"{name}/{v.name}"] = {
             "tokens_per_s": round(rate, 1),
             "vs_batch": round(ratio, 3),
             "spread": [round(min(ratios), 3), round(max(ratios), 3)],
             "acceptance": round(accepted, 3),
+            "rows_equal_to_plain": round(equal, 3),
+            "tokens_compared_at_least": compared,
         }
         print(
-            f"    draft={name:<5} speculative batch {rate:8.1f} tok/s, x{ratio:.2f} of the batch "
-            f"({min(ratios):.2f}-{max(ratios):.2f}, {a.pairs} pairs), acceptance {accepted:.0%}"
+            f"    draft={name:<5} {v.name:<13} speculative batch {rate:8.1f} tok/s, "
+            f"x{ratio:.2f} of the batch "
+            f"({min(ratios):.2f}-{max(ratios):.2f}, {a.pairs} pairs), acceptance {accepted:.0%}; "
+            f"rows equal to plain decoding {equal:.0%} (over >= {compared} tokens)"
         )
     return row
 
@@ -259,6 +321,8 @@ def solo(
     out["plain_tokens_per_s"] = round(plain, 1)
     engines = {}
     if not a.skip_engine:
+        from tests.servers import start_engine
+
         for name, draft_spec in (("draft", specs["draft"]), ("self", specs["target"])):
             engines[name] = start_engine(
                 tmp, "--model", specs["target"], "--draft-model", draft_spec, log_dir=tmp

@@ -7,19 +7,10 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from engine_service.preemption import ParkCounters
+from engine_service.speculative_batch import SpeculativeCounters
 
 # Decode rate: tokens over the last this many seconds.
 RATE_WINDOW_S = 5.0
-
-
-@dataclass
-class SpeculativeCounters:
-    """The speculative batch's rounds, proposals and rollbacks since start."""
-
-    rounds_total: int = 0
-    drafted_total: int = 0
-    accepted_total: int = 0
-    rollbacks_total: int = 0
 
 
 @dataclass

@@ -67,6 +67,10 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
     """A left-padded batch of KV rows in mixed storage formats (see the module docstring)."""
 
     step = 256
+    # Attention reads whole step-grown planes, the mask hiding the columns past `_idx`: set
+    # by speculative batches, whose multi-position calls would otherwise meet a new key length
+    # every round (MLX-CUDA builds attention kernels per shape).
+    wide_reads = False
 
     def __init__(self, left_padding: list[int], codecs: list[KVCodec] | None = None) -> None:
         # Host copy of the per-row left padding; a row's offset (tokens held, RoPE position)
@@ -158,6 +162,8 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
         layer) and every layer agree."""
         if not self._groups:
             return False
+        if self.wide_reads:
+            return True
         wide = WIDE_AFFINE if FULL_WIDTH_PLANES else WIDE
         if any(g.storage.kind in wide for g in self._groups):
             return True

@@ -33,12 +33,21 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from engine_service.engine_stats import SpeculativeCounters
 from engine_service.kv_codec import PLAIN_KV, KVCodec
-from engine_service.quantized_kv import adopt_row
+from engine_service.quantized_kv import BatchQuantizedKVCache, adopt_row
 from engine_service.sampling import SamplingOptions, SeededSampler
 
 Processor = Callable[[mx.array, mx.array], mx.array]
+
+
+@dataclass
+class SpeculativeCounters:
+    """The speculative batch's rounds, proposals and rollbacks since start."""
+
+    rounds_total: int = 0
+    drafted_total: int = 0
+    accepted_total: int = 0
+    rollbacks_total: int = 0
 
 
 @dataclass
@@ -108,8 +117,16 @@ class RowRound:
 class SpeculativeBatch:
     """The speculative rows, their target and draft batch caches (one per layer)."""
 
-    def __init__(self, target: Any, draft: Any, counters: SpeculativeCounters | None = None):
+    def __init__(
+        self,
+        target: Any,
+        draft: Any,
+        counters: SpeculativeCounters | None = None,
+        wide_reads: bool = False,
+    ) -> None:
         self.target, self.draft = target, draft
+        # Attention over whole step-grown planes (BatchQuantizedKVCache.wide_reads).
+        self.wide_reads = wide_reads
         self.rows: list[SpecRow] = []
         self.target_cache: list[Any] = []
         self.draft_cache: list[Any] = []
@@ -125,6 +142,9 @@ class SpeculativeBatch:
         draft = _as_batch([adopt_row(c, PLAIN_KV) for c in draft_cache])
         self.target_cache = _extend(self.target_cache, target)
         self.draft_cache = _extend(self.draft_cache, draft)
+        for cache in (*self.target_cache, *self.draft_cache):
+            if isinstance(cache, BatchQuantizedKVCache):
+                cache.wide_reads = self.wide_reads
         self.rows.append(row)
 
     def index(self, request_id: str) -> int:

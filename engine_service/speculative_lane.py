@@ -25,13 +25,17 @@ from engine_service.attachments import (
 )
 from engine_service.attachments import find as find_attachment
 from engine_service.checkpoints import CheckpointManager
-from engine_service.engine_stats import SpeculativeCounters
 from engine_service.events import Event, Finished, FinishReason, Started, Token
 from engine_service.jobs import Job, StartingPoint
 from engine_service.model import LoadedModel
 from engine_service.plans import ResumePlan
 from engine_service.sampling import make_processors, requested_logprobs
-from engine_service.speculative_batch import SpecRow, SpeculativeBatch, prefilled
+from engine_service.speculative_batch import (
+    SpecRow,
+    SpeculativeBatch,
+    SpeculativeCounters,
+    prefilled,
+)
 
 log = logging.getLogger(__name__)
 
