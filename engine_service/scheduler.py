@@ -95,7 +95,14 @@ class Scheduler:
         self._grammars = Grammars.for_model(loaded)
         # Requests with num_draft_tokens run here, beside the batch (speculative_lane.py).
         self._speculative = (
-            SpeculativeLane(self, loaded, draft, checkpoints, limits.prefill_step_size)
+            SpeculativeLane(
+                self,
+                loaded,
+                draft,
+                checkpoints,
+                limits.prefill_step_size,
+                compiled_decode_max_batch,
+            )
             if draft is not None
             else None
         )

@@ -34,6 +34,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from engine_service.kv_codec import PLAIN_KV, KVCodec
+from engine_service.kv_planes import FULL_WIDTH_PLANES
 from engine_service.quantized_kv import BatchQuantizedKVCache, adopt_row
 from engine_service.sampling import SamplingOptions, SeededSampler
 
@@ -122,10 +123,12 @@ class SpeculativeBatch:
         target: Any,
         draft: Any,
         counters: SpeculativeCounters | None = None,
-        wide_reads: bool = False,
+        wide_reads: bool = FULL_WIDTH_PLANES,
     ) -> None:
         self.target, self.draft = target, draft
-        # Attention over whole step-grown planes (BatchQuantizedKVCache.wide_reads).
+        # Attention over whole step-grown planes (BatchQuantizedKVCache.wide_reads), on
+        # MLX-CUDA by default: its attention over several query positions builds a kernel per
+        # key length (~65 ms on an H200, a new length every round without wide reads).
         self.wide_reads = wide_reads
         self.rows: list[SpecRow] = []
         self.target_cache: list[Any] = []

@@ -25,6 +25,7 @@ from engine_service.attachments import (
 )
 from engine_service.attachments import find as find_attachment
 from engine_service.checkpoints import CheckpointManager
+from engine_service.compiled_decode import CompiledDecode
 from engine_service.events import Event, Finished, FinishReason, Started, Token
 from engine_service.jobs import Job, StartingPoint
 from engine_service.model import LoadedModel
@@ -58,15 +59,23 @@ class SpeculativeLane:
         draft: LoadedModel,
         checkpoints: CheckpointManager | None = None,
         prefill_step: int = 2048,
+        compiled_draft_max_batch: int = 0,
     ) -> None:
         self.host = host
         self.target = target
         self.draft = draft
         self.checkpoints = checkpoints
         self.prefill_step = prefill_step
+        # The draft's one-token steps compiled for small batches (compiled_decode.py), as the
+        # engine's own decode is with --compiled-decode: they are host-bound.
+        self._draft_steps = (
+            CompiledDecode(draft.model, compiled_draft_max_batch)
+            if compiled_draft_max_batch > 0
+            else draft.model
+        )
         self.jobs: dict[str, Job] = {}  # by request id
         self.counters = SpeculativeCounters()
-        self.batch = SpeculativeBatch(target.model, draft.model, self.counters)
+        self.batch = SpeculativeBatch(target.model, self._draft_steps, self.counters)
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -132,7 +141,7 @@ class SpeculativeLane:
 
     def clear(self) -> None:
         self.jobs.clear()
-        self.batch = SpeculativeBatch(self.target.model, self.draft.model, self.counters)
+        self.batch = SpeculativeBatch(self.target.model, self._draft_steps, self.counters)
 
     def step(self) -> int:
         """One round for every speculative request; returns the tokens generated."""

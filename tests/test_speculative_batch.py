@@ -12,6 +12,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from engine_service.compiled_decode import CompiledDecode
 from engine_service.kv_codec import PLAIN_KV, KVCodec
 from engine_service.model import LoadedModel, load_model
 from engine_service.quantized_kv import BatchQuantizedKVCache, adopt_row
@@ -120,15 +121,24 @@ def _run_batch(batch: SpeculativeBatch, wanted: dict[str, int]) -> dict[str, lis
     return out
 
 
-@pytest.mark.parametrize("name", ["", "tandem-tiny-swa", "tandem-tiny-hybrid"])
+@pytest.mark.parametrize(
+    ("name", "wide", "compiled"),
+    [
+        ("", False, False),
+        ("tandem-tiny-swa", False, False),
+        ("tandem-tiny-hybrid", False, False),
+        ("", True, True),  # as on MLX-CUDA: whole planes read, the draft's steps compiled
+    ],
+)
 def test_batched_speculation_equals_plain_decoding(
-    name: str, engine_data_dir: Path, draft: LoadedModel
+    name: str, wide: bool, compiled: bool, engine_data_dir: Path, draft: LoadedModel
 ) -> None:
     """Eight rows (greedy and seeded, draft lengths 1..6, prompts of 17 to 108 tokens, so
     64-token rings wrap) decode together; each equals mlx-lm's plain decoding of it alone.
     Rows join while others run, and rejected proposals are rolled back many times."""
     target = load_model(name, engine_data_dir)
-    batch = SpeculativeBatch(target.model, draft.model)
+    stepper = CompiledDecode(draft.model, 8) if compiled else draft.model
+    batch = SpeculativeBatch(target.model, stepper, wide_reads=wide)
     options = [SamplingOptions(), SamplingOptions(temperature=0.8, seed=3)]
     lengths = [1, 2, 3, 4, 6, 2, 5, 3]
     wanted = {str(j): TOKENS for j in range(8)}
@@ -136,7 +146,8 @@ def test_batched_speculation_equals_plain_decoding(
     def add(j: int) -> None:
         prompt = _prompt(j)
         row = SpecRow(str(j), list(prompt), 0, lengths[j], options[j % 2])
-        batch.add(row, prefilled(target.model, prompt[:-1]), prefilled(draft.model, prompt[:-2]))
+        draft_cache = prefilled(draft.model, prompt[:-2])
+        batch.add(row, prefilled(target.model, prompt[:-1]), draft_cache)
 
     for j in range(6):
         add(j)
@@ -149,4 +160,6 @@ def test_batched_speculation_equals_plain_decoding(
         assert head + got[str(j)] == _plain_tokens(target.model, _prompt(j), options[j % 2]), j
     counters = batch.counters
     assert counters.rollbacks_total > 20
+    if compiled:
+        assert stepper.compiled_steps > 0
     assert 0 < counters.accepted_total < counters.drafted_total
