@@ -174,15 +174,18 @@ def batch_speculative(
     return BatchRun(made / wall, rows, c.accepted_total / max(c.drafted_total, 1))
 
 
-def agreement(ours: list[list[int]], plain: list[list[int]]) -> tuple[float, int]:
+def agreement(ours: list[list[int]], plain: list[list[int]]) -> tuple[float, int, float]:
     """(share of rows whose tokens equal plain decoding's over the tokens both made, the
-    fewest tokens compared in a row)."""
-    equal, fewest = 0, 1 << 30
+    fewest tokens compared in a row, the median index of a row's first differing token,
+    counting an equal row as its compared length)."""
+    equal, fewest, firsts = 0, 1 << 30, []
     for mine, theirs in zip(ours, plain, strict=True):
         both = min(len(mine), len(theirs))
-        equal += mine[:both] == theirs[:both]
+        differ = [i for i in range(both) if mine[i] != theirs[i]]
+        equal += not differ
         fewest = min(fewest, both)
-    return equal / len(ours), fewest
+        firsts.append(differ[0] if differ else both)
+    return equal / len(ours), fewest, statistics.median(firsts)
 
 
 def engine_rate(address: str, prompt: list[int], n: int, k: int) -> tuple[float, float]:
@@ -284,7 +287,7 @@ def batched(
         rate = statistics.median(r.tokens_per_s for r in results)
         accepted = statistics.median(r.acceptance for r in results)
         ratio = statistics.median(ratios)
-        equal, compared = agreement(results[0].tokens, bases[0].tokens)
+        equal, compared, first = agreement(results[0].tokens, bases[0].tokens)
         row[f"{name}/{v.name}"] = {
             "tokens_per_s": round(rate, 1),
             "vs_batch": round(ratio, 3),
@@ -292,12 +295,14 @@ def batched(
             "acceptance": round(accepted, 3),
             "rows_equal_to_plain": round(equal, 3),
             "tokens_compared_at_least": compared,
+            "median_first_difference": first,
         }
         print(
             f"    draft={name:<5} {v.name:<13} speculative batch {rate:8.1f} tok/s, "
             f"x{ratio:.2f} of the batch "
             f"({min(ratios):.2f}-{max(ratios):.2f}, {a.pairs} pairs), acceptance {accepted:.0%}; "
-            f"rows equal to plain decoding {equal:.0%} (over >= {compared} tokens)"
+            f"rows equal to plain decoding {equal:.0%} (over >= {compared} tokens; "
+            f"first difference at token {first:g}, median)"
         )
     return row
 
