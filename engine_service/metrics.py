@@ -150,6 +150,19 @@ class CoreCollector(Collector):
         yield _counter(
             "tandem:requests_rejected", "Requests refused at admission.", e.rejected_total
         )
+        spec = e.speculative
+        yield _counter("tandem:spec_decode_num_drafts", "Speculative rounds.", spec.rounds_total)
+        yield _counter(
+            "tandem:spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.drafted_total
+        )
+        yield _counter(
+            "tandem:spec_decode_num_accepted_tokens", "Draft tokens kept.", spec.accepted_total
+        )
+        yield _counter(
+            "tandem:spec_decode_num_rollbacks",
+            "Speculative rows that gave rejected proposals back.",
+            spec.rollbacks_total,
+        )
         if c is None:
             return
         yield _counter(

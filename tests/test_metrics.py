@@ -95,6 +95,36 @@ def test_engine_metrics_count_what_was_done(
     assert 0 < delta("tandem:time_to_first_token_seconds_sum") < 60
 
 
+def test_speculative_counters_match_the_usage(tmp_path: Path, engine_data_dir: Path) -> None:
+    store, engine, port = _store_and_engine(
+        tmp_path, engine_data_dir, "--draft-model", "tandem-tiny-draft"
+    )
+    try:
+        with EngineClient(engine.address) as client:
+            prompts = ([(i * 13 + j) % 900 + 20 for i in range(40)] for j in range(2))
+            usages = []
+            for prompt in prompts:
+                got = client.generate(prompt, max_tokens=24, ignore_eos=True, num_draft_tokens=3)
+                assert got.usage is not None
+                usages.append(got.usage)
+            stats = client.stats()
+        samples = scrape(port)
+        drafted = sum(u.draft_tokens for u in usages)
+        accepted = sum(u.accepted_draft_tokens for u in usages)
+        assert samples[("tandem:spec_decode_num_draft_tokens_total", ())] == drafted > 0
+        assert samples[("tandem:spec_decode_num_accepted_tokens_total", ())] == accepted
+        assert samples[("tandem:spec_decode_num_drafts_total", ())] == (
+            stats.speculative_rounds_total
+        )
+        assert samples[("tandem:spec_decode_num_rollbacks_total", ())] == (
+            stats.speculative_rollbacks_total
+        )
+        assert 0 < stats.speculative_rounds_total < 48
+    finally:
+        engine.stop()
+        store.stop()
+
+
 def test_engine_rate_histograms_count_store_transfers(
     tmp_path: Path, engine_data_dir: Path
 ) -> None:
