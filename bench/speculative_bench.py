@@ -109,8 +109,10 @@ def speculative_batch(
     return batch
 
 
-def ours(target: Any, draft: Any, prompt: list[int], k: int, n: int) -> tuple[float, float]:
-    batch = speculative_batch(target, draft, [prompt], k)
+def ours(
+    target: Any, draft: Any, prompt: list[int], k: int, n: int, variant: Variant = Variant()
+) -> tuple[float, float]:
+    batch = speculative_batch(target, draft, [prompt], k, variant)
 
     def tokens() -> Iterator[int]:
         made = 0
@@ -216,7 +218,9 @@ def main() -> None:
     p.add_argument("--streams", default="8,32", help="batch sizes of the batched runs")
     p.add_argument("--pairs", type=int, default=3, help="ABAB rounds of the batched runs")
     p.add_argument(
-        "--variants", default="eager", help="batched runs: eager, wide, wide+compiled (comma)"
+        "--variants",
+        default="eager",
+        help="eager, wide, compiled, wide+compiled (comma; the first also runs solo)",
     )
     p.add_argument("--skip-solo", action="store_true")
     p.add_argument("--skip-engine", action="store_true")
@@ -350,8 +354,10 @@ def solo(
                     n,
                 ),
             )
+            solo_variant = Variant.parse(a.variants.split(",")[0])
             rate, accepted = median_of(
-                a.repeat, lambda d=draft: ours(target.model, d.model, prompt, a.k, n)
+                a.repeat,
+                lambda d=draft: ours(target.model, d.model, prompt, a.k, n, solo_variant),
             )
             row = {
                 "draft": name,
