@@ -323,6 +323,7 @@ def solo(
     """One stream: mlx-lm's plain and speculative decoding, ours in process and the engine's."""
     n = a.tokens
     x = mx.array(prompt)
+    variant = Variant.parse(a.variants.split(",")[0])
     plain = median_of(
         a.repeat, lambda: decode_rate(generate_step(x, target.model, max_tokens=n), n)
     )
@@ -354,10 +355,9 @@ def solo(
                     n,
                 ),
             )
-            solo_variant = Variant.parse(a.variants.split(",")[0])
             rate, accepted = median_of(
                 a.repeat,
-                lambda d=draft: ours(target.model, d.model, prompt, a.k, n, solo_variant),
+                lambda d=draft: ours(target.model, d.model, prompt, a.k, n, variant),
             )
             row = {
                 "draft": name,
