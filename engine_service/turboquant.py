@@ -130,6 +130,7 @@ class TurboQuantCodec:
         # traced once per distinct shape: a batch's planes grow 256 columns at a time).
         self._quantize = mx.compile(self._quantize_graph)
         self._decoders: dict[str, Any] = {}  # by output dtype (compile takes arrays only)
+        self._scaled: dict[float, mx.array] = {}  # rotate_scaled's matrices, by scale
         self._cuda = (
             turboquant_cuda.CudaKernels(head_dim, bits, self.words, self.centroids, self.bounds)
             if turboquant_cuda.AVAILABLE
@@ -141,6 +142,14 @@ class TurboQuantCodec:
 
     def rotate(self, x: mx.array) -> mx.array:
         return x.astype(mx.float32) @ self.rotation
+
+    def rotate_scaled(self, x: mx.array, scale: float) -> mx.array:
+        """x @ (R * scale): a query rotated and scaled in one matmul (the scaled rotation made
+        once per scale)."""
+        scaled = self._scaled.get(scale)
+        if scaled is None:
+            scaled = self._scaled[scale] = self.rotation * scale
+        return x.astype(mx.float32) @ scaled
 
     def unrotate(self, y: mx.array) -> mx.array:
         return y @ self.rotation.T
@@ -278,26 +287,33 @@ def _cuda_attention(
     kc, vc = keys.codec, values.codec
     assert kc._cuda is not None and vc._cuda is not None
     dtype = queries.dtype
-    q = kc.rotate(queries)
     out: mx.array | None = None
     if turboquant_cuda.FUSED is not False and sinks is None:
-        out = turboquant_cuda.fused_attention(
-            q, (keys.codes, keys.norms, kc._cuda), (values.codes, values.norms, vc._cuda),
-            scale, mask,
-        )  # fmt: skip
+        try:
+            out = turboquant_cuda.fused_attention(
+                kc.rotate_scaled(queries, scale),
+                (keys.codes, keys.norms, kc._cuda), (values.codes, values.norms, vc._cuda),
+                mask, vc.rotation, dtype,
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001  (a kernel this device cannot build)
+            log.warning("TurboQuant fused decode attention off: %s", exc)
+            turboquant_cuda.FUSED, out = False, None
     if out is None or turboquant_cuda.FUSED is None:
         reference = mx.fast.scaled_dot_product_attention(
-            q.astype(dtype),
+            kc.rotate(queries).astype(dtype),
             kc.decode_rotated(keys, dtype),
             vc.decode_rotated(values, dtype),
             scale=scale,
             mask=mask,
             sinks=sinks,
         ).astype(mx.float32)
+        reference = vc.unrotate(reference).astype(dtype)
         if out is not None:  # the first fused call: checked once against the reference
-            turboquant_cuda.FUSED = _fused_matches(out, reference)
+            turboquant_cuda.FUSED = _fused_matches(
+                out.astype(mx.float32), reference.astype(mx.float32)
+            )
         out = out if turboquant_cuda.FUSED and out is not None else reference
-    return vc.unrotate(out).astype(dtype)
+    return out
 
 
 def _fused_matches(fused: mx.array, reference: mx.array) -> bool:

@@ -208,6 +208,30 @@ _ATTEND = """
     }
 """
 
+# The chunks' partial sums merged (each weighted by exp(its max - the overall max)), then the
+# output un-rotated out of the values' domain and written in the model's dtype: one kernel
+# where the MLX ops were eleven (a max, exps, sums, a division, the un-rotation's matmul, a
+# cast). A block per (row, head), a thread per output coordinate.
+_COMBINE = """
+    __shared__ float y[D];
+    const uint32_t bh = blockIdx.x;
+    const uint32_t d = threadIdx.x;
+    const uint32_t splits = sizes[1];
+    float top = -1e30f;
+    for (uint32_t s = 0; s < splits; ++s) top = fmaxf(top, tops[bh * splits + s]);
+    float total = 0.f, acc = 0.f;
+    for (uint32_t s = 0; s < splits; ++s) {
+        const float w = expf(tops[bh * splits + s] - top);
+        total += w * sums[bh * splits + s];
+        acc += w * partial[((size_t)bh * splits + s) * D + d];
+    }
+    y[d] = acc / total;
+    __syncthreads();
+    float out_d = 0.f;
+    for (uint32_t e = 0; e < D; ++e) out_d += y[e] * rot[d * D + e];  // (y @ R^T)[d]
+    out[(size_t)bh * D + d] = static_cast<T>(out_d);
+"""
+
 CHUNK = 256  # positions a block scores
 
 
@@ -225,6 +249,12 @@ class FusedAttention:
             output_names=["partial", "tops", "sums"],
             source=_ATTEND,
         )  # fmt: skip
+        self._combine: Any = mx.fast.cuda_kernel(
+            name=f"tandem_tq_combine_{keys.head_dim}",
+            input_names=["partial", "tops", "sums", "rot", "sizes"],
+            output_names=["out"],
+            source=_COMBINE,
+        )
         self._template: list[tuple[str, Any]] = [
             ("G", group),
             ("D", keys.head_dim),
@@ -246,16 +276,18 @@ class FusedAttention:
         vcodes: mx.array,
         vnorms: mx.array,
         mask: mx.array,  # (B, S) uint8: 1 where a position is attended
+        unrotation: mx.array,  # the values' rotation R (D, D) float32: the output is y @ R^T
+        dtype: mx.Dtype,
     ) -> mx.array:
         rows, heads, dim = q.shape
         positions = kcodes.shape[2]
         splits = -(-positions // CHUNK)
         blocks = rows * self.kv_heads * splits
+        sizes = _sizes(positions, splits)
         partial, tops, sums = self._kernel(
             inputs=[
                 q, kcodes, knorms, vcodes, vnorms,
-                self.keys.levels, self.values.levels, mask,
-                mx.array([positions, splits], dtype=mx.uint32),
+                self.keys.levels, self.values.levels, mask, sizes,
             ],
             template=self._template,
             grid=(blocks * 128, 1, 1),
@@ -265,11 +297,35 @@ class FusedAttention:
             ],
             output_dtypes=[mx.float32] * 3,
         )  # fmt: skip
-        # The chunks' softmax pieces merged: each weighted by exp(its max - the overall max).
-        top = mx.max(tops, axis=-1, keepdims=True)
-        weight = mx.exp(tops - top)
-        total = mx.sum(weight * sums, axis=-1, keepdims=True)
-        return mx.sum(partial * weight[..., None], axis=-2) / total
+        (out,) = self._combine(
+            inputs=[partial, tops, sums, unrotation, sizes],
+            template=[("D", dim), ("T", dtype)],
+            grid=(rows * heads * dim, 1, 1),
+            threadgroup=(dim, 1, 1),
+            output_shapes=[(rows, heads, dim)],
+            output_dtypes=[dtype],
+        )
+        return out  # type: ignore[no-any-return]
+
+
+_SIZES: dict[tuple[int, int], mx.array] = {}
+
+
+def _sizes(positions: int, splits: int) -> mx.array:
+    """The kernels' (positions, splits) argument, made once per shape rather than per layer
+    (planes grow 256 columns at a time, so there are few)."""
+    sizes = _SIZES.get((positions, splits))
+    if sizes is None:
+        sizes = _SIZES[(positions, splits)] = mx.array([positions, splits], dtype=mx.uint32)
+    return sizes
+
+
+class _StepMask:
+    """The last attention mask seen and its (B, S) uint8 form: one model call hands every
+    layer the same mask array, so it is converted once per step, not once per layer."""
+
+    mask: Any = None
+    flat: Any = None
 
 
 FUSED: bool | None = None  # None: not yet checked on this device (turboquant.py checks once)
@@ -277,15 +333,16 @@ _fused: dict[tuple[int, int, int, int, int], FusedAttention] = {}
 
 
 def fused_attention(
-    q: mx.array,  # (B, H, 1, D) float32, rotated
+    q: mx.array,  # (B, H, 1, D) float32, rotated and scaled
     keys: tuple[mx.array, mx.array, CudaKernels],
     values: tuple[mx.array, mx.array, CudaKernels],
-    scale: float,
     mask: Any,
+    unrotation: mx.array,
+    dtype: mx.Dtype,
 ) -> mx.array | None:
-    """One decode step's attention from the codes, in the rotated domain (B, H, 1, D) float32;
-    None where the kernel does not apply (several query positions, unequal key and value
-    widths, a mask that is not a boolean array)."""
+    """One decode step's attention from the codes, un-rotated, (B, H, 1, D) in `dtype`; None
+    where the kernel does not apply (several query positions, unequal key and value widths, a
+    mask that is not a boolean array)."""
     kcodes, knorms, kk = keys
     vcodes, vnorms, vk = values
     rows, heads, length, dim = q.shape
@@ -295,13 +352,16 @@ def fused_attention(
     if mask is None:
         flat = mx.ones((rows, positions), dtype=mx.uint8)
     elif isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.shape[-1] == positions:
-        flat = mx.broadcast_to(mask, (rows, 1, 1, positions)).reshape(rows, positions)
-        flat = flat.astype(mx.uint8)
+        if mask is not _StepMask.mask:
+            flat = mx.broadcast_to(mask, (rows, 1, 1, positions)).reshape(rows, positions)
+            _StepMask.mask, _StepMask.flat = mask, flat.astype(mx.uint8)
+        flat = _StepMask.flat
     else:
         return None
     key = (kk.head_dim, kk.bits, vk.bits, heads // kv_heads, kv_heads)
     attend = _fused.get(key)
     if attend is None:
         attend = _fused[key] = FusedAttention(kk, vk, heads // kv_heads, kv_heads)
-    out = attend((q * scale).reshape(rows, heads, dim), kcodes, knorms, vcodes, vnorms, flat)
+    flat_q = q.reshape(rows, heads, dim)
+    out = attend(flat_q, kcodes, knorms, vcodes, vnorms, flat, unrotation, dtype)
     return out.reshape(rows, heads, 1, dim)
