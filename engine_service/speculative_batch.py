@@ -185,7 +185,7 @@ class SpeculativeBatch:
         picked = self._pick(logprobs, drafts, first=0, count=k + 1)
         mx.eval(picked, *drafts)
         targets: list[list[int]] = picked.tolist()  # type: ignore[assignment]
-        proposed: list[list[int]] = mx.stack(drafts, axis=1).tolist() if k else [[]] * len(rows)  # type: ignore[assignment]
+        proposed = _ints_by_row(drafts, len(rows))
         agreed = []
         for t, d, ki in zip(targets, proposed, ks, strict=True):
             n = 0
