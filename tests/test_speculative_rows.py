@@ -151,3 +151,50 @@ def _companion(address: str, j: int, ends: list[tuple[int, Any]]) -> None:
         ends.append((tokens, exc.code))
         return
     ends.append((tokens, grpc.StatusCode.OK))
+
+
+def test_a_row_leaving_the_speculative_batch_leaves_the_others_exact(
+    engine_data_dir: Path, tmp_path: Path
+) -> None:
+    """Four speculative rows decode together; while two of them are midway, one client goes
+    away and one request is cancelled by id: their rows leave the batch (its caches filtered
+    around the others), and the two that stay equal their non-speculative runs."""
+    proc = start_engine(engine_data_dir, "--draft-model", "tandem-tiny-draft", log_dir=tmp_path)
+    try:
+        long = dict(max_tokens=400, ignore_eos=True, num_draft_tokens=3)
+        staying = {j: {**_options(j), "max_tokens": 120, "num_draft_tokens": 2 + j} for j in (0, 3)}
+        got: dict[int, list[int]] = {j: [] for j in staying}
+        midway = threading.Barrier(len(staying) + 1)
+
+        def stay(j: int) -> None:
+            passed = False
+            with EngineClient(proc.address) as engine:
+                for chunk in engine.stream(_prompt(j), **staying[j]):
+                    got[j] += chunk.token_ids
+                    if not passed and len(got[j]) >= 10:
+                        passed = True
+                        midway.wait(30)
+
+        with EngineClient(proc.address) as engine:
+            cancelled = engine.stream(_prompt(2), request_id="to-cancel", **long)
+            leaving = engine.stream(_prompt(1), **long)
+            next(cancelled), next(leaving)
+            threads = [threading.Thread(target=stay, args=(j,)) for j in staying]
+            for t in threads:
+                t.start()
+            midway.wait(30)  # both staying rows are decoding beside the two
+            leaving.close()  # the client goes away
+            engine.cancel("to-cancel")
+            ends = [chunk.finish_reason for chunk in cancelled if chunk.finish_reason]
+            for t in threads:
+                t.join(120)
+            plain = {
+                j: engine.generate(_prompt(j), **{**staying[j], "num_draft_tokens": 0})
+                for j in staying
+            }
+            stats = engine.stats()
+        assert ends == ["cancelled"]
+        assert got == {j: g.token_ids for j, g in plain.items()}
+        assert stats.running == 0
+    finally:
+        proc.stop()
