@@ -173,6 +173,19 @@ class PlaneGroup:
             return [coded.codes, coded.norms]
         return list(mx.quantize(x, group_size=s.group_size, bits=s.bits))
 
+    def encode_pair(
+        self, keys: mx.array, values: mx.array
+    ) -> tuple[list[mx.array], list[mx.array]]:
+        """Keys' and values' planes. TurboQuant keys and values of one codec (same bits, same
+        width) are encoded together: one norm, one rotation matmul and one quantize a layer
+        instead of two each (a decode step's graph building is its bound on a GPU)."""
+        s = self.storage
+        if s.kind is StorageKind.TURBOQUANT and s.bits == s.value_bits:
+            if keys.shape == values.shape:
+                coded = codec_for(keys.shape[-1], s.bits).encode(mx.stack([keys, values]))
+                return [coded.codes[0], coded.norms[0]], [coded.codes[1], coded.norms[1]]
+        return self.encode(keys), self.encode(values, values=True)
+
     def decode(
         self, planes: list[mx.array], dtype: mx.Dtype, dim: int, values: bool = False
     ) -> mx.array:

@@ -119,9 +119,10 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
             for group in groups:
                 k = keys if whole else keys[group.index()]
                 v = values if whole else values[group.index()]
-                for plane, part in zip(group.keys, group.encode(k), strict=True):
+                kparts, vparts = group.encode_pair(k, v)
+                for plane, part in zip(group.keys, kparts, strict=True):
                     plane[..., prev:end, :] = part
-                for plane, part in zip(group.values, group.encode(v, values=True), strict=True):
+                for plane, part in zip(group.values, vparts, strict=True):
                     plane[..., prev:end, :] = part
         self._idx = end
         self.offset = self.offset + steps

@@ -110,7 +110,7 @@ class BatchQuantizedRingCache(BaseCache):
         for g in self._groups:
             k = keys if whole else keys[g.index()]
             v = values if whole else values[g.index()]
-            out.append((g.encode(k), g.encode(v, values=True)))
+            out.append(g.encode_pair(k, v))
         return out
 
     def _convert_due(self) -> None:

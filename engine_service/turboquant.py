@@ -156,8 +156,9 @@ class TurboQuantCodec:
 
     def encode(self, x: mx.array) -> TurboQuantPlanes:
         if self._cuda is not None and turboquant_cuda.ENABLED:
-            norms = mx.linalg.norm(x.astype(mx.float32), axis=-1, keepdims=True)
-            return TurboQuantPlanes(self._cuda.quantize(self.rotate(x), norms), norms, self)
+            xf = x.astype(mx.float32)  # once, for the norm and the rotation
+            norms = mx.linalg.norm(xf, axis=-1, keepdims=True)
+            return TurboQuantPlanes(self._cuda.quantize(xf @ self.rotation, norms), norms, self)
         codes, norms = self._quantize(x)
         return TurboQuantPlanes(codes, norms, self)
 
