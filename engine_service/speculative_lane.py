@@ -111,7 +111,7 @@ class SpeculativeLane:
                 draft_cache = restore_attachment(attachment, self.draft.layout)
                 # A draft that owes fewer than two tokens (an older lane's checkpoint) gives
                 # the rest back: its caches are trimmable (checked at start-up).
-                trim_prompt_cache(draft_cache, 1 - len(draft_pending(attachment)))
+                trim_prompt_cache(draft_cache, max(0, 1 - len(draft_pending(attachment))))
             else:  # a checkpoint without the draft's state: rebuild it from the tokens
                 draft_cache = prefilled(self.draft.model, history[:-2], self.prefill_step)
         else:
