@@ -144,7 +144,16 @@ class SpeculativeBatch:
         target = _as_batch([adopt_row(c, row.kv) for c in target_cache])
         draft = _as_batch([adopt_row(c, PLAIN_KV) for c in draft_cache])
         self.target_cache = _extend(self.target_cache, target)
-        self.draft_cache = _extend(self.draft_cache, draft)
+        try:
+            self.draft_cache = _extend(self.draft_cache, draft)
+        except Exception:  # the row joins both batches or neither
+            kept = list(range(len(self.rows)))
+            if kept:
+                for cache in self.target_cache:
+                    cache.filter(kept)
+            else:
+                self.target_cache = []
+            raise
         for cache in (*self.target_cache, *self.draft_cache):
             if isinstance(cache, BatchQuantizedKVCache):
                 cache.wide_reads = self.wide_reads
@@ -318,6 +327,8 @@ def _as_batch(row_caches: list[Any]) -> list[Any]:
 def _extend(batch: list[Any], other: list[Any]) -> list[Any]:
     if not batch:
         return other
+    if len(other) != len(batch):  # checked before any layer changes
+        raise ValueError(f"a row of {len(other)} layers cannot join a batch of {len(batch)}")
     for a, b in zip(batch, other, strict=True):
         a.extend(b)
     return batch

@@ -163,3 +163,23 @@ def test_batched_speculation_equals_plain_decoding(
     if compiled:
         assert stepper.compiled_steps > 0
     assert 0 < counters.accepted_total < counters.drafted_total
+
+
+def test_a_row_that_cannot_join_leaves_the_batch_as_it_was(
+    engine_data_dir: Path, draft: LoadedModel
+) -> None:
+    """A row whose draft caches do not fit (one layer short) is refused whole: the target's
+    caches lose it again, and the rows already there decode on exactly."""
+    target = load_model("", engine_data_dir)
+    batch = SpeculativeBatch(target.model, draft.model)
+    prompt = _prompt(2)
+    row = SpecRow("a", list(prompt), 0, 3, SamplingOptions())
+    batch.add(row, prefilled(target.model, prompt[:-1]), prefilled(draft.model, prompt[:-2]))
+    other = _prompt(3)
+    bad = SpecRow("b", list(other), 0, 3, SamplingOptions())
+    with pytest.raises(ValueError):
+        batch.add(bad, prefilled(target.model, other[:-1]), prefilled(draft.model, other[:-2])[1:])
+    assert [r.request_id for r in batch.rows] == ["a"]
+    assert all(int(c.offset.shape[0]) == 1 for c in batch.target_cache)
+    got = _run_batch(batch, {"a": TOKENS})
+    assert got["a"] == _plain_tokens(target.model, prompt, SamplingOptions())
