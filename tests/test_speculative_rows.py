@@ -78,6 +78,36 @@ def test_mixed_speculative_batch_equals_plain_runs(
         proc.stop()
 
 
+def test_a_stop_token_inside_a_round_ends_its_row_there(
+    engine_data_dir: Path, tmp_path: Path
+) -> None:
+    """Each of four seeded speculative rows stops at a token its plain run makes midway: the row
+    ends there (nothing of its round past the stop is sent), as plain decoding ends it, while
+    the others go on."""
+    proc = start_engine(engine_data_dir, "--draft-model", "tandem-tiny-draft", log_dir=tmp_path)
+    try:
+        rows = range(4)
+        sampled = [dict(max_tokens=TOKENS, ignore_eos=True, temperature=0.7, seed=j) for j in rows]
+        free = _concurrently(proc.address, sampled)
+        # A token each row first makes midway (or its last token, for a row that repeats one).
+        stops = [
+            next((t for i, t in enumerate(free[j]) if i >= 6 and t not in free[j][:i]), free[j][0])
+            for j in rows
+        ]
+        plain = [{**sampled[j], "stop_token_ids": [stops[j]]} for j in rows]
+        speculative = [{**plain[j], "num_draft_tokens": 4} for j in rows]
+        with EngineClient(proc.address) as engine:
+            want = [engine.generate(_prompt(j), **plain[j]) for j in rows]
+        got = _concurrently(proc.address, speculative)
+        assert sum(len(w.token_ids) > 6 for w in want) >= 2  # rows stopped midway
+        for j in rows:
+            assert want[j].finish_reason == "stop"
+            assert got[j] == want[j].token_ids, j
+            assert got[j][-1] == stops[j] and stops[j] not in got[j][:-1]
+    finally:
+        proc.stop()
+
+
 def test_batched_speculative_row_resumes_after_sigkill(
     engine_data_dir: Path, tmp_path: Path
 ) -> None:
