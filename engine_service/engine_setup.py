@@ -6,9 +6,9 @@ import grpc
 
 from engine_service.checkpoints import CheckpointManager, CheckpointSettings
 from engine_service.config import EngineConfig
+from engine_service.loop_limits import Limits
 from engine_service.model import LoadedModel
 from engine_service.preemption import ParkSettings
-from engine_service.scheduler import Limits
 from tandem_client.credentials import bearer_token, tls_credentials
 
 

@@ -14,7 +14,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
@@ -27,14 +26,14 @@ from engine_service.constraints import Grammars
 from engine_service.engine_stats import EngineStats
 from engine_service.events import Event, Finished, FinishReason, Sink, Started, Token
 from engine_service.jobs import Job, StartingPoint
-from engine_service.kv_codec import PLAIN_KV, KVCodec
 from engine_service.loop_commands import Cancel, Command, Park, Restored, Stop, Submit, Unpark
+from engine_service.loop_limits import Limits
 from engine_service.mlx_compat import batch_cache_bytes, running_batch
 from engine_service.model import LoadedModel
 from engine_service.new_rows import NewRows
 from engine_service.parking import Parking
 from engine_service.plans import Plan, PrefixPlan
-from engine_service.preemption import ParkSettings, Preemption, restart_point
+from engine_service.preemption import Preemption, restart_point
 from engine_service.requests import GenerationRequest
 from engine_service.response_stream import Deliver
 from engine_service.sampling import requested_logprobs
@@ -53,20 +52,6 @@ GATHER_WINDOWS = 25
 def deliver_directly(outbox: list[tuple[Sink, list[Event]]]) -> None:
     for sink, events in outbox:
         sink(events)
-
-
-@dataclass
-class Limits:
-    max_running: int = 32
-    max_queued: int = 256
-    prefill_batch_size: int = 8
-    prefill_step_size: int = 2048
-    # How long the loop lingers for more arrivals before admitting new requests.
-    admission_window_s: float = 0.002
-    # Rows whose clients stopped reading leave their slots (preemption.py).
-    park: ParkSettings = field(default_factory=ParkSettings)
-    # The engine's default KV codec: the warm-up's rows run under it (its kernels compile then).
-    default_kv: KVCodec = PLAIN_KV
 
 
 class Scheduler:

@@ -19,10 +19,11 @@ import pytest
 from engine_service.constraint_masks import StepOrder
 from engine_service.constraints import ConstrainedRow, Constraint, ConstraintKind, apply_bitmask
 from engine_service.events import Finished
+from engine_service.loop_limits import Limits
 from engine_service.model import LoadedModel, load_model
 from engine_service.requests import GenerationRequest, stop_token_ids
 from engine_service.sampling import SamplingOptions
-from engine_service.scheduler import Limits, Scheduler
+from engine_service.scheduler import Scheduler
 from tests.test_engine_domain import Collector
 
 DATE = r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"

@@ -28,13 +28,14 @@ from engine_service.errors import (
 )
 from engine_service.events import Event, Finished, Started, Token
 from engine_service.generation_meta import GenerationMeta
+from engine_service.loop_limits import Limits
 from engine_service.model import LoadedModel, load_model
 from engine_service.prefix_cache import PrefixCache
 from engine_service.prefix_reuse import PrefixReuse
 from engine_service.requests import GenerationRequest, stop_token_ids
 from engine_service.restore_cost import PROBE_EVERY, RestoreCost
 from engine_service.sampling import SamplingOptions
-from engine_service.scheduler import Limits, Scheduler
+from engine_service.scheduler import Scheduler
 from engine_service.spill import Put, SpillQueue
 from store_service.config import StoreConfig
 from store_service.server import create_server
