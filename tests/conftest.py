@@ -4,6 +4,7 @@ import os
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import pytest
@@ -11,7 +12,14 @@ import pytest
 # Before anything imports mlx: the engine's BLAS, so in-test references compute alike.
 import engine_service  # noqa: F401, I001
 from tandem_client import Checkpoint, EngineClient, StoreClient, Tensor
-from tests.servers import InProcessStore, ServiceProcess, serve_store, start_engine
+from tests.servers import (
+    InProcessStore,
+    ServiceProcess,
+    free_port,
+    serve_store,
+    start_engine,
+    start_store_on,
+)
 
 # The engines tests start skip the warm-up (a second each on two cores, dozens of engines);
 # test_engine_core.py starts one with it.
@@ -110,3 +118,31 @@ def reference(engine: ServiceProcess, engine_data_dir: Path):  # noqa: ANN201
     from engine_service.model import load_model
 
     return load_model("", engine_data_dir)
+
+
+@pytest.fixture
+def draft_stack(tmp_path: Path, engine_data_dir: Path) -> Iterator[dict[str, Any]]:
+    """A store and an engine on it with the tiny draft model; `start_engine` starts another
+    (after a kill), which the fixture stops in the end if it is put back under "engine"."""
+    port = free_port()
+    procs: dict[str, Any] = {"port": port, "root": tmp_path}
+    procs["store"] = start_store_on(tmp_path / "store", port)
+
+    def engine(*extra: str) -> ServiceProcess:
+        return start_engine(
+            engine_data_dir,
+            "--store",
+            f"127.0.0.1:{port}",
+            "--draft-model",
+            "tandem-tiny-draft",
+            *extra,
+            log_dir=tmp_path,
+        )
+
+    procs["start_engine"] = engine
+    procs["engine"] = engine()
+    try:
+        yield procs
+    finally:
+        procs["engine"].stop()
+        procs["store"].stop()

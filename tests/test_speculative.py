@@ -4,7 +4,6 @@ an attachment: same tokens as plain decoding, exact resume after SIGKILL, and re
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,6 @@ from engine_service.sampling import SamplingOptions, SeededSampler
 from engine_service.speculative_batch import SpecRow, SpeculativeBatch, prefilled
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import TandemError
-from tests.servers import ServiceProcess, free_port, start_engine, start_store_on
 
 TEXT = "The quick brown fox jumps over the lazy dog. "
 PROMPT = [(i * 977) % 2000 + 3 for i in range(300)]
@@ -75,34 +73,8 @@ def test_decoder_matches_mlx_lm_speculative_and_plain_decoding(
     assert _run(seeded, 40) == sampled
 
 
-@pytest.fixture
-def stack(tmp_path: Path, engine_data_dir: Path) -> Iterator[dict[str, Any]]:
-    port = free_port()
-    procs: dict[str, Any] = {"port": port, "root": tmp_path}
-    procs["store"] = start_store_on(tmp_path / "store", port)
-
-    def engine(*extra: str) -> ServiceProcess:
-        return start_engine(
-            engine_data_dir,
-            "--store",
-            f"127.0.0.1:{port}",
-            "--draft-model",
-            "tandem-tiny-draft",
-            *extra,
-            log_dir=tmp_path,
-        )
-
-    procs["start_engine"] = engine
-    procs["engine"] = engine()
-    try:
-        yield procs
-    finally:
-        procs["engine"].stop()
-        procs["store"].stop()
-
-
-def test_speculative_requests_give_the_plain_tokens(stack: dict[str, Any]) -> None:
-    with EngineClient(stack["engine"].address) as engine:
+def test_speculative_requests_give_the_plain_tokens(draft_stack: dict[str, Any]) -> None:
+    with EngineClient(draft_stack["engine"].address) as engine:
         info = engine.model_info()
         assert info.draft_model_id.startswith("tandem-tiny-draft@")
         ids = engine.tokenize(TEXT * 2)
@@ -160,18 +132,20 @@ def _wait_for_checkpoint(store: StoreClient, tokens: int) -> Any:
         time.sleep(0.05)
 
 
-def _killed_mid_stream(stack: dict[str, Any], request: dict[str, Any]) -> tuple[list[int], Any]:
+def _killed_mid_stream(
+    draft_stack: dict[str, Any], request: dict[str, Any]
+) -> tuple[list[int], Any]:
     """Streams a speculative checkpointed generation, SIGKILLs the engine once a checkpoint
     covers most of what was read; returns (tokens received, the checkpoint's record)."""
-    store = StoreClient(f"127.0.0.1:{stack['port']}")
+    store = StoreClient(f"127.0.0.1:{draft_stack['port']}")
     received: list[int] = []
-    engine = EngineClient(stack["engine"].address)
+    engine = EngineClient(draft_stack["engine"].address)
     for chunk in engine.stream_request(engine.request(PROMPT, **request)):
         received.extend(chunk.token_ids)
         if len(received) >= 30:
             break
     _wait_for_checkpoint(store, len(PROMPT) + 20)
-    stack["engine"].kill()
+    draft_stack["engine"].kill()
     engine.close()
     # A Put the engine finished sending just before it died may still commit: a read that
     # meets it is ABORTED (the record changed under it), and is read again.
@@ -189,17 +163,17 @@ def _killed_mid_stream(stack: dict[str, Any], request: dict[str, Any]) -> tuple[
 
 
 def test_speculative_generation_resumes_after_sigkill_with_its_draft_cache(
-    stack: dict[str, Any],
+    draft_stack: dict[str, Any],
 ) -> None:
     request = _checkpointed_request("spec-1")
-    received, checkpoint = _killed_mid_stream(stack, request)
+    received, checkpoint = _killed_mid_stream(draft_stack, request)
     (attachment,) = checkpoint.attachments
     assert attachment.schema == DRAFT_SCHEMA
     assert attachment.metadata["boundary"] == str(len(checkpoint.token_ids))
     assert attachment.metadata["draft_model"].startswith("tandem-tiny-draft@")
     assert sum(t.nbytes for t in attachment.tensors) > 0
-    stack["engine"] = stack["start_engine"]()
-    with EngineClient(stack["engine"].address) as engine:
+    draft_stack["engine"] = draft_stack["start_engine"]()
+    with EngineClient(draft_stack["engine"].address) as engine:
         resumed = engine.generate(PROMPT, resume=True, tokens_held=len(received), **request)
         assert resumed.usage is not None
         assert resumed.usage.cached_prompt_tokens == len(PROMPT)
@@ -209,11 +183,11 @@ def test_speculative_generation_resumes_after_sigkill_with_its_draft_cache(
 
 
 def test_attachments_are_refused_off_their_boundary_codec_or_model(
-    stack: dict[str, Any],
+    draft_stack: dict[str, Any],
 ) -> None:
     request = _checkpointed_request("spec-2")
-    _, checkpoint = _killed_mid_stream(stack, request)
-    store = StoreClient(f"127.0.0.1:{stack['port']}")
+    _, checkpoint = _killed_mid_stream(draft_stack, request)
+    store = StoreClient(f"127.0.0.1:{draft_stack['port']}")
     (attachment,) = checkpoint.attachments
     original = dict(attachment.metadata)
 
@@ -221,9 +195,9 @@ def test_attachments_are_refused_off_their_boundary_codec_or_model(
         attachment.metadata = {**original, **changes}
         store.put(checkpoint)
 
-    stack["engine"] = stack["start_engine"]()
+    draft_stack["engine"] = draft_stack["start_engine"]()
     try:
-        with EngineClient(stack["engine"].address) as engine:
+        with EngineClient(draft_stack["engine"].address) as engine:
             cases = [
                 (dict(boundary=str(len(checkpoint.token_ids) - 1)), "can only be restored"),
                 (dict(codec="tandem.cache.v0"), "codec"),

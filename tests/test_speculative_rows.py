@@ -14,7 +14,7 @@ import pytest
 
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import TandemError
-from tests.servers import free_port, kill_after_checkpoint, start_engine, start_store_on
+from tests.servers import kill_after_checkpoint, start_engine
 
 # Draft lengths of the eight requests; 0: not speculative (the engine's main batch).
 DRAFTS = [3, 0, 1, 5, 0, 2, 6, 0]
@@ -108,26 +108,11 @@ def test_a_stop_token_inside_a_round_ends_its_row_there(
         proc.stop()
 
 
-def test_batched_speculative_row_resumes_after_sigkill(
-    engine_data_dir: Path, tmp_path: Path
-) -> None:
+def test_batched_speculative_row_resumes_after_sigkill(draft_stack: dict[str, Any]) -> None:
     """A checkpointed speculative row streams beside two other speculative rows; the engine
     is SIGKILLed; on a fresh engine the resume (draft cache from its attachment) continues
     it: received + resumed == the uninterrupted plain run."""
-    port = free_port()
-    store_proc = start_store_on(tmp_path / "store", port)
-
-    def engine() -> Any:
-        return start_engine(
-            engine_data_dir,
-            "--store",
-            f"127.0.0.1:{port}",
-            "--draft-model",
-            "tandem-tiny-draft",
-            log_dir=tmp_path,
-        )
-
-    proc = engine()
+    proc, port = draft_stack["engine"], draft_stack["port"]
     prompt = _prompt(5)
     request = dict(
         max_tokens=72,
@@ -141,31 +126,27 @@ def test_batched_speculative_row_resumes_after_sigkill(
         threading.Thread(target=_companion, args=(proc.address, j, ends), daemon=True)
         for j in (1, 2)
     ]
-    try:
-        for thread in companions:
-            thread.start()
-        with StoreClient(f"127.0.0.1:{port}") as store:
-            received, checkpoint = kill_after_checkpoint(proc, store, prompt, request, 30, 20)
-        for thread in companions:
-            thread.join(30)
-        # Both companions were decoding beside it when the engine died.
-        assert [code for _, code in ends] == [grpc.StatusCode.UNAVAILABLE] * 2
-        assert all(tokens > 0 for tokens, _ in ends)
-        (attachment,) = checkpoint.attachments
-        assert attachment.metadata["boundary"] == str(len(checkpoint.token_ids))
-        proc = engine()
-        with EngineClient(proc.address) as client:
-            resumed = client.generate(prompt, resume=True, tokens_held=len(received), **request)
-            assert resumed.usage is not None
-            assert resumed.usage.cached_prompt_tokens == len(prompt)
-            assert resumed.usage.draft_tokens > 0
-            plain = {**request, "num_draft_tokens": 0, "request_id": "plain"}
-            full = client.generate(prompt, **plain).token_ids
-        assert len(full) == 72
-        assert received + resumed.token_ids == full
-    finally:
-        proc.stop()
-        store_proc.stop()
+    for thread in companions:
+        thread.start()
+    with StoreClient(f"127.0.0.1:{port}") as store:
+        received, checkpoint = kill_after_checkpoint(proc, store, prompt, request, 30, 20)
+    for thread in companions:
+        thread.join(30)
+    # Both companions were decoding beside it when the engine died.
+    assert [code for _, code in ends] == [grpc.StatusCode.UNAVAILABLE] * 2
+    assert all(tokens > 0 for tokens, _ in ends)
+    (attachment,) = checkpoint.attachments
+    assert attachment.metadata["boundary"] == str(len(checkpoint.token_ids))
+    draft_stack["engine"] = proc = draft_stack["start_engine"]()
+    with EngineClient(proc.address) as client:
+        resumed = client.generate(prompt, resume=True, tokens_held=len(received), **request)
+        assert resumed.usage is not None
+        assert resumed.usage.cached_prompt_tokens == len(prompt)
+        assert resumed.usage.draft_tokens > 0
+        plain = {**request, "num_draft_tokens": 0, "request_id": "plain"}
+        full = client.generate(prompt, **plain).token_ids
+    assert len(full) == 72
+    assert received + resumed.token_ids == full
 
 
 def _companion(address: str, j: int, ends: list[tuple[int, Any]]) -> None:
