@@ -30,7 +30,7 @@ class EngineStats:
     parking: ParkCounters = field(default_factory=ParkCounters)
     # Bytes the running batch's KV caches hold (read every few steps; 0 when idle).
     kv_cache_bytes: int = 0
-    speculative: SpeculativeCounters = field(default_factory=lambda: SpeculativeCounters())
+    speculative: SpeculativeCounters = field(default_factory=SpeculativeCounters)
     # (time.monotonic(), tokens) of recent steps, for the decode rate.
     recent: collections.deque[tuple[float, int]] = field(
         default_factory=lambda: collections.deque(maxlen=256)

@@ -78,7 +78,7 @@ class Scheduler:
         self.checkpoints = checkpoints
         # The tokenizer llguidance needs is built on the first constraint.
         self._grammars = Grammars.for_model(loaded)
-        # Requests with num_draft_tokens run here, beside the batch (speculative_lane.py).
+        # Requests with num_draft_tokens run as a batch of their own (speculative_lane.py).
         self._speculative = (
             SpeculativeLane(
                 self,
