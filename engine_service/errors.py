@@ -9,7 +9,8 @@
     ├── Unavailable             UNAVAILABLE        shutting down
     ├── Corrupt                 DATA_LOSS          a stored checkpoint that cannot be read
     ├── DeadlineExceeded        DEADLINE_EXCEEDED  the client's deadline passed
-    └── Abandoned               CANCELLED          the client read nothing for the idle timeout
+    ├── Abandoned               CANCELLED          the client read nothing for the idle timeout
+    └── ModelFailed             INTERNAL           the model failed on this request's row
 
 Anything else reaching an RPC boundary is logged with its traceback and becomes INTERNAL.
 """
@@ -64,6 +65,13 @@ class Abandoned(EngineError):
     (its checkpoint, if any, is kept for a resume)."""
 
     code = grpc.StatusCode.CANCELLED
+
+
+class ModelFailed(EngineError):
+    """The model's forward pass failed on a row (an engine defect, never the caller's): the
+    row ends with this and its checkpoint is kept; the rows batched with it go on."""
+
+    code = grpc.StatusCode.INTERNAL
 
 
 def error_named(name: str, message: str) -> EngineError:

@@ -36,6 +36,9 @@ class Finished(msgspec.Struct, frozen=True, tag=True):
     drafted: int = 0  # speculative decoding: draft tokens proposed and kept
     accepted: int = 0
     constraint_incomplete: bool = False  # a constrained row cut short by max_tokens
+    # reason "error": the engine error class (errors.py) the stream ends with, so the caller
+    # gets that status instead of OK; "" is ModelFailed (INTERNAL).
+    failure: str = ""
 
 
 Event = Started | Token | Finished

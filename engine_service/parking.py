@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from engine_service.checkpoints import CheckpointManager
+from engine_service.errors import Corrupt
 from engine_service.events import Event, Finished
 from engine_service.jobs import Job, PendingSnapshot
 from engine_service.loop_commands import Park, Restored, Unpark
@@ -71,7 +72,8 @@ class Parking:
             why = command.error or "the store holds an older state than the parked row"
             job.keep_checkpoint, job.ended = True, "failed"
             self.host.finish(job)
-            self.host.emit(job, [Finished("error", error=f"the parked generation is lost: {why}")])
+            lost = f"the parked generation is lost: {why}"
+            self.host.emit(job, [Finished("error", error=lost, failure=Corrupt.__name__)])
             return
         self.preemption.restored(job, plan)
         self.waiting.append(job)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine_service.errors import Abandoned, DeadlineExceeded, Unavailable
+from engine_service.errors import Abandoned, DeadlineExceeded, ModelFailed, Unavailable, error_named
 from engine_service.events import Event, Finished, Sink, Started, Token
 from engine_service.metrics import RequestMetrics
 from engine_service.requests import GenerationRequest
@@ -209,7 +209,8 @@ async def respond(
 
     stop_row: called when a stop string ends the text, so the loop drops the row.
     Raises DeadlineExceeded when the engine dropped the request at its deadline, Unavailable
-    when the engine core exited under it.
+    when the engine core exited under it, and the engine's error (ModelFailed, Corrupt...)
+    when the row failed there.
     """
     out = ResponseBuilder(req, tokenizer, arrival, metrics)
     if replay:
@@ -242,6 +243,8 @@ async def respond(
                     raise Abandoned(event.error)
                 if event.reason == "unavailable":
                     raise Unavailable(event.error)
+                if event.reason == "error":  # a status, never OK with 0 tokens
+                    raise error_named(event.failure or ModelFailed.__name__, event.error)
                 out.usage.draft_tokens = event.drafted
                 out.usage.accepted_draft_tokens = event.accepted
                 out.usage.constraint_incomplete = event.constraint_incomplete

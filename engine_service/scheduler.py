@@ -24,6 +24,7 @@ from engine_service.compiled_decode import CompiledDecode
 from engine_service.constraint_masks import BatchMasks
 from engine_service.constraints import Grammars
 from engine_service.engine_stats import EngineStats
+from engine_service.errors import Corrupt
 from engine_service.events import Event, Finished, FinishReason, Sink, Started, Token
 from engine_service.jobs import Job, StartingPoint
 from engine_service.loop_commands import Cancel, Command, Park, Restored, Stop, Submit, Unpark
@@ -328,7 +329,8 @@ class Scheduler:
                 log.exception("restoring %s failed", job.request.request_id)
                 job.ended = "failed"
                 self.finish(job)
-                self.emit(job, [Finished("error", error=f"restoring the checkpoint failed: {exc}")])
+                failed = f"restoring the checkpoint failed: {exc}"
+                self.emit(job, [Finished("error", error=failed, failure=Corrupt.__name__)])
                 continue
             if fresh:
                 self.emit(job, [Started(len(job.request.prompt), start.cached_prompt_tokens)])
