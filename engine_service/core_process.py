@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import zmq
 
 from engine_service import blas
+from engine_service.capability_probe import ProbeFailed
 from engine_service.checkpoints import CheckpointManager
 from engine_service.config import EngineConfig, parse_args
 from engine_service.core_channel import (
@@ -63,6 +64,7 @@ from engine_service.plans import Plan, PrefixPlan, ResumePlan
 from engine_service.requests import DraftSupport
 from engine_service.scheduler import Scheduler
 from engine_service.spill import FlushResult
+from engine_service.warmup import WarmUpFailed
 from tandem_wire.logs import configure_logging
 
 log = logging.getLogger("tandem.engine.core")
@@ -318,7 +320,8 @@ def main(argv: list[str] | None = None) -> None:
     outbox = Outbox(events, codec)
     try:
         service = _start(config, outbox)
-    except (OSError, IncompatibleDraft) as exc:
+    except (OSError, IncompatibleDraft, ProbeFailed, WarmUpFailed) as exc:
+        log.error("the engine cannot serve: %s", exc)
         outbox.send(StartFailed(str(exc)))
         events.close(linger=2000)
         sys.exit(1)

@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models import cache as cache_lib
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load, load_tokenizer
 
-from engine_service import attention_routing
+from engine_service import attention_routing, upstream_fixes
+from engine_service.capabilities import Capabilities, from_layout
 from engine_service.default_model import DEFAULT_MODEL, ensure_model, is_embedded
 from engine_service.kv_codec import storage_signature
 from engine_service.mlx_compat import download
@@ -38,6 +40,8 @@ class LoadedModel:
     dtype: str
     # Key and value head widths of the attention layers (what a KV group size must divide).
     kv_head_dims: tuple[int, ...] = ()
+    # What its caches do here: set by the core's probe on the MLX thread before it serves.
+    capabilities: Capabilities = field(default_factory=Capabilities)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -64,6 +68,7 @@ class ModelFacts:
     eos_token_ids: list[int]
     dtype: str
     kv_head_dims: tuple[int, ...]
+    capabilities: Capabilities = Capabilities()
 
 
 def without_weights(facts: ModelFacts) -> LoadedModel:
@@ -132,15 +137,17 @@ def load_model(spec: str, data_dir: Path, dtype: str = "auto") -> LoadedModel:
     name, path = resolve(spec, data_dir)
     model, tokenizer, config = load(str(path), return_config=True)  # type: ignore[misc]
     attention_routing.install()  # TurboQuant rows' attention (the model's module is loaded now)
+    upstream_fixes.apply(model)  # mlx-lm defects our batches would hit (nemotron_h's lengths)
     if dtype == "auto":
         # CPU matmuls in bf16/fp16 do not use BLAS and run far slower than fp32.
         dtype = "float32" if mx.default_device() == mx.cpu else ""
     if dtype:
         target = getattr(mx, dtype)
         model.set_dtype(target, lambda t: mx.issubdtype(t, mx.floating))
-    # Materialize now: a lazy cast would be evaluated on the engine thread, which cannot
-    # run graphs recorded on this thread's default stream.
-    mx.eval(model.parameters())
+    # Materialize now: a lazy array would be evaluated on the engine thread, which cannot
+    # run graphs recorded on this thread's default stream. Not only the parameters: scaled
+    # rope classes (Llama 3, longrope, yarn) keep their frequencies in private attributes.
+    mx.eval(held_arrays(model))
     params_dtype = _param_dtype(model)
     make = getattr(model, "make_cache", None)
     caches = make() if make else cache_lib.make_prompt_cache(model)
@@ -166,6 +173,7 @@ def load_model(spec: str, data_dir: Path, dtype: str = "auto") -> LoadedModel:
         dtype=params_dtype,
         kv_head_dims=_kv_head_dims(model, config),
     )
+    loaded.capabilities = from_layout(loaded.layout, loaded.kv_head_dims)
     log.info(
         "loaded %s (%s) from %s: %s, context %d, layout %s",
         loaded.model_id,
@@ -198,6 +206,18 @@ def load_draft(spec: str, data_dir: Path, target: LoadedModel, dtype: str = "aut
     if untrimmable:
         raise IncompatibleDraft(f"draft {draft.model_id} has untrimmable layers {untrimmable}")
     return draft
+
+
+def held_arrays(model: Any) -> list[mx.array]:
+    """Every array a model holds: its parameters and its modules' private arrays
+    (`parameters()` leaves out names that start with an underscore)."""
+    from mlx.utils import tree_flatten
+
+    def holds(_module: Any, _key: str, value: Any) -> bool:
+        return isinstance(value, (mx.array, nn.Module, dict, list, tuple))
+
+    leaves: Any = tree_flatten(model.filter_and_map(holds))
+    return [value for _, value in leaves if isinstance(value, mx.array)]
 
 
 def _kv_head_dims(model: Any, config: dict[str, Any]) -> tuple[int, ...]:

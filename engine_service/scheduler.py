@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from engine_service.admissions import Admissions
+from engine_service.capability_probe import ProbeFailed, probe
 from engine_service.checkpoints import CheckpointManager, starting_point
 from engine_service.compiled_decode import CompiledDecode
 from engine_service.constraint_masks import BatchMasks
@@ -40,7 +41,7 @@ from engine_service.response_stream import Deliver
 from engine_service.sampling import requested_logprobs
 from engine_service.speculative_lane import SpeculativeLane
 from engine_service.step_checkpoints import StepCheckpoints
-from engine_service.warmup import warm_up
+from engine_service.warmup import WarmUpFailed, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._warm = False
         self._ready = threading.Event()
+        self._start_failure: ProbeFailed | WarmUpFailed | None = None
 
     def _new_batch_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -125,11 +127,14 @@ class Scheduler:
     # -- called from other threads -----------------------------------------------------------
 
     def start(self, warm: bool = False) -> None:
-        """Starts the loop; warm: first runs its batch shapes once (warmup.py), returning
-        when that is done."""
+        """Starts the loop: probes what the model can do (capability_probe.py) and, with warm,
+        runs its batch shapes once (warmup.py), returning when that is done. Raises
+        ProbeFailed or WarmUpFailed when the model cannot serve."""
         self._warm = warm
         self._thread.start()
         self._ready.wait()
+        if self._start_failure is not None:
+            raise self._start_failure
 
     def submit(self, request: GenerationRequest, sink: Sink, plan: Plan = None) -> None:
         """Admits a request or raises Overloaded / AlreadyExists / Unavailable."""
@@ -202,10 +207,12 @@ class Scheduler:
 
     def _run(self) -> None:
         self._bg = self._new_batch_generator()
-        if self._warm:
-            limits = self.limits
-            sizes = [1, min(limits.prefill_batch_size, limits.max_running), limits.max_running]
-            warm_up(self._bg, self.loaded, sizes, limits.prefill_step_size, limits.default_kv)
+        try:
+            self._probe_and_warm()
+        except (ProbeFailed, WarmUpFailed) as exc:
+            self._start_failure = exc
+            self._ready.set()
+            return
         self._ready.set()
         was_idle = True
         while True:
@@ -234,6 +241,18 @@ class Scheduler:
                 self._step_checkpoints.save_prefixes(self._bg)
         self._cancel_all("the engine is shutting down")
         self._flush_outbox()
+
+    def _probe_and_warm(self) -> None:
+        """What the model's caches can do (capability_probe.py), whether the engine's default
+        KV codec is among it, then the warm-up; ProbeFailed or WarmUpFailed stop start-up."""
+        limits = self.limits
+        self.loaded.capabilities = probe(self.loaded, self._new_batch_generator)
+        refusal = self.loaded.capabilities.refusal(limits.default_kv)
+        if refusal:
+            raise ProbeFailed(f"the engine's default KV codec cannot run on this model: {refusal}")
+        if self._warm:
+            sizes = [1, min(limits.prefill_batch_size, limits.max_running), limits.max_running]
+            warm_up(self._bg, self.loaded, sizes, limits.prefill_step_size, limits.default_kv)
 
     def _gather_burst(self, idle: bool) -> bool:
         """Waits for the rest of a burst of arrivals so it is prefilled in few batches, not

@@ -110,16 +110,10 @@ def kv_codec_from_pb(
         raise InvalidRequest(str(exc)) from exc
     if not codec.quantized:
         return codec
-    if request_layout(loaded.layout, codec) == loaded.layout:
-        raise Precondition(
-            f"this model has no KV layers to quantize (layout {sorted(set(loaded.layout))})"
-        )
-    if codec.scheme is Scheme.AFFINE:
-        bad = [d for d in loaded.kv_head_dims if d % group]
-        if bad:
-            raise InvalidRequest(
-                f"kv_group_size {group} does not divide the model's head dimension {bad[0]}"
-            )
+    # What the core's start-up probe found this model's attention cannot run (capabilities.py).
+    refusal = loaded.capabilities.refusal(codec)
+    if refusal:
+        raise InvalidRequest(refusal)
     return codec
 
 

@@ -13,9 +13,11 @@ import pytest
 
 from engine_service.turboquant import (
     BITS,
+    FROZEN_CODEBOOKS,
     TurboQuantCodec,
     distortion_bound,
     gaussian_codebook,
+    lloyd_max_codebook,
     rotated_attention,
 )
 
@@ -31,6 +33,12 @@ def test_the_codebook_is_gaussian_lloyd_max() -> None:
     assert np.allclose(bounds, [-0.9816, 0.0, 0.9816], atol=1e-3)
     one_bit, _ = gaussian_codebook(1)
     assert np.allclose(one_bit, [-math.sqrt(2 / math.pi), math.sqrt(2 / math.pi)], atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_the_frozen_codebooks_are_what_lloyds_iteration_computes(bits: int) -> None:
+    # Stored codes decode with the frozen table: it must stay exactly the computed one.
+    assert FROZEN_CODEBOOKS[bits] == lloyd_max_codebook(bits)
 
 
 @pytest.mark.parametrize("bits", BITS)

@@ -1,0 +1,108 @@
+"""What a model's caches can do in this engine, found by running them once at start-up.
+
+mlx-lm architectures differ in what their attention takes: most run on quantized KV, some
+(attention sinks, multi-head latent attention, ...) raise deep inside a batch step, and a
+row that fails there takes the step of every row batched with it. A list per architecture
+would go stale with every mlx-lm release, so the core runs a few made-up rows of each kind
+through the request path on its MLX thread before it serves (`probe`) and keeps what failed
+and why. The front refuses a request of a kind that failed with INVALID_ARGUMENT before it
+joins a batch; an engine whose own default cannot run does not start (ProbeFailed).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models import cache as cache_lib
+
+from engine_service.capabilities import Capabilities, layout_refusal
+from engine_service.kv_codec import GROUP_SIZES, KVCodec
+from engine_service.warmup import ProbeRow, generate_rows
+
+log = logging.getLogger(__name__)
+
+PROBE_TOKENS = 3  # decode steps a probe row runs (the first one after prefill included)
+
+
+class ProbeFailed(RuntimeError):
+    """The model cannot generate plain batched rows, or not under the engine's default KV
+    codec: the engine does not serve."""
+
+
+def probe(loaded: Any, new_batch: Callable[[], BatchGenerator]) -> Capabilities:
+    """Runs the model's kinds of rows once (MLX thread), each kind in a batch of its own.
+
+    Plain rows of two lengths must run (ProbeFailed otherwise); then each quantized scheme
+    beside a plain row, as requests would share a batch. A failed batch is dropped."""
+    try:
+        generate_rows(new_batch(), loaded, [ProbeRow(11), ProbeRow(6)], PROBE_TOKENS)
+    except Exception as exc:
+        raise ProbeFailed(f"the model cannot generate batched rows: {_line(exc)}") from exc
+    widths = kv_widths(loaded.model)
+    found = Capabilities(
+        affine_kv=_affine(loaded, new_batch, widths),
+        turboquant_kv=_quantized_rows(
+            loaded, new_batch, [KVCodec.turboquant(4, 4), KVCodec.turboquant(3, 2)]
+        ),
+        kv_widths=widths,
+    )
+    log.info(
+        "model capabilities: affine KV %s, TurboQuant KV %s, KV widths %s",
+        found.affine_kv or "yes",
+        found.turboquant_kv or "yes",
+        list(widths),
+    )
+    return found
+
+
+def _affine(loaded: Any, new_batch: Callable[[], BatchGenerator], widths: tuple[int, ...]) -> str:
+    group = next((g for g in GROUP_SIZES if all(w % g == 0 for w in widths)), 0)
+    if not group:
+        return f"the model's KV widths {list(widths)} are not multiples of any group size"
+    return _quantized_rows(loaded, new_batch, [KVCodec(8, group), KVCodec(4, group)])
+
+
+def _quantized_rows(
+    loaded: Any, new_batch: Callable[[], BatchGenerator], codecs: list[KVCodec]
+) -> str:
+    """Why rows of these codecs (beside a plain row) cannot run, or ""."""
+    why = layout_refusal(loaded.layout)
+    if why:
+        return why
+    rows = [ProbeRow(11), *(ProbeRow(6 + i, codec) for i, codec in enumerate(codecs))]
+    try:
+        generate_rows(new_batch(), loaded, rows, PROBE_TOKENS)
+    except Exception as exc:  # noqa: BLE001 - whatever the model raises is the reason
+        model_type = loaded.config.get("model_type", "this model")
+        return f"{model_type} attention does not run on {codecs[0].scheme.value} KV: {_line(exc)}"
+    return ""
+
+
+def kv_widths(model: Any) -> tuple[int, ...]:
+    """The key and value widths the model's KV layers hold, read from a short solo call
+    (configs name them many ways: head_dim, v_head_dim, MLA's ranks and rope widths...)."""
+    cache = cache_lib.make_prompt_cache(model)
+    mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
+    widths: set[int] = set()
+    for layer in _flat(cache):
+        if isinstance(layer, (cache_lib.KVCache, cache_lib.RotatingKVCache)):
+            if layer.keys is not None:
+                widths |= {int(layer.keys.shape[-1]), int(layer.values.shape[-1])}
+    return tuple(sorted(widths))
+
+
+def _flat(caches: list[Any]) -> Iterator[Any]:
+    for cache in caches:
+        if isinstance(cache, cache_lib.CacheList):
+            yield from _flat(list(cache.caches))
+        else:
+            yield cache
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
