@@ -90,8 +90,9 @@ def kv_widths(model: Any) -> tuple[int, ...]:
     widths: set[int] = set()
     for layer in _flat(cache):
         if isinstance(layer, (cache_lib.KVCache, cache_lib.RotatingKVCache)):
-            if layer.keys is not None:
-                widths |= {int(layer.keys.shape[-1]), int(layer.values.shape[-1])}
+            keys, values = layer.keys, layer.values
+            if keys is not None and values is not None:
+                widths |= {int(keys.shape[-1]), int(values.shape[-1])}
     return tuple(sorted(widths))
 
 

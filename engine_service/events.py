@@ -17,10 +17,25 @@ import msgspec
 # "unavailable": the engine core exited under the request (the front says so).
 FinishReason = Literal["length", "stop", "cancelled", "deadline", "idle", "error", "unavailable"]
 
+# Why a prompt reused no cached prefix (docs/checkpoints.md); "" when it reused one, or was
+# not looked up for reuse (a resume). "not restorable": a record failed its checks (damaged,
+# another layout) or could not be rebuilt; "cheaper to prefill": restore_cost.py's choice;
+# "prefix reuse off": an engine loop without a checkpoint manager.
+PrefixMissReason = Literal[
+    "",
+    "shorter than a block",
+    "no stored prefix",
+    "cheaper to prefill",
+    "not restorable",
+    "store unavailable",
+    "prefix reuse off",
+]
+
 
 class Started(msgspec.Struct, frozen=True, tag=True):
     prompt_tokens: int
     cached_prompt_tokens: int
+    prefix_miss_reason: PrefixMissReason = ""
 
 
 class Token(msgspec.Struct, frozen=True, tag=True):

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models import cache as cache_lib
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load, load_tokenizer
@@ -214,7 +213,7 @@ def held_arrays(model: Any) -> list[mx.array]:
     from mlx.utils import tree_flatten
 
     def holds(_module: Any, _key: str, value: Any) -> bool:
-        return isinstance(value, (mx.array, nn.Module, dict, list, tuple))
+        return isinstance(value, (mx.array, dict, list, tuple))  # a Module is a dict
 
     leaves: Any = tree_flatten(model.filter_and_map(holds))
     return [value for _, value in leaves if isinstance(value, mx.array)]

@@ -1,4 +1,5 @@
-"""Where a request starts from: a cached prefix of its prompt, or its own generation checkpoint.
+"""Where a request starts from: a cached prefix of its prompt, or its own generation checkpoint
+(or why there was no prefix to reuse).
 
 Made on a handler thread by planner.py (which may read the store), materialized into caches on
 the MLX thread (prefix_reuse.py, generation_checkpoints.py).
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine_service.cache_codec import CapturedCache
+from engine_service.events import PrefixMissReason
 from tandem_client.records import Attachment, Checkpoint
 from tandem_client.regions import RegionHold
 
@@ -27,6 +29,9 @@ class PrefixPlan:
     # they are MLX arrays); None: they are the checkpoint's own.
     hold: RegionHold | None = None
     fetch_s: float = 0.0
+    # A record that cannot be trimmed (recurrent state, a wrapped window): it serves exactly
+    # the length it holds, never less.
+    exact: bool = False
 
     @property
     def source(self) -> Literal["local", "store"]:
@@ -43,6 +48,13 @@ class PrefixPlan:
         if self.local is not None:
             return self.local.nbytes
         return self.stored.payload_bytes if self.stored else 0
+
+
+@dataclass(frozen=True)
+class PrefixMiss:
+    """A prompt looked up for reuse that found nothing usable, and why (Usage says so)."""
+
+    reason: PrefixMissReason
 
 
 @dataclass
@@ -70,4 +82,4 @@ class ResumePlan:
         return sum(part.payload_bytes for part in self.parts)
 
 
-Plan = PrefixPlan | ResumePlan | None
+Plan = PrefixPlan | ResumePlan | PrefixMiss | None
