@@ -73,9 +73,13 @@ def _quantized_rows(
     why = layout_refusal(loaded.layout)
     if why:
         return why
-    rows = [ProbeRow(11), *(ProbeRow(6 + i, codec) for i, codec in enumerate(codecs))]
+    # A batch of one storage attends over its packed planes; a mixed batch over rows
+    # decoded for the step: each path once.
+    batches = [[ProbeRow(11, codec), ProbeRow(6, codec)] for codec in codecs]
+    batches.append([ProbeRow(11), *(ProbeRow(6 + i, codec) for i, codec in enumerate(codecs))])
     try:
-        generate_rows(new_batch(), loaded, rows, PROBE_TOKENS)
+        for rows in batches:
+            generate_rows(new_batch(), loaded, rows, PROBE_TOKENS)
     except Exception as exc:  # noqa: BLE001 - whatever the model raises is the reason
         model_type = loaded.config.get("model_type", "this model")
         return f"{model_type} attention does not run on {codecs[0].scheme.value} KV: {_line(exc)}"

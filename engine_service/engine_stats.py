@@ -27,6 +27,8 @@ class EngineStats:
     cancelled_total: int = 0
     rejected_total: int = 0
     steps_total: int = 0
+    # Rows ended because the model failed on them alone (row_isolation.py).
+    isolated_failures_total: int = 0
     parking: ParkCounters = field(default_factory=ParkCounters)
     # Bytes the running batch's KV caches hold (read every few steps; 0 when idle).
     kv_cache_bytes: int = 0
@@ -69,6 +71,7 @@ class EngineStats:
             cancelled_total=self.cancelled_total,
             rejected_total=self.rejected_total,
             steps_total=self.steps_total,
+            isolated_failures_total=self.isolated_failures_total,
             parking=dataclasses.replace(self.parking),
             kv_cache_bytes=self.kv_cache_bytes,
             speculative=dataclasses.replace(self.speculative),

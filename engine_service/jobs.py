@@ -9,7 +9,7 @@ from typing import Any, Literal
 from engine_service.attachments import CapturedAttachment
 from engine_service.cache_codec import CapturedCache
 from engine_service.constraints import ConstrainedRow
-from engine_service.events import Sink
+from engine_service.events import PrefixMissReason, Sink
 from engine_service.plans import Plan, ResumePlan
 from engine_service.requests import GenerationRequest
 
@@ -61,6 +61,7 @@ class Job:
     last_checkpoint_at: int = 0  # len(tokens) at the last generation snapshot
     chain: ChainCursor = field(default_factory=ChainCursor)
     admitted_at: float = 0.0
+    recompute: bool = False  # starts again from its tokens alone (its batch step failed)
     # How it ended, for the tombstone a resume reads (generation_checkpoints.forget).
     ended: Literal["finished", "was cancelled", "failed"] = "finished"
 
@@ -83,4 +84,5 @@ class StartingPoint:
     feed: list[int]  # tokens to feed now
     history: list[int]  # tokens already in the caches
     caches: list[Any] | None  # None: fresh caches
-    cached_prompt_tokens: int
+    cached_prompt_tokens: int  # reused (history may hold more: a prefix snapshot's prefill)
+    prefix_miss_reason: PrefixMissReason = ""  # why it reused nothing (Started says so)

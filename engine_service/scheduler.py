@@ -25,7 +25,7 @@ from engine_service.compiled_decode import CompiledDecode
 from engine_service.constraint_masks import BatchMasks
 from engine_service.constraints import Grammars
 from engine_service.engine_stats import EngineStats
-from engine_service.errors import Corrupt
+from engine_service.errors import Corrupt, ModelFailed
 from engine_service.events import Event, Finished, FinishReason, Sink, Started, Token
 from engine_service.jobs import Job, StartingPoint
 from engine_service.loop_commands import Cancel, Command, Park, Restored, Stop, Submit, Unpark
@@ -38,6 +38,7 @@ from engine_service.plans import Plan, PrefixPlan
 from engine_service.preemption import Preemption, restart_point
 from engine_service.requests import GenerationRequest
 from engine_service.response_stream import Deliver
+from engine_service.row_isolation import isolate, recompute_point
 from engine_service.sampling import requested_logprobs
 from engine_service.speculative_lane import SpeculativeLane
 from engine_service.step_checkpoints import StepCheckpoints
@@ -197,6 +198,9 @@ class Scheduler:
         self._admissions.leave(job.request.request_id)
 
     def starting_point(self, job: Job) -> StartingPoint:
+        if job.recompute:  # its batch failed under it (row_isolation.py)
+            job.recompute = False
+            return recompute_point(job)
         parked = self._preemption.restart_from(job)
         if parked is not None:
             ckpt = self.checkpoints
@@ -340,7 +344,7 @@ class Scheduler:
             return
         rows = NewRows(self.loaded.model, self._grammars)
         for job in batch:
-            fresh = not job.tokens  # not a parked row coming back
+            fresh = not job.tokens and not job.recompute  # not a row coming back
             try:
                 start = self.starting_point(job)
                 rows.add(job, start)
@@ -372,9 +376,9 @@ class Scheduler:
     def _step(self) -> None:
         try:
             _, responses = self._bg.next()
-        except Exception as exc:  # a model failure must not take the engine down silently
-            log.exception("batch step failed; failing its requests")
-            self._fail_all(f"generation failed: {exc}")
+        except Exception:  # a row the model fails on must not end the rows beside it
+            log.exception("a batch step of %d rows failed; trying each alone", len(self._rows))
+            self._isolate()
             return
         self._masks.settle(self._rows)
         if not responses:
@@ -441,15 +445,27 @@ class Scheduler:
                 job.keep_checkpoint = True  # the client may retry with resume
                 self._cancel(job.request.request_id, "deadline", "deadline exceeded")
 
-    def _fail_all(self, message: str) -> None:
-        for job in list(self._by_id.values()):
-            job.ended = "failed"
-            self.finish(job)
-            self.emit(job, [Finished("error", error=message)])
-        self._waiting.clear()
-        if self._speculative is not None:
-            self._speculative.clear()
+    def _isolate(self) -> None:
+        """After a failed step (row_isolation.py): the rows the model fails on alone end,
+        the others wait at the front of the queue to start again by recompute."""
+        jobs = list(self._rows.values())
+        self._rows.clear()
         self._bg = self._new_batch_generator()
+        self._masks.settle(self._rows)
+        verdicts = isolate(self.loaded.model, jobs, self._new_batch_generator)
+        for verdict in reversed(verdicts):
+            job = verdict.job
+            job.uid = -1
+            if not verdict.culprit:
+                job.recompute = True
+                self._waiting.appendleft(job)
+                continue
+            job.keep_checkpoint, job.ended = True, "failed"
+            self.finish(job)
+            why = f"the model failed on this request: {verdict.failure}"
+            self.emit(job, [Finished("error", error=why, failure=ModelFailed.__name__)])
+        with self._lock:
+            self._stats.isolated_failures_total += sum(v.culprit for v in verdicts)
 
     def _cancel_all(self, message: str) -> None:
         for job in list(self._by_id.values()):

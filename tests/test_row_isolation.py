@@ -1,0 +1,121 @@
+"""A row the model fails on mid-stream ends alone; the rows batched with it go on exactly.
+
+In-process, on the tiny model whose attention is made to fail on affine-quantized rows, as
+gpt-oss's attention sinks fail on them in mlx-lm: the failing row joins plain rows, converts
+to 8 bits after 29 tokens, and from then on every step of its batch raises.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from engine_service.events import Event, Finished, Started, Token
+from engine_service.kv_codec import KVCodec, StorageKind
+from engine_service.loop_limits import Limits
+from engine_service.model import LoadedModel, load_model
+from engine_service.quantized_kv import BatchQuantizedKVCache
+from engine_service.requests import GenerationRequest, stop_token_ids
+from engine_service.sampling import SamplingOptions
+from engine_service.scheduler import Scheduler
+
+LONG = 400  # the plain streams' length
+QUANTIZED_FROM = 29
+
+
+class FailsOnAffineRows:
+    """The model, with an attention that raises once a batch holds an affine-quantized row."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.raised = 0
+
+    def __getattr__(self, name: str) -> Any:  # layers, make_cache, args...: the model's
+        return getattr(self.model, name)
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> Any:
+        for layer in cache or []:
+            if isinstance(layer, BatchQuantizedKVCache) and any(
+                layer.row_storage(i).kind is StorageKind.AFFINE for i in range(inputs.shape[0])
+            ):
+                self.raised += 1
+                raise ValueError("Quantized SDPA does not support attention sinks.")
+        return self.model(inputs, cache=cache, **kwargs)
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.done = threading.Event()
+
+    def __call__(self, events: list[Event]) -> None:
+        self.events.extend(events)
+        if any(isinstance(e, Finished) for e in events):
+            self.done.set()
+
+    def finished(self) -> Finished:
+        assert self.done.wait(120), "no Finished event"
+        last = self.events[-1]
+        assert isinstance(last, Finished)
+        return last
+
+    @property
+    def tokens(self) -> list[int]:
+        return [e.token_id for e in self.events if isinstance(e, Token)]
+
+
+@pytest.fixture(scope="module")
+def tiny(engine_data_dir: Path) -> LoadedModel:
+    return load_model("", engine_data_dir)
+
+
+def _request(
+    loaded: LoadedModel, rid: str, prompt: list[int], n: int, kv: KVCodec
+) -> GenerationRequest:
+    options = SamplingOptions(ignore_eos=True)
+    return GenerationRequest(
+        request_id=rid,
+        prompt=prompt,
+        max_tokens=n,
+        sampling=options,
+        namespace="default",
+        stop_ids=stop_token_ids(options, loaded.eos_token_ids),
+        kv=kv,
+        layout=list(loaded.layout),
+    )
+
+
+def test_plain_streams_batched_with_a_failing_row_complete(tiny: LoadedModel) -> None:
+    failing = FailsOnAffineRows(tiny.model)
+    loaded = LoadedModel(**{**tiny.__dict__, "model": failing})
+    scheduler = Scheduler(loaded, Limits(max_running=8, max_queued=8))
+    scheduler.start()
+    try:
+        prompts = [list(range(10 + 7 * i, 40 + 9 * i)) for i in range(3)]
+        plain = [Collector() for _ in prompts]
+        for i, (prompt, sink) in enumerate(zip(prompts, plain, strict=True)):
+            scheduler.submit(_request(loaded, f"plain-{i}", prompt, LONG, KVCodec()), sink)
+        culprit = Collector()
+        quantized = KVCodec(8, 64, QUANTIZED_FROM)
+        short = [5, 6, 7, 8, 9]
+        scheduler.submit(_request(loaded, "eight-bit", short, 100, quantized), culprit)
+
+        end = culprit.finished()
+        assert end.reason == "error" and end.failure == "ModelFailed"
+        assert "attention sinks" in end.error
+        # It ran until its row converted, then failed alone.
+        assert QUANTIZED_FROM - len(short) - 1 <= len(culprit.tokens) < 100
+        for prompt, sink in zip(prompts, plain, strict=True):
+            assert sink.finished().reason == "length"
+            assert sum(isinstance(e, Started) for e in sink.events) == 1
+            expected = generate_step(mx.array(prompt), tiny.model, max_tokens=LONG)
+            assert sink.tokens == [int(t) for t, _ in expected]
+        assert failing.raised >= 2  # in the batch, then in its trial alone
+        assert scheduler.stats().isolated_failures_total == 1
+    finally:
+        scheduler.shutdown()
