@@ -62,6 +62,8 @@ class CheckpointStats:
     # Store reads into caches (prefix hits and resumes) and checkpoint writes, by GB/s.
     restore_rate: RateHistogram = field(default_factory=RateHistogram)
     checkpoint_rate: RateHistogram = field(default_factory=RateHistogram)
+    # Prompts that started with no reused prefix, by why (events.PrefixMissReason).
+    misses_by_reason: dict[str, int] = field(default_factory=dict)
 
 
 class CheckpointCounters:
@@ -76,6 +78,11 @@ class CheckpointCounters:
         with self._lock:
             for name, delta in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+    def miss(self, reason: str) -> None:
+        with self._lock:
+            by_reason = self._stats.misses_by_reason
+            by_reason[reason] = by_reason.get(reason, 0) + 1
 
     def observe_restore(self, nbytes: int, seconds: float) -> None:
         with self._lock:

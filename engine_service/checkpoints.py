@@ -1,6 +1,8 @@
 """Checkpoints between the engine and the store, wired together (docs/checkpoints.md).
 
 - prefix_reuse.py: a prompt's longest cached prefix, local tier then store; saved after prefill.
+- prefix_snapshots.py: for caches that cannot be trimmed, the prompt's state at its last block
+  boundary, kept during prefill.
 - generation_checkpoints.py: snapshots of running generations, their chains, resume.
 - spill.py: the bounded queue that sends both to the store off the MLX thread.
 
@@ -22,13 +24,15 @@ import mlx.core as mx
 from engine_service.checkpoint_stats import CheckpointCounters, CheckpointStats
 from engine_service.device_landing import landing_for
 from engine_service.errors import EngineError, Unavailable
+from engine_service.events import PrefixMissReason
 from engine_service.generation_checkpoints import GenerationCheckpoints
 from engine_service.host_staging import HostStaging
 from engine_service.jobs import Job, StartingPoint
 from engine_service.model import LoadedModel
-from engine_service.plans import PrefixPlan, ResumePlan
+from engine_service.plans import Plan, PrefixMiss, PrefixPlan, ResumePlan
 from engine_service.prefix_cache import BLOCK_SIZE, PrefixCache
 from engine_service.prefix_reuse import PrefixReuse
+from engine_service.prefix_snapshots import PrefixSnapshots
 from engine_service.spill import FlushResult, SpillQueue
 from tandem_client.errors import NotFound as StoreNotFound
 from tandem_client.errors import TandemError
@@ -56,6 +60,8 @@ class CheckpointSettings:
     store_region_bytes: int = -1
     # Puts queued back to back that leave in one PutMany (1: one Put a record).
     spill_batch_records: int = 32
+    # Tokens a solo prefill feeds per model call (prefix snapshots: the engine's step).
+    prefill_step_size: int = 2048
 
 
 def region_bytes(configured: int) -> int:
@@ -108,6 +114,7 @@ class CheckpointManager:
             self.spill,
             settings.min_prefix_tokens,
         )
+        self.snapshots = PrefixSnapshots(loaded.model, self.prefixes, settings.prefill_step_size)
         self.generations = GenerationCheckpoints(
             self.model_id, self.counters, self.store, self.spill
         )
@@ -153,6 +160,30 @@ class CheckpointManager:
     @property
     def has_store(self) -> bool:
         return self.store is not None
+
+    def prefix_start(self, job: Job) -> StartingPoint:
+        """Where a fresh prompt starts (MLX thread): its cached prefix restored, or why it
+        reused none; for caches that cannot be trimmed, a snapshot on the way
+        (prefix_snapshots.py)."""
+        r, plan = job.request, job.plan
+        caches, cached, reason = None, 0, _miss_reason(plan, len(r.prompt))
+        if isinstance(plan, PrefixPlan):
+            caches = self.prefixes.materialize(plan)
+            if caches is None:
+                reason = "not restorable"
+            else:
+                cached = plan.matched
+        elif isinstance(plan, PrefixMiss):
+            job.plan = None  # a whole prefill, as a prompt that was never looked up
+        if reason:
+            self.counters.miss(reason)
+        k = self.snapshots.due(r, cached)
+        if k:
+            caches = self.snapshots.take(r, caches, cached, k)
+            return StartingPoint(r.prompt[k:], r.prompt[:k], caches, cached, reason)
+        if caches is not None:
+            return StartingPoint(r.prompt[cached:], r.prompt[:cached], caches, cached)
+        return StartingPoint(r.prompt, [], None, 0, reason)
 
     def add_prefill_time(self, seconds: float) -> None:
         self.counters.add(prefill_seconds=seconds)
@@ -222,10 +253,14 @@ def starting_point(job: Job, checkpoints: CheckpointManager | None) -> StartingP
         job.checkpointed = True
         caches = checkpoints.generations.materialize(plan)
         return StartingPoint([plan.pending], [*r.prompt, *plan.generated], caches, len(r.prompt))
-    if isinstance(plan, PrefixPlan) and checkpoints is not None:
-        restored = checkpoints.prefixes.materialize(plan)
-        if restored is not None:
-            return StartingPoint(
-                r.prompt[plan.matched :], r.prompt[: plan.matched], restored, plan.matched
-            )
-    return StartingPoint(r.prompt, [], None, 0)
+    if checkpoints is None:
+        return StartingPoint(r.prompt, [], None, 0, "prefix reuse off")
+    return checkpoints.prefix_start(job)
+
+
+def _miss_reason(plan: Plan, prompt_tokens: int) -> PrefixMissReason:
+    if isinstance(plan, PrefixMiss):
+        return plan.reason
+    if plan is None:  # not looked up (planner.needed)
+        return "shorter than a block" if prompt_tokens <= BLOCK_SIZE else "no stored prefix"
+    return ""

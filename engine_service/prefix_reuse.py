@@ -4,7 +4,9 @@ A prompt's block-hash chain is looked up in the in-memory tier (prefix_cache.py)
 the store; the longest hit wins. A local hit is rebuilt from the captured device arrays
 themselves (no trip through host bytes); a store hit from the record's bytes. Either is trimmed
 to the matched length. After prefill the prompt's caches are kept locally and spilled to the
-store once (deduplicated, `if_absent`).
+store once (deduplicated, `if_absent`). Caches that cannot be trimmed are kept as exact records
+instead, taken during prefill (prefix_snapshots.py): they serve their own length only. A
+prompt that finds nothing gets a `PrefixMiss` saying why.
 
 `find` runs on handler threads (it may call the store); `materialize` and `save` on the MLX
 thread.
@@ -29,13 +31,13 @@ from engine_service.checkpoint_stats import CheckpointCounters
 from engine_service.device_landing import Landing, as_they_arrive
 from engine_service.errors import Corrupt, Precondition
 from engine_service.host_staging import HostStaging
-from engine_service.plans import PrefixPlan
+from engine_service.plans import PrefixMiss, PrefixPlan
 from engine_service.prefix_cache import BLOCK_SIZE, PrefixCache
 from engine_service.restore_cost import RestoreCost
 from engine_service.spill import Put, SpillQueue
 from tandem_client.errors import DataLoss, TandemError
 from tandem_client.identity import block_hashes, prefix_key, scope_digest
-from tandem_client.records import Checkpoint
+from tandem_client.records import Checkpoint, LookupResult
 from tandem_client.store_client import StoreClient
 
 log = logging.getLogger(__name__)
@@ -72,33 +74,56 @@ class PrefixReuse:
     def scope(self, namespace: str, layout: list[str]) -> bytes:
         return scope_digest(self.model_id, layout, namespace)
 
-    def find(self, prompt: list[int], namespace: str, layout: list[str]) -> PrefixPlan | None:
+    def find(self, prompt: list[int], namespace: str, layout: list[str]) -> PrefixPlan | PrefixMiss:
         """The longest reusable prefix of the prompt, at most all but its last token (one
         token must be fed). The whole prompt is looked up, so a prompt seen before restores
         len - 1 positions (its record is trimmed by one) and feeds one token, instead of
         stopping at the last block boundary."""
         usable = prompt
         if len(usable) <= BLOCK_SIZE:
-            return None
+            return PrefixMiss("shorter than a block")
         scope = self.scope(namespace, layout)
         chain = block_hashes(usable, BLOCK_SIZE, scope)
         most = len(prompt) - 1
         lengths = [min((i + 1) * BLOCK_SIZE, len(usable), most) for i in range(len(chain))]
-        key, local_len = self.local.match(chain, lengths)
+        key, local_len, exact = self.local.match(chain, lengths)
         captured = self.local.get(key) if local_len else None
-        best = PrefixPlan(local_len, key, layout, local=captured) if captured else None
+        best: PrefixPlan | PrefixMiss = (
+            PrefixPlan(local_len, key, layout, local=captured, exact=exact)
+            if captured
+            else PrefixMiss("no stored prefix")
+        )
         if self.store is not None:
+            found: PrefixPlan | PrefixMiss
             try:
-                best = self._from_store(usable, namespace, layout, chain, local_len) or best
+                found = self._from_store(usable, namespace, layout, chain, local_len)
             except (DataLoss, Corrupt, Precondition) as exc:  # quarantined, or not restorable
                 log.warning("prefix checkpoint unusable, prefilling instead: %s", exc)
                 self.counters.add(restore_failures=1)
+                found = PrefixMiss("not restorable")
             except TandemError as exc:
                 log.warning("store lookup failed, prefilling instead: %s", exc)
                 self.counters.add(restore_failures=1)
-        if best is None:
+                found = PrefixMiss("store unavailable")
+            # A store hit beats a local one (it is longer); a local hit beats any store miss.
+            if isinstance(found, PrefixPlan) or isinstance(best, PrefixMiss):
+                best = found
+        if isinstance(best, PrefixMiss):
             self.counters.add(misses=1)
         return best
+
+    def _lookup(
+        self, chain: list[bytes], tokens: int, namespace: str, layout: list[str]
+    ) -> LookupResult:
+        assert self.store is not None
+        return self.store.lookup(
+            namespace=namespace,
+            model_id=self.model_id,
+            layout=layout,
+            block_size=BLOCK_SIZE,
+            block_hashes=chain,
+            token_count=tokens,
+        )
 
     def _from_store(
         self,
@@ -107,21 +132,20 @@ class PrefixReuse:
         layout: list[str],
         chain: list[bytes],
         better_than: int,
-    ) -> PrefixPlan | None:
+    ) -> PrefixPlan | PrefixMiss:
         assert self.store is not None
-        hit = self.store.lookup(
-            namespace=namespace,
-            model_id=self.model_id,
-            layout=layout,
-            block_size=BLOCK_SIZE,
-            block_hashes=chain,
-            token_count=len(usable),
-        )
+        hit = self._lookup(chain, len(usable), namespace, layout)
+        if hit.found and not hit.trimmable and hit.record_tokens >= len(usable):
+            # An exact record of the whole prompt leaves no token to feed: the longest one
+            # short of the prompt's last token serves instead.
+            shorter = block_hashes(usable[:-1], BLOCK_SIZE, self.scope(namespace, layout))
+            hit = self._lookup(shorter, len(usable) - 1, namespace, layout)
         matched = min(hit.matched_tokens, len(usable) - 1)  # one token is left to feed
-        if not hit.found or matched <= better_than:
-            return None
+        exact = not hit.trimmable
+        if not hit.found or matched <= better_than or (exact and matched != hit.record_tokens):
+            return PrefixMiss("no stored prefix")
         if not self.cost.worth_restoring(matched - better_than):
-            return None  # cheaper to prefill (restore_cost.py)
+            return PrefixMiss("cheaper to prefill")  # restore_cost.py
         start = time.perf_counter()
         # Same-host: the bytes stay in the region until the MLX thread has made them arrays;
         # they arrive while it does (progressive: pulled as each part is verified).
@@ -142,6 +166,7 @@ class PrefixReuse:
             stored=record,
             hold=hold,
             fetch_s=time.perf_counter() - start,
+            exact=exact,
         )
 
     def materialize(self, plan: PrefixPlan) -> list[Any] | None:
@@ -166,7 +191,7 @@ class PrefixReuse:
                         plan.hold.release()
                 held = int(plan.stored.metadata.get("tokens", plan.matched))
             if held > plan.matched:
-                if not can_trim_prompt_cache(caches):
+                if plan.exact or not can_trim_prompt_cache(caches):
                     return None
                 trim_prompt_cache(caches, held - plan.matched)
         except (Precondition, KeyError, ValueError, TandemError) as exc:
@@ -187,15 +212,40 @@ class PrefixReuse:
     ) -> None:
         """Keeps a prompt's caches (MLX thread; row_caches hold prompt + 1 token)."""
         if len(prompt) < self.min_prefix_tokens or not can_trim_prompt_cache(row_caches):
-            return
+            return  # untrimmable: an exact snapshot was kept during prefill (prefix_snapshots)
         scope = self.scope(namespace, layout)
         key = prefix_key(scope, prompt)
         if key in self.local or key in self._saved_keys:
             return
         trim_prompt_cache(row_caches, 1)
-        captured = capture(row_caches, len(prompt))
+        self._keep(key, scope, row_caches, prompt, namespace, layout, trimmable=True)
+
+    def save_exact(
+        self, caches: list[Any], tokens: list[int], namespace: str, layout: list[str]
+    ) -> None:
+        """Keeps caches holding exactly `tokens` that cannot be trimmed (MLX thread): they
+        serve a prompt that starts with those tokens, at that length only."""
+        if len(tokens) < self.min_prefix_tokens:
+            return
+        scope = self.scope(namespace, layout)
+        key = prefix_key(scope, tokens)
+        if key not in self.local and key not in self._saved_keys:
+            self._keep(key, scope, caches, tokens, namespace, layout, trimmable=False)
+
+    def _keep(
+        self,
+        key: bytes,
+        scope: bytes,
+        caches: list[Any],
+        prompt: list[int],
+        namespace: str,
+        layout: list[str],
+        trimmable: bool,
+    ) -> None:
+        """Captures caches holding exactly `prompt` into the local tier and the spill queue."""
+        captured = capture(caches, len(prompt))
         chain = block_hashes(prompt, BLOCK_SIZE, scope)
-        self.local.add(key, captured, chain, len(prompt))
+        self.local.add(key, captured, chain, len(prompt), exact=not trimmable)
         if self.spill is None:
             return
         self._saved_keys[key] = None
@@ -209,7 +259,7 @@ class PrefixReuse:
             model_id=self.model_id,
             layout=layout,
             token_ids=list(prompt),
-            trimmable=True,
+            trimmable=trimmable,
             block_size=BLOCK_SIZE,
             block_hashes=chain,
             metadata={**captured.meta(), "tokens": str(len(prompt))},
