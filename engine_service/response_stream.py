@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine_service.errors import Abandoned, DeadlineExceeded, ModelFailed, Unavailable, error_named
-from engine_service.events import Event, Finished, Sink, Started, Token
+from engine_service.events import Event, Finished, PrefixMissReason, Sink, Started, Token
 from engine_service.metrics import RequestMetrics
 from engine_service.requests import GenerationRequest
 from engine_service.text import TextStream
@@ -49,6 +49,7 @@ class Usage:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     constraint_incomplete: bool = False
+    prefix_miss_reason: PrefixMissReason = ""  # why no cached prefix was reused
 
 
 @dataclass
@@ -229,6 +230,7 @@ async def respond(
         for event in await events.next():
             if isinstance(event, Started):
                 out.usage.cached_prompt_tokens = event.cached_prompt_tokens
+                out.usage.prefix_miss_reason = event.prefix_miss_reason
             elif isinstance(event, Token):
                 out.add(chunk, event)
                 if out.text.stopped_by:

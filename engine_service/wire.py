@@ -312,6 +312,7 @@ def response_to_pb(chunk: ResponseChunk) -> engine_pb2.GenerateResponse:
                 draft_tokens=u.draft_tokens,
                 accepted_draft_tokens=u.accepted_draft_tokens,
                 constraint_incomplete=u.constraint_incomplete,
+                prefix_miss_reason=u.prefix_miss_reason,
             )
         )
     return message
@@ -394,6 +395,7 @@ def stats_to_pb(
                 prefill_tokens_per_second=c.prefill_tokens_per_second,
                 restore_chosen=c.restore_chosen,
                 prefill_chosen=c.prefill_chosen,
+                prefix_misses_by_reason=c.misses_by_reason,
             )
         )
     return reply

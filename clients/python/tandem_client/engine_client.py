@@ -35,6 +35,7 @@ class Usage:
     accepted_draft_tokens: int = 0
     failovers: int = 0  # through a gateway: times the stream moved to another engine
     constraint_incomplete: bool = False  # a constrained output cut short by max_tokens
+    prefix_miss_reason: str = ""  # why the prompt reused no cached prefix ("" if it did)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class GenerationChunk:
                 u.accepted_draft_tokens,
                 u.failovers,
                 u.constraint_incomplete,
+                u.prefix_miss_reason,
             )
         return cls(
             token_ids=list(m.token_ids),
