@@ -20,7 +20,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as cache_lib
 
 from engine_service.capabilities import Capabilities, layout_refusal
-from engine_service.kv_codec import GROUP_SIZES, KVCodec
+from engine_service.kv_codec import GROUP_SIZES, KVCodec, Scheme
 from engine_service.warmup import ProbeRow, generate_rows
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,8 @@ def _quantized_rows(
             generate_rows(new_batch(), loaded, rows, PROBE_TOKENS)
     except Exception as exc:  # noqa: BLE001 - whatever the model raises is the reason
         model_type = loaded.config.get("model_type", "this model")
-        return f"{model_type} attention does not run on {codecs[0].scheme.value} KV: {_line(exc)}"
+        kind = "TurboQuant" if codecs[0].scheme is Scheme.TURBOQUANT else "affine-quantized"
+        return f"{model_type} attention does not run on {kind} KV: {_line(exc)}"
     return ""
 
 
@@ -109,5 +110,6 @@ def _flat(caches: list[Any]) -> Iterator[Any]:
 
 
 def _line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:300]
+    """An exception's message on one line (a few of mlx's run over several)."""
+    text = " ".join(str(exc).split())
+    return (text or type(exc).__name__)[:200]

@@ -4,7 +4,8 @@ After a row's token: a pending generation snapshot is queued now that its pendin
 known, the row is marked when its next snapshot is due, and its prompt's prefix is marked
 for saving (first token). After the step: the due rows are captured together (capture_due).
 After the step's events have left: the marked prefixes are saved (save_prefixes), so the
-capture of a long prompt's caches never delays its first token.
+capture of a long prompt's caches never delays its first token; a checkpointed generation
+takes its first snapshot from the same extraction, so it can be resumed from its first token.
 """
 
 from __future__ import annotations
@@ -92,14 +93,23 @@ class StepCheckpoints:
             in_batch = [item.job.uid for item in due if item.finished_cache is None]
             extracted = bg.extract_cache(in_batch) if in_batch else {}
             for item in due:
-                r = item.job.request
-                found = extracted.get(item.job.uid)
+                job, r = item.job, item.job.request
+                found = extracted.get(job.uid)
+                if found is not None and self._first_snapshot_due(job):
+                    # The generation's first snapshot, right after its prefill: a resume
+                    # works from the first token on (its pending token comes next step).
+                    job.snapshot = self.checkpoints.generations.capture(job, found[0])
                 row = item.finished_cache or (found[0] if found is not None else None)
                 if row is not None:  # None: the row left the batch meanwhile (parked)
                     self.checkpoints.prefixes.save(row, r.prompt, r.namespace, r.layout)
         finally:
             if due:
                 self._saving.release()
+
+    @staticmethod
+    def _first_snapshot_due(job: Job) -> bool:
+        """A checkpointed generation at its first token with no snapshot taken yet."""
+        return bool(job.checkpoint_key) and job.snapshot is None and not job.last_checkpoint_at
 
     def queued_saves(self, timeout: float) -> bool:
         """Waits (any thread) until every prefix whose first token is out is queued for the

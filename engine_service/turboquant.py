@@ -208,6 +208,9 @@ class TurboQuantCodec:
         self.bounds = mx.array(bounds, dtype=mx.float32) * scale
         self.rotation = mx.array(_rotation(head_dim, seed))
         self._shifts = mx.arange(self.per_word, dtype=mx.uint32) * bits
+        # Evaluated now: a codec is shared (codec_for), and a lazy array recorded on one
+        # thread's stream cannot be evaluated on another MLX thread.
+        mx.eval(self.centroids, self.bounds, self.rotation, self._shifts)
         self._levels = [float(c) * scale for c in centroids]
         # One fused kernel each where the backend compiles elementwise graphs (shapes are
         # traced once per distinct shape: a batch's planes grow 256 columns at a time).
@@ -232,6 +235,7 @@ class TurboQuantCodec:
         scaled = self._scaled.get(scale)
         if scaled is None:
             scaled = self._scaled[scale] = self.rotation * scale
+            mx.eval(scaled)  # shared across threads, as the codec is
         return x.astype(mx.float32) @ scaled
 
     def unrotate(self, y: mx.array) -> mx.array:

@@ -1,0 +1,276 @@
+"""The model zoo's checks: each architecture through the engine's core, one row of the
+support matrix (docs/models.md) per architecture.
+
+In-process, the way the engine core runs a model: `load_model` (every held array evaluated,
+upstream fixes applied), a `Scheduler` on its MLX thread (the start-up probe of what the
+caches run), generation checkpoints and prefixes in a real store. mlx-lm's own solo decoding
+(`generate_step`) is the reference. A cell is "yes", or "refused: <why>" where the engine
+refuses that combination clearly (a request would get INVALID_ARGUMENT, not a wrong answer);
+anything else is a failure the test reports.
+
+tests/test_model_zoo_*.py run it and compare with the committed matrix;
+`scripts/model_matrix.py` writes the matrix from the same run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from engine_service.checkpoints import CheckpointManager, CheckpointSettings
+from engine_service.events import Event, Finished, Started, Token
+from engine_service.kv_codec import GROUP_SIZES, PLAIN_KV, KVCodec, request_layout
+from engine_service.loop_limits import Limits
+from engine_service.model import LoadedModel, load_model
+from engine_service.planner import Planner
+from engine_service.requests import DraftSupport, GenerationRequest, stop_token_ids
+from engine_service.sampling import SamplingOptions
+from engine_service.scheduler import Scheduler
+from tests.model_zoo import build_zoo_model
+
+TOKENS = 16
+# Prompt lengths of one batch: long enough to wrap the zoo's 32-token windows, uneven so
+# that rows are padded.
+LENGTHS = (100, 41, 7, 66)
+PREFIX_PROMPT = 200  # three blocks and some: a prefix worth keeping
+
+
+@dataclass(frozen=True)
+class ZooRow:
+    """One architecture's row of the support matrix."""
+
+    arch: str
+    layout: str
+    greedy: str = ""  # one row alone equals mlx-lm's solo decoding
+    batched: str = ""  # rows of uneven lengths in one batch each equal their solo decoding
+    resume: str = ""  # a generation resumed from its first checkpoint equals the whole run
+    prefix: str = ""  # a prompt sent again restores a cached prefix
+    affine_kv: str = ""  # 8- and 4-bit rows beside a plain one, each equal to itself alone
+    turboquant_kv: str = ""  # the same with TurboQuant 4/4 and 3/2 rows
+
+    def cells(self) -> list[str]:
+        """The row as the matrix's cells (a "|" in a reason would split a Markdown cell)."""
+        return [str(getattr(self, f.name)).replace("|", "/") for f in fields(self)]
+
+    @staticmethod
+    def columns() -> list[str]:
+        return [f.name for f in fields(ZooRow)]
+
+
+class Collector:
+    """A request's sink: the loop's events for it, and when it finished."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.done = threading.Event()
+
+    def __call__(self, events: list[Event]) -> None:
+        self.events.extend(events)
+        if any(isinstance(e, Finished) for e in events):
+            self.done.set()
+
+    def finished(self, timeout: float = 120.0) -> Finished:
+        if not self.done.wait(timeout):
+            raise AssertionError(f"no Finished event in {timeout:g} s")
+        last = self.events[-1]
+        assert isinstance(last, Finished)
+        return last
+
+    @property
+    def tokens(self) -> list[int]:
+        return [e.token_id for e in self.events if isinstance(e, Token)]
+
+    @property
+    def started(self) -> Started:
+        return next(e for e in self.events if isinstance(e, Started))
+
+
+def prompt_of(length: int, seed: int, vocab: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % (vocab - 3) + 3 for i in range(length)]
+
+
+def request(
+    loaded: LoadedModel, rid: str, prompt: list[int], kv: KVCodec = PLAIN_KV, **extra: Any
+) -> GenerationRequest:
+    options = SamplingOptions(ignore_eos=True)
+    return GenerationRequest(
+        request_id=rid,
+        prompt=prompt,
+        max_tokens=extra.pop("max_tokens", TOKENS),
+        sampling=options,
+        namespace="zoo",
+        stop_ids=stop_token_ids(options, loaded.eos_token_ids),
+        kv=kv,
+        layout=request_layout(loaded.layout, kv),
+        **extra,
+    )
+
+
+class Engine:
+    """A model's scheduler (and checkpoints in the store at `store`), as the core runs them."""
+
+    def __init__(self, loaded: LoadedModel, store: str) -> None:
+        self.loaded = loaded
+        self.checkpoints = CheckpointManager(loaded, CheckpointSettings(store=store))
+        self.scheduler = Scheduler(
+            loaded, Limits(max_running=8, max_queued=8), checkpoints=self.checkpoints
+        )
+        self.scheduler.start()
+        self.planner = Planner(self.checkpoints, DraftSupport())
+
+    def run(self, requests: list[GenerationRequest]) -> list[Collector]:
+        """Submits them together (one batch) and waits for each to finish."""
+        sinks = []
+        for r in requests:
+            sink = Collector()
+            self.scheduler.submit(r, sink, self.planner.plan(r) if self.planner.needed(r) else None)
+            sinks.append(sink)
+        for sink in sinks:
+            end = sink.finished()
+            if end.reason not in ("length", "stop"):
+                raise AssertionError(f"{end.reason}: {end.error}")
+        return sinks
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.checkpoints.close()
+
+
+def solo_reference(loaded: LoadedModel, prompt: list[int], n: int = TOKENS) -> list[int]:
+    return [int(t) for t, _ in generate_step(mx.array(prompt), loaded.model, max_tokens=n)]
+
+
+def check_architecture(arch: str, models: Path, data: Path, store: str) -> ZooRow:
+    """Every column for one architecture; raises AssertionError on a wrong answer."""
+    loaded = load_model(str(build_zoo_model(arch, models)), data)
+    engine = Engine(loaded, store)
+    try:
+        caps = loaded.capabilities
+        vocab = loaded.vocab_size
+        prompts = [prompt_of(n, i, vocab) for i, n in enumerate(LENGTHS)]
+        reference = [solo_reference(loaded, p) for p in prompts]
+        alone = engine.run([request(loaded, f"{arch}-alone", prompts[0])])[0]
+        _same(alone.tokens, reference[0], "one row alone vs mlx-lm")
+        batch = engine.run([request(loaded, f"{arch}-b{i}", p) for i, p in enumerate(prompts)])
+        for i, sink in enumerate(batch):
+            _same(sink.tokens, reference[i], f"batched row {i} ({LENGTHS[i]} tokens) vs solo")
+        return ZooRow(
+            arch=arch,
+            layout=" ".join(sorted(set(loaded.layout))),
+            greedy="yes",
+            batched="yes",
+            resume=_resume(engine, loaded, store, prompts[1]),
+            prefix=_prefix(engine, loaded, arch),
+            affine_kv=_quantized(engine, loaded, caps.affine_kv, _affine_codecs(caps.kv_widths)),
+            turboquant_kv=_quantized(
+                engine,
+                loaded,
+                caps.turboquant_kv,
+                [KVCodec.turboquant(4, 4), KVCodec.turboquant(3, 2)],
+            ),
+        )
+    finally:
+        engine.close()
+
+
+def _resume(engine: Engine, loaded: LoadedModel, store: str, prompt: list[int]) -> str:
+    """Stopped after its first tokens (no interval reached: only the first snapshot exists),
+    resumed by a fresh engine on the same store."""
+    n = 40
+    r = request(loaded, "resume", prompt, max_tokens=n, checkpoint_interval=1000)
+    sink = Collector()
+    engine.scheduler.submit(r, sink)
+    deadline = time.monotonic() + 60
+    while len(sink.tokens) < 3:
+        assert time.monotonic() < deadline, "no tokens"
+        time.sleep(0.005)
+    engine.scheduler.cancel(r.request_id, keep_checkpoint=True)
+    sink.finished()
+    assert engine.checkpoints.flush().durable
+    fresh = Engine(loaded, store)
+    try:
+        again = request(loaded, "resume", prompt, max_tokens=n, checkpoint_interval=1000)
+        again.resume = True
+        plan = fresh.planner.plan(again)
+        assert plan is not None, "no generation checkpoint after the first tokens"
+        replay = plan.replay  # type: ignore[union-attr]
+        resumed = Collector()
+        fresh.scheduler.submit(again, resumed, plan)
+        resumed.finished()
+    finally:
+        fresh.close()
+    _same(replay + resumed.tokens, solo_reference(loaded, prompt, n), "resumed vs whole run")
+    return "yes"
+
+
+def _prefix(engine: Engine, loaded: LoadedModel, arch: str) -> str:
+    prompt = prompt_of(PREFIX_PROMPT, 99, loaded.vocab_size)
+    first = engine.run([request(loaded, f"{arch}-p1", prompt)])[0]
+    again = engine.run([request(loaded, f"{arch}-p2", prompt)])[0]
+    _same(again.tokens, first.tokens, "a prompt sent again")
+    cached = again.started.cached_prompt_tokens
+    if cached:
+        return "yes"
+    why = getattr(again.started, "prefix_miss_reason", "") or "no reason given"
+    return f"refused: {why}"
+
+
+def _affine_codecs(widths: tuple[int, ...]) -> list[KVCodec]:
+    group = next((g for g in GROUP_SIZES if all(w % g == 0 for w in widths)), 64)
+    return [KVCodec(8, group), KVCodec(4, group)]
+
+
+def _quantized(engine: Engine, loaded: LoadedModel, refusal: str, codecs: list[KVCodec]) -> str:
+    """Quantized rows beside a plain one, each equal to itself alone; or the refusal."""
+    refusals = {loaded.capabilities.refusal(c) for c in codecs}
+    if refusal or any(refusals):
+        why = refusal or next(r for r in refusals if r)
+        if not why:
+            raise AssertionError("refused without a reason")
+        return f"refused: {why}"
+    prompt = prompt_of(LENGTHS[0], 5, loaded.vocab_size)
+    plain = request(loaded, "q-plain", prompt_of(LENGTHS[1], 6, loaded.vocab_size))
+    rows = [request(loaded, f"q-{i}", prompt, codec) for i, codec in enumerate(codecs)]
+    together = engine.run([plain, *rows])
+    for i, row in enumerate(rows):
+        alone = engine.run([request(loaded, f"q-alone-{i}", prompt, row.kv)])[0]
+        _same(together[i + 1].tokens, alone.tokens, f"{row.kv.signature()} batched vs alone")
+    return "yes"
+
+
+def _same(got: list[int], want: list[int], what: str) -> None:
+    if got != want:
+        pairs = zip(got, want, strict=False)
+        first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(got), len(want)))
+        raise AssertionError(f"{what}: differs at token {first} of {len(want)}: {got} != {want}")
+
+
+# -- the matrix in docs/models.md ----------------------------------------------------------
+
+MATRIX_START = "<!-- zoo matrix: written by scripts/model_matrix.py -->"
+MATRIX_END = "<!-- end of zoo matrix -->"
+
+
+def matrix_lines(rows: list[ZooRow]) -> list[str]:
+    header = ZooRow.columns()
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        lines.append("| " + " | ".join(row.cells()) + " |")
+    return lines
+
+
+def committed_rows(doc: Path) -> dict[str, list[str]]:
+    """The matrix rows docs/models.md holds, by architecture."""
+    text = doc.read_text(encoding="utf-8")
+    table = text.split(MATRIX_START, 1)[1].split(MATRIX_END, 1)[0]
+    rows: dict[str, list[str]] = {}
+    for line in table.strip().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[cells[0]] = cells
+    return rows
