@@ -76,9 +76,10 @@ class PrefixReuse:
 
     def find(self, prompt: list[int], namespace: str, layout: list[str]) -> PrefixPlan | PrefixMiss:
         """The longest reusable prefix of the prompt, at most all but its last token (one
-        token must be fed). The whole prompt is looked up, so a prompt seen before restores
-        len - 1 positions (its record is trimmed by one) and feeds one token, instead of
-        stopping at the last block boundary."""
+        token must be fed), or why there is none. The whole prompt is looked up, so a prompt
+        seen before restores len - 1 positions (its record is trimmed by one) and feeds one
+        token, instead of stopping at the last block boundary; an exact record serves only
+        the length it holds."""
         usable = prompt
         if len(usable) <= BLOCK_SIZE:
             return PrefixMiss("shorter than a block")
