@@ -150,6 +150,11 @@ class CoreCollector(Collector):
         yield _counter(
             "tandem:requests_rejected", "Requests refused at admission.", e.rejected_total
         )
+        yield _counter(
+            "tandem:rows_failed_alone",
+            "Rows the model failed on alone (their batch went on).",
+            e.isolated_failures_total,
+        )
         spec = e.speculative
         yield _counter("tandem:spec_decode_num_drafts", "Speculative rounds.", spec.rounds_total)
         yield _counter(

@@ -357,6 +357,7 @@ def stats_to_pb(
         mean_batch_size=s.mean_batch_size,
         cancelled_total=s.cancelled_total,
         rejected_total=s.rejected_total,
+        isolated_failures_total=s.isolated_failures_total,
         steps_total=s.steps_total,
         preempted_total=s.parking.preempted_total,
         unparked_total=s.parking.unparked_total,
