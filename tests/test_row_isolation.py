@@ -7,6 +7,7 @@ to 8 bits after 29 tokens, and from then on every step of its batch raises.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
+from engine_service.errors import Corrupt, ModelFailed
 from engine_service.events import Event, Finished, Started, Token
 from engine_service.kv_codec import KVCodec, StorageKind
 from engine_service.loop_limits import Limits
 from engine_service.model import LoadedModel, load_model
 from engine_service.quantized_kv import BatchQuantizedKVCache
 from engine_service.requests import GenerationRequest, stop_token_ids
+from engine_service.response_stream import RequestStream, respond
 from engine_service.sampling import SamplingOptions
 from engine_service.scheduler import Scheduler
 
@@ -119,3 +122,26 @@ def test_plain_streams_batched_with_a_failing_row_complete(tiny: LoadedModel) ->
         assert scheduler.stats().isolated_failures_total == 1
     finally:
         scheduler.shutdown()
+
+
+@pytest.mark.parametrize(
+    "failure,kind",
+    [("ModelFailed", ModelFailed), ("Corrupt", Corrupt), ("", ModelFailed)],
+)
+def test_a_row_that_failed_in_the_engine_ends_its_stream_with_a_status(
+    tiny: LoadedModel, failure: str, kind: type[Exception]
+) -> None:
+    """Not OK with finish_reason error and the tokens so far: the status of the failure."""
+
+    async def read() -> list[int]:
+        events = RequestStream()
+        events.push([Started(5, 0), Token(7)])
+        events.push([Finished("error", error="the model failed", failure=failure)])
+        request = _request(tiny, "r", [1, 2, 3, 4, 5], 8, KVCodec())
+        got: list[int] = []
+        async for chunk in respond(request, tiny.tokenizer, events, 0.0, [], lambda: None):
+            got += chunk.token_ids
+        return got
+
+    with pytest.raises(kind, match="the model failed"):
+        asyncio.run(read())
