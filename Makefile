@@ -43,11 +43,13 @@ test: $(PB_STAMP) $(NODE_STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The fault-injection suites at length: many store and engine SIGKILLs (tests/test_faults.py),
-# and engines killed under streams through the gateway (tests/test_gateway_failover.py).
+# engines killed under streams through the gateway (tests/test_gateway_failover.py), and an
+# engine of every zoo architecture killed after its first tokens (tests/test_engine_zoo_processes.py).
 SOAK_KILLS ?= 30
 soak: $(PB_STAMP) $(NODE_STAMP)
-	TANDEM_SOAK_KILLS=$(SOAK_KILLS) TANDEM_GATEWAY_KILLS=$(SOAK_KILLS) \
-		$(PY) -m pytest -q -s tests/test_faults.py tests/test_gateway_failover.py
+	TANDEM_SOAK_KILLS=$(SOAK_KILLS) TANDEM_GATEWAY_KILLS=$(SOAK_KILLS) TANDEM_ZOO_KILLS=all \
+		$(PY) -m pytest -q -s tests/test_faults.py tests/test_gateway_failover.py \
+		tests/test_engine_zoo_processes.py
 
 # What a user installs elsewhere, into dist/: the server sdist and wheel (tandem), the client
 # sdist and wheel (tandem-client: grpcio + protobuf, the CLI) and the Node.js client's tarball

@@ -356,7 +356,8 @@ class Scheduler:
                 self.emit(job, [Finished("error", error=failed, failure=Corrupt.__name__)])
                 continue
             if fresh:
-                self.emit(job, [Started(len(job.request.prompt), start.cached_prompt_tokens)])
+                cached, why = start.cached_prompt_tokens, start.prefix_miss_reason
+                self.emit(job, [Started(len(job.request.prompt), cached, why)])
         if not rows.jobs:
             return
         rows.insert(self._bg)

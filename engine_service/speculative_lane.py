@@ -96,7 +96,8 @@ class SpeculativeLane:
             self._fail(job, exc)
             return
         self.jobs[r.request_id] = job
-        self.host.emit(job, [Started(len(r.prompt), start.cached_prompt_tokens)])
+        cached, why = start.cached_prompt_tokens, start.prefix_miss_reason
+        self.host.emit(job, [Started(len(r.prompt), cached, why)])
 
     def _row(self, job: Job, start: StartingPoint) -> tuple[SpecRow, list[Any], list[Any]]:
         """The row and its solo caches: the target holding all of the history but its last

@@ -10,6 +10,7 @@ attention sinks, sliding windows), whose quantized attention mlx-lm cannot run.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +23,7 @@ from mlx_lm.generate import generate_step
 
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import TandemError
-from tests.model_zoo import build_zoo_model
+from tests.model_zoo import ZOO, build_zoo_model
 from tests.servers import (
     ServiceProcess,
     free_port,
@@ -113,3 +114,33 @@ def test_an_engine_whose_default_kv_codec_cannot_run_does_not_start(
     assert "listening" not in done.stdout
     assert "the engine's default KV codec cannot run on this model" in done.stderr
     assert "attention sinks" in done.stderr
+
+
+# `make test` kills one more architecture through real processes; `make soak` every one
+# (TANDEM_ZOO_KILLS=all).
+KILLED = sorted(ZOO) if os.environ.get("TANDEM_ZOO_KILLS") == "all" else ["ministral3"]
+
+
+@pytest.mark.parametrize("arch", KILLED)
+def test_each_architecture_resumes_after_a_kill_at_its_first_tokens(
+    arch: str, tmp_path: Path, engine_data_dir: Path
+) -> None:
+    model = build_zoo_model(arch, tmp_path / "models")
+    port = free_port()
+    store_proc = start_store_on(tmp_path / "store", port)
+    args = ["--model", str(model), "--store", f"127.0.0.1:{port}"]
+    engine = start_engine(engine_data_dir, *args, log_dir=tmp_path)
+    store = StoreClient(f"127.0.0.1:{port}")
+    try:
+        prompt = [(j * 53) % 2000 + 3 for j in range(150)]
+        request = dict(max_tokens=48, ignore_eos=True, checkpoint_interval=1000, request_id=arch)
+        received, _ = kill_after_checkpoint(engine, store, prompt, request, 1, 1)
+        fresh = start_engine(engine_data_dir, *args, log_dir=tmp_path / "fresh")
+        try:
+            resume_equals_uninterrupted(fresh.address, prompt, request, received)
+        finally:
+            fresh.stop()
+    finally:
+        engine.stop()
+        store.close()
+        store_proc.stop()

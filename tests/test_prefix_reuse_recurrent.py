@@ -116,10 +116,6 @@ def test_prompts_that_reuse_nothing_are_counted_by_reason(served: Served) -> Non
     assert after["no stored prefix"] == before.get("no stored prefix", 0) + 1  # then a hit
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="scheduler.py does not pass StartingPoint.prefix_miss_reason into Started yet",
-)
 def test_usage_says_why_a_prompt_reused_nothing(served: Served) -> None:
     with EngineClient(served.engine.address) as engine:
         short = engine.generate(PROMPT[:40], max_tokens=2, ignore_eos=True)
