@@ -39,6 +39,51 @@ SHAPES = {
         "tie_word_embeddings": False,
         "vocab_size": 128256,
     },
+    # Llama 3.1 8B as published: its rope scaling (Llama3RoPE keeps `_freqs`, the arrays an
+    # engine thread could not evaluate before every held array was evaluated at load).
+    "llama3.1-8b-shape": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "vocab_size": 128256,
+    },
+    # LFM2-1.2B: short-convolution recurrent layers and six attention layers (a hybrid whose
+    # caches cannot be trimmed: prefix snapshots).
+    "lfm2-1.2b-shape": {
+        "model_type": "lfm2",
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 128000,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 2048,
+        "block_ff_dim": 12288,
+        "block_multiple_of": 256,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": True,
+        "full_attn_idxs": [2, 5, 8, 10, 12, 14],
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "vocab_size": 65536,
+    },
 }
 
 

@@ -33,6 +33,17 @@ class ProbeFailed(RuntimeError):
     codec: the engine does not serve."""
 
 
+def prepare_to_serve(
+    loaded: Any, default_kv: KVCodec, new_batch: Callable[[], BatchGenerator]
+) -> None:
+    """Probes the model (into loaded.capabilities) and checks the engine's default KV codec
+    is among what it runs; ProbeFailed otherwise."""
+    loaded.capabilities = probe(loaded, new_batch)
+    refusal = loaded.capabilities.refusal(default_kv)
+    if refusal:
+        raise ProbeFailed(f"the engine's default KV codec cannot run on this model: {refusal}")
+
+
 def probe(loaded: Any, new_batch: Callable[[], BatchGenerator]) -> Capabilities:
     """Runs the model's kinds of rows once (MLX thread), each kind in a batch of its own.
 

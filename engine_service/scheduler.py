@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from engine_service.admissions import Admissions
-from engine_service.capability_probe import ProbeFailed, probe
+from engine_service.capability_probe import ProbeFailed, prepare_to_serve
 from engine_service.checkpoints import CheckpointManager, starting_point
 from engine_service.compiled_decode import CompiledDecode
 from engine_service.constraint_masks import BatchMasks
@@ -211,8 +211,12 @@ class Scheduler:
 
     def _run(self) -> None:
         self._bg = self._new_batch_generator()
-        try:
-            self._probe_and_warm()
+        try:  # what the model runs (capability_probe.py), then the warm-up
+            limits = self.limits
+            sizes = [1, min(limits.prefill_batch_size, limits.max_running), limits.max_running]
+            prepare_to_serve(self.loaded, limits.default_kv, self._new_batch_generator)
+            if self._warm:
+                warm_up(self._bg, self.loaded, sizes, limits.prefill_step_size, limits.default_kv)
         except (ProbeFailed, WarmUpFailed) as exc:
             self._start_failure = exc
             self._ready.set()
@@ -245,18 +249,6 @@ class Scheduler:
                 self._step_checkpoints.save_prefixes(self._bg)
         self._cancel_all("the engine is shutting down")
         self._flush_outbox()
-
-    def _probe_and_warm(self) -> None:
-        """What the model's caches can do (capability_probe.py), whether the engine's default
-        KV codec is among it, then the warm-up; ProbeFailed or WarmUpFailed stop start-up."""
-        limits = self.limits
-        self.loaded.capabilities = probe(self.loaded, self._new_batch_generator)
-        refusal = self.loaded.capabilities.refusal(limits.default_kv)
-        if refusal:
-            raise ProbeFailed(f"the engine's default KV codec cannot run on this model: {refusal}")
-        if self._warm:
-            sizes = [1, min(limits.prefill_batch_size, limits.max_running), limits.max_running]
-            warm_up(self._bg, self.loaded, sizes, limits.prefill_step_size, limits.default_kv)
 
     def _gather_burst(self, idle: bool) -> bool:
         """Waits for the rest of a burst of arrivals so it is prefilled in few batches, not
