@@ -1,18 +1,22 @@
-"""What a model's caches can do in this engine, found by running them once at start-up.
+"""What a model's caches can do in this engine, found by running them.
 
 mlx-lm architectures differ in what their attention takes: most run on quantized KV, some
 (attention sinks, multi-head latent attention, ...) raise deep inside a batch step, and a
 row that fails there takes the step of every row batched with it. A list per architecture
 would go stale with every mlx-lm release, so the core runs a few made-up rows of each kind
-through the request path on its MLX thread before it serves (`probe`) and keeps what failed
-and why. The front refuses a request of a kind that failed with INVALID_ARGUMENT before it
-joins a batch; an engine whose own default cannot run does not start (ProbeFailed).
+through the request path on its MLX thread and keeps what failed and why: plain rows and
+the engine's default KV scheme before it serves (`prepare_to_serve`), another quantized
+scheme when a request first asks for it (`kv_refusal`). A request of a kind that failed is
+refused with INVALID_ARGUMENT before it joins a batch (by the front when the start-up probe
+knew, else by the core); an engine whose own default cannot run does not start.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -36,38 +40,45 @@ class ProbeFailed(RuntimeError):
 def prepare_to_serve(
     loaded: Any, default_kv: KVCodec, new_batch: Callable[[], BatchGenerator]
 ) -> None:
-    """Probes the model (into loaded.capabilities) and checks the engine's default KV codec
-    is among what it runs; ProbeFailed otherwise."""
+    """Probes plain rows and the engine's default KV scheme (into loaded.capabilities) and
+    checks the default codec runs; ProbeFailed otherwise."""
     loaded.capabilities = probe(loaded, new_batch)
-    refusal = loaded.capabilities.refusal(default_kv)
+    refusal = kv_refusal(loaded, default_kv, new_batch)
     if refusal:
         raise ProbeFailed(f"the engine's default KV codec cannot run on this model: {refusal}")
 
 
 def probe(loaded: Any, new_batch: Callable[[], BatchGenerator]) -> Capabilities:
-    """Runs the model's kinds of rows once (MLX thread), each kind in a batch of its own.
-
-    Plain rows of two lengths must run (ProbeFailed otherwise); then each quantized scheme
-    beside a plain row, as requests would share a batch. A failed batch is dropped."""
+    """Runs plain rows of two lengths in one batch (MLX thread; ProbeFailed when they fail)
+    and measures the KV widths; the quantized schemes stay to be probed (kv_refusal)."""
     try:
         generate_rows(new_batch(), loaded, [ProbeRow(11), ProbeRow(6)], PROBE_TOKENS)
     except Exception as exc:
         raise ProbeFailed(f"the model cannot generate batched rows: {_line(exc)}") from exc
-    widths = kv_widths(loaded.model)
-    found = Capabilities(
-        affine_kv=_affine(loaded, new_batch, widths),
-        turboquant_kv=_quantized_rows(
-            loaded, new_batch, [KVCodec.turboquant(4, 4), KVCodec.turboquant(3, 2)]
-        ),
-        kv_widths=widths,
-    )
-    log.info(
-        "model capabilities: affine KV %s, TurboQuant KV %s, KV widths %s",
-        found.affine_kv or "yes",
-        found.turboquant_kv or "yes",
-        list(widths),
-    )
-    return found
+    why = layout_refusal(loaded.layout) or None
+    return Capabilities(affine_kv=why, turboquant_kv=why, kv_widths=kv_widths(loaded.model))
+
+
+def kv_refusal(loaded: Any, codec: KVCodec, new_batch: Callable[[], BatchGenerator]) -> str:
+    """Why rows of this codec cannot run ("" when they can); its scheme is probed first if
+    it was not yet (MLX thread: the probe's rows run in batches of their own)."""
+    caps: Capabilities = loaded.capabilities
+    if codec.quantized and not caps.probed(codec.scheme):
+        start = time.perf_counter()
+        if codec.scheme is Scheme.TURBOQUANT:
+            tq = [KVCodec.turboquant(4, 4), KVCodec.turboquant(3, 2)]
+            caps = replace(caps, turboquant_kv=_quantized_rows(loaded, new_batch, tq))
+        else:
+            caps = replace(caps, affine_kv=_affine(loaded, new_batch, caps.kv_widths))
+        loaded.capabilities = caps
+        log.info(
+            "probed %s KV in %.2f s: %s (KV widths %s)",
+            codec.scheme.value,
+            time.perf_counter() - start,
+            caps.refusal(codec) or "it runs",
+            list(caps.kv_widths),
+        )
+    return caps.refusal(codec)
 
 
 def _affine(loaded: Any, new_batch: Callable[[], BatchGenerator], widths: tuple[int, ...]) -> str:

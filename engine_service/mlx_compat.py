@@ -34,6 +34,20 @@ def running_batch(bg: Any) -> Any:
     return bg._generation_batch
 
 
+def pending_tokens(bg: Any, uids: list[int]) -> dict[int, int]:
+    """The tokens the running batch sampled for these rows and feeds at its next step (the
+    look-ahead `GenerationBatch` computes with each step); evaluating them waits for it."""
+    batch = running_batch(bg)
+    if batch is None or batch._next_tokens is None:
+        return {}
+    where = {uid: i for i, uid in enumerate(batch.uids)}
+    rows = [where[u] for u in uids if u in where]
+    if not rows:
+        return {}
+    tokens = batch._next_tokens.tolist()
+    return {batch.uids[i]: int(tokens[i]) for i in rows}
+
+
 def batch_cache_bytes(bg: Any) -> int:
     """Bytes the running batch's layer caches hold (a cache kind without `nbytes` counts 0)."""
     batch = running_batch(bg)

@@ -19,13 +19,13 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from engine_service.admissions import Admissions
-from engine_service.capability_probe import ProbeFailed, prepare_to_serve
+from engine_service.capability_probe import ProbeFailed, kv_refusal, prepare_to_serve
 from engine_service.checkpoints import CheckpointManager, starting_point
 from engine_service.compiled_decode import CompiledDecode
 from engine_service.constraint_masks import BatchMasks
 from engine_service.constraints import Grammars
 from engine_service.engine_stats import EngineStats
-from engine_service.errors import Corrupt, ModelFailed
+from engine_service.errors import Corrupt, InvalidRequest, ModelFailed
 from engine_service.events import Event, Finished, FinishReason, Sink, Started, Token
 from engine_service.jobs import Job, StartingPoint
 from engine_service.loop_commands import Cancel, Command, Park, Restored, Stop, Submit, Unpark
@@ -323,6 +323,14 @@ class Scheduler:
                 # The store is still copying its prefix: admitted at a later step, so the
                 # running rows never wait for the store (an idle engine pulls as it copies).
                 arriving.append(job)
+                continue
+            # A KV scheme the model cannot run is refused before the row joins a batch.
+            refusal = kv_refusal(self.loaded, job.request.kv, self._new_batch_generator)
+            if refusal:
+                job.ended = "failed"
+                self.finish(job)
+                failure = InvalidRequest.__name__
+                self.emit(job, [Finished("error", error=refusal, failure=failure)])
                 continue
             free -= 1
             if not job.admitted_at:

@@ -19,6 +19,7 @@ from mlx_lm.generate import BatchGenerator
 
 from engine_service.checkpoints import CheckpointManager
 from engine_service.jobs import Job
+from engine_service.mlx_compat import pending_tokens
 
 # Generation snapshots are taken on steps that are multiples of this (see capture_due).
 CHECKPOINT_ALIGN = 8
@@ -92,24 +93,23 @@ class StepCheckpoints:
             # the step in flight, and a burst of new rows paid that once per row.
             in_batch = [item.job.uid for item in due if item.finished_cache is None]
             extracted = bg.extract_cache(in_batch) if in_batch else {}
+            first = [i.job.uid for i in due if i.job.uid in extracted and _first_due(i.job)]
+            pending = pending_tokens(bg, first) if first else {}
             for item in due:
                 job, r = item.job, item.job.request
                 found = extracted.get(job.uid)
-                if found is not None and self._first_snapshot_due(job):
-                    # The generation's first snapshot, right after its prefill: a resume
-                    # works from the first token on (its pending token comes next step).
-                    job.snapshot = self.checkpoints.generations.capture(job, found[0])
+                if found is not None and job.uid in pending:
+                    # The generation's first snapshot, right after its prefill, saved now
+                    # with the token the batch feeds next: a client gone before the next
+                    # step (or an engine killed) leaves a generation that resumes.
+                    gens = self.checkpoints.generations
+                    gens.save(job, gens.capture(job, found[0]), pending[job.uid])
                 row = item.finished_cache or (found[0] if found is not None else None)
                 if row is not None:  # None: the row left the batch meanwhile (parked)
                     self.checkpoints.prefixes.save(row, r.prompt, r.namespace, r.layout)
         finally:
             if due:
                 self._saving.release()
-
-    @staticmethod
-    def _first_snapshot_due(job: Job) -> bool:
-        """A checkpointed generation at its first token with no snapshot taken yet."""
-        return bool(job.checkpoint_key) and job.snapshot is None and not job.last_checkpoint_at
 
     def queued_saves(self, timeout: float) -> bool:
         """Waits (any thread) until every prefix whose first token is out is queued for the
@@ -118,3 +118,8 @@ class StepCheckpoints:
             return False
         self._saving.release()
         return True
+
+
+def _first_due(job: Job) -> bool:
+    """A checkpointed generation at its first token with no snapshot taken yet."""
+    return bool(job.checkpoint_key) and job.snapshot is None and not job.last_checkpoint_at

@@ -104,7 +104,7 @@ def request(
         prompt=prompt,
         max_tokens=extra.pop("max_tokens", TOKENS),
         sampling=options,
-        namespace="zoo",
+        namespace=extra.pop("namespace", "zoo"),
         stop_ids=stop_token_ids(options, loaded.eos_token_ids),
         kv=kv,
         layout=request_layout(loaded.layout, kv),
@@ -117,15 +117,19 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, store: str) -> None:
         self.loaded = loaded
-        self.checkpoints = CheckpointManager(loaded, CheckpointSettings(store=store))
+        # No shared-memory region: several engines share this process, and a store knows
+        # one region plane per caller process.
+        settings = CheckpointSettings(store=store, store_region_bytes=0)
+        self.checkpoints = CheckpointManager(loaded, settings)
         self.scheduler = Scheduler(
             loaded, Limits(max_running=8, max_queued=8), checkpoints=self.checkpoints
         )
         self.scheduler.start()
         self.planner = Planner(self.checkpoints, DraftSupport())
 
-    def run(self, requests: list[GenerationRequest]) -> list[Collector]:
-        """Submits them together (one batch) and waits for each to finish."""
+    def run(self, requests: list[GenerationRequest], refusals: bool = False) -> list[Collector]:
+        """Submits them together (one batch) and waits for each to finish (by length or
+        stop; or, with refusals, refused)."""
         sinks = []
         for r in requests:
             sink = Collector()
@@ -133,7 +137,8 @@ class Engine:
             sinks.append(sink)
         for sink in sinks:
             end = sink.finished()
-            if end.reason not in ("length", "stop"):
+            refused = refusals and end.reason == "error" and end.failure == "InvalidRequest"
+            if end.reason not in ("length", "stop") and not refused:
                 raise AssertionError(f"{end.reason}: {end.error}")
         return sinks
 
@@ -167,12 +172,9 @@ def check_architecture(arch: str, models: Path, data: Path, store: str) -> ZooRo
             batched="yes",
             resume=_resume(engine, loaded, store, prompts[1]),
             prefix=_prefix(engine, loaded, arch),
-            affine_kv=_quantized(engine, loaded, caps.affine_kv, _affine_codecs(caps.kv_widths)),
+            affine_kv=_quantized(engine, loaded, _affine_codecs(caps.kv_widths)),
             turboquant_kv=_quantized(
-                engine,
-                loaded,
-                caps.turboquant_kv,
-                [KVCodec.turboquant(4, 4), KVCodec.turboquant(3, 2)],
+                engine, loaded, [KVCodec.turboquant(4, 4), KVCodec.turboquant(3, 2)]
             ),
         )
     finally:
@@ -226,21 +228,32 @@ def _affine_codecs(widths: tuple[int, ...]) -> list[KVCodec]:
     return [KVCodec(8, group), KVCodec(4, group)]
 
 
-def _quantized(engine: Engine, loaded: LoadedModel, refusal: str, codecs: list[KVCodec]) -> str:
-    """Quantized rows beside a plain one, each equal to itself alone; or the refusal."""
-    refusals = {loaded.capabilities.refusal(c) for c in codecs}
-    if refusal or any(refusals):
-        why = refusal or next(r for r in refusals if r)
-        if not why:
-            raise AssertionError("refused without a reason")
-        return f"refused: {why}"
+def _quantized(engine: Engine, loaded: LoadedModel, codecs: list[KVCodec]) -> str:
+    """Quantized rows beside a plain one, each equal to itself alone; or the refusal the
+    core answers them with (INVALID_ARGUMENT, before they join the batch)."""
     prompt = prompt_of(LENGTHS[0], 5, loaded.vocab_size)
     plain = request(loaded, "q-plain", prompt_of(LENGTHS[1], 6, loaded.vocab_size))
     rows = [request(loaded, f"q-{i}", prompt, codec) for i, codec in enumerate(codecs)]
-    together = engine.run([plain, *rows])
+    together = engine.run([plain, *rows], refusals=True)
+    ends = [sink.finished() for sink in together]
+    assert ends[0].reason == "length", "a plain row beside refused ones completes"
+    refused = [end for end in ends[1:] if end.reason == "error"]
+    if refused:
+        assert all(end.failure == "InvalidRequest" and end.error for end in refused), refused
+        assert len(refused) == len(rows), "one scheme: refused alike"
+        assert not any(sink.tokens for sink in together[1:]), "refused before any token"
+        return f"refused: {refused[0].error}"
     for i, row in enumerate(rows):
-        alone = engine.run([request(loaded, f"q-alone-{i}", prompt, row.kv)])[0]
-        _same(together[i + 1].tokens, alone.tokens, f"{row.kv.signature()} batched vs alone")
+        # Its own namespace: not a prefix the batched row saved (a restored quantized prefix
+        # gives its first token from quantized attention, a prefill from plain attention).
+        own = request(loaded, f"q-alone-{i}", prompt, row.kv, namespace=f"alone-{i}")
+        alone = engine.run([own])[0]
+        cached = (together[i + 1].started.cached_prompt_tokens, alone.started.cached_prompt_tokens)
+        _same(
+            together[i + 1].tokens,
+            alone.tokens,
+            f"{row.kv.signature()} batched vs alone (cached prompt tokens {cached})",
+        )
     return "yes"
 
 

@@ -142,10 +142,11 @@ class SameHostReads:
     def _forgot_region(self, error: TandemError) -> bool:
         """After a store restart the region is unknown to it: registers it again and says
         so (the caller then repeats its call); False for any other error."""
-        if self._reads is None or "no region" not in str(error):
+        reads = self._reads  # once: a detach on another thread may clear it meanwhile
+        if reads is None or "no region" not in str(error):
             return False
-        self.register_region(self._reads.region)
-        self._reads.reclaim_retired()  # a new store process: the old one's copies are over
+        self.register_region(reads.region)
+        reads.reclaim_retired()  # a new store process: the old one's copies are over
         return True
 
     @property
