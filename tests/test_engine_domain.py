@@ -30,6 +30,7 @@ from engine_service.events import Event, Finished, Started, Token
 from engine_service.generation_meta import GenerationMeta
 from engine_service.loop_limits import Limits
 from engine_service.model import LoadedModel, load_model
+from engine_service.plans import PrefixPlan
 from engine_service.prefix_cache import PrefixCache
 from engine_service.prefix_reuse import PrefixReuse
 from engine_service.requests import GenerationRequest, stop_token_ids
@@ -281,7 +282,7 @@ def test_a_local_prefix_hit_reuses_the_captured_arrays(tiny: LoadedModel) -> Non
     tiny.model(mx.array([prompt[:129]]), cache=caches)  # a 128-token prompt + its first token
     reuse.save(caches, prompt[:128], "ns", list(tiny.layout))
     plan = reuse.find(prompt, "ns", list(tiny.layout))
-    assert plan is not None and plan.source == "local" and plan.matched == 128
+    assert isinstance(plan, PrefixPlan) and plan.source == "local" and plan.matched == 128
     assert plan.local is not None
     restored = reuse.materialize(plan)
     assert restored is not None
