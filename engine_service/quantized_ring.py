@@ -115,19 +115,27 @@ class BatchQuantizedRingCache(BaseCache):
 
     def _convert_due(self) -> None:
         """Moves plain rows with a quantized codec into their packed groups (after their
-        first call: a ring converts at once)."""
+        first call: a ring converts at once). A row that joined a batch already holding
+        columns (a prompt batch extended while another row prefills) holds only padding until
+        its own first call, which attends over its plain keys as alone: it waits."""
         if self._waiting == 0:
             return  # most steps: nothing waits (recounted after rows join or leave)
         plain = group_of(self._groups, PLAIN)
         if plain is None or not plain.keys:
             return
+        held = self.offset.tolist()  # tokens each row holds (read only while rows wait)
         due: dict[Storage, list[int]] = {}
+        waiting = 0
         for local, row in enumerate(plain.rows):
-            if self._codecs[row].quantized:
+            if not self._codecs[row].quantized:
+                continue
+            if held[row] > 0:  # type: ignore[index,operator]
                 due.setdefault(self._codecs[row].storage, []).append(local)
+            else:
+                waiting += 1
         if due:
             self._groups = convert_rows(self._groups, due)
-        self._waiting = 0
+        self._waiting = waiting
 
     # -- updates (mlx-lm's BatchRotatingKVCache, on groups) ----------------------------------
 
