@@ -18,14 +18,14 @@ import time
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from engine_service.admissions import Admissions
+from engine_service.admissions import Admissions, gather_burst
 from engine_service.capability_probe import ProbeFailed, kv_refusal, prepare_to_serve
 from engine_service.checkpoints import CheckpointManager, starting_point
 from engine_service.compiled_decode import CompiledDecode
 from engine_service.constraint_masks import BatchMasks
 from engine_service.constraints import Grammars
 from engine_service.engine_stats import EngineStats
-from engine_service.errors import Corrupt, InvalidRequest, ModelFailed
+from engine_service.errors import Corrupt, EngineError, InvalidRequest, ModelFailed
 from engine_service.events import Event, Finished, FinishReason, Sink, Started, Token
 from engine_service.jobs import Job, StartingPoint
 from engine_service.loop_commands import Cancel, Command, Park, Restored, Stop, Submit, Unpark
@@ -251,26 +251,14 @@ class Scheduler:
         self._flush_outbox()
 
     def _gather_burst(self, idle: bool) -> bool:
-        """Waits for the rest of a burst of arrivals so it is prefilled in few batches, not
-        one request per decode step; False when asked to stop meanwhile.
-
-        One admission window, or while arrivals keep coming to an idle engine (nothing
-        running waits) up to GATHER_WINDOWS of them. Sleeping also hands the GIL to the
-        threads still planning or receiving the burst: with the MLX thread holding it
-        ~90% of the time they would feed it one request a step.
-        """
-        window = self.limits.admission_window_s
-        for _ in range(GATHER_WINDOWS if idle else 1):
-            room = self._running() + len(self._waiting) < self.limits.max_running
-            if not window or not room:
-                return True
-            before = len(self._waiting)
-            time.sleep(window)
-            if not self._drain_inbox(block=False):
-                return False
-            if len(self._waiting) == before:
-                return True  # the burst is over
-        return True
+        """The rest of a burst of arrivals (admissions.gather_burst); False: asked to stop."""
+        return gather_burst(
+            self.limits.admission_window_s,
+            GATHER_WINDOWS if idle else 1,
+            lambda: self._running() + len(self._waiting) < self.limits.max_running,
+            lambda: len(self._waiting),
+            lambda: self._drain_inbox(block=False),
+        )
 
     def _flush_outbox(self) -> None:
         if self._outbox:
@@ -327,10 +315,7 @@ class Scheduler:
             # A KV scheme the model cannot run is refused before the row joins a batch.
             refusal = kv_refusal(self.loaded, job.request.kv, self._new_batch_generator)
             if refusal:
-                job.ended = "failed"
-                self.finish(job)
-                failure = InvalidRequest.__name__
-                self.emit(job, [Finished("error", error=refusal, failure=failure)])
+                self._end_failed(job, refusal, InvalidRequest)
                 continue
             free -= 1
             if not job.admitted_at:
@@ -350,10 +335,7 @@ class Scheduler:
                 rows.add(job, start)
             except Exception as exc:  # a checkpoint that cannot be restored ends its request
                 log.exception("restoring %s failed", job.request.request_id)
-                job.ended = "failed"
-                self.finish(job)
-                failed = f"restoring the checkpoint failed: {exc}"
-                self.emit(job, [Finished("error", error=failed, failure=Corrupt.__name__)])
+                self._end_failed(job, f"restoring the checkpoint failed: {exc}", Corrupt)
                 continue
             if fresh:
                 cached, why = start.cached_prompt_tokens, start.prefix_miss_reason
@@ -455,18 +437,24 @@ class Scheduler:
         self._masks.settle(self._rows)
         verdicts = isolate(self.loaded.model, jobs, self._new_batch_generator)
         for verdict in reversed(verdicts):
-            job = verdict.job
-            job.uid = -1
-            if not verdict.culprit:
-                job.recompute = True
-                self._waiting.appendleft(job)
-                continue
-            job.keep_checkpoint, job.ended = True, "failed"
-            self.finish(job)
-            why = f"the model failed on this request: {verdict.failure}"
-            self.emit(job, [Finished("error", error=why, failure=ModelFailed.__name__)])
+            verdict.job.uid = -1
+            if verdict.culprit:
+                why = f"the model failed on this request: {verdict.failure}"
+                self._end_failed(verdict.job, why, ModelFailed, keep_checkpoint=True)
+            else:
+                verdict.job.recompute = True
+                self._waiting.appendleft(verdict.job)
         with self._lock:
             self._stats.isolated_failures_total += sum(v.culprit for v in verdicts)
+
+    def _end_failed(
+        self, job: Job, error: str, failure: type[EngineError], keep_checkpoint: bool = False
+    ) -> None:
+        """Ends a job the engine failed or refused; its stream ends with failure's status."""
+        job.ended = "failed"
+        job.keep_checkpoint = job.keep_checkpoint or keep_checkpoint
+        self.finish(job)
+        self.emit(job, [Finished("error", error=error, failure=failure.__name__)])
 
     def _cancel_all(self, message: str) -> None:
         for job in list(self._by_id.values()):
