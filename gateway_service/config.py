@@ -35,6 +35,9 @@ class GatewayConfig:
     engine_token_file: str = ""
     engine_tls_ca: str = ""
     metrics_listen: str = ""  # Prometheus /metrics on HOST:PORT; "" = off
+    # An HTTP body past this is refused 413 while it is read. Twice the engine's 4 MiB gRPC
+    # message limit: JSON spells a request out longer than protobuf (token ids, escapes).
+    max_body_bytes: int = 8 << 20
     log_format: str = "text"  # or "json" (tandem_wire/logs.py)
     log_level: str = "info"
 
@@ -49,6 +52,8 @@ class GatewayConfig:
             raise ValueError(
                 "--poll-interval must be > 0, --failover-wait and --max-failovers >= 0"
             )
+        if self.max_body_bytes < 1024:
+            raise ValueError("--max-body-bytes must be >= 1024")
 
 
 def _env(name: str, default: str) -> str:
@@ -91,6 +96,12 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         default=_env("METRICS_LISTEN", ""),
         help="serve Prometheus /metrics on HOST:PORT (default: off)",
     )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=int(_env("MAX_BODY_BYTES", str(8 << 20))),
+        help="HTTP bodies larger than this are refused 413 (default 8 MiB)",
+    )
     add_logging_args(p, _env)
     a = p.parse_args(argv)
     try:
@@ -109,6 +120,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             engine_token_file=a.engine_token_file,
             engine_tls_ca=a.engine_tls_ca,
             metrics_listen=a.metrics_listen,
+            max_body_bytes=a.max_body_bytes,
             log_format=a.log_format,
             log_level=a.log_level,
         )

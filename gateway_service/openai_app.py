@@ -22,23 +22,38 @@ from starlette.routing import Route
 
 from gateway_service.backends import BackendPool
 from gateway_service.grpc_front import caller_of
+from gateway_service.openai_body import read_json
 from gateway_service.openai_formats import apply_constraint
-from gateway_service.openai_wire import ApiError, Shaper, chat_request, completion_request
+from gateway_service.openai_wire import (
+    ApiError,
+    Shaper,
+    chat_request,
+    completion_request,
+    streaming,
+)
 from gateway_service.relay import Caller, GatewayError, Relay
 from tandem_wire.auth import Authenticator, AuthError
 from tandem_wire.pb import engine_pb2
 
 log = logging.getLogger("tandem.gateway")
 DISCONNECT_POLL_S = 0.25
+# What the standard library raises on a value no field can take (protobuf's range and UTF-8
+# checks, int() of a float): a 400 at the one boundary, should a check above miss one.
+MALFORMED = (ValueError, TypeError, OverflowError, UnicodeError, RecursionError)
 
 
 class OpenAIFront:
     def __init__(
-        self, pool: BackendPool, relay: Relay, authenticator: Authenticator | None
+        self,
+        pool: BackendPool,
+        relay: Relay,
+        authenticator: Authenticator | None,
+        max_body_bytes: int = 8 << 20,
     ) -> None:
         self.pool = pool
         self.relay = relay
         self.authenticator = authenticator
+        self.max_body_bytes = max_body_bytes
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -80,15 +95,8 @@ class OpenAIFront:
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
             caller = self._caller(request)
-            body = await _json_body(request)
-            req = chat_request(body) if chat else completion_request(body)
-            apply_constraint(body, req)
-            model = body.get("model") or ""
-            if not isinstance(model, str):
-                raise ApiError(400, "'model' must be a string", param="model")
-            stream = bool(body.get("stream", False))
-            options = body.get("stream_options") or {}
-            include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            body = await read_json(request, self.max_body_bytes)
+            req, model, (stream, include_usage) = _build(body, chat)
             messages = self.relay.generate(req, caller, model)
             first = await _first(messages)  # errors before any token: an HTTP status
         except ApiError as exc:
@@ -148,14 +156,20 @@ class OpenAIFront:
         return models[0].name if models else ""
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
+def _build(
+    body: dict[str, Any], chat: bool
+) -> tuple[engine_pb2.GenerateRequest, str, tuple[bool, bool]]:
+    """The engine's request, the model asked for, (stream, include_usage); ApiError 400 for
+    anything the body holds that the request cannot."""
     try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError):
-        raise ApiError(400, "the body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    return body
+        req = chat_request(body) if chat else completion_request(body)
+        apply_constraint(body, req)
+        model = body.get("model") or ""
+        if not isinstance(model, str):
+            raise ApiError(400, "'model' must be a string", param="model")
+        return req, model, streaming(body)
+    except MALFORMED as exc:
+        raise ApiError(400, f"the body holds a value no field takes: {exc}"[:300]) from None
 
 
 async def _next(

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from gateway_service.relay import message_too_large
 from tandem_wire.pb import engine_pb2
 
 FINISH = {
@@ -78,6 +79,8 @@ class ApiError(Exception):
     @classmethod
     def from_grpc(cls, code: grpc.StatusCode, message: str) -> ApiError:
         status, kind = HTTP_OF.get(code, (500, "api_error"))
+        if message_too_large(code, message):  # not a rate limit: a retry fails the same way
+            status, kind = 413, "invalid_request_error"
         return cls(status, message, kind, code=code.name.lower())
 
     def body(self) -> dict[str, Any]:
@@ -91,19 +94,48 @@ class ApiError(Exception):
         }
 
 
+# The proto fields' ranges: a value beyond them cannot be set on the message (ValueError).
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _number(
     body: dict[str, Any], name: str, kind: type, low: float | None = None, high: float | None = None
 ) -> Any:
+    """body[name] as an int or float within [low, high] (None when absent). Ints default to
+    int32's range and floats to float32's, the fields they are set on."""
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ApiError(400, f"'{name}' must be a number", param=name)
+    if high is None:
+        high = INT32_MAX if kind is int else FLOAT32_MAX
+    if low is None:
+        low = -high
+    if not (low <= value <= high):  # NaN fails too
+        raise ApiError(
+            400, f"'{name}' must be in [{low}, {high}], got {str(value)[:40]}", param=name
+        )
     if kind is int and value != int(value):
         raise ApiError(400, f"'{name}' must be an integer", param=name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise ApiError(400, f"'{name}' must be in [{low}, {high}], got {value}", param=name)
     return kind(value)
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be true or false", param=name)
+    return value
+
+
+def _string(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, f"'{name}' must be a string", param=name)
+    return value
 
 
 def _common(body: dict[str, Any], req: engine_pb2.GenerateRequest) -> None:
@@ -120,7 +152,7 @@ def _common(body: dict[str, Any], req: engine_pb2.GenerateRequest) -> None:
         if top_p <= 0:
             raise ApiError(400, "'top_p' must be > 0", param="top_p")
         s.top_p = top_p
-    seed = _number(body, "seed", int, 0, 2**63 - 1)
+    seed = _number(body, "seed", int, 0, 2**63 - 1)  # uint64 on the wire; mlx takes 63 bits
     # No seed: a random one, so a restart on another engine draws the same tokens.
     s.seed = secrets.randbits(63) if seed is None else seed
     stop = body.get("stop")
@@ -136,27 +168,28 @@ def _common(body: dict[str, Any], req: engine_pb2.GenerateRequest) -> None:
         unknown = sorted(set(extra) - TANDEM_OPTIONS) if isinstance(extra, dict) else extra
         raise ApiError(400, f"unknown 'tandem' options: {unknown}", param="tandem")
     for name in ("namespace", "request_id"):
-        if name in extra:
-            setattr(req, name, str(extra[name]))
+        value = _string(extra, name)
+        if value is not None:
+            setattr(req, name, value)
     for name in ("checkpoint_interval", "tokens_held", "kv_group_size", "kv_value_bits"):
         if name in extra:
             setattr(req, name, _number(extra, name, int, 0))
     for name in ("kv_bits", "quantized_kv_start", "num_draft_tokens"):
         if name in extra:
             setattr(req, name, _number(extra, name, int, 0))
-    req.resume = bool(extra.get("resume", False))
+    req.resume = _flag(extra, "resume")
     if "kv_scheme" in extra:
         schemes = {
             "affine": engine_pb2.KV_SCHEME_AFFINE,
             "turboquant": engine_pb2.KV_SCHEME_TURBOQUANT,
         }
-        if extra["kv_scheme"] not in schemes:
+        if not isinstance(extra["kv_scheme"], str) or extra["kv_scheme"] not in schemes:
             raise ApiError(400, "'tandem.kv_scheme' must be affine or turboquant", param="tandem")
         req.kv_scheme = schemes[extra["kv_scheme"]]
     s.top_k = _number(extra, "top_k", int, 0) or 0
     s.min_p = _number(extra, "min_p", float, 0, 1) or 0.0
     s.repetition_penalty = _number(extra, "repetition_penalty", float, 0) or 0.0
-    s.ignore_eos = bool(extra.get("ignore_eos", False))
+    s.ignore_eos = _flag(extra, "ignore_eos")
 
 
 def _max_tokens(body: dict[str, Any], req: engine_pb2.GenerateRequest, *names: str) -> None:
@@ -177,12 +210,14 @@ def completion_request(body: dict[str, Any]) -> engine_pb2.GenerateRequest:
     elif (
         isinstance(prompt, list)
         and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        and all(type(t) is int and 0 <= t <= INT32_MAX for t in prompt)
     ):
         req.token_ids.extend(prompt)
     else:
         raise ApiError(
-            400, "'prompt' must be one non-empty string or list of token ids", param="prompt"
+            400,
+            "'prompt' must be one non-empty string or list of token ids (0..2^31-1)",
+            param="prompt",
         )
     _common(body, req)
     _max_tokens(body, req, "max_tokens")
@@ -203,9 +238,17 @@ def chat_request(body: dict[str, Any]) -> engine_pb2.GenerateRequest:
         req.messages.add(role=m["role"], content=_content(m.get("content"), i))
     _common(body, req)
     _max_tokens(body, req, "max_completion_tokens", "max_tokens")
-    if body.get("logprobs"):
+    if _flag(body, "logprobs"):
         req.sampling.logprobs = _number(body, "top_logprobs", int, 0, 20) or 0
     return req
+
+
+def streaming(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage)."""
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+    return _flag(body, "stream"), _flag(options or {}, "include_usage")
 
 
 def _content(content: Any, i: int) -> str:
@@ -218,7 +261,12 @@ def _content(content: Any, i: int) -> str:
                 raise ApiError(
                     400, f"messages[{i}]: only text content parts are supported", param="messages"
                 )
-            parts.append(str(part.get("text", "")))
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise ApiError(
+                    400, f"messages[{i}]: a part's 'text' must be a string", param="messages"
+                )
+            parts.append(text)
         return "".join(parts)
     raise ApiError(
         400, f"messages[{i}].content must be a string or a list of parts", param="messages"

@@ -44,6 +44,12 @@ class GatewayError(Exception):
         self.code = code
 
 
+def message_too_large(code: grpc.StatusCode, details: str) -> bool:
+    """RESOURCE_EXHAUSTED from gRPC's message-size limit (on either side): the request is
+    too large, not the engine too busy, so no other engine takes it and no retry helps."""
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in details
+
+
 @dataclass(frozen=True)
 class Caller:
     """Who asked: the metadata forwarded to engines (their bearer token: each engine decides
@@ -153,7 +159,12 @@ class Relay:
                     raise _EngineLost("the stream ended without its last message")
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
-                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not sent and not failovers:
+                    if (
+                        code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                        and not sent
+                        and not failovers
+                        and not message_too_large(code, exc.details() or "")
+                    ):
                         attempt.full.add(backend.address)  # try an engine with room
                         if len(attempt.full) < len(self.pool.healthy(model)):
                             continue

@@ -119,7 +119,7 @@ async def serve(config: GatewayConfig, authenticator: Authenticator | None) -> N
     http_server, http_task = None, None
     if config.http_listen:
         sock = _http_socket(config.http_listen)
-        front = OpenAIFront(pool, relay, authenticator)
+        front = OpenAIFront(pool, relay, authenticator, config.max_body_bytes)
         http_server = _HttpServer(
             uvicorn.Config(front.app, log_level="warning", lifespan="off", access_log=False)
         )
