@@ -63,6 +63,7 @@ def store_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:
             "Pin": unary(servicer.Pin, store_pb2.PinRequest, store_pb2.PinResponse),
             "Unpin": unary(servicer.Unpin, store_pb2.UnpinRequest, store_pb2.UnpinResponse),
             "Flush": unary(servicer.Flush, store_pb2.FlushRequest, store_pb2.FlushResponse),
+            "Delete": unary(servicer.Delete, store_pb2.DeleteRequest, store_pb2.DeleteResponse),
             "RegisterRegion": unary(
                 servicer.RegisterRegion,
                 store_pb2.RegisterRegionRequest,
@@ -266,6 +267,14 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         return store_pb2.FlushResponse(durable=True, seconds=self.admin.flush())
 
     @rpc_errors
+    def Delete(
+        self, request: store_pb2.DeleteRequest, context: grpc.ServicerContext
+    ) -> store_pb2.DeleteResponse:
+        # A writer's own records (namespace_for refuses any other namespace): an engine
+        # deletes its finished generations with the store role alone.
+        return _delete(self.admin, request)
+
+    @rpc_errors
     def RegisterRegion(
         self, request: store_pb2.RegisterRegionRequest, context: grpc.ServicerContext
     ) -> store_pb2.RegisterRegionResponse:
@@ -281,6 +290,14 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     ) -> store_pb2.UnregisterRegionResponse:
         self.store.regions.unregister(_caller(context), request.name)
         return store_pb2.UnregisterRegionResponse()
+
+
+def _delete(admin: StoreAdmin, request: store_pb2.DeleteRequest) -> store_pb2.DeleteResponse:
+    """Delete on either service: in the caller's namespace, logged as a mutation."""
+    namespace = namespace_for(request.namespace)
+    freed = admin.delete(namespace, request.key, request.force)
+    _mutation("delete", namespace, request.key, freed_bytes=freed)
+    return store_pb2.DeleteResponse(freed_bytes=freed)
 
 
 def _caller(context: grpc.ServicerContext) -> str:
@@ -332,10 +349,7 @@ class StoreAdminServicer(store_pb2_grpc.StoreAdminServicer):
     def Delete(
         self, request: store_pb2.DeleteRequest, context: grpc.ServicerContext
     ) -> store_pb2.DeleteResponse:
-        namespace = namespace_for(request.namespace)
-        freed = self.admin.delete(namespace, request.key, request.force)
-        _mutation("delete", namespace, request.key, freed_bytes=freed)
-        return store_pb2.DeleteResponse(freed_bytes=freed)
+        return _delete(self.admin, request)
 
     @rpc_errors
     def Purge(

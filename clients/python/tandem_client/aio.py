@@ -188,8 +188,9 @@ class AsyncStoreClient(AsyncGrpcClient):
         return [RecordSummary.from_pb(s) for s in r.records], r.next_page_token
 
     async def delete(self, key: bytes, namespace: str = "", *, force: bool = False) -> int:
+        """Removes a record of the caller's own namespaces (`Store.Delete`, the store role)."""
         r = await self._call(
-            self._admin.Delete(
+            self._store.Delete(
                 store_pb2.DeleteRequest(namespace=namespace, key=key, force=force),
                 timeout=self.timeout,
             )

@@ -301,7 +301,30 @@ class StoreClient(SameHostReads, GrpcClient):
             )
         )
 
+    def delete(self, key: bytes, namespace: str = "", *, force: bool = False) -> int:
+        """Removes a record of the caller's own namespaces on the data plane (`Store.Delete`:
+        the `store` role is enough); returns the bytes freed. NOT_FOUND, FAILED_PRECONDITION
+        when pinned without force."""
+        r: store_pb2.DeleteResponse = self._call(
+            lambda: self._store.Delete(
+                store_pb2.DeleteRequest(namespace=namespace, key=key, force=force),
+                timeout=self.timeout,
+            )
+        )
+        return r.freed_bytes
+
     # -- admin -------------------------------------------------------------------------------
+
+    def admin_delete(self, key: bytes, namespace: str = "", *, force: bool = False) -> int:
+        """`delete` through `StoreAdmin.Delete` (the admin role; the port of
+        `--admin-listen`): the operators' call."""
+        r: store_pb2.DeleteResponse = self._call(
+            lambda: self._admin.Delete(
+                store_pb2.DeleteRequest(namespace=namespace, key=key, force=force),
+                timeout=self.timeout,
+            )
+        )
+        return r.freed_bytes
 
     def list(
         self,
@@ -346,15 +369,6 @@ class StoreClient(SameHostReads, GrpcClient):
             r.chunk_count,
             r.chunk_bytes,
         )
-
-    def delete(self, key: bytes, namespace: str = "", *, force: bool = False) -> int:
-        r: store_pb2.DeleteResponse = self._call(
-            lambda: self._admin.Delete(
-                store_pb2.DeleteRequest(namespace=namespace, key=key, force=force),
-                timeout=self.timeout,
-            )
-        )
-        return r.freed_bytes
 
     def purge(
         self,

@@ -211,7 +211,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     with _client(args) as store:
-        freed = store.delete(
+        freed = store.admin_delete(
             _key(store, args.key, args.namespace), args.namespace, force=args.force
         )
     if args.json:
