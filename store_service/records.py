@@ -14,14 +14,21 @@ import hashlib
 import math
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
 from google.protobuf.message import DecodeError
 
 from store_service.errors import Corrupt, InvalidRequest
-from tandem_wire.limits import DTYPE_BYTES, MAX_KEY_BYTES, MAX_METADATA_BYTES, namespace_problem
+from tandem_wire.limits import (
+    DTYPE_BYTES,
+    MAX_KEY_BYTES,
+    MAX_METADATA_BYTES,
+    label_problem,
+    layout_problem,
+    namespace_problem,
+)
 from tandem_wire.pb import store_pb2, tensors_pb2
 
 DEFAULT_NAMESPACE = "default"
@@ -35,6 +42,22 @@ def normalize_namespace(namespace: str) -> str:
     if problem:
         raise InvalidRequest(problem)
     return namespace or DEFAULT_NAMESPACE
+
+
+def check_label(field: str, value: str) -> str:
+    """A short free-text field (holder, lease id, model id...), returned if within
+    MAX_LABEL_CHARS. Raises InvalidRequest."""
+    problem = label_problem(field, value)
+    if problem:
+        raise InvalidRequest(problem)
+    return value
+
+
+def check_layout(field: str, layout: Sequence[str]) -> None:
+    """Raises InvalidRequest for a layout signature past its limits."""
+    problem = layout_problem(field, list(layout))
+    if problem:
+        raise InvalidRequest(problem)
 
 
 def record_key(namespace: str, key: bytes) -> bytes:
@@ -141,6 +164,11 @@ class PutSpec:
             raise InvalidRequest(f"header.kind {header.kind} is not a RecordKind")
         if any(t < 0 for t in header.token_ids):
             raise InvalidRequest("header.token_ids must be >= 0")
+        check_label("pin_holder", pin_holder)
+        check_label("header.model_id", header.model_id)
+        check_layout("header.layout", header.layout)
+        for attachment in header.attachments:
+            check_label("an attachment's schema", attachment.schema)
         metadata = [header.metadata, *(a.metadata for a in header.attachments)]
         size = sum(len(k.encode()) + len(v.encode()) for m in metadata for k, v in m.items())
         if size > MAX_METADATA_BYTES:
@@ -174,6 +202,7 @@ class PutSpec:
 def _check_tensor(spec: tensors_pb2.TensorSpec) -> None:
     if not spec.name:
         raise InvalidRequest("every tensor needs a name")
+    check_label("a tensor name", spec.name)
     if any(dim < 0 for dim in spec.shape):
         raise InvalidRequest(f"tensor {spec.name!r} has a negative dimension")
     width = DTYPE_BYTES.get(spec.dtype)
@@ -412,7 +441,8 @@ class RecordFilter:
 
     @classmethod
     def from_pb(cls, f: store_pb2.RecordFilter) -> RecordFilter:
-        return cls(f.namespace, f.model_id, f.kind, f.older_than_seconds, f.idle_for_seconds)
+        model_id = check_label("filter.model_id", f.model_id)
+        return cls(f.namespace, model_id, f.kind, f.older_than_seconds, f.idle_for_seconds)
 
     def matches(self, info: RecordInfo, now: int) -> bool:
         return (

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from store_service import tables
 from store_service.errors import (
     Aborted,
     Corrupt,
@@ -46,6 +47,7 @@ SHM_DIR = Path("/dev/shm")
 PROOF_BYTES = 32
 DEFAULT_TTL_S = 60
 MAX_TTL_S = 3600
+MAX_NAME_CHARS = 200
 MAX_REGIONS = 64  # per store: each is a mapping the store holds open
 
 
@@ -94,8 +96,7 @@ class Regions:
         self, owner: str, name: str, size: int, proof: bytes, ttl_s: int, now_ms: int
     ) -> int:
         """Maps a caller's region (or renews its lease); returns when the lease ends."""
-        if not name or "/" in name or name.startswith(".") or len(name) > 200:
-            raise InvalidRequest("region name: a file name under /dev/shm, without slashes")
+        check_region_name(name)
         if len(proof) != PROOF_BYTES:
             raise InvalidRequest(f"region proof: the region's first {PROOF_BYTES} bytes")
         ttl = min(ttl_s or DEFAULT_TTL_S, MAX_TTL_S)
@@ -120,6 +121,7 @@ class Regions:
         return expires
 
     def unregister(self, owner: str, name: str) -> None:
+        check_region_name(name)
         with self._lock:
             region = self._regions.pop((owner, name), None)
         if region is None:
@@ -130,6 +132,7 @@ class Regions:
     def get(self, owner: str, name: str, now_ms: int) -> Region:
         """A caller's own live region (another caller's name is simply not found), held for
         a copy until done(region)."""
+        check_region_name(name)
         with self._lock:
             self._expire(now_ms)
             region = self._regions.get((owner, name))
@@ -168,6 +171,22 @@ class Regions:
             self._closing.append(region)
         else:
             region.close()
+
+
+def check_region_name(name: str) -> None:
+    """A region name is a file name under /dev/shm: printable (no NUL, which no path may
+    hold), no slashes, not hidden, at most 200 characters. Raises InvalidRequest."""
+    if (
+        not name
+        or "/" in name
+        or name.startswith(".")
+        or len(name) > MAX_NAME_CHARS
+        or not name.isprintable()
+    ):
+        raise InvalidRequest(
+            f"region name: a file name under /dev/shm of up to {MAX_NAME_CHARS} printable "
+            "characters, without slashes"
+        )
 
 
 def _open(name: str, size: int, proof: bytes) -> int:
@@ -261,6 +280,8 @@ def copy_in_parts(
                 slot, expected = slots[i]
                 buf = txn.get(chunk_key(record.record_id, slot.index), db=chunks)
                 if buf is None:
+                    if tables.is_current(txn, storage.db, record):
+                        return f"corrupt:chunk {slot.index} is missing"
                     return "gone"
                 if len(buf) != slot.length or crc32(buf, prevs[i]) != expected:
                     return f"corrupt:chunk {slot.index} failed its checksum"

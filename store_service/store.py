@@ -28,6 +28,7 @@ from store_service.records import (
     RecordInfo,
     StoredRecord,
     chain_lengths,
+    check_label,
     chunk_key,
     normalize_namespace,
     prefix_scope,
@@ -230,7 +231,8 @@ class CheckpointStore:
         LMDB's own pages, so the one copy it makes is the only one.
 
         Raises:
-            Corrupt: a stored chunk failed its checksum (the record is quarantined).
+            Corrupt: a stored chunk failed its checksum or is missing while its record is
+                unchanged (the record is quarantined).
             Aborted: the record was replaced or removed while being read.
         """
         storage = self.state.storage
@@ -251,7 +253,8 @@ class CheckpointStore:
             ) -> list[Any] | None | int:
                 buf = txn.get(key, db=chunks)
                 if buf is None:
-                    return None
+                    # Lost (the record is still the same one) or overtaken by a change.
+                    return -2 if tables.is_current(txn, storage.db, record) else None
                 if len(buf) != slot.length or crc32(buf, prev) != expected:
                     return -1
                 return [
@@ -261,6 +264,12 @@ class CheckpointStore:
             pieces = storage.read(read, buffers=True)
             if pieces is None:
                 raise Aborted("the record was replaced or removed while it was being read")
+            if pieces == -2:
+                self.quarantine(record, f"chunk {slot.index} is missing")
+                raise Corrupt(
+                    f"stored chunk {slot.index} of {record.header.key.hex()} is missing; "
+                    "the record is quarantined"
+                )
             if pieces == -1:
                 self.quarantine(record, f"chunk {slot.index} failed its checksum")
                 raise Corrupt(
@@ -344,6 +353,8 @@ class CheckpointStore:
         st = self.state
         namespace = normalize_namespace(namespace)
         ikey = record_key(namespace, key)
+        check_label("holder", holder)
+        check_label("lease_id", lease_id)
         ttl = min(ttl_s or self.config.default_lease_s, self.config.max_lease_s)
         with st.mutex:
             info = st.index.get(ikey)
@@ -360,6 +371,7 @@ class CheckpointStore:
         """Releases a lease. Raises NotFound if the record has no such lease."""
         st = self.state
         ikey = record_key(normalize_namespace(namespace), key)
+        check_label("lease_id", lease_id)
         with st.mutex:
             if st.index.remove_lease(ikey, lease_id) is None:
                 raise NotFound(f"no lease {lease_id!r} on this record")

@@ -153,15 +153,21 @@ def _lease_of(lease_id: bytes, raw: bytes) -> bytes | None:
         return None
 
 
+def is_current(txn: Any, db: Tables, record: StoredRecord) -> bool:
+    """Whether `headers` still holds this very record (not a replacement, not nothing).
+    A chunk missing while its record is current was lost, not overtaken by a change: a
+    replace or delete removes the header and the chunks in one transaction."""
+    current = txn.get(record.ikey, db=db["headers"])
+    try:
+        return current is not None and StoredRecord.decode(current).record_id == record.record_id
+    except Corrupt:
+        return False
+
+
 def quarantine_record(txn: Any, db: Tables, record: StoredRecord) -> StoredRecord | None:
     """Moves a record to `quarantine`, freeing its chunks; returns it as now stored, or None
     if it was already replaced or removed."""
-    current = txn.get(record.ikey, db=db["headers"])
-    try:
-        same = current is not None and StoredRecord.decode(current).record_id == record.record_id
-    except Corrupt:
-        same = False
-    if not same:
+    if not is_current(txn, db, record):
         return None
     delete_record(txn, db, record.ikey)
     quarantined = dataclasses.replace(record, quarantined=True)

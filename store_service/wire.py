@@ -16,7 +16,15 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from store_service.errors import InvalidRequest
-from store_service.records import KIND_PREFIX, Lease, RecordInfo, RecordKind, StoredRecord
+from store_service.records import (
+    KIND_PREFIX,
+    Lease,
+    RecordInfo,
+    RecordKind,
+    StoredRecord,
+    check_label,
+    check_layout,
+)
 from tandem_wire.chunks import decode_chunk
 from tandem_wire.limits import MIN_GET_CHUNK_BYTES
 from tandem_wire.pb import store_pb2
@@ -127,6 +135,8 @@ class LookupQuery:
 
     @classmethod
     def from_pb(cls, req: store_pb2.LookupRequest) -> LookupQuery:
+        check_label("model_id", req.model_id)
+        check_layout("layout", req.layout)
         return cls(
             namespace=req.namespace,
             model_id=req.model_id,

@@ -8,6 +8,12 @@ MAX_REQUEST_ID_CHARS = 128
 # A record's metadata strings (its own and its attachments'), keys and values together.
 MAX_METADATA_BYTES = 1 << 20
 MAX_PAGE_TOKEN_CHARS = 256
+# Short free-text fields of store requests: a lease's holder and id, a model id, a layout
+# entry, a tensor name, an attachment schema. Each is kept beside the record or held in
+# memory per lease, so none may be a megabyte.
+MAX_LABEL_CHARS = 256
+# Entries of a layout signature (one a layer).
+MAX_LAYOUT_ENTRIES = 4096
 # Get answers in pieces of at least this size (0 = the stored chunks): smaller ones would turn
 # one read into millions of messages.
 MIN_GET_CHUNK_BYTES = 64 << 10
@@ -34,4 +40,22 @@ def namespace_problem(namespace: str) -> str | None:
     """Why a namespace is refused, or None."""
     if len(namespace) > MAX_NAMESPACE_CHARS or not namespace.isprintable():
         return f"namespace must be up to {MAX_NAMESPACE_CHARS} printable characters"
+    return None
+
+
+def label_problem(field: str, value: str) -> str | None:
+    """Why a short free-text field (MAX_LABEL_CHARS) is refused, or None."""
+    if len(value) > MAX_LABEL_CHARS:
+        return f"{field} is {len(value)} characters; the limit is {MAX_LABEL_CHARS}"
+    return None
+
+
+def layout_problem(field: str, layout: list[str]) -> str | None:
+    """Why a layout signature is refused, or None."""
+    if len(layout) > MAX_LAYOUT_ENTRIES:
+        return f"{field} has {len(layout)} entries; the limit is {MAX_LAYOUT_ENTRIES}"
+    for entry in layout:
+        problem = label_problem(f"an entry of {field}", entry)
+        if problem:
+            return problem
     return None
