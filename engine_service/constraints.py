@@ -11,6 +11,7 @@ generated before the checkpoint (consume_tokens: microseconds per token).
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 import logging
@@ -25,6 +26,15 @@ from engine_service.errors import InvalidRequest
 log = logging.getLogger(__name__)
 
 MAX_CONSTRAINT_CHARS = 256 * 1024
+# llguidance's parser limits (LLParserLimits; its defaults, llguidance 1.9). Past one of them a
+# grammar fails to compile (refused with the library's message, which names the limit) or
+# its matcher fails mid-generation. One an option list reaches at once: an Earley row holds
+# at most MAX_ITEMS_IN_ROW items, so a choice of 2,000 strings fails after its first token
+# ("Current row has 2001 items"): the options and the rule's own item must fit.
+MAX_ITEMS_IN_ROW = 2000
+MAX_CHOICES = MAX_ITEMS_IN_ROW - 1
+MAX_FORCED_PROBE = 256  # forced tokens a compile walks through (a self-requiring schema fails)
+MAX_ERROR_CHARS = 300  # of a library message: it may quote the user's grammar
 # JSON without free whitespace between tokens (`{"a":1,"b":[2]}`): fewer tokens, and no model
 # can spend its max_tokens on blanks. A schema may ask otherwise through "x-guidance".
 COMPACT_JSON: Any = {"whitespace_flexible": False}
@@ -71,19 +81,56 @@ class Constraint:
             options = " | ".join(json.dumps(c) for c in self.choices)
             return str(LLMatcher.grammar_from_lark(f"start: {options}\n"))
         except (ValueError, RuntimeError, GbnfToLarkError) as exc:  # the library's, json's
-            raise InvalidRequest(f"constraint ({self.kind.value}): {exc}") from None
+            raise self.refusal(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - gbnf_to_lark raises bare Exception too
+            raise self.refusal(f"{type(exc).__name__}: {exc}") from None
+
+    @property
+    def size(self) -> int:
+        return len(self.source) + sum(len(c) for c in self.choices)
+
+    def refusal(self, error: str, what: str = "") -> InvalidRequest:
+        """InvalidRequest with the library's message, cut short; logged by kind and size
+        only (the text is the user's, up to 256 KiB, and messages quote it)."""
+        short = short_error(error)
+        log.info("constraint %s of %d characters refused: %s", self.kind.value, self.size, short)
+        return InvalidRequest(f"constraint ({self.kind.value}){what}: {short}")
+
+
+def short_error(error: str) -> str:
+    """A library message without llguidance's trailer, at most MAX_ERROR_CHARS."""
+    error = error.replace("<non-verbose/>", "").strip()
+    return error if len(error) <= MAX_ERROR_CHARS else error[: MAX_ERROR_CHARS - 3] + "..."
+
+
+@functools.cache
+def parser_limits() -> Any:
+    """llguidance's default limits, without its verbose errors (they dump the grammar and the
+    parser's state: user data, tens of KB)."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(verbose_errors=False)
 
 
 def check_constraint(constraint: Constraint) -> None:
-    """Shape checks the front can make without a tokenizer."""
+    """Shape and size checks the front makes before any compiling (microseconds: a
+    40,000-option choice is refused here, not after seconds of grammar building)."""
+    if len(constraint.choices) > MAX_CHOICES:
+        raise InvalidRequest(
+            f"constraint choice has {len(constraint.choices)} options; at most "
+            f"{MAX_CHOICES} (llguidance's parser holds {MAX_ITEMS_IN_ROW} items in a row)"
+        )
+    size = constraint.size
+    if size > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequest(
+            f"the constraint is {size} characters (choice options counted together); "
+            f"at most {MAX_CONSTRAINT_CHARS}"
+        )
     if constraint.kind is ConstraintKind.CHOICE:
         if not constraint.choices or any(not c for c in constraint.choices):
             raise InvalidRequest("constraint choice needs at least one non-empty string")
     elif constraint.kind is not ConstraintKind.JSON_OBJECT and not constraint.source:
         raise InvalidRequest(f"constraint {constraint.kind.value} is empty")
-    size = len(constraint.source) + sum(len(c) for c in constraint.choices)
-    if size > MAX_CONSTRAINT_CHARS:
-        raise InvalidRequest(f"the constraint is {size} characters; at most {MAX_CONSTRAINT_CHARS}")
 
 
 class Grammars:
@@ -95,7 +142,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._tokenizer: Any = None
-        self._grammars: dict[Constraint, str] = {}
+        self._grammars: dict[Constraint, tuple[str, bool]] = {}  # grammar, start checked
 
     @classmethod
     def for_model(cls, loaded: Any) -> Grammars:
@@ -112,32 +159,58 @@ class Grammars:
             )
         return self._tokenizer
 
-    def compile(self, constraint: Constraint) -> str:
-        """The checked grammar (InvalidRequest with the library's message)."""
+    def compile(self, constraint: Constraint, check_start: bool = True) -> str:
+        """The checked grammar (InvalidRequest with the library's message): it compiles
+        within llguidance's limits, and (check_start) a matcher on it can start. The front
+        checks the start; the core, which compiles on its loop, need not again."""
         from llguidance import LLMatcher
 
-        grammar = self._grammars.get(constraint)
-        if grammar is None:
+        grammar, started = self._grammars.get(constraint, ("", False))
+        if not grammar:
             grammar = constraint.grammar()
-            error = LLMatcher.validate_grammar(grammar, self.tokenizer)
+            error = LLMatcher.validate_grammar(grammar, self.tokenizer, limits=parser_limits())
             if error and not error.startswith("WARNING"):
-                raise InvalidRequest(f"constraint ({constraint.kind.value}): {error}")
-            if len(self._grammars) > 256:
-                self._grammars.clear()
-            self._grammars[constraint] = grammar
+                raise constraint.refusal(error)
+        if check_start and not started:
+            self._check_start(constraint, grammar)
+            started = True
+        if len(self._grammars) > 256:
+            self._grammars.clear()
+        self._grammars[constraint] = (grammar, started)
         return grammar
+
+    def _check_start(self, constraint: Constraint, grammar: str) -> None:
+        """Refuses a grammar nothing satisfies, as far as its start shows: the first mask
+        allows nothing (regex `[^\\s\\S]`), or the tokens it forces fail (a schema that
+        requires itself forces `{"a":{"a":...` past the parser's limits; a row past
+        MAX_ITEMS_IN_ROW fails on its first token). What only a later choice reaches ends
+        the row at generation time, flagged constraint_incomplete."""
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
+        allowed = False
+        if not matcher.is_error():
+            allowed = any(matcher.compute_bitmask())
+        if not matcher.is_error():
+            forced = matcher.compute_ff_tokens()[:MAX_FORCED_PROBE]
+            if forced:
+                matcher.consume_tokens(forced)
+        if matcher.is_error():
+            raise constraint.refusal(matcher.get_error(), " cannot be matched")
+        if not allowed and not matcher.is_accepting():
+            raise constraint.refusal("no token can start it", " cannot be matched")
 
     def row(self, constraint: Constraint, generated: list[int]) -> ConstrainedRow:
         """A row's processor, its matcher past the tokens the row generated already."""
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(self.tokenizer, self.compile(constraint), log_level=0)
+        grammar = self.compile(constraint, check_start=False)
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
         if matcher.is_error():
-            raise InvalidRequest(f"constraint ({constraint.kind.value}): {matcher.get_error()}")
+            raise constraint.refusal(matcher.get_error())
         if generated and not matcher.consume_tokens(generated):
-            raise InvalidRequest(
-                f"the generated tokens do not fit the constraint: {matcher.get_error()}"
-            )
+            error = short_error(matcher.get_error())
+            raise InvalidRequest(f"the generated tokens do not fit the constraint: {error}")
         return ConstrainedRow(matcher, self.vocab_size, len(generated))
 
 
@@ -171,8 +244,12 @@ class ConstrainedRow:
 
     def advance(self, token: int) -> None:
         """The token the batch fed this row (sampled under the last mask)."""
-        if not self.matcher.consume_token(token):  # only a bug gets here: the mask forbade it
-            log.error("a constrained row left its grammar: %s", self.matcher.get_error())
+        if not self.matcher.consume_token(token):
+            # The mask forbade it, or the parser hit a limit on this path (the matcher then
+            # allows only EOS: the row ends, flagged constraint_incomplete).
+            log.warning(
+                "a constrained row left its grammar: %s", short_error(self.matcher.get_error())
+            )
         self.consumed += 1
 
     def complete(self, generated: list[int]) -> bool:

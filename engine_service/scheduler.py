@@ -378,11 +378,8 @@ class Scheduler:
                 self._step_checkpoints.after_token(job, self._bg, finished_cache)
             if r.finish_reason is not None:
                 stop = r.token if r.finish_reason == "stop" else None
-                cut = (
-                    stop is None
-                    and job.constrained is not None
-                    and not job.constrained.complete(job.tokens)
-                )
+                # Also a stop: a matcher that failed mid-row (a parser limit) allows only EOS.
+                cut = job.constrained is not None and not job.constrained.complete(job.tokens)
                 events.append(
                     Finished(
                         "stop" if stop is not None else "length",
