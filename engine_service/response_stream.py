@@ -14,7 +14,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine_service.errors import Abandoned, DeadlineExceeded, ModelFailed, Unavailable, error_named
+from engine_service.errors import (
+    Abandoned,
+    DeadlineExceeded,
+    InvalidRequest,
+    ModelFailed,
+    Unavailable,
+    error_named,
+)
 from engine_service.events import Event, Finished, PrefixMissReason, Sink, Started, Token
 from engine_service.metrics import RequestMetrics
 from engine_service.requests import GenerationRequest
@@ -165,6 +172,14 @@ class ResponseBuilder:
     def finish(
         self, chunk: ResponseChunk, reason: ResponseFinish, stop_token: int | None = None
     ) -> ResponseChunk:
+        held = self.req.tokens_held
+        if reason in ("length", "stop") and self.generated < held:
+            # The generation ended short of what the client says it holds: that count is
+            # wrong (nothing was sent yet), and an OK would leave it with a silent gap.
+            raise InvalidRequest(
+                f"tokens_held {held} exceeds the {self.generated} tokens this generation "
+                "emits; resume with the count of tokens received"
+            )
         chunk.finish_reason = reason
         chunk.request_id = self.req.shown_id
         if self.text.stopped_by:
