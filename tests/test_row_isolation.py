@@ -9,7 +9,6 @@ tokens, and from then on every step of its batch raises.
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from engine_service.errors import Corrupt, ModelFailed
-from engine_service.events import Event, Finished, Started, Token
+from engine_service.events import Finished, Started, Token
 from engine_service.kv_codec import KVCodec, StorageKind
 from engine_service.loop_limits import Limits
 from engine_service.model import LoadedModel, load_model
@@ -27,6 +26,7 @@ from engine_service.requests import GenerationRequest, stop_token_ids
 from engine_service.response_stream import RequestStream, respond
 from engine_service.sampling import SamplingOptions
 from engine_service.scheduler import Scheduler
+from tests.zoo_checks import Collector
 
 LONG = 400  # the plain streams' length
 QUANTIZED_FROM = 29
@@ -56,27 +56,6 @@ class FailsOnAffineRows:
                 self.raised += 1
                 raise ValueError("Quantized SDPA does not support attention sinks.")
         return self.model(inputs, cache=cache, **kwargs)
-
-
-class Collector:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-        self.done = threading.Event()
-
-    def __call__(self, events: list[Event]) -> None:
-        self.events.extend(events)
-        if any(isinstance(e, Finished) for e in events):
-            self.done.set()
-
-    def finished(self) -> Finished:
-        assert self.done.wait(120), "no Finished event"
-        last = self.events[-1]
-        assert isinstance(last, Finished)
-        return last
-
-    @property
-    def tokens(self) -> list[int]:
-        return [e.token_id for e in self.events if isinstance(e, Token)]
 
 
 @pytest.fixture(scope="module")
