@@ -39,6 +39,9 @@ class StoreConfig:
     region_copy_threads: int = 0
     # Concurrent Put/Get calls one client connection may have; 0 = max_workers / 2.
     bulk_calls_per_connection: int = 0
+    # Seconds a Put/PutMany stream may keep the store waiting for its next message before
+    # the store ends it (DEADLINE_EXCEEDED) and frees its worker; 0 = wait for ever.
+    put_idle_timeout_s: float = 10.0
     default_lease_s: int = 300
     max_lease_s: int = 24 * 3600
     grace_s: float = 10.0
@@ -68,6 +71,8 @@ class StoreConfig:
             raise ValueError("--region-copy-threads must be >= 0")
         if self.bulk_calls_per_connection < 0:
             raise ValueError("--max-bulk-calls-per-connection must be >= 0")
+        if self.put_idle_timeout_s < 0:
+            raise ValueError("--put-idle-timeout-s must be >= 0 (0: no limit)")
 
 
 def _env(name: str, default: str) -> str:
@@ -109,6 +114,13 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
         type=int,
         default=int(_env("MAX_BULK_CALLS_PER_CONNECTION", "0")),
         help="concurrent Put/Get calls one client connection may have (0: max-workers / 2)",
+    )
+    parser.add_argument(
+        "--put-idle-timeout-s",
+        type=float,
+        default=float(_env("PUT_IDLE_TIMEOUT_S", "10")),
+        help="seconds a Put stream may send nothing before the store ends it with "
+        "DEADLINE_EXCEEDED and frees its worker (0: no limit)",
     )
     parser.add_argument(
         "--grace",
@@ -153,6 +165,7 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
             log_level=args.log_level,
             insecure_no_auth=args.insecure_no_auth,
             bulk_calls_per_connection=args.max_bulk_calls_per_connection,
+            put_idle_timeout_s=args.put_idle_timeout_s,
             grace_s=args.grace,
             map_size_bytes=args.map_size,
             tls_cert=args.tls_cert,

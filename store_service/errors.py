@@ -13,6 +13,7 @@ the most specific, so a subclass added later inherits its parent's status)::
     ├── Precondition            FAILED_PRECONDITION  e.g. Delete of a pinned record
     ├── Aborted                 ABORTED              a concurrent change overtook a read
     ├── Unavailable             UNAVAILABLE          the store is shutting down
+    ├── IdleStream              DEADLINE_EXCEEDED    a Put stream sent nothing for too long
     └── StorageError            INTERNAL             LMDB failed; not the caller's doing
 
 Anything that is not a StoreError is a bug: `status_on_error` logs it with its traceback
@@ -68,6 +69,11 @@ class Unavailable(StoreError):
     """The store is shutting down."""
 
 
+class IdleStream(StoreError):
+    """A Put or PutMany stream sent nothing for --put-idle-timeout-s: the store ended it
+    (its unfinished record is discarded); resend it with the data ready."""
+
+
 class StorageError(StoreError):
     """An LMDB failure that is not the caller's doing."""
 
@@ -88,6 +94,7 @@ STATUS: dict[type[StoreError], grpc.StatusCode] = {
     Precondition: grpc.StatusCode.FAILED_PRECONDITION,
     Aborted: grpc.StatusCode.ABORTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    IdleStream: grpc.StatusCode.DEADLINE_EXCEEDED,
     StorageError: grpc.StatusCode.INTERNAL,
 }
 

@@ -2,17 +2,19 @@
 
 The header only becomes visible when the store commits the session (store.py); until
 then the chunks are unreachable, and a crash leaves them as orphans that start-up collects.
+
+`IdleLimited` bounds how long a Put stream may keep the store waiting for its next message.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from store_service.errors import InvalidRequest
+from store_service.errors import IdleStream, InvalidRequest
 from store_service.records import PutSpec, all_tensors, chunk_key, chunk_layout
 from tandem_wire.checksum import crc32
 
@@ -28,6 +30,97 @@ MAX_INFLIGHT_BYTES = 32 << 20
 TOTAL_INFLIGHT_BYTES = 96 << 20
 
 WriteChunks = Callable[[list[tuple[bytes, bytes]]], "Future[Any]"]
+T = TypeVar("T")
+
+
+class IdleLimited(Generic[T]):
+    """A Put's request stream whose next message must come within `idle_s` of being asked for.
+
+    grpcio's sync server reads a client stream with a blocking `next` that nothing can
+    interrupt, so a stream that never sends would hold its worker thread for good. Here a
+    thread of this stream's own does the reading, one message at a time, only when the
+    handler asks (flow control is unchanged: nothing is read ahead); the handler waits at
+    most `idle_s` for it and then raises IdleStream (DEADLINE_EXCEEDED), which ends the call
+    and gives the worker back. The reader, still blocked in `next`, ends with the call.
+    Time the handler spends elsewhere (waiting for the writer) does not count.
+    """
+
+    _EMPTY: Any = object()
+
+    def __init__(self, messages: Iterator[T], idle_s: float, rpc: str) -> None:
+        self._messages = messages
+        self._idle_s = idle_s
+        self._rpc = rpc
+        self._cond = threading.Condition()
+        self._wanted = False
+        self._closed = False
+        self._item: Any = self._EMPTY
+        self._error: BaseException | None = None
+        self._done = False
+        self._thread: threading.Thread | None = None
+
+    def __iter__(self) -> IdleLimited[T]:
+        return self
+
+    def __next__(self) -> T:
+        with self._cond:
+            if self._done:
+                raise StopIteration
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._read, name="store-put-reader", daemon=True
+                )
+                self._thread.start()
+            self._wanted = True
+            self._cond.notify_all()
+            arrived = self._cond.wait_for(
+                lambda: self._item is not self._EMPTY or self._done, self._idle_s
+            )
+            if not arrived:
+                self._closed = self._done = True  # the reader drops whatever comes later
+                self._cond.notify_all()
+                raise IdleStream(
+                    f"the {self._rpc} stream sent nothing for {self._idle_s:g} s, the most "
+                    "the store waits for a client's next message (--put-idle-timeout-s); "
+                    "the store ended it and stored nothing of its unfinished record: "
+                    "send it again with its data ready"
+                )
+            if self._item is not self._EMPTY:
+                item, self._item = self._item, self._EMPTY
+                return item  # type: ignore[no-any-return]
+            if self._error is not None:
+                raise self._error
+            raise StopIteration
+
+    def close(self) -> None:
+        """Lets the reader end (when the handler stops reading before the stream ends)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _read(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._wanted or self._closed)
+                if self._closed:
+                    return
+                self._wanted = False
+            item, error = self._EMPTY, None
+            try:
+                item = next(self._messages)
+            except StopIteration:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - handed to the handler's thread
+                item, error = self._EMPTY, exc
+            with self._cond:
+                if self._closed:
+                    return
+                if item is self._EMPTY:
+                    self._error, self._done = error, True
+                    self._cond.notify_all()
+                    return
+                self._item = item
+                self._cond.notify_all()
 
 
 class InflightBudget:

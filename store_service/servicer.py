@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -16,6 +17,7 @@ from store_service.admin import StoreAdmin
 from store_service.errors import InvalidRequest, Precondition, status_on_error
 from store_service.fair_share import BulkCallLimit
 from store_service.metrics import TRANSFERS, TransferPath
+from store_service.put_session import IdleLimited
 from store_service.records import PutSpec, RecordFilter, all_tensors
 from store_service.regions import copy_in_parts, progress_part_bytes, region_payload
 from store_service.storage import now_ms
@@ -109,9 +111,26 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         self, requests: Iterator[store_pb2.PutRequest], context: grpc.ServicerContext
     ) -> store_pb2.PutResponse:
         self.bulk_limit.enter(context)
-        header = put_header(requests)
-        header.checkpoint.namespace = namespace_for(header.checkpoint.namespace)
-        return self._put_one(header, put_chunks(requests), context).to_pb()
+        with self._idle_limited(requests, "Put") as messages:
+            header = put_header(messages)
+            header.checkpoint.namespace = namespace_for(header.checkpoint.namespace)
+            return self._put_one(header, put_chunks(messages), context).to_pb()
+
+    @contextlib.contextmanager
+    def _idle_limited(
+        self, requests: Iterator[store_pb2.PutRequest], rpc: str
+    ) -> Iterator[Iterator[store_pb2.PutRequest]]:
+        """The stream, ended with IdleStream (DEADLINE_EXCEEDED) when its client sends
+        nothing for --put-idle-timeout-s, so a silent client cannot hold a worker."""
+        idle_s = self.store.config.put_idle_timeout_s
+        if idle_s <= 0:
+            yield requests
+            return
+        limited = IdleLimited(requests, idle_s, rpc)
+        try:
+            yield limited
+        finally:
+            limited.close()
 
     def _put_one(
         self,
@@ -160,9 +179,12 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     ) -> store_pb2.PutManyResponse:
         self.bulk_limit.enter(context)
         results = []
-        with status_on_error(context, "PutMany"):
+        with (
+            status_on_error(context, "PutMany"),
+            self._idle_limited(requests, "PutMany") as messages,
+        ):
             try:
-                for header, chunks in PutStreams(requests):
+                for header, chunks in PutStreams(messages):
                     header.checkpoint.namespace = namespace_for(header.checkpoint.namespace)
                     results.append(self._put_one(header, chunks, context).to_pb())
             finally:
