@@ -24,7 +24,7 @@ import json
 import logging
 import threading
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +32,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# Failed authentications a peer host may make per window; beyond them its calls are refused
-# unheard until the window passes (tokens are long random strings: this bounds the work and
-# the noise of a guesser, it is not what makes guessing hopeless).
+# Failed authentications a peer host may make per window; beyond them its failed attempts are
+# answered "too many" until the host stays under the limit for a window. Valid credentials are
+# always let in: many principals can share one address (a host, a proxy, a NAT), and one
+# client's wrong tokens must not lock the others out. Tokens are long random strings: the
+# entropy makes guessing hopeless, this bounds a guesser's noise and names it.
 FAILURES_PER_WINDOW = 100
 FAILURE_WINDOW_S = 60.0
 
@@ -181,7 +183,7 @@ class Authenticator:
         self._lock = threading.Lock()
         self._by_token: dict[str, Principal] = {}
         self._by_subject: dict[str, Principal] = {}
-        self._failures: dict[str, deque[float]] = defaultdict(deque)
+        self._failures: dict[str, deque[float]] = {}  # peer host -> recent failure times
         self.failures_total = 0
         self._install(parse_auth_file(path))
 
@@ -207,17 +209,12 @@ class Authenticator:
     ) -> Principal:
         """The caller's principal from its bearer token, else its certificate identities.
 
-        Raises Unauthenticated (counted; a peer with too many recent failures is refused
-        without its credentials being looked at).
+        Raises Unauthenticated, counted against the peer's host. A host past the failure limit
+        has its failed attempts answered "too many failed authentications"; a credential that
+        names a principal is let in regardless, so other callers' failures from the same
+        address never lock a principal out.
         """
-        now, peer = time.monotonic(), peer_host(peer)
         with self._lock:
-            recent = self._failures.get(peer)
-            while recent and now - recent[0] > FAILURE_WINDOW_S:
-                recent.popleft()
-            if recent is not None and len(recent) >= FAILURES_PER_WINDOW:
-                self.failures_total += 1
-                raise Unauthenticated("too many failed authentications from this peer; wait")
             by_token, by_subject = self._by_token, self._by_subject
         token, names = _bearer(metadata), []
         if token is not None:
@@ -231,14 +228,28 @@ class Authenticator:
             for identity in names:
                 if identity in by_subject:
                     return by_subject[identity]
-        with self._lock:
-            self.failures_total += 1
-            self._failures[peer].append(now)
+        if self._count_failure(peer_host(peer)):
+            raise Unauthenticated("too many failed authentications from this peer; wait")
         if token is not None:
             raise Unauthenticated("the bearer token is not valid")
         if names:
             raise Unauthenticated("the client certificate names no principal")
         raise Unauthenticated("credentials needed: authorization: Bearer <token>, or mTLS")
+
+    def _count_failure(self, host: str) -> bool:
+        """Records a failure from `host`; True when it already had the limit's worth within
+        the window (a sliding window over its latest failures, bounded in memory)."""
+        now = time.monotonic()
+        with self._lock:
+            self.failures_total += 1
+            recent = self._failures.get(host)
+            if recent is None:
+                recent = self._failures[host] = deque(maxlen=FAILURES_PER_WINDOW)
+            while recent and now - recent[0] > FAILURE_WINDOW_S:
+                recent.popleft()
+            throttled = len(recent) >= FAILURES_PER_WINDOW
+            recent.append(now)
+            return throttled
 
 
 def peer_host(peer: str) -> str:
