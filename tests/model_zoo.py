@@ -18,13 +18,10 @@ first use under a root directory and returns the cached directory after that.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine_service.default_model import VOCAB_SIZE, build_model_dir
+from engine_service.default_model import VOCAB_SIZE, build_once
 
 # Phi-3.5-mini's longrope factors, one per rotary frequency pair (head_dim 32: 16 pairs),
 # sampled from the hub config's 48.
@@ -650,18 +647,4 @@ def build_zoo_model(name: str, root: Path) -> Path:
     concurrent test workers share one build) and returned as is after that."""
     if name not in ZOO:
         raise ValueError(f"unknown zoo model {name!r}; known: {sorted(ZOO)}")
-    target = root / name
-    if (target / "config.json").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
-    try:
-        build_model_dir(ZOO[name], staging)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not (target / "config.json").exists():  # not a concurrent builder's win
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return build_once(ZOO[name], root / name)

@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from store_service.config import StoreConfig
-from store_service.server import create_server
-from store_service.store import CheckpointStore
 from tests.model_zoo import ZOO
+from tests.servers import serve_store
 from tests.zoo_checks import ZooRow, check_architecture, committed_rows
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "models.md"
@@ -22,14 +20,8 @@ HALF = sorted(ZOO)[: len(ZOO) // 2]
 @pytest.fixture(scope="module")
 def zoo_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real store, in this process, for the zoo's checkpoints and prefixes."""
-    store = CheckpointStore(StoreConfig(data_dir=tmp_path_factory.mktemp("zoo") / "store"))
-    server, port, _ = create_server(store, "127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.stop(None).wait()
-        store.close()
+    with serve_store(tmp_path_factory.mktemp("zoo") / "store") as served:
+        yield served.address
 
 
 def check_against_the_matrix(arch: str, root: Path, store: str) -> None:

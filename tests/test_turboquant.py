@@ -11,14 +11,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine_service.turboquant import (
-    BITS,
+from engine_service.turboquant import BITS, TurboQuantCodec, distortion_bound, rotated_attention
+from engine_service.turboquant_codebooks import (
     FROZEN_CODEBOOKS,
-    TurboQuantCodec,
-    distortion_bound,
     gaussian_codebook,
     lloyd_max_codebook,
-    rotated_attention,
 )
 
 # A unit vector's mean squared error: the paper's ~0.117, 0.03 and 0.009 are the Gaussian

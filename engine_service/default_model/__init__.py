@@ -94,13 +94,19 @@ def ensure_model(name: str, cache_dir: Path) -> Path:
     """The directory of embedded model `name`, built on first use (atomically)."""
     if name not in CONFIGS:
         raise ValueError(f"unknown embedded model {name!r}; known: {sorted(CONFIGS)}")
-    target = cache_dir / f"{name}-v{RECIPE_VERSION}"
+    config = {**CONFIGS[name], "tandem_embedded": f"{name}-v{RECIPE_VERSION}"}
+    return build_once(config, cache_dir / f"{name}-v{RECIPE_VERSION}")
+
+
+def build_once(config: dict[str, Any], target: Path) -> Path:
+    """`target`, a model directory built from config on first use: in a staging directory
+    renamed into place, so concurrent builders (test workers, engines) share one build."""
     if (target / "config.json").exists():
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _build(name, staging)
+        build_model_dir(config, staging)
         try:
             os.rename(staging, target)
         except OSError:
@@ -109,10 +115,6 @@ def ensure_model(name: str, cache_dir: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def _build(name: str, out: Path) -> None:
-    build_model_dir({**CONFIGS[name], "tandem_embedded": f"{name}-v{RECIPE_VERSION}"}, out)
 
 
 def build_model_dir(config: dict[str, Any], out: Path, dtype: str = "float32") -> None:
