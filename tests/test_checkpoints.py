@@ -107,13 +107,19 @@ def test_a_flush_after_the_first_token_covers_the_prompts_prefix(stack: Stack) -
         other.stop()
 
 
+LONG_RUN = 400
+
+
 def _interrupted_then_resumed(
     stack: Stack, options: dict[str, Any], kill_at: int
 ) -> tuple[list[int], list[int]]:
     """Streams a checkpointed generation, SIGKILLs the engine once a checkpoint past kill_at
     is in the store, resumes on a fresh engine; returns (received + resumed, uninterrupted)."""
+    # Long enough that the engine, which goes on generating while the unread tokens fill the
+    # client's flow-control window, is killed before it finishes (a finished generation has
+    # nothing to resume: this raced at 64 tokens on a loaded machine).
     request = dict(
-        max_tokens=64, ignore_eos=True, checkpoint_interval=8, request_id="job-1", **options
+        max_tokens=LONG_RUN, ignore_eos=True, checkpoint_interval=8, request_id="job-1", **options
     )
     received: list[int] = []
     store = StoreClient(f"127.0.0.1:{stack.port}")
@@ -156,7 +162,7 @@ def test_resume_after_sigkill_equals_the_uninterrupted_run(
     stack: Stack, options: dict[str, Any]
 ) -> None:
     combined, full = _interrupted_then_resumed(stack, options, kill_at=37)
-    assert len(full) == 64
+    assert len(full) == LONG_RUN
     assert combined == full
 
 
