@@ -40,6 +40,9 @@ class EngineConfig:
     park_after_tokens: int = 256
     park_bytes: int = 1 << 30
     park_idle_timeout_s: float = 300.0
+    # Structured output: how long the front waits for a constraint to compile (on a pool of
+    # its own, never the batch loop) before refusing it as too complex.
+    constraint_compile_timeout_s: float = 10.0
     # Checkpoints: every N generated tokens by default (0 = only when a request asks),
     # the in-memory prefix LRU and the spill queue's byte bounds.
     checkpoint_interval: int = 0
@@ -112,6 +115,8 @@ class EngineConfig:
             raise ValueError("--admission-window must be >= 0")
         if self.compiled_decode_max_batch < 0:
             raise ValueError("--compiled-decode-max-batch must be >= 0")
+        if self.constraint_compile_timeout_s <= 0:
+            raise ValueError("--constraint-compile-timeout must be > 0")
         if self.park_after_tokens < 0 or self.park_bytes < 0 or self.park_idle_timeout_s <= 0:
             raise ValueError(
                 "--park-after-tokens and --park-bytes must be >= 0, --park-idle-timeout > 0"
@@ -189,6 +194,12 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         type=float,
         default=float(_env("ADMISSION_WINDOW", "0.002")),
         help="seconds the loop gathers a burst of arrivals into one prefill (0: off)",
+    )
+    p.add_argument(
+        "--constraint-compile-timeout",
+        type=float,
+        default=float(_env("CONSTRAINT_COMPILE_TIMEOUT", "10")),
+        help="seconds a constraint may take to compile before it is refused as too complex",
     )
     p.add_argument(
         "--park-after-tokens",
@@ -307,6 +318,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             park_after_tokens=a.park_after_tokens,
             park_bytes=a.park_bytes,
             park_idle_timeout_s=a.park_idle_timeout,
+            constraint_compile_timeout_s=a.constraint_compile_timeout,
             checkpoint_interval=a.checkpoint_interval,
             prefix_cache_bytes=a.prefix_cache_bytes,
             spill_queue_bytes=a.spill_queue_bytes,

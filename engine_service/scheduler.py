@@ -80,7 +80,7 @@ class Scheduler:
         self._batch_model = self._masks
         self.checkpoints = checkpoints
         # The tokenizer llguidance needs is built on the first constraint.
-        self._grammars = Grammars.for_model(loaded)
+        self.grammars = Grammars.for_model(loaded)
         # Requests with num_draft_tokens run as a batch of their own (speculative_lane.py).
         self._speculative = (
             SpeculativeLane(
@@ -327,7 +327,7 @@ class Scheduler:
         self._waiting.extendleft(reversed(arriving))
         if not batch:
             return
-        rows = NewRows(self.loaded.model, self._grammars)
+        rows = NewRows(self.loaded.model, self.grammars)
         for job in batch:
             fresh = not job.tokens and not job.recompute  # not a row coming back
             try:
