@@ -15,12 +15,16 @@ import functools
 import hashlib
 import json
 import logging
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from engine_service import mlx_compat
+from engine_service.constraint_compiler import CompileBudget
 from engine_service.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -33,6 +37,7 @@ MAX_CONSTRAINT_CHARS = 256 * 1024
 # ("Current row has 2001 items"): the options and the rule's own item must fit.
 MAX_ITEMS_IN_ROW = 2000
 MAX_CHOICES = MAX_ITEMS_IN_ROW - 1
+MAX_CACHED = 256  # compiled grammars and prepared matchers kept, by constraint
 MAX_FORCED_PROBE = 256  # forced tokens a compile walks through (a self-requiring schema fails)
 MAX_ERROR_CHARS = 300  # of a library message: it may quote the user's grammar
 # JSON without free whitespace between tokens (`{"a":1,"b":[2]}`): fewer tokens, and no model
@@ -134,35 +139,65 @@ def check_constraint(constraint: Constraint) -> None:
 
 
 class Grammars:
-    """The engine's llguidance tokenizer (built once, ~1 s) and compiled grammars by
-    constraint (a batch of requests under one schema compiles it once)."""
+    """The engine's llguidance tokenizer (built once, ~1 s) and its compiled constraints.
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+    The front compiles and checks each constraint as it arrives (compile: within the budget,
+    off the event loop). The core prepares a matcher for it when the request reaches it, on
+    its planning pool (prepare); on the batch loop a row only copies that matcher (row), so
+    no grammar is ever compiled there. A batch of requests under one schema compiles it once.
+    """
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        budget: CompileBudget | None = None,
+    ) -> None:
         self.hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.budget = budget  # the front's: compiles wait at most its timeout
+        self._lock = threading.Lock()
         self._tokenizer: Any = None
         self._grammars: dict[Constraint, tuple[str, bool]] = {}  # grammar, start checked
+        self._templates: OrderedDict[Constraint, Any] = OrderedDict()  # fresh matchers
+        self.built_on_loop = 0  # rows whose matcher was not prepared (evicted meanwhile)
 
     @classmethod
-    def for_model(cls, loaded: Any) -> Grammars:
+    def for_model(cls, loaded: Any, budget: CompileBudget | None = None) -> Grammars:
         """For a LoadedModel: its Hugging Face tokenizer, token ids and EOS."""
-        return cls(loaded.tokenizer._tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+        return cls(
+            mlx_compat.hf_tokenizer(loaded.tokenizer),
+            loaded.vocab_size,
+            loaded.eos_token_ids,
+            budget,
+        )
 
     @property
     def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            import llguidance.hf
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
 
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
-            )
-        return self._tokenizer
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                )
+            return self._tokenizer
 
     def compile(self, constraint: Constraint, check_start: bool = True) -> str:
         """The checked grammar (InvalidRequest with the library's message): it compiles
-        within llguidance's limits, and (check_start) a matcher on it can start. The front
-        checks the start; the core, which compiles on its loop, need not again."""
+        within llguidance's limits (and the budget's time), and (check_start) a matcher on it
+        can start. Blocking: call it off the event loop."""
+        if self.budget is None:
+            return self._compile(constraint, check_start)
+        return self.budget.run(
+            constraint.digest(),
+            f"constraint ({constraint.kind.value})",
+            lambda: self._compile(constraint, check_start),
+        )
+
+    def _compile(self, constraint: Constraint, check_start: bool) -> str:
         from llguidance import LLMatcher
 
         grammar, started = self._grammars.get(constraint, ("", False))
@@ -174,9 +209,10 @@ class Grammars:
         if check_start and not started:
             self._check_start(constraint, grammar)
             started = True
-        if len(self._grammars) > 256:
-            self._grammars.clear()
-        self._grammars[constraint] = (grammar, started)
+        with self._lock:
+            if len(self._grammars) > MAX_CACHED:
+                self._grammars.clear()
+            self._grammars[constraint] = (grammar, started)
         return grammar
 
     def _check_start(self, constraint: Constraint, grammar: str) -> None:
@@ -200,14 +236,38 @@ class Grammars:
         if not allowed and not matcher.is_accepting():
             raise constraint.refusal("no token can start it", " cannot be matched")
 
-    def row(self, constraint: Constraint, generated: list[int]) -> ConstrainedRow:
-        """A row's processor, its matcher past the tokens the row generated already."""
+    def prepare(self, constraint: Constraint) -> None:
+        """A fresh matcher for the constraint, kept for its rows (blocking: the core calls it
+        on its planning pool, before the request reaches the batch loop)."""
+        with self._lock:
+            if constraint in self._templates:
+                self._templates.move_to_end(constraint)
+                return
+        template = self._matcher(constraint)
+        with self._lock:
+            self._templates[constraint] = template
+            while len(self._templates) > MAX_CACHED:
+                self._templates.popitem(last=False)
+
+    def _matcher(self, constraint: Constraint) -> Any:
         from llguidance import LLMatcher
 
-        grammar = self.compile(constraint, check_start=False)
+        grammar = self._grammars.get(constraint, ("", False))[0] or constraint.grammar()
         matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
         if matcher.is_error():
             raise constraint.refusal(matcher.get_error())
+        return matcher
+
+    def row(self, constraint: Constraint, generated: list[int]) -> ConstrainedRow:
+        """A row's processor, its matcher past the tokens the row generated already: a copy
+        of the prepared one (microseconds), or built here when it was not prepared."""
+        with self._lock:
+            template = self._templates.get(constraint)
+        if template is None:
+            self.built_on_loop += 1
+            matcher = self._matcher(constraint)
+        else:
+            matcher = template.deep_copy()
         if generated and not matcher.consume_tokens(generated):
             error = short_error(matcher.get_error())
             raise InvalidRequest(f"the generated tokens do not fit the constraint: {error}")

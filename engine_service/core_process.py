@@ -159,19 +159,24 @@ class CoreService:
             self._running.pop(stream, None)
 
     def _submit(self, command: Submit) -> None:
-        if not self.planner.needed(command.request):
+        constrained = command.request.sampling.constraint is not None
+        if not constrained and not self.planner.needed(command.request):
             self._admit(command, None)
             return
         with self._lock:
             self._planning.add(command.stream)
-        if self.checkpoints is not None and self.checkpoints.has_store:
-            self._pool.submit(self._plan_and_admit, command)  # may wait on the store
+        if constrained or (self.checkpoints is not None and self.checkpoints.has_store):
+            # The store may be waited on; a grammar is compiled here, never on the loop.
+            self._pool.submit(self._plan_and_admit, command)
         else:
             self._plan_and_admit(command)  # the local tier only: microseconds, no hop
 
     def _plan_and_admit(self, command: Submit) -> None:
+        req = command.request
         try:
-            plan = self.planner.plan(command.request)
+            if req.sampling.constraint is not None:
+                self.scheduler.grammars.prepare(req.sampling.constraint)
+            plan = self.planner.plan(req) if self.planner.needed(req) else None
         except Exception as exc:  # noqa: BLE001 - refused (EngineError) or a bug (logged)
             with self._lock:
                 self._planning.discard(command.stream)

@@ -28,6 +28,12 @@ def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
     return _get_classes(config)  # type: ignore[no-any-return]
 
 
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper (llguidance builds its
+    token table from it; the wrapper exposes it only as `_tokenizer`)."""
+    return tokenizer._tokenizer
+
+
 def running_batch(bg: Any) -> Any:
     """The BatchGenerator's batch of decoding rows (None when none): its `uids` and
     `prompt_cache` (one batch cache per layer)."""

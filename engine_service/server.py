@@ -55,6 +55,7 @@ async def serve(
 ) -> None:
     # Imported here, after the core was spawned: mlx-lm and the tokenizer stack take seconds
     # to import, and the core loads its model meanwhile.
+    from engine_service.constraint_compiler import CompileBudget
     from engine_service.constraints import Grammars
     from engine_service.core_link import CoreLink
     from engine_service.model import without_weights
@@ -81,7 +82,7 @@ async def serve(
         default_checkpoint_interval=config.checkpoint_interval,
         default_kv=config.kv_codec,
         drafts=DraftSupport(ready.draft_model_id, config.num_draft_tokens),
-        grammars=Grammars.for_model(loaded),
+        grammars=Grammars.for_model(loaded, CompileBudget(config.constraint_compile_timeout_s)),
     )
     metrics = _serve_metrics(config.metrics_listen, core) if config.metrics_listen else None
     server = grpc.aio.server(options=SERVER_OPTIONS)
