@@ -39,6 +39,17 @@ class StoreConfig:
     region_copy_threads: int = 0
     # Concurrent Put/Get calls one client connection may have; 0 = max_workers / 2.
     bulk_calls_per_connection: int = 0
+    # Concurrent Put/Get calls in all (0 = max_workers less a reserve of max(4, a quarter)
+    # for small calls; each kind at most that less a third), and per principal with auth
+    # (0 = as many as one kind).
+    max_bulk_calls: int = 0
+    bulk_calls_per_principal: int = 0
+    # Same-host regions: the Unix socket fds are handed over on ("" = a random abstract
+    # name, "@name" = that abstract name, a path, "off" = no regions), and how many regions
+    # one principal and the store in all may hold (the latter at most half RLIMIT_NOFILE).
+    region_socket: str = ""
+    max_regions_per_principal: int = 64
+    max_regions: int = 1024
     # Seconds a Put/PutMany stream may keep the store waiting for its next message before
     # the store ends it (DEADLINE_EXCEEDED) and frees its worker; 0 = wait for ever.
     put_idle_timeout_s: float = 10.0
@@ -71,6 +82,12 @@ class StoreConfig:
             raise ValueError("--region-copy-threads must be >= 0")
         if self.bulk_calls_per_connection < 0:
             raise ValueError("--max-bulk-calls-per-connection must be >= 0")
+        if self.max_bulk_calls < 0 or self.bulk_calls_per_principal < 0:
+            raise ValueError("--max-bulk-calls and --max-bulk-calls-per-principal must be >= 0")
+        if self.max_bulk_calls > self.max_workers:
+            raise ValueError("--max-bulk-calls must not exceed --max-workers")
+        if self.max_regions_per_principal < 1 or self.max_regions < 1:
+            raise ValueError("--max-regions-per-principal and --max-regions must be >= 1")
         if self.put_idle_timeout_s < 0:
             raise ValueError("--put-idle-timeout-s must be >= 0 (0: no limit)")
 
@@ -114,6 +131,38 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
         type=int,
         default=int(_env("MAX_BULK_CALLS_PER_CONNECTION", "0")),
         help="concurrent Put/Get calls one client connection may have (0: max-workers / 2)",
+    )
+    parser.add_argument(
+        "--max-bulk-calls",
+        type=int,
+        default=int(_env("MAX_BULK_CALLS", "0")),
+        help="concurrent Put/Get calls in all, each kind at most that less a third "
+        "(0: max-workers less max(4, max-workers / 4), kept for small calls and health)",
+    )
+    parser.add_argument(
+        "--max-bulk-calls-per-principal",
+        type=int,
+        default=int(_env("MAX_BULK_CALLS_PER_PRINCIPAL", "0")),
+        help="with --auth-file, concurrent Put/Get calls one principal may have "
+        "(0: --max-bulk-calls less a third)",
+    )
+    parser.add_argument(
+        "--region-socket",
+        default=_env("REGION_SOCKET", ""),
+        help="Unix socket same-host callers hand their regions' fds over on: a path, "
+        "@NAME (abstract), 'off' (no regions); default: a random abstract name",
+    )
+    parser.add_argument(
+        "--max-regions-per-principal",
+        type=int,
+        default=int(_env("MAX_REGIONS_PER_PRINCIPAL", "64")),
+        help="same-host regions one principal may hold (registered or being handed over)",
+    )
+    parser.add_argument(
+        "--max-regions",
+        type=int,
+        default=int(_env("MAX_REGIONS", "1024")),
+        help="same-host regions the store holds in all (at most half its open-file limit)",
     )
     parser.add_argument(
         "--put-idle-timeout-s",
@@ -165,6 +214,11 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
             log_level=args.log_level,
             insecure_no_auth=args.insecure_no_auth,
             bulk_calls_per_connection=args.max_bulk_calls_per_connection,
+            max_bulk_calls=args.max_bulk_calls,
+            bulk_calls_per_principal=args.max_bulk_calls_per_principal,
+            region_socket=args.region_socket,
+            max_regions_per_principal=args.max_regions_per_principal,
+            max_regions=args.max_regions,
             put_idle_timeout_s=args.put_idle_timeout_s,
             grace_s=args.grace,
             map_size_bytes=args.map_size,

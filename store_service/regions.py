@@ -1,77 +1,117 @@
 """Shared-memory regions: the same-host data plane (docs/store.md, "Shared-memory regions").
 
-A caller on the store's host creates a POSIX shared-memory file (/dev/shm/NAME), writes 32
-random bytes at its start and registers it (name, size, those bytes as proof). A Get naming
-the region then has the store copy the record's payload straight from its LMDB map into the
-region, with several threads, each stored chunk checked against its CRC as it is copied; the
-reply carries only the header. Regions belong to the principal that registered them (auth) and
-hold a lease: a caller that goes away without unregistering loses its region when the lease
-lapses, and the store unmaps it. The store never unlinks a region: its creator owns it.
+The store never opens a region by name: a caller hands it an open file descriptor of memory
+it created (region_socket.py), so the store can touch only what the caller could. Three
+steps, authentication staying in gRPC:
 
-A region owned by another user is written with pwrite(2), never through a mapping: if its
-owner truncates it meanwhile that costs the owner its bytes, never the store a SIGBUS. One
-owned by the store's own user is mapped and copied into (~40% faster here): a process of the
-same user could kill the store outright anyway.
-(multiprocessing.shared_memory is not used: its resource tracker, Python < 3.13, would unlink
-the creator's region when the store exits.)
+1. RegisterRegion(name, size) by an authenticated principal: a one-time ticket (random, 10 s,
+   never logged), counted against the principal's region quota.
+2. The ticket with the fd over the store's Unix socket (SCM_RIGHTS): the fd is checked
+   (a regular file, read-write, at least `size` bytes) and kept for the ticket.
+3. RegisterRegion(name, size, ticket) by the same principal: the fd becomes its region
+   `name` (replacing one of that name), with a lease and a registration id.
+
+A region sealed against shrinking (memfd F_SEAL_SHRINK), on tmpfs and with every page
+allocated is mapped and copied into directly: its owner cannot truncate it, so no access
+can SIGBUS the store. Any other fd is only ever read and written with pread/pwrite, which
+report a truncation as a short read (FAILED_PRECONDITION) instead of a signal.
+
+Registrations carry an id that Gets name: one superseded (registered again, lapsed) can
+start no new copy, and every answer says how many copies into superseded ones still run,
+so a client knows when the spans of Gets that were cut short are safe to lend again.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import hmac
+import logging
 import mmap
 import os
+import resource
+import secrets
+import stat
+import sys
 import threading
-from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field
 
-import numpy as np
+from store_service.errors import InvalidRequest, NotFound, Overloaded, Precondition
+from tandem_wire.auth import PermissionDenied
 
-from store_service import tables
-from store_service.errors import (
-    Aborted,
-    Corrupt,
-    InvalidRequest,
-    NotFound,
-    Overloaded,
-    Precondition,
-)
-from store_service.records import StoredRecord, chunk_key
-from store_service.storage import LmdbStorage
-from tandem_wire.checksum import crc32
+log = logging.getLogger("tandem.store.regions")
 
-SHM_DIR = Path("/dev/shm")
-PROOF_BYTES = 32
 DEFAULT_TTL_S = 60
 MAX_TTL_S = 3600
+TICKET_TTL_S = 10
+TICKET_BYTES = 32
 MAX_NAME_CHARS = 200
-MAX_REGIONS = 64  # per store: each is a mapping the store holds open
+TMPFS_MAGIC = 0x01021994  # memfds live on the kernel's internal tmpfs mount
+HOW_TO_REGISTER = (
+    "pass the region's file descriptor: RegisterRegion(name, size) answers a ticket, send it "
+    "with the fd over the store's region socket, then RegisterRegion(name, size, ticket) "
+    "(docs/store.md, 'Shared-memory regions'; tandem_client.SharedRegion does this)"
+)
 
 
-def copy_threads(configured: int) -> int:
-    """Threads copying one Get's chunks (the copies and CRCs release the GIL): 4 was best on
-    2 cores; on a 16-vCPU host 8 copied 18.4 GB/s, 16 only 12.7 and 32 12.5 (hyperthreads
-    and memory bandwidth; bench/region_copy_ceiling.py, docs/performance.md)."""
-    return configured or max(4, min(8, (os.cpu_count() or 1) // 2))
+@dataclass(frozen=True)
+class RegionLimits:
+    per_principal: int = 64  # --max-regions-per-principal: registered and pending
+    total: int = 1024  # --max-regions: every principal's, each an fd the store holds
+
+    @classmethod
+    def within_fds(cls, per_principal: int, total: int) -> RegionLimits:
+        """The total at most half the open-file limit: LMDB, sockets and logs need fds too."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY:
+            total = max(1, min(total, soft // 2))
+        return cls(per_principal, total)
+
+
+@dataclass(frozen=True)
+class RegionRequest:
+    """A RegisterRegion call (wire.py builds it from the message)."""
+
+    name: str
+    size: int
+    ttl_s: int = 0
+    ticket: bytes = b""
+    registration: int = 0
+    proof: bytes = b""
+
+
+@dataclass(frozen=True)
+class RegionLease:
+    """What RegisterRegion answers: a registration in force, or a ticket to hand over."""
+
+    instance: str
+    expires_ms: int = 0
+    registration: int = 0
+    ticket: bytes = b""
+    socket: str = ""
+    ticket_expires_ms: int = 0
+    superseded_copies: int = 0
 
 
 @dataclass
 class Region:
     name: str
     owner: str
-    fd: int  # O_RDWR on /dev/shm/NAME
+    fd: int  # the caller's, received over the region socket (O_RDWR)
     size: int
-    expires_ms: int
-    map: mmap.mmap | None = None  # the store's own user's region: copied into directly
+    registration: int = 0
+    expires_ms: int = 0
+    map: mmap.mmap | None = None  # sealed against shrinking: copied into directly
     busy: int = 0  # Gets copying into it now (closed once they are done)
+    peer: str = ""  # pid/uid that handed it over (logs)
 
     def close(self) -> None:
         if self.map is not None:
             self.map.close()
         os.close(self.fd)
+
+    def shrank(self) -> bool:
+        return os.fstat(self.fd).st_size < self.size
 
     def fits(self, offset: int, span: int, nbytes: int) -> bool:
         end = min(self.size, offset + span) if span else self.size
@@ -85,60 +125,119 @@ class Region:
             )
 
 
+@dataclass
+class _Ticket:
+    owner: str
+    name: str
+    size: int
+    expires_ms: int
+    region: Region | None = None  # the fd, once handed over
+    used: bool = field(default=False)
+
+
 class Regions:
-    def __init__(self, copy_threads: int = 4) -> None:
+    def __init__(self, copy_threads: int = 4, limits: RegionLimits | None = None) -> None:
         self.copy_threads = copy_threads  # per Get into a region
+        self.limits = limits or RegionLimits()
+        self.instance = secrets.token_hex(8)  # this process's: a client sees a restart
+        self.socket = ""  # where fds are handed over (set when its socket listens)
         self._lock = threading.Lock()
         self._regions: dict[tuple[str, str], Region] = {}
+        self._tickets: dict[bytes, _Ticket] = {}
         self._closing: list[Region] = []  # released while a Get was copying into them
 
-    def register(
-        self, owner: str, name: str, size: int, proof: bytes, ttl_s: int, now_ms: int
-    ) -> int:
-        """Maps a caller's region (or renews its lease); returns when the lease ends."""
-        check_region_name(name)
-        if len(proof) != PROOF_BYTES:
-            raise InvalidRequest(f"region proof: the region's first {PROOF_BYTES} bytes")
-        ttl = min(ttl_s or DEFAULT_TTL_S, MAX_TTL_S)
-        expires = now_ms + ttl * 1000
+    def register(self, owner: str, request: RegionRequest, now_ms: int) -> RegionLease:
+        """Step 1 (a ticket), step 3 (the handed-over fd bound to owner) or a renewal."""
+        check_region_name(request.name)
+        if request.proof:
+            raise Precondition(f"the store opens no region by name: {HOW_TO_REGISTER}")
+        if request.size <= 0:
+            raise InvalidRequest("size_bytes: the region's size, more than 0")
+        if not self.socket:
+            raise Precondition("this store takes no regions (--region-socket off)")
+        expires = now_ms + min(request.ttl_s or DEFAULT_TTL_S, MAX_TTL_S) * 1000
+        key = (owner, request.name)
         with self._lock:
             self._expire(now_ms)
-            held = self._regions.get((owner, name))
-            if held is not None and held.size == size:
-                if not hmac.compare_digest(os.pread(held.fd, PROOF_BYTES, 0), proof):
-                    raise Precondition(f"region {name!r}: the proof does not match its bytes")
+            if request.ticket:
+                region = self._redeem(owner, request, now_ms)
+                region.registration, region.expires_ms = secrets.randbits(63) or 1, expires
+                old = self._regions.pop(key, None)
+                self._regions[key] = region
+                if old is not None:
+                    self._release(old)
+                log.info(
+                    "region %r of %r registered (%d MiB, %s, by %s)",
+                    region.name,
+                    owner or "-",
+                    region.size >> 20,
+                    "mapped" if region.map is not None else "pread/pwrite",
+                    region.peer,
+                )
+                return self._lease(region)
+            held = self._regions.get(key)
+            if (
+                request.registration
+                and held is not None
+                and held.registration == request.registration
+                and held.size == request.size
+            ):
                 held.expires_ms = expires
-                return expires
-            if len(self._regions) >= MAX_REGIONS:
-                raise Overloaded(f"the store holds {MAX_REGIONS} regions already")
-        fd = _open(name, size, proof)
+                return self._lease(held)
+            self._check_quota(owner, request.name)
+            ticket = secrets.token_bytes(TICKET_BYTES)
+            ticket_expires = now_ms + TICKET_TTL_S * 1000
+            self._tickets[ticket] = _Ticket(owner, request.name, request.size, ticket_expires)
+            return RegionLease(
+                self.instance,
+                ticket=ticket,
+                socket=self.socket,
+                ticket_expires_ms=ticket_expires,
+                superseded_copies=self._superseded(key),
+            )
+
+    def hand_over(self, ticket: bytes, fd: int, peer: str, now_ms: int) -> str:
+        """Step 2 (region_socket.py): keeps fd for the ticket's registration; "" when taken,
+        else why not (the fd is closed then)."""
+        try:
+            with self._lock:
+                self._expire(now_ms)
+                pending = self._find(ticket)
+                if pending is None or pending.region is not None:
+                    raise Precondition("an unknown, expired or used ticket")
+                size = pending.size
+            region = Region(pending.name, pending.owner, fd, size, peer=peer)
+            region.map = _map_if_sealed(fd, size)
+        except (Precondition, OSError) as exc:
+            os.close(fd)
+            return str(exc)
         with self._lock:
-            old = self._regions.pop((owner, name), None)
-            mapped = mmap.mmap(fd, size) if os.fstat(fd).st_uid == os.geteuid() else None
-            self._regions[(owner, name)] = Region(name, owner, fd, size, expires, mapped)
-            if old is not None:
-                self._release(old)
-        return expires
+            if self._find(ticket) is not pending or pending.region is not None:
+                region.close()
+                return "an unknown, expired or used ticket"
+            pending.region = region
+        return ""
 
     def unregister(self, owner: str, name: str) -> None:
         check_region_name(name)
         with self._lock:
             region = self._regions.pop((owner, name), None)
-        if region is None:
-            raise NotFound(f"no region {name!r} registered by this caller")
-        with self._lock:
+            if region is None:
+                raise NotFound(f"no region {name!r} registered by this caller")
             self._release(region)
 
-    def get(self, owner: str, name: str, now_ms: int) -> Region:
+    def get(self, owner: str, name: str, now_ms: int, registration: int = 0) -> Region:
         """A caller's own live region (another caller's name is simply not found), held for
-        a copy until done(region)."""
+        a copy until done(region). A registration other than the current one is not found
+        either: a Get its client has given up on never starts copying."""
         check_region_name(name)
         with self._lock:
             self._expire(now_ms)
             region = self._regions.get((owner, name))
-            if region is None:
+            if region is None or registration not in (0, region.registration):
                 raise NotFound(
-                    f"no region {name!r} registered by this caller (or its lease lapsed)"
+                    f"no region {name!r} registered by this caller under that registration "
+                    "(or its lease lapsed): register it again"
                 )
             region.busy += 1
         return region
@@ -158,13 +257,62 @@ class Regions:
     def close(self) -> None:
         with self._lock:
             regions, self._regions = list(self._regions.values()), {}
-        with self._lock:
-            for region in regions:
+            tickets, self._tickets = list(self._tickets.values()), {}
+            for region in regions + [t.region for t in tickets if t.region is not None]:
                 self._release(region)
+
+    # -- under the lock ------------------------------------------------------------------------
+
+    def _redeem(self, owner: str, request: RegionRequest, now_ms: int) -> Region:
+        pending = self._find(request.ticket)
+        if pending is None:
+            raise NotFound("no such region ticket (unknown, used or expired): ask for another")
+        if pending.owner != owner:
+            raise PermissionDenied("this region ticket was issued to another principal")
+        if pending.region is None:
+            raise Precondition("the ticket's fd was never handed over on the region socket")
+        if (pending.name, pending.size) != (request.name, request.size):
+            raise InvalidRequest("the ticket was issued for another region name or size")
+        del self._tickets[request.ticket]
+        return pending.region
+
+    def _find(self, ticket: bytes) -> _Ticket | None:
+        for known, pending in self._tickets.items():
+            if hmac.compare_digest(known, ticket):
+                return pending
+        return None
+
+    def _check_quota(self, owner: str, name: str) -> None:
+        mine = sum(1 for o, n in self._regions if o == owner and n != name)
+        mine += sum(1 for t in self._tickets.values() if t.owner == owner)
+        if mine >= self.limits.per_principal:
+            raise Overloaded(
+                f"this principal has {self.limits.per_principal} regions registered or being "
+                "handed over, the most one may have (--max-regions-per-principal)"
+            )
+        if len(self._regions) + len(self._tickets) >= self.limits.total:
+            raise Overloaded(
+                f"the store holds {self.limits.total} regions, its most (--max-regions)"
+            )
+
+    def _superseded(self, key: tuple[str, str]) -> int:
+        return sum(r.busy for r in self._closing if (r.owner, r.name) == key)
+
+    def _lease(self, region: Region) -> RegionLease:
+        return RegionLease(
+            self.instance,
+            expires_ms=region.expires_ms,
+            registration=region.registration,
+            superseded_copies=self._superseded((region.owner, region.name)),
+        )
 
     def _expire(self, now_ms: int) -> None:
         for key in [k for k, r in self._regions.items() if r.expires_ms <= now_ms]:
             self._release(self._regions.pop(key))
+        for ticket in [t for t, p in self._tickets.items() if p.expires_ms <= now_ms]:
+            region = self._tickets.pop(ticket).region
+            if region is not None:
+                region.close()
 
     def _release(self, region: Region) -> None:
         if region.busy:  # a Get is copying into it: closed when it is done
@@ -174,8 +322,8 @@ class Regions:
 
 
 def check_region_name(name: str) -> None:
-    """A region name is a file name under /dev/shm: printable (no NUL, which no path may
-    hold), no slashes, not hidden, at most 200 characters. Raises InvalidRequest."""
+    """A region name: printable (no NUL), no slashes, not hidden, at most 200 characters.
+    Raises InvalidRequest."""
     if (
         not name
         or "/" in name
@@ -184,163 +332,37 @@ def check_region_name(name: str) -> None:
         or not name.isprintable()
     ):
         raise InvalidRequest(
-            f"region name: a file name under /dev/shm of up to {MAX_NAME_CHARS} printable "
-            "characters, without slashes"
+            f"region name: up to {MAX_NAME_CHARS} printable characters, without slashes, "
+            "not starting with a dot"
         )
 
 
-def _open(name: str, size: int, proof: bytes) -> int:
-    path = SHM_DIR / name
+def _map_if_sealed(fd: int, size: int) -> mmap.mmap | None:
+    """Checks a handed-over fd (Precondition unless a read-write regular file of at least
+    size bytes) and maps it when no caller can make an access fault: sealed against
+    shrinking, on tmpfs (no hugetlbfs pool to run dry) and with every page allocated.
+    None: accessed with pread/pwrite only."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise Precondition("a region is a regular file (a memfd, or a file under /dev/shm)")
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        raise Precondition("the region's fd must be open read-write (O_RDWR)")
+    if st.st_size < size:
+        raise Precondition(f"the region's file holds {st.st_size} bytes, not {size}")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise NotFound(f"no shared-memory region {name!r} on the store's host") from None
-    except OSError as exc:
-        raise Precondition(f"region {name!r} cannot be opened: {exc.strerror}") from None
-    try:
-        actual = os.fstat(fd).st_size
-        if actual != size or size < PROOF_BYTES:
-            raise InvalidRequest(f"region {name!r} is {actual} bytes, not {size}")
-        if not hmac.compare_digest(os.pread(fd, PROOF_BYTES, 0), proof):
-            raise Precondition(f"region {name!r}: the proof does not match its first bytes")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return None  # a file system without seals
+    if not seals & fcntl.F_SEAL_SHRINK or st.st_blocks * 512 < size or not _on_tmpfs(fd):
+        return None
+    return mmap.mmap(fd, size)
 
 
-def region_payload(
-    region: Region, offsets: Sequence[int], sizes: Sequence[int], piece: int
-) -> Iterator[tuple[int, Any]]:
-    """A Put's payload read out of the caller's region (PutHeader.region): (payload offset,
-    bytes) pieces of each tensor at its offset, checked against the region's bounds. The
-    store's own user's region is read through its mapping (the session copies each piece
-    before the next is read), another user's with pread(2)."""
-    if len(offsets) != len(sizes):
-        raise InvalidRequest(f"region_offsets: {len(offsets)} for {len(sizes)} tensors")
-    at = 0
-    for start, size in zip(offsets, sizes, strict=True):
-        if start < PROOF_BYTES or start + size > region.size:
-            raise InvalidRequest(
-                f"a tensor at region offset {start} ({size} bytes) lies outside the region's "
-                f"payload space ({PROOF_BYTES}..{region.size})"
-            )
-        for k in range(0, size, piece):
-            n = min(piece, size - k)
-            if region.map is not None:
-                yield at + k, region.map[start + k : start + k + n]
-                continue
-            try:
-                data = os.pread(region.fd, n, start + k)
-            except OSError as exc:
-                raise Precondition(
-                    f"reading region {region.name!r} failed: {exc.strerror}"
-                ) from None
-            if len(data) != n:
-                raise Precondition(f"region {region.name!r} is shorter than its registration")
-            yield at + k, data
-        at += size
+def _on_tmpfs(fd: int) -> bool:
+    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first word
+    if _libc.fstatfs(fd, buf) != 0:
+        return False
+    return int.from_bytes(buf.raw[: ctypes.sizeof(ctypes.c_long)], sys.byteorder) == TMPFS_MAGIC
 
 
-def progress_part_bytes(payload_bytes: int) -> int:
-    """A progressive Get's part: ~16 announcements a payload, none under 8 MiB (each costs
-    a message and a barrier of the copy threads)."""
-    return max(8 << 20, payload_bytes // 16)
-
-
-def copy_in_parts(
-    storage: LmdbStorage,
-    record: StoredRecord,
-    region: Region,
-    offset: int,
-    span: int,
-    quarantine: Callable[[StoredRecord, str], None],
-    threads: int = 4,
-    part_bytes: int = 0,
-) -> Generator[int, None, None]:
-    """The record's payload into region at offset, chunk by chunk on several threads, each
-    chunk checked against its stored CRC before it counts (chunk CRCs run per tensor, and
-    every expected value is known, so chunks verify independently). Copies in parts of at
-    least part_bytes (0: one part), in payload order, and yields after each part how many
-    leading payload bytes are verified in the region; the next part is already being copied
-    while the caller announces one. Closing the iterator early waits for that part.
-
-    Raises Corrupt (the record is quarantined; the region's bytes past the last yielded
-    count are not to be used) or Aborted (replaced or removed meanwhile).
-    """
-    region.check_room(offset, span, record.payload_bytes)
-    target = None if region.map is None else np.frombuffer(region.map, np.uint8)
-    chunks = storage.db["chunks"]
-    slots = list(zip(record.slots, record.chunk_crcs, strict=True))
-    prevs = [0 if s.starts_tensor else record.chunk_crcs[i - 1] for i, (s, _) in enumerate(slots)]
-
-    def copy(indices: range) -> str:
-        def read(txn: Any) -> str:
-            for i in indices:
-                slot, expected = slots[i]
-                buf = txn.get(chunk_key(record.record_id, slot.index), db=chunks)
-                if buf is None:
-                    if tables.is_current(txn, storage.db, record):
-                        return f"corrupt:chunk {slot.index} is missing"
-                    return "gone"
-                if len(buf) != slot.length or crc32(buf, prevs[i]) != expected:
-                    return f"corrupt:chunk {slot.index} failed its checksum"
-                start = offset + slot.offset
-                if target is not None:
-                    np.copyto(target[start : start + slot.length], np.frombuffer(buf, np.uint8))
-                    continue
-                try:
-                    written = os.pwrite(region.fd, buf, start)
-                except OSError as exc:
-                    return f"region:writing into region {region.name!r} failed: {exc.strerror}"
-                if written != slot.length:
-                    return f"region:region {region.name!r} took a short write"
-            return ""
-
-        return str(storage.read(read, buffers=True))
-
-    parts = _parts([slot.length for slot, _ in slots], part_bytes)
-    workers = max(1, min(threads, len(slots)))
-
-    def start(part: range) -> list[Future[str]]:
-        every = range(part.start, part.stop)
-        return [pool.submit(copy, every[w::workers]) for w in range(min(workers, len(every)))]
-
-    with ThreadPoolExecutor(workers, thread_name_prefix="region-copy") as pool:
-        running = start(parts[0]) if parts else []
-        for k, part in enumerate(parts):
-            problems = [p for p in (f.result() for f in running) if p]
-            running = start(parts[k + 1]) if not problems and k + 1 < len(parts) else []
-            if problems:
-                _raise_for(problems, record, quarantine)
-            last_slot = slots[part.stop - 1][0]
-            yield last_slot.offset + last_slot.length
-
-
-def _parts(lengths: list[int], part_bytes: int) -> list[range]:
-    """Consecutive slot ranges of at least part_bytes each (the last may be smaller)."""
-    parts, begin, size = [], 0, 0
-    for i, length in enumerate(lengths):
-        size += length
-        if part_bytes and size >= part_bytes:
-            parts.append(range(begin, i + 1))
-            begin, size = i + 1, 0
-    if begin < len(lengths):
-        parts.append(range(begin, len(lengths)))
-    return parts
-
-
-def _raise_for(
-    problems: list[str], record: StoredRecord, quarantine: Callable[[StoredRecord, str], None]
-) -> None:
-    if "gone" in problems:
-        raise Aborted("the record was replaced or removed while it was being read")
-    corrupt = [p.removeprefix("corrupt:") for p in problems if p.startswith("corrupt:")]
-    if corrupt:
-        quarantine(record, corrupt[0])
-        raise Corrupt(
-            f"stored {corrupt[0]} ({record.header.key.hex()}); the record is quarantined "
-            "and the region's bytes are not to be used"
-        )
-    # the caller's region, not the record: nothing of it to use either
-    raise Precondition(problems[0].removeprefix("region:"))
+_libc = ctypes.CDLL(None, use_errno=True)

@@ -17,7 +17,7 @@ from store_service import salvage
 from store_service.admin import StoreAdmin
 from store_service.config import StoreConfig, parse_args
 from store_service.errors import StorageError
-from store_service.fair_share import BulkCallLimit
+from store_service.fair_share import BulkCallLimit, BulkLimits
 from store_service.servicer import StoreAdminServicer, StoreServicer, store_handler
 from store_service.store import CheckpointStore
 from tandem_wire.auth import Authenticator, AuthFileError, Role
@@ -46,6 +46,8 @@ def create_server(
     tls_key: str = "",
     bulk_calls_per_connection: int = 0,
     *,
+    max_bulk_calls: int = 0,
+    bulk_calls_per_principal: int = 0,
     tls_client_ca: str = "",
     access: Access | None = None,
     data_plane: bool = True,
@@ -70,8 +72,11 @@ def create_server(
     registrar = guarded(server, access)
     names = []
     if data_plane:
-        # 0: half the workers, so one connection never holds them all.
-        bulk_limit = BulkCallLimit(bulk_calls_per_connection or max(1, max_workers // 2))
+        # 0s: from the workers (fair_share.py), so no caller and no kind holds them all.
+        limits = BulkLimits.for_workers(
+            max_workers, bulk_calls_per_connection, max_bulk_calls, bulk_calls_per_principal
+        )
+        bulk_limit = BulkCallLimit(limits)
         registrar.add_generic_rpc_handlers((store_handler(StoreServicer(store, bulk_limit)),))
         names.append(STORE_SERVICE)
     if admin:
@@ -125,6 +130,8 @@ def serve(config: StoreConfig) -> None:
             config.tls_cert,
             config.tls_key,
             config.bulk_calls_per_connection,
+            max_bulk_calls=config.max_bulk_calls,
+            bulk_calls_per_principal=config.bulk_calls_per_principal,
             tls_client_ca=config.tls_client_ca,
             access=access,
             admin=not split,

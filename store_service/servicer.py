@@ -15,11 +15,11 @@ import grpc
 
 from store_service.admin import StoreAdmin
 from store_service.errors import InvalidRequest, Precondition, status_on_error
-from store_service.fair_share import BulkCallLimit
+from store_service.fair_share import GET, PUT, BulkCallLimit
 from store_service.metrics import TRANSFERS, TransferPath
 from store_service.put_session import IdleLimited
 from store_service.records import PutSpec, RecordFilter, all_tensors
-from store_service.regions import copy_in_parts, progress_part_bytes, region_payload
+from store_service.region_copy import copy_in_parts, progress_part_bytes, region_payload
 from store_service.storage import now_ms
 from store_service.store import CheckpointStore
 from store_service.wire import (
@@ -30,6 +30,8 @@ from store_service.wire import (
     parse_put_request,
     put_chunks,
     put_header,
+    region_lease_pb,
+    region_request,
     serialize_response,
 )
 from tandem_wire.auth import PermissionDenied, current, namespace_for
@@ -110,7 +112,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def Put(
         self, requests: Iterator[store_pb2.PutRequest], context: grpc.ServicerContext
     ) -> store_pb2.PutResponse:
-        self.bulk_limit.enter(context)
+        self.bulk_limit.enter(context, PUT)
         with self._idle_limited(requests, "Put") as messages:
             header = put_header(messages)
             header.checkpoint.namespace = namespace_for(header.checkpoint.namespace)
@@ -164,7 +166,9 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             return self.store.put(spec, chunks)
         if next(chunks, None) is not None:
             raise InvalidRequest("a Put whose payload is in a region carries no chunks")
-        region = self.store.regions.get(_caller(context), header.region, now_ms())
+        region = self.store.regions.get(
+            _caller(context), header.region, now_ms(), header.region_registration
+        )
         try:
             sizes = [t.nbytes for t in all_tensors(header.checkpoint)]
             payload = region_payload(
@@ -177,12 +181,12 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def PutMany(
         self, requests: Iterator[store_pb2.PutRequest], context: grpc.ServicerContext
     ) -> store_pb2.PutManyResponse:
-        self.bulk_limit.enter(context)
         results = []
         with (
             status_on_error(context, "PutMany"),
             self._idle_limited(requests, "PutMany") as messages,
         ):
+            self.bulk_limit.enter(context, PUT)
             try:
                 for header, chunks in PutStreams(messages):
                     header.checkpoint.namespace = namespace_for(header.checkpoint.namespace)
@@ -198,7 +202,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     ) -> Iterator[store_pb2.GetResponse]:
         piece = get_piece_bytes(request)
         namespace = namespace_for(request.namespace)
-        self.bulk_limit.enter(context)
+        self.bulk_limit.enter(context, GET)
         if request.region and not request.header_only:
             placed = yield from self._get_into_region(request, namespace, context)
             if placed:
@@ -218,7 +222,9 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         returns False (sending nothing) when it does not fit and may be streamed instead.
         Progressive: the header first, then a progress message per verified part."""
         started = time.perf_counter()
-        region = self.store.regions.get(_caller(context), request.region, now_ms())
+        region = self.store.regions.get(
+            _caller(context), request.region, now_ms(), request.region_registration
+        )
         parts: Generator[int, None, None] | None = None
         try:
             record = self.store.open_record(namespace, request.key)
@@ -300,11 +306,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def RegisterRegion(
         self, request: store_pb2.RegisterRegionRequest, context: grpc.ServicerContext
     ) -> store_pb2.RegisterRegionResponse:
-        r = request
-        expires = self.store.regions.register(
-            _caller(context), r.name, r.size_bytes, r.proof, r.ttl_seconds, now_ms()
-        )
-        return store_pb2.RegisterRegionResponse(expires_at_unix_ms=expires)
+        lease = self.store.regions.register(_caller(context), region_request(request), now_ms())
+        return region_lease_pb(lease)
 
     @rpc_errors
     def UnregisterRegion(

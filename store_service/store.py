@@ -36,7 +36,9 @@ from store_service.records import (
     record_key,
 )
 from store_service.recovery import recover
-from store_service.regions import Regions, copy_threads
+from store_service.region_copy import copy_threads
+from store_service.region_socket import RegionSocket, default_address
+from store_service.regions import RegionLimits, Regions
 from store_service.state import StoreState
 from store_service.storage import now_ms
 from store_service.wire import LookupQuery, LookupResult, PutResult
@@ -66,13 +68,22 @@ class CheckpointStore:
         self.put_budget = InflightBudget()  # bytes all Puts together queue at the writer
         self.maintenance = Maintenance(self.state, idle=lambda: not self.capacity.pending)
         self.maintenance.start()
-        # Same-host callers' shared memory (regions.py).
-        self.regions = Regions(copy_threads(config.region_copy_threads))
+        # Same-host callers' shared memory (regions.py), handed over on region_socket.py's.
+        limits = RegionLimits.within_fds(config.max_regions_per_principal, config.max_regions)
+        self.regions = Regions(copy_threads(config.region_copy_threads), limits)
+        self.region_socket = None
+        if config.region_socket != "off":
+            address = config.region_socket or default_address()
+            self.region_socket = RegionSocket(address, self._hand_over)
+            self.regions.socket = address
         self.warmer = MapWarmer(self.state.storage)  # prefixes' pages mapped for region Gets
 
     @property
     def config(self) -> StoreConfig:
         return self.state.config
+
+    def _hand_over(self, ticket: bytes, fd: int, peer: str) -> str:
+        return self.regions.hand_over(ticket, fd, peer, now_ms())
 
     # -- put ---------------------------------------------------------------------------------
 
@@ -381,5 +392,7 @@ class CheckpointStore:
         """Stops maintenance, finishes queued writes, syncs and closes LMDB."""
         self.maintenance.stop()
         self.warmer.close()
+        if self.region_socket is not None:
+            self.region_socket.close()
         self.regions.close()
         self.state.storage.close()

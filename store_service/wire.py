@@ -25,6 +25,7 @@ from store_service.records import (
     check_label,
     check_layout,
 )
+from store_service.regions import RegionLease, RegionRequest
 from tandem_wire.chunks import decode_chunk
 from tandem_wire.limits import MIN_GET_CHUNK_BYTES
 from tandem_wire.pb import store_pb2
@@ -267,3 +268,35 @@ def get_piece_bytes(request: store_pb2.GetRequest) -> int:
             f"max_chunk_bytes must be 0 (the stored chunks) or >= {MIN_GET_CHUNK_BYTES}, got {n}"
         )
     return n
+
+
+# -- Regions -----------------------------------------------------------------------------------
+
+
+def region_request(request: store_pb2.RegisterRegionRequest) -> RegionRequest:
+    r = request
+    return RegionRequest(r.name, r.size_bytes, r.ttl_seconds, r.ticket, r.registration, r.proof)
+
+
+def region_lease_pb(lease: RegionLease) -> store_pb2.RegisterRegionResponse:
+    return store_pb2.RegisterRegionResponse(
+        expires_at_unix_ms=lease.expires_ms,
+        ticket=lease.ticket,
+        region_socket=lease.socket,
+        ticket_expires_at_unix_ms=lease.ticket_expires_ms,
+        registration=lease.registration,
+        store_instance=lease.instance,
+        superseded_copies=lease.superseded_copies,
+    )
+
+
+def parse_handover(raw: bytes) -> bytes:
+    """The ticket of a RegionHandover sent over the region socket (b"" if malformed)."""
+    try:
+        return store_pb2.RegionHandover.FromString(raw).ticket
+    except DecodeError:
+        return b""
+
+
+def handover_reply(error: str) -> bytes:
+    return store_pb2.RegionHandoverReply(error=error).SerializeToString()

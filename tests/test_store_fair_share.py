@@ -26,7 +26,7 @@ LIMIT = 4
 
 def test_unread_gets_hold_only_their_connections_share(tmp_path: Path) -> None:
     store = start_store(
-        tmp_path / "store", "--max-workers", "8", "--max-bulk-calls-per-connection", str(LIMIT)
+        tmp_path / "store", "--max-workers", "16", "--max-bulk-calls-per-connection", str(LIMIT)
     )
     try:
         big = bytes(range(256)) * (16 << 12)  # 16 MiB

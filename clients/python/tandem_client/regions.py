@@ -1,33 +1,37 @@
 """A shared-memory region for the store's same-host data plane (docs/store.md).
 
-`SharedRegion(size)` creates /dev/shm/NAME (mode 0600: the store must run as the same user,
-or the operator widens it), writes 32 random bytes at its start (the proof the store checks
-when it is registered) and unlinks it on close. `StoreClient.register_region(region)` then
-`get_into(key, namespace, region)` has the store copy a record's payload straight into it:
-the tensors come back as views of the region, checked chunk by chunk by the store as it
-copied. Linux only (POSIX shared memory under /dev/shm).
+`SharedRegion(size)` creates the region as a memfd (anonymous memory with a file
+descriptor), reserves every page and seals it against shrinking and growing, so the store
+can map it without any risk of a SIGBUS. `StoreClient.register_region(region)` hands the
+fd itself to the store (over its Unix region socket, with a one-time ticket from gRPC): the
+store touches only memory this process could, never a file by name. Then
+`get_into(key, region)` has the store copy a record's payload straight into it: the tensors
+come back as views of the region, checked chunk by chunk by the store as it copied. Linux
+only (memfd_create).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import mmap
 import os
 import secrets
+import socket
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import numpy as np
 
-from tandem_client.bulk import PayloadAssembler, RegionPut
-from tandem_client.errors import DataLoss, TandemError
-from tandem_client.records import Checkpoint
-from tandem_wire.chunks import decode_chunk
+from tandem_client.errors import DataLoss, FailedPrecondition, TandemError
 from tandem_wire.pb import store_pb2
 
+# Where each region's name is published, as a symlink to its fd (/proc/PID/fd/N): for `ls`,
+# for tools that watch one (tests/test_restore_faults.py), and to spot a dead process's.
+# Opening the link needs the rights to the process's fds: it grants nothing.
 SHM_DIR = Path("/dev/shm")
 # Statuses a region Get ends with only once the store's copy threads are done (or before
 # they started): its span may be lent again at once.
@@ -43,40 +47,53 @@ SETTLED_CODES = frozenset(
         grpc.StatusCode.ABORTED,
     }
 )
-PROOF_BYTES = 32
-# Where get_into puts a payload by default: past the proof, page-aligned.
-DEFAULT_OFFSET = 4096
+# Where get_into puts a payload by default: the whole region is the caller's.
+DEFAULT_OFFSET = 0
+PAGE = 4096
 
 
 class SharedRegion:
-    def __init__(self, size: int, name: str = "") -> None:
-        if size < DEFAULT_OFFSET:
-            raise ValueError(f"a region needs at least {DEFAULT_OFFSET} bytes")
+    """Memory this process shares with the store: `buf` (a memoryview of `size` bytes) and
+    `fd`, which register_region hands over.
+
+    Args:
+        size: bytes.
+        name: the name the store knows it by (default: tandem-PID-RANDOM).
+        fd: wrap this open read-write file instead of creating a sealed memfd (the store
+            then reads and writes it with pread/pwrite only, unless it is sealed against
+            shrinking); the region takes the fd over.
+    """
+
+    def __init__(self, size: int, name: str = "", fd: int | None = None) -> None:
+        if size < PAGE:
+            raise ValueError(f"a region needs at least {PAGE} bytes")
         self.name = name or f"tandem-{os.getpid()}-{secrets.token_hex(8)}"
         self.size = size
-        self._path = SHM_DIR / self.name
-        fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self.registration = 0  # what the store answered for it (same_host.py)
+        self.store_instance = ""
+        if fd is None:
+            fd = _sealed_memfd(self.name, size)
         try:
-            # Every page reserved now: a full /dev/shm fails here (OSError), never as a
-            # SIGBUS in the store when it writes.
-            if hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(fd, 0, size)
-            else:  # macOS
-                os.ftruncate(fd, size)
             self._map = mmap.mmap(fd, size)
         except BaseException:
-            self._path.unlink(missing_ok=True)
-            raise
-        finally:
             os.close(fd)
-        self.proof = secrets.token_bytes(PROOF_BYTES)
-        self._map[:PROOF_BYTES] = self.proof
+            raise
+        self.fd = fd
         self.buf = memoryview(self._map)
+        self._link = SHM_DIR / self.name
+        with contextlib.suppress(OSError):  # a name tag only: nothing depends on it
+            os.symlink(f"/proc/{os.getpid()}/fd/{fd}", self._link)
 
     def close(self) -> None:
-        """Removes the region; it is unmapped now, or when the last view of it goes (a
-        checkpoint's tensors may still point into it)."""
-        self._path.unlink(missing_ok=True)
+        """Lets the region go; it is unmapped now, or when the last view of it goes (a
+        checkpoint's tensors may still point into it). The store keeps the memory until it
+        lets go of its own fd (unregistered, or the lease lapsed)."""
+        if self.fd < 0:
+            return
+        with contextlib.suppress(OSError):
+            self._link.unlink()
+        os.close(self.fd)
+        self.fd = -1
         try:
             self.buf.release()
             self._map.close()
@@ -90,7 +107,39 @@ class SharedRegion:
         self.close()
 
 
-PAGE = 4096
+def _sealed_memfd(name: str, size: int) -> int:
+    if not hasattr(os, "memfd_create"):
+        raise OSError("same-host regions need Linux (memfd_create)")
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        # Every page reserved now: no memory fails here (OSError), never as a fault later.
+        os.posix_fallocate(fd, 0, size)
+        # Neither this process nor any other can shrink it now: the store maps it safely.
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def hand_over(address: str, ticket: bytes, fd: int, timeout: float = 10.0) -> None:
+    """Sends a region's fd with its ticket over the store's region socket (RegisterRegion's
+    answer names it). Raises TandemError (FAILED_PRECONDITION) when the store refuses it."""
+    target = "\0" + address[1:] if address.startswith("@") else address
+    message = store_pb2.RegionHandover(ticket=ticket).SerializeToString()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(timeout)
+            conn.connect(target)
+            socket.send_fds(conn, [message], [fd])
+            conn.shutdown(socket.SHUT_WR)
+            reply = b"".join(iter(lambda: conn.recv(4096), b""))
+        error = store_pb2.RegionHandoverReply.FromString(reply).error
+    except OSError as exc:
+        error = f"the store's region socket {address!r}: {exc}"
+    if error:
+        raise FailedPrecondition(f"the store refused the region: {error}")
 
 
 @dataclass(frozen=True)
@@ -101,6 +150,11 @@ class Span:
     size: int
 
 
+# Which store process and registration a Get named: its span's copy can only be running
+# in that process, into that registration.
+Tag = tuple[str, int]
+
+
 class RegionReads:
     """A region shared by a client's concurrent Gets: each takes a span the size of its
     payload (first fit, page-aligned), held while the store writes into it and until its
@@ -108,7 +162,7 @@ class RegionReads:
 
     def __init__(self, region: SharedRegion, slots: int = 4) -> None:
         self.region = region
-        usable = (region.size - DEFAULT_OFFSET) // PAGE * PAGE
+        usable = region.size // PAGE * PAGE
         # The span a Get of unknown size takes: a slot, as before sizes were known.
         self.default_span = usable // slots // PAGE * PAGE
         if self.default_span <= 0:
@@ -116,10 +170,15 @@ class RegionReads:
         self._lock = threading.Lock()
         self._free: list[Span] = [Span(DEFAULT_OFFSET, usable)]  # by offset, coalesced
         # Spans of Gets that failed while the store may still be copying into them (a
-        # deadline, a lost connection): never lent again until the store is known to be a
-        # new process (reclaim_retired), which cannot write into them.
-        self._retired: list[Span] = []
+        # deadline, a lost connection), with the tag their Get named: never lent again
+        # until that copy is known to be over (settle).
+        self._retired: list[tuple[Span, Tag]] = []
         self.reads = 0  # Gets the store wrote into the region
+
+    @property
+    def tag(self) -> Tag:
+        """What a Get starting now names: the store process and registration in force."""
+        return self.region.store_instance, self.region.registration
 
     def acquire(self, nbytes: int = 0) -> Span | None:
         """A free span of at least nbytes (0: the default span); None when none is free
@@ -144,15 +203,39 @@ class RegionReads:
                     merged.append(s)
             self._free = merged
 
-    def retire(self, span: Span) -> None:
+    def retire(self, span: Span, tag: Tag | None = None) -> None:
         with self._lock:
-            self._retired.append(span)
+            self._retired.append((span, tag or self.tag))
+
+    def needs_new_registration(self) -> bool:
+        """Whether spans wait on a copy into the registration in force: registering anew
+        (superseding it) is what lets them come back."""
+        with self._lock:
+            return any(tag == self.tag for _, tag in self._retired)
+
+    def settle(self, instance: str, registration: int, superseded_copies: int) -> None:
+        """After the store answered a registration: spans retired under another store
+        process are free (that process is gone: a new one answers on its address and its
+        data directory); those under an earlier registration of this one are free once no
+        copy into one runs (the store starts none for a registration it superseded)."""
+        with self._lock:
+            kept: list[tuple[Span, Tag]] = []
+            freed: list[Span] = []
+            for span, (was, named) in self._retired:
+                over = was != instance or (named != registration and not superseded_copies)
+                if over:
+                    freed.append(span)
+                else:
+                    kept.append((span, (was, named)))
+            self._retired = kept
+        for span in freed:
+            self.release(span)
 
     def reclaim_retired(self) -> None:
-        """The store restarted (it did not know the region): its old copies are over."""
+        """Every retired span back (the caller knows the store is a new process)."""
         with self._lock:
             retired, self._retired = self._retired, []
-        for span in retired:
+        for span, _ in retired:
             self.release(span)
 
     @property
@@ -163,7 +246,7 @@ class RegionReads:
     @property
     def retired_bytes(self) -> int:
         with self._lock:
-            return sum(s.size for s in self._retired)
+            return sum(s.size for s, _ in self._retired)
 
 
 class Arrival:
@@ -224,16 +307,23 @@ class RegionHold:
     A progressive Get's hold has an `arrival` (progressive.py): its span is given back only
     once the store writes no more into it."""
 
-    def __init__(self, reads: RegionReads, span: Span, arrival: Arrival | None = None) -> None:
+    def __init__(
+        self,
+        reads: RegionReads,
+        span: Span,
+        arrival: Arrival | None = None,
+        tag: Tag | None = None,
+    ) -> None:
         self.region = reads.region
         self.span = span
         self.arrival = arrival
+        named = tag or reads.tag
 
         def give_back() -> None:
             if arrival is None:
                 reads.release(span)
             else:
-                arrival.when_ended(lambda: _after_stream(reads, span, arrival))
+                arrival.when_ended(lambda: _after_stream(reads, span, arrival, named))
 
         self._finalizer = weakref.finalize(self, give_back)
 
@@ -245,11 +335,11 @@ class RegionHold:
         return not self._finalizer.alive
 
 
-def _after_stream(reads: RegionReads, span: Span, arrival: Arrival) -> None:
+def _after_stream(reads: RegionReads, span: Span, arrival: Arrival, tag: Tag) -> None:
     if arrival.error is None or not may_still_write(arrival.error):
         reads.release(span)
     else:
-        reads.retire(span)
+        reads.retire(span, tag)
 
 
 def may_still_write(error: TandemError) -> bool:
@@ -257,45 +347,6 @@ def may_still_write(error: TandemError) -> bool:
     when it refused before copying or stopped on a damaged chunk; maybe when the call was
     cut (deadline, cancelled, connection lost, anything unexpected)."""
     return error.code not in SETTLED_CODES
-
-
-def placement_in(region: SharedRegion, checkpoint: Checkpoint) -> RegionPut | None:
-    """Where the checkpoint's tensors lie in region, when every one of them is a view of it
-    (pushed there by the caller); None otherwise."""
-    base = np.frombuffer(region.buf, np.uint8).ctypes.data
-    offsets = []
-    for tensor in checkpoint.all_tensors():
-        data = memoryview(tensor.data)
-        if not data.nbytes:
-            offsets.append(DEFAULT_OFFSET)
-            continue
-        if not data.c_contiguous:
-            return None
-        at = np.frombuffer(data.cast("B"), np.uint8).ctypes.data - base
-        if at < PROOF_BYTES or at + data.nbytes > region.size:
-            return None
-        offsets.append(at)
-    return RegionPut(region.name, offsets)
-
-
-def copy_into(region: SharedRegion, span: Span, checkpoint: Checkpoint) -> RegionPut:
-    """Copies the checkpoint's tensors into span back to back (64-byte aligned)."""
-    target = np.frombuffer(region.buf, np.uint8)
-    offsets, at = [], span.offset
-    for tensor in checkpoint.all_tensors():
-        n = tensor.nbytes
-        np.copyto(target[at : at + n], np.frombuffer(memoryview(tensor.data).cast("B"), np.uint8))
-        offsets.append(at)
-        at += _aligned(n)
-    return RegionPut(region.name, offsets)
-
-
-def put_span_bytes(checkpoint: Checkpoint) -> int:
-    return sum(_aligned(t.nbytes) for t in checkpoint.all_tensors())
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // 64) * 64  # a cache line: each tensor of a copied Put starts on one
 
 
 def remove_stale_regions() -> list[str]:
@@ -314,60 +365,3 @@ def remove_stale_regions() -> list[str]:
         except PermissionError:
             pass  # alive, another user's
     return removed
-
-
-def read_placed(
-    messages: Iterable[bytes], region: SharedRegion, offset: int
-) -> tuple[Checkpoint, bool]:
-    """A Get-into-region's answer: (checkpoint, True) with tensors viewing the region where
-    the store placed them, or (checkpoint, False) when the store streamed it instead."""
-    stream = iter(messages)
-    first = next(stream)
-    second = next(stream, None)
-    placed = _placement(second)
-    if placed is None:  # streamed: header, then chunks
-        assembler = PayloadAssembler(first)
-        for raw in [second] if second is not None else []:
-            assembler.feed(raw)
-        for raw in stream:
-            assembler.feed(raw)
-        return assembler.finish(), False
-    checkpoint = Checkpoint.from_header(store_pb2.GetResponse.FromString(first).header)
-    placement_of(placed, region, offset, view_placed(checkpoint, region, offset))
-    return checkpoint, True
-
-
-def view_placed(checkpoint: Checkpoint, region: SharedRegion, offset: int) -> int:
-    """Points the checkpoint's tensors at where a Get placed them (back to back from offset,
-    in header order); returns the payload's size."""
-    at = offset
-    for tensor in checkpoint.all_tensors():
-        tensor.data = region.buf[at : at + tensor.nbytes]
-        at += tensor.nbytes
-    return at - offset
-
-
-def placement_of(
-    placed: store_pb2.RegionPlacement, region: SharedRegion, offset: int, payload_bytes: int
-) -> None:
-    """Checks a `placed` message against what was asked and what the header says."""
-    if placed.region != region.name or placed.offset != offset:
-        raise DataLoss("the store placed the payload elsewhere than asked")
-    if placed.payload_bytes != payload_bytes:
-        raise DataLoss("the placed payload's size disagrees with the header")
-
-
-def own_tensors(checkpoint: Checkpoint) -> None:
-    """Copies a checkpoint's tensors out of the region into buffers of their own."""
-    for tensor in checkpoint.all_tensors():
-        owned = np.empty(tensor.nbytes, np.uint8)
-        np.copyto(owned, np.frombuffer(tensor.data, np.uint8))
-        tensor.data = memoryview(owned.data)
-
-
-def _placement(raw: bytes | None) -> store_pb2.RegionPlacement | None:
-    """The `placed` message of a Get into a region; None when the payload was streamed."""
-    if raw is None or decode_chunk(raw) is not None:
-        return None
-    message = store_pb2.GetResponse.FromString(raw)
-    return message.placed if message.WhichOneof("item") == "placed" else None

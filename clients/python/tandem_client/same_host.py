@@ -13,7 +13,13 @@ import grpc
 
 from tandem_client.bulk import RegionPut
 from tandem_client.errors import TandemError
-from tandem_client.progressive import read_progressive
+from tandem_client.progressive import (
+    copy_into,
+    placement_in,
+    put_span_bytes,
+    read_placed,
+    read_progressive,
+)
 from tandem_client.records import Checkpoint
 from tandem_client.regions import (
     DEFAULT_OFFSET,
@@ -22,10 +28,8 @@ from tandem_client.regions import (
     RegionReads,
     SharedRegion,
     Span,
-    copy_into,
-    placement_in,
-    put_span_bytes,
-    read_placed,
+    Tag,
+    hand_over,
 )
 from tandem_wire.pb import store_pb2
 
@@ -57,13 +61,30 @@ class SameHostReads:
         ) -> Checkpoint: ...
 
     def register_region(self, region: SharedRegion, ttl_s: int = 60) -> int:
-        """Lets the store write into `region` (renew before ttl_s passes); returns when the
-        lease ends, unix ms."""
+        """Lets the store write into `region` and read Puts out of it (renew before ttl_s
+        passes): renews the registration in force, else hands the region's fd over (a
+        ticket from the store, the fd with it over the store's region socket, the ticket
+        back). Returns when the lease ends, unix ms."""
+        lease = self._register(region, ttl_s, registration=region.registration)
+        if lease.ticket:
+            hand_over(lease.region_socket, lease.ticket, region.fd, self.timeout or 10.0)
+            lease = self._register(region, ttl_s, ticket=lease.ticket)
+        region.registration, region.store_instance = lease.registration, lease.store_instance
+        reads = self._reads
+        if reads is not None and reads.region is region:
+            reads.settle(lease.store_instance, lease.registration, lease.superseded_copies)
+        return int(lease.expires_at_unix_ms)
+
+    def _register(
+        self, region: SharedRegion, ttl_s: int, **fields: Any
+    ) -> store_pb2.RegisterRegionResponse:
         request = store_pb2.RegisterRegionRequest(
-            name=region.name, size_bytes=region.size, proof=region.proof, ttl_seconds=ttl_s
+            name=region.name, size_bytes=region.size, ttl_seconds=ttl_s, **fields
         )
-        r = self._call(lambda: self._store.RegisterRegion(request, timeout=self.timeout))
-        return int(r.expires_at_unix_ms)
+        response: store_pb2.RegisterRegionResponse = self._call(
+            lambda: self._store.RegisterRegion(request, timeout=self.timeout)
+        )
+        return response
 
     def unregister_region(self, region: SharedRegion) -> None:
         request = store_pb2.UnregisterRegionRequest(name=region.name)
@@ -92,14 +113,17 @@ class SameHostReads:
     def attach_region(self, region: SharedRegion, slots: int = 4, ttl_s: int = 60) -> None:
         """Same-host mode: from now on get() has the store write payloads into `region`
         (registered here, its lease renewed every ttl_s / 3) and copies them out, streaming
-        only what does not fit a slot or when every slot is busy."""
+        only what does not fit a slot or when every slot is busy. Spans of Gets cut short
+        come back once the renewals show the store can no longer write into them."""
         self.register_region(region, ttl_s)
-        self._reads = RegionReads(region, slots)
+        reads = self._reads = RegionReads(region, slots)
         stop = self._renewing = threading.Event()
 
         def renew() -> None:
             while not stop.wait(ttl_s / 3):
                 try:
+                    if reads.needs_new_registration():
+                        region.registration = 0  # superseded: its cut Gets can end
                     self.register_region(region, ttl_s)
                 except TandemError:
                     pass  # the next read registers it again
@@ -145,8 +169,7 @@ class SameHostReads:
         reads = self._reads  # once: a detach on another thread may clear it meanwhile
         if reads is None or "no region" not in str(error):
             return False
-        self.register_region(reads.region)
-        reads.reclaim_retired()  # a new store process: the old one's copies are over
+        self.register_region(reads.region)  # settles retired spans too
         return True
 
     @property
@@ -160,22 +183,24 @@ class SameHostReads:
         if span is None:  # the region is full of other reads
             return self._get_streamed(key, namespace), None
         read = self._read_progressive if progressive else self._read_placed
+        tag = reads.tag
         try:
             try:
-                checkpoint, hold = read(key, reads, namespace, span)
+                checkpoint, hold = read(key, reads, namespace, span, tag)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND or "no region" not in str(exc.details()):
                     raise
-                # The store forgot the region (it restarted): register it again.
+                # The store forgot the region (it restarted) or superseded it: register it
+                # again (the first try copied nothing: a NOT_FOUND starts no copy).
                 self.register_region(reads.region)
-                reads.reclaim_retired()
-                checkpoint, hold = read(key, reads, namespace, span)
+                tag = reads.tag
+                checkpoint, hold = read(key, reads, namespace, span, tag)
         except BaseException as exc:
             code = exc.code() if isinstance(exc, grpc.RpcError) else getattr(exc, "code", None)
             if code in SETTLED_CODES:
                 reads.release(span)
             else:  # cut short: the store may still be copying into it
-                reads.retire(span)
+                reads.retire(span, tag)
             raise
         if hold is None:  # streamed: it did not fit after all
             reads.release(span)
@@ -184,19 +209,24 @@ class SameHostReads:
         return checkpoint, hold
 
     def _read_placed(
-        self, key: bytes, reads: RegionReads, namespace: str, span: Span
+        self, key: bytes, reads: RegionReads, namespace: str, span: Span, tag: Tag
     ) -> tuple[Checkpoint, RegionHold | None]:
-        checkpoint, placed = self._read_region(key, reads.region, namespace, span, True)
+        request = self._region_request(key, reads.region, namespace, span, True, tag[1])
+        checkpoint, placed = read_placed(
+            self._get(request, timeout=self.timeout), reads.region, span.offset
+        )
         return checkpoint, RegionHold(reads, span) if placed else None
 
     def _read_progressive(
-        self, key: bytes, reads: RegionReads, namespace: str, span: Span
+        self, key: bytes, reads: RegionReads, namespace: str, span: Span, tag: Tag
     ) -> tuple[Checkpoint, RegionHold | None]:
-        request = self._region_request(key, reads.region, namespace, span, True)
+        request = self._region_request(key, reads.region, namespace, span, True, tag[1])
         request.progressive = True
         messages = iter(self._get(request, timeout=self.timeout))
         checkpoint, arrival = read_progressive(messages, reads.region, span.offset)
-        return checkpoint, RegionHold(reads, span, arrival) if arrival is not None else None
+        if arrival is None:
+            return checkpoint, None
+        return checkpoint, RegionHold(reads, span, arrival, tag)
 
     def _read_region(
         self,
@@ -206,12 +236,17 @@ class SameHostReads:
         span: Span,
         stream_if_larger: bool,
     ) -> tuple[Checkpoint, bool]:
-        request = self._region_request(key, region, namespace, span, stream_if_larger)
+        request = self._region_request(key, region, namespace, span, stream_if_larger, 0)
         return read_placed(self._get(request, timeout=self.timeout), region, span.offset)
 
     @staticmethod
     def _region_request(
-        key: bytes, region: SharedRegion, namespace: str, span: Span, stream_if_larger: bool
+        key: bytes,
+        region: SharedRegion,
+        namespace: str,
+        span: Span,
+        stream_if_larger: bool,
+        registration: int,
     ) -> store_pb2.GetRequest:
         return store_pb2.GetRequest(
             namespace=namespace,
@@ -220,4 +255,5 @@ class SameHostReads:
             region_offset=span.offset,
             region_bytes=span.size,
             stream_if_larger=stream_if_larger,
+            region_registration=registration,
         )

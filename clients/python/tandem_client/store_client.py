@@ -26,6 +26,7 @@ from tandem_client.bulk import (
 )
 from tandem_client.channel import GrpcClient
 from tandem_client.errors import NotFound, PutManyFailed, from_rpc_error
+from tandem_client.progressive import own_tensors
 from tandem_client.records import (
     Attachment,
     Checkpoint,
@@ -42,11 +43,7 @@ from tandem_client.records import (
     lookup_request,
     record_filter,
 )
-from tandem_client.regions import (
-    RegionHold,
-    RegionReads,
-    own_tensors,
-)
+from tandem_client.regions import RegionHold, RegionReads
 from tandem_client.same_host import SameHostReads
 from tandem_wire.pb import store_pb2, store_pb2_grpc
 
