@@ -40,6 +40,10 @@ class EngineConfig:
     park_after_tokens: int = 256
     park_bytes: int = 1 << 30
     park_idle_timeout_s: float = 300.0
+    # Turns (turns.py): tokens a row generates in its slot before it gives the slot up to a
+    # waiting request when the batch is full (0: never). Bounds what a stream nobody reads
+    # takes before its client's window (megabytes) fills.
+    turn_tokens: int = 512
     # Structured output: how long the front waits for a constraint to compile (on a pool of
     # its own, never the batch loop) before refusing it as too complex.
     constraint_compile_timeout_s: float = 10.0
@@ -121,6 +125,8 @@ class EngineConfig:
             raise ValueError(
                 "--park-after-tokens and --park-bytes must be >= 0, --park-idle-timeout > 0"
             )
+        if self.turn_tokens < 0:
+            raise ValueError("--turn-tokens must be >= 0")
         if self.num_draft_tokens and not self.draft_model:
             raise ValueError("--num-draft-tokens needs --draft-model")
 
@@ -218,6 +224,13 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         type=float,
         default=float(_env("PARK_IDLE_TIMEOUT", "300")),
         help="seconds a parked stream waits for its client before it is cancelled",
+    )
+    p.add_argument(
+        "--turn-tokens",
+        type=int,
+        default=int(_env("TURN_TOKENS", "512")),
+        help="while requests wait for a full batch, a row gives its slot up after this many "
+        "tokens and queues again (0: never)",
     )
     p.add_argument(
         "--kv-bits",
@@ -318,6 +331,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             park_after_tokens=a.park_after_tokens,
             park_bytes=a.park_bytes,
             park_idle_timeout_s=a.park_idle_timeout,
+            turn_tokens=a.turn_tokens,
             constraint_compile_timeout_s=a.constraint_compile_timeout,
             checkpoint_interval=a.checkpoint_interval,
             prefix_cache_bytes=a.prefix_cache_bytes,

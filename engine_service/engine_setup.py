@@ -19,7 +19,12 @@ def scheduler_limits(config: EngineConfig) -> Limits:
         config.prefill_batch_size,
         config.prefill_step_size,
         config.admission_window_s,
-        ParkSettings(config.park_after_tokens, config.park_bytes, config.park_idle_timeout_s),
+        ParkSettings(
+            config.park_after_tokens,
+            config.park_bytes,
+            config.park_idle_timeout_s,
+            config.turn_tokens,
+        ),
         config.kv_codec,
     )
 

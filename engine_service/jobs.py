@@ -62,6 +62,7 @@ class Job:
     chain: ChainCursor = field(default_factory=ChainCursor)
     admitted_at: float = 0.0
     recompute: bool = False  # starts again from its tokens alone (its batch step failed)
+    turn_start: int = 0  # len(tokens) when it last got its slot (turns.py)
     # How it ended, for the tombstone a resume reads (generation_checkpoints.forget).
     ended: Literal["finished", "was cancelled", "failed"] = "finished"
 
@@ -75,6 +76,11 @@ class Job:
     @property
     def remaining(self) -> int:
         return self.request.max_tokens - len(self.tokens)
+
+    @property
+    def turn(self) -> int:
+        """Tokens generated since it last got its slot."""
+        return len(self.tokens) - self.turn_start
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,11 @@ class CoreCollector(Collector):
         yield _counter(
             "tandem:num_preemptions", "Rows parked for slow readers.", e.parking.preempted_total
         )
+        yield _counter(
+            "tandem:turns_yielded",
+            "Slots given up to waiting requests after --turn-tokens tokens.",
+            e.parking.turns_yielded_total,
+        )
         yield _counter("tandem:requests_cancelled", "Requests cancelled.", e.cancelled_total)
         yield _counter(
             "tandem:requests_rejected", "Requests refused at admission.", e.rejected_total

@@ -1,18 +1,22 @@
-"""The loop's side of parked rows: park and unpark commands, a row read back from the store,
-and parked rows whose client stayed away too long (the policy itself: preemption.py)."""
+"""The loop's side of parked rows: park and unpark commands, rows leaving the batch after a
+step (a stalled client's, or a turn's: turns.py), a row read back from the store, and parked
+rows whose client stayed away too long (the policy itself: preemption.py)."""
 
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable
 from typing import Protocol
+
+from mlx_lm.generate import BatchGenerator
 
 from engine_service.checkpoints import CheckpointManager
 from engine_service.errors import Corrupt
 from engine_service.events import Event, Finished
 from engine_service.jobs import Job, PendingSnapshot
 from engine_service.loop_commands import Park, Restored, Unpark
-from engine_service.preemption import Preemption, Return
+from engine_service.preemption import Left, Preemption, Return
 
 
 class ParkingHost(Protocol):
@@ -45,17 +49,35 @@ class Parking:
         if job is None or not self.preemption.enabled:
             return
         if isinstance(command, Park):
-            self.preemption.ask(job)
+            if self.preemption.ask(job, time.monotonic()):
+                self.waiting.remove(job)  # it was queued after a turn: it waits parked now
             return
         back = self.preemption.release(job)
         if back is Return.WAIT_FOR_SLOT:
             self.waiting.append(job)
         elif back is Return.READ_FROM_STORE:
-            assert self.checkpoints is not None
-            rid = job.request.request_id
-            self.checkpoints.read_back(
-                job, lambda plan, error: self.post(Restored(rid, plan, error))
-            )
+            self._read_back(job)
+
+    def joined(self, jobs: list[Job]) -> None:
+        """Rows that got a slot (their turns start)."""
+        self.preemption.joined(jobs)
+
+    def step(self, bg: BatchGenerator, rows: dict[int, Job], free: int) -> None:
+        """After a batch step: rows whose turn is over while requests wait are asked to
+        leave, and rows asked before leave; those out for a turn queue again at once."""
+        self.preemption.take_turns(rows, len(self.waiting), free)
+        if not self.preemption.busy:
+            return
+        for left in self.preemption.step(bg, rows, time.monotonic(), self.save):
+            if left.then is Left.QUEUED:
+                self.waiting.append(left.job)
+            elif left.then is Left.READ_BACK:
+                self._read_back(left.job)
+
+    def _read_back(self, job: Job) -> None:
+        assert self.checkpoints is not None, "only an engine with a store parks rows there"
+        rid = job.request.request_id
+        self.checkpoints.read_back(job, lambda plan, error: self.post(Restored(rid, plan, error)))
 
     def save(self, job: Job, snapshot: PendingSnapshot) -> bool:
         """Parks a row's snapshot in the store (when its bytes are over the park budget)."""
@@ -75,8 +97,8 @@ class Parking:
             lost = f"the parked generation is lost: {why}"
             self.host.emit(job, [Finished("error", error=lost, failure=Corrupt.__name__)])
             return
-        self.preemption.restored(job, plan)
-        self.waiting.append(job)
+        if self.preemption.restored(job, plan, time.monotonic()):
+            self.waiting.append(job)
 
     def idle_expired(self, now: float) -> list[str]:
         """Parked rows whose client read nothing for the idle timeout (kept: resumable)."""

@@ -12,6 +12,12 @@ from the store once it is read back: the pending token is fed over the restored 
 its sampler goes on at the same step, so its tokens are those of an uninterrupted run. A row
 parked longer than `idle_timeout_s` is cancelled (its checkpoint, if any, is kept).
 
+Turns (turns.py) use the same way out of the batch: a row whose turn is over while others
+wait leaves as a parked row does, but is queued again at once; a checkpointed one goes to the
+store only when its capture is over the memory budget. Whether a row that left waits for its
+client or for a slot is decided by `_stalled` when it leaves, and a client may stall or read
+again at any point on that way (running, leaving, queued, being read back).
+
 The scheduler turns commands into ask/release/restored and calls step() after each batch
 step; it makes the store calls through its checkpoints (never on the MLX thread).
 """
@@ -28,6 +34,7 @@ from mlx_lm.generate import BatchGenerator
 from engine_service.cache_codec import CapturedCache, capture, restore_captured
 from engine_service.jobs import Job, PendingSnapshot, StartingPoint
 from engine_service.plans import ResumePlan
+from engine_service.turns import due_turns
 
 # Queues a parked row's snapshot for the store; False when it cannot (no store, not a
 # checkpointed request, or the spill queue is full).
@@ -44,6 +51,9 @@ class ParkSettings:
     budget_bytes: int = 1 << 30
     # A row parked this long is cancelled.
     idle_timeout_s: float = 300.0
+    # Tokens a row generates in its slot before it gives the slot up to a waiting request
+    # (turns.py); 0 = no turns.
+    turn_tokens: int = 512
 
 
 @dataclass
@@ -55,6 +65,7 @@ class ParkCounters:
     parked_to_store_total: int = 0  # parked in the store only, memory freed
     parked: int = 0
     parked_bytes: int = 0
+    turns_yielded_total: int = 0  # slots given up to waiting requests (queued again)
 
 
 class Return(enum.Enum):
@@ -65,15 +76,34 @@ class Return(enum.Enum):
     READ_FROM_STORE = enum.auto()  # parked in the store only: read it back first
 
 
+class Left(enum.Enum):
+    """Where a row that left the batch went."""
+
+    PARKED = enum.auto()  # its client stopped reading: it waits for it
+    QUEUED = enum.auto()  # a turn, its capture in memory: back to the waiting queue now
+    READ_BACK = enum.auto()  # a turn parked in the store only: queued once read back
+
+
+@dataclass(frozen=True)
+class Departure:
+    job: Job
+    then: Left
+
+
+# What a row out of the batch restarts from: its capture, or its checkpoint read back.
+Restart = PendingSnapshot | ResumePlan
+
+
 @dataclass
 class _Leaving:
     snapshot: PendingSnapshot | None = None  # None until captured
     store_only: bool = False  # over the memory budget: park in the store, free the capture
+    turn: bool = False  # leaving for a turn, not for a client that stopped reading
 
 
 @dataclass
 class _Parked:
-    snapshot: PendingSnapshot | None  # None: in the store only
+    snapshot: Restart | None  # None: in the store only
     since: float
     loading: bool = False  # being read back from the store
 
@@ -84,8 +114,11 @@ class Preemption:
     counters: ParkCounters = field(default_factory=ParkCounters)
     _leaving: dict[str, _Leaving] = field(default_factory=dict)  # asked, still in the batch
     _parked: dict[str, _Parked] = field(default_factory=dict)
-    # Unparked, waiting for a slot: what they restart from.
-    _returning: dict[str, PendingSnapshot | ResumePlan] = field(default_factory=dict)
+    # Unparked (or out for a turn), waiting for a slot: what they restart from.
+    _returning: dict[str, Restart] = field(default_factory=dict)
+    # Clients whose window is full: asked to park, not released yet. Kept apart from where
+    # the row is, since a row out for a turn may stall, or read again, anywhere on its way.
+    _stalled: set[str] = field(default_factory=set)
 
     @property
     def enabled(self) -> bool:
@@ -95,16 +128,32 @@ class Preemption:
     def busy(self) -> bool:
         return bool(self._leaving)
 
-    def ask(self, job: Job) -> None:
-        """The client stopped reading: the row is to leave its slot (if it has one)."""
+    def ask(self, job: Job, now: float) -> bool:
+        """The client stopped reading: the row is to leave its slot (if it has one).
+
+        Returns True when the job was waiting for a slot with a capture (out for a turn, or
+        unparked): it is parked again where it is and the caller takes it off the queue.
+        """
         rid = job.request.request_id
-        if job.uid >= 0 and rid not in self._leaving:
-            self._leaving[rid] = _Leaving()
+        self._stalled.add(rid)
+        if job.uid >= 0:
+            self._leaving.setdefault(rid, _Leaving())
+            return False
+        back = self._returning.pop(rid, None)
+        if back is None:  # parked, being read back, or never ran (joined() sees to it)
+            return False
+        self._parked[rid] = _Parked(back, now)
+        self.counters.preempted_total += 1
+        self._count()
+        return True
 
     def release(self, job: Job) -> Return:
         """The client reads again."""
         rid = job.request.request_id
-        self._leaving.pop(rid, None)
+        self._stalled.discard(rid)
+        leaving = self._leaving.get(rid)
+        if leaving is not None and not leaving.turn:  # a turn still ends: others wait
+            del self._leaving[rid]
         parked = self._parked.get(rid)
         if parked is None or parked.loading:
             return Return.NOTHING
@@ -117,23 +166,49 @@ class Preemption:
         self._count()
         return Return.WAIT_FOR_SLOT
 
-    def restored(self, job: Job, plan: ResumePlan) -> None:
-        """A row parked in the store was read back: it waits for a slot."""
+    def restored(self, job: Job, plan: ResumePlan, now: float) -> bool:
+        """A row parked in the store was read back. True: it waits for a slot; False: its
+        client stopped reading meanwhile, it stays parked (in memory now)."""
         rid = job.request.request_id
+        if rid in self._stalled:
+            self._parked[rid] = _Parked(plan, now)
+            self._count()
+            return False
         del self._parked[rid]
         self._returning[rid] = plan
         self._count()
+        return True
 
-    def step(self, bg: BatchGenerator, rows: dict[int, Job], now: float, save: SaveToStore) -> None:
+    def joined(self, jobs: list[Job]) -> None:
+        """Rows that got a slot: their turn starts now. One whose client stalled while it
+        had no capture to park (a row recomputed after a failed step) leaves again."""
+        for job in jobs:
+            job.turn_start = len(job.tokens)
+            rid = job.request.request_id
+            if rid in self._stalled:
+                self._leaving.setdefault(rid, _Leaving())
+
+    def take_turns(self, rows: dict[int, Job], waiting: int, free: int) -> None:
+        """Rows whose turn is over while requests wait for a full batch are asked to leave."""
+        leaving = self._leaving
+        turns = self.settings.turn_tokens
+        for job in due_turns(rows.values(), waiting, free, turns, leaving, len(leaving)):
+            leaving[job.request.request_id] = _Leaving(turn=True)
+
+    def step(
+        self, bg: BatchGenerator, rows: dict[int, Job], now: float, save: SaveToStore
+    ) -> list[Departure]:
         """Rows asked to leave: captured on this step, out of the batch on the next one,
-        when their pending token is known (the same timing as a generation snapshot)."""
+        when their pending token is known (the same timing as a generation snapshot).
+        Returns the rows that left and where they went."""
         leaving = self._ready(rows)
+        left = []
         if leaving:
             bg.remove([job.uid for job in leaving])
             for job in leaving:
                 rows.pop(job.uid)
                 job.uid = -1
-                self._park(job, now, save)
+                left.append(Departure(job, self._park(job, now, save)))
         wanted = self._to_capture(rows)
         if wanted:
             extracted = bg.extract_cache([job.uid for job in wanted])
@@ -142,6 +217,7 @@ class Preemption:
                 if found is not None:
                     held = len(job.request.prompt) + len(job.tokens)
                     self._captured(job, capture(found[0], held, wait=False))
+        return left
 
     def _to_capture(self, rows: dict[int, Job]) -> list[Job]:
         by_id = {job.request.request_id: job for job in rows.values()}
@@ -156,10 +232,12 @@ class Preemption:
         over = self._held_bytes() + captured.nbytes > self.settings.budget_bytes
         if over and not job.checkpoint_key:  # nowhere to put it: the row keeps its slot
             del self._leaving[rid]
+            job.turn_start = len(job.tokens)  # not asked again before another turn
             self.counters.over_budget_total += 1
             return
         snapshot = PendingSnapshot(captured, list(job.tokens), None)
-        self._leaving[rid] = _Leaving(snapshot, store_only=over)
+        turn = self._leaving[rid].turn
+        self._leaving[rid] = _Leaving(snapshot, store_only=over, turn=turn)
 
     def _ready(self, rows: dict[int, Job]) -> list[Job]:
         """Rows whose capture's pending token is out: they leave the batch now."""
@@ -176,20 +254,38 @@ class Preemption:
                 leaving.snapshot = None
         return ready
 
-    def _park(self, job: Job, now: float, save: SaveToStore) -> None:
-        leaving = self._leaving.pop(job.request.request_id)
+    def _park(self, job: Job, now: float, save: SaveToStore) -> Left:
+        rid = job.request.request_id
+        leaving = self._leaving.pop(rid)
         assert leaving.snapshot is not None, "only captured rows are ready"
-        in_store = bool(job.checkpoint_key) and save(job, leaving.snapshot)
+        # A turn whose client stopped reading meanwhile is parked like any stalled row.
+        stalled = rid in self._stalled
+        # A stalled checkpointed row's snapshot also goes to the store, so an engine crash
+        # while its client is away loses nothing; a turn's only when memory is over budget
+        # (it comes back soon: no store traffic per turn).
+        to_store = (stalled or leaving.store_only) and bool(job.checkpoint_key)
+        in_store = to_store and save(job, leaving.snapshot)
         # A snapshot the store will not get stays in memory, even over the budget: the row
         # has left the batch already.
         keep = leaving.snapshot if not (leaving.store_only and in_store) else None
         if keep is None:
             self.counters.parked_to_store_total += 1
-        self._parked[job.request.request_id] = _Parked(keep, now)
-        self.counters.preempted_total += 1
+        if stalled:
+            self._parked[rid] = _Parked(keep, now)
+            self.counters.preempted_total += 1
+            then = Left.PARKED
+        elif keep is None:
+            self._parked[rid] = _Parked(None, now, loading=True)
+            self.counters.turns_yielded_total += 1
+            then = Left.READ_BACK
+        else:
+            self._returning[rid] = keep
+            self.counters.turns_yielded_total += 1
+            then = Left.QUEUED
         self._count()
+        return then
 
-    def restart_from(self, job: Job) -> PendingSnapshot | ResumePlan | None:
+    def restart_from(self, job: Job) -> Restart | None:
         """What an unparked job restarts from (taken once)."""
         parked = self._returning.pop(job.request.request_id, None)
         self._count()
@@ -202,6 +298,7 @@ class Preemption:
         """The job ended (finished, cancelled, failed): its capture goes."""
         rid = job.request.request_id
         self._leaving.pop(rid, None)
+        self._stalled.discard(rid)
         held = self._returning.pop(rid, None), self._parked.pop(rid, None)
         if held != (None, None):
             self._count()
@@ -212,10 +309,8 @@ class Preemption:
         return [rid for rid, p in self._parked.items() if not p.loading and now - p.since > limit]
 
     def _held_bytes(self) -> int:
-        held = [p.snapshot for p in self._parked.values()] + [
-            r for r in self._returning.values() if isinstance(r, PendingSnapshot)
-        ]
-        return sum(s.captured.nbytes for s in held if s is not None)
+        held = [p.snapshot for p in self._parked.values()] + list(self._returning.values())
+        return sum(s.captured.nbytes for s in held if isinstance(s, PendingSnapshot))
 
     def _count(self) -> None:
         self.counters.parked = len(self._parked)
@@ -224,7 +319,7 @@ class Preemption:
 
 def restart_point(
     job: Job,
-    parked: PendingSnapshot | ResumePlan,
+    parked: Restart,
     materialize: Callable[[ResumePlan], list[Any]] | None,
 ) -> StartingPoint:
     """Where a parked row starts again (MLX thread): its pending token, fed over the caches

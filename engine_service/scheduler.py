@@ -343,6 +343,7 @@ class Scheduler:
         if not rows.jobs:
             return
         rows.insert(self._bg)
+        self._parking.joined(rows.jobs)
         for job in rows.jobs:
             self._rows[job.uid] = job
             if job.constrained is not None:
@@ -391,8 +392,7 @@ class Scheduler:
             self.emit(job, events)
         if self._step_checkpoints is not None:
             self._step_checkpoints.capture_due(self._bg, self._rows, self._stats.steps_total)
-        if self._preemption.busy:
-            self._preemption.step(self._bg, self._rows, time.monotonic(), self._parking.save)
+        self._parking.step(self._bg, self._rows, self.limits.max_running - self._running())
         with self._lock:
             self._stats.add_step(len(responses), time.monotonic())
             if self._stats.steps_total % KV_BYTES_EVERY == 0:  # a sum over layers: not each step

@@ -1,0 +1,104 @@
+"""Turns: streams whose clients never read cannot starve the readers beside them.
+
+The never-reading clients here use default gRPC channels: BDP probing grows their HTTP/2
+windows to megabytes, so the engine's writes never block and their rows are never parked as
+slow readers (test_engine_backpressure.py shows those, with a 1 KiB window). Turns bound
+them anyway: while requests wait for a full batch, a row gives its slot up every
+`--turn-tokens` tokens and queues again (engine_service/turns.py), and comes back exactly.
+Without turns the readers wait until the never-reading streams end.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from tandem_client import EngineClient
+from tandem_client.engine_client import generate_request
+from tandem_wire.pb import engine_pb2, engine_pb2_grpc
+from tests.servers import start_engine
+from tests.test_engine_backpressure import _read_all, _stats, _wait
+
+UNREAD, READERS = 40, 200
+MAX_RUNNING = 32
+UNREAD_TOKENS = 256  # ~8 turns each: none can end while the readers go first
+READER_TOKENS = 16
+TURN_TOKENS = 32
+
+
+def _request(i: int, max_tokens: int, tag: str) -> engine_pb2.GenerateRequest:
+    req = generate_request([5, 6, 7, 8 + i % 50], max_tokens=max_tokens, request_id=f"{tag}-{i}")
+    req.sampling.seed = 2000 + i
+    req.sampling.temperature = 0.9
+    req.sampling.ignore_eos = True
+    return req
+
+
+def test_40_never_reading_streams_leave_200_readers_served(tmp_path: Path) -> None:
+    engine = start_engine(
+        tmp_path, "--max-running", str(MAX_RUNNING), "--turn-tokens", str(TURN_TOKENS)
+    )
+    try:
+        unread_channel = grpc.insecure_channel(engine.address)  # default windows, BDP on
+        stub = engine_pb2_grpc.EngineStub(unread_channel)
+        unread = [stub.Generate(_request(i, UNREAD_TOKENS, "unread")) for i in range(UNREAD)]
+        _wait(engine.address, lambda s: s.running == MAX_RUNNING)
+
+        # 200 readers, all asked at once, each read as it comes.
+        readers_channel = grpc.insecure_channel(engine.address)
+        readers_stub = engine_pb2_grpc.EngineStub(readers_channel)
+        readers = [
+            readers_stub.Generate(_request(i, READER_TOKENS, "reader"), timeout=120)
+            for i in range(READERS)
+        ]
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(_read_all, readers))
+        assert all(len(tokens) == READER_TOKENS for tokens in got)
+
+        # Every reader is done, and none of the 40 has ended: each runs, waits or is parked.
+        s = _stats(engine.address)
+        assert s.running + s.queued + s.parked == UNREAD, s
+        assert s.turns_yielded_total >= UNREAD - MAX_RUNNING
+
+        # Read now: each ends exactly as an uninterrupted run of it (32 at once: no turns).
+        with ThreadPoolExecutor(UNREAD) as pool:
+            unread_got = list(pool.map(_read_all, unread))
+        with EngineClient(engine.address, timeout=300) as c, ThreadPoolExecutor(32) as pool:
+            want = list(
+                pool.map(
+                    lambda i: [
+                        t
+                        for m in c.stream_request(_request(i, UNREAD_TOKENS, "reference"))
+                        for t in m.token_ids
+                    ],
+                    range(UNREAD),
+                )
+            )
+        assert unread_got == want
+        assert all(len(tokens) == UNREAD_TOKENS for tokens in unread_got)
+        readers_channel.close()
+        unread_channel.close()
+    finally:
+        engine.stop()
+
+
+def test_no_turns_while_nobody_waits(tmp_path: Path) -> None:
+    """A batch with room never moves a row, however long it runs (--turn-tokens 8)."""
+    engine = start_engine(tmp_path, "--max-running", "4", "--turn-tokens", "8")
+    try:
+        with EngineClient(engine.address, timeout=120) as c, ThreadPoolExecutor(4) as pool:
+            got = list(
+                pool.map(
+                    lambda i: [
+                        t for m in c.stream_request(_request(i, 64, "alone")) for t in m.token_ids
+                    ],
+                    range(4),
+                )
+            )
+        assert all(len(tokens) == 64 for tokens in got)
+        s = _stats(engine.address)
+        assert s.turns_yielded_total == 0 and s.preempted_total == 0
+    finally:
+        engine.stop()
