@@ -34,6 +34,23 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def channel_options(window_bytes: int) -> list[tuple[str, int]]:
+    """A small fixed HTTP/2 window per engine stream (0: gRPC's, grown by BDP probing).
+
+    The gateway reads an engine's stream only as fast as its client takes the relayed
+    events; what gRPC reads ahead of that is hidden from the engine, which parks a row only
+    once its stream's window is full (docs/engine.md, "Slow readers and turns"). Token
+    messages are ~25 bytes, so 16 KiB still holds ~600 of them in flight.
+    """
+    if not window_bytes:
+        return list(CHANNEL_OPTIONS)
+    return [
+        *CHANNEL_OPTIONS,
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", window_bytes),
+    ]
+
+
 @dataclass(frozen=True)
 class EngineFacts:
     """What an engine serves (its ModelInfo)."""
@@ -48,12 +65,18 @@ class EngineFacts:
 
 
 class Backend:
-    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None) -> None:
+    def __init__(
+        self,
+        address: str,
+        credentials: grpc.ChannelCredentials | None,
+        window_bytes: int = 0,
+    ) -> None:
         self.address = address
+        options = channel_options(window_bytes)
         if credentials is None:
-            self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self.channel = grpc.aio.insecure_channel(address, options=options)
         else:
-            self.channel = grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+            self.channel = grpc.aio.secure_channel(address, credentials, options=options)
         self.stub = engine_pb2_grpc.EngineStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = False
@@ -93,6 +116,7 @@ class BackendPool:
         credentials: grpc.ChannelCredentials | None = None,
         token: str = "",
         poll_interval_s: float = 0.5,
+        window_bytes: int = 0,
     ) -> None:
         self._static = list(dict.fromkeys(addresses))
         self._engines_file = Path(engines_file) if engines_file else None
@@ -100,6 +124,7 @@ class BackendPool:
         self._credentials = credentials
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.poll_interval_s = poll_interval_s
+        self.window_bytes = window_bytes  # each engine stream's HTTP/2 window (channel_options)
         self.backends: dict[str, Backend] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.changed = asyncio.Event()  # set on every health change (failover waits on it)
@@ -175,7 +200,7 @@ class BackendPool:
     def _sync(self, wanted: list[str]) -> None:
         for address in wanted:
             if address not in self.backends:
-                self.backends[address] = Backend(address, self._credentials)
+                self.backends[address] = Backend(address, self._credentials, self.window_bytes)
                 if self._tasks:  # started: watch it from now on
                     backend = self.backends[address]
                     self._tasks[address] = asyncio.create_task(self._watch(backend))

@@ -38,6 +38,15 @@ class GatewayConfig:
     # An HTTP body past this is refused 413 while it is read. Twice the engine's 4 MiB gRPC
     # message limit: JSON spells a request out longer than protobuf (token ids, escapes).
     max_body_bytes: int = 8 << 20
+    # The HTTP/2 window of each stream from an engine (BDP probing off): how far the gateway
+    # reads ahead of a client that stopped reading, so the engine sees it stop (and parks its
+    # row) after this many bytes rather than megabytes. 0: gRPC's default (64 KiB, grown by
+    # BDP probing).
+    engine_window_bytes: int = 16 << 10
+    # The kernel send buffer of each HTTP connection (0: the kernel's autotuning, up to
+    # net.ipv4.tcp_wmem's maximum, 4 MiB by default): bytes of events a client that stopped
+    # reading holds in the gateway's kernel before the relay stops reading its engine.
+    http_send_buffer_bytes: int = 64 << 10
     log_format: str = "text"  # or "json" (tandem_wire/logs.py)
     log_level: str = "info"
 
@@ -54,6 +63,10 @@ class GatewayConfig:
             )
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be >= 1024")
+        if self.engine_window_bytes and self.engine_window_bytes < 1024:
+            raise ValueError("--engine-window-bytes must be 0 (gRPC's default) or >= 1024")
+        if self.http_send_buffer_bytes and self.http_send_buffer_bytes < 4096:
+            raise ValueError("--http-send-buffer-bytes must be 0 (the kernel's) or >= 4096")
 
 
 def _env(name: str, default: str) -> str:
@@ -102,6 +115,18 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         default=int(_env("MAX_BODY_BYTES", str(8 << 20))),
         help="HTTP bodies larger than this are refused 413 (default 8 MiB)",
     )
+    p.add_argument(
+        "--engine-window-bytes",
+        type=int,
+        default=int(_env("ENGINE_WINDOW_BYTES", str(16 << 10))),
+        help="HTTP/2 window of each engine stream, no BDP probing (0: gRPC's default)",
+    )
+    p.add_argument(
+        "--http-send-buffer-bytes",
+        type=int,
+        default=int(_env("HTTP_SEND_BUFFER_BYTES", str(64 << 10))),
+        help="kernel send buffer of each HTTP connection (0: the kernel's autotuning)",
+    )
     add_logging_args(p, _env)
     a = p.parse_args(argv)
     try:
@@ -121,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             engine_tls_ca=a.engine_tls_ca,
             metrics_listen=a.metrics_listen,
             max_body_bytes=a.max_body_bytes,
+            engine_window_bytes=a.engine_window_bytes,
+            http_send_buffer_bytes=a.http_send_buffer_bytes,
             log_format=a.log_format,
             log_level=a.log_level,
         )

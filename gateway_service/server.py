@@ -52,12 +52,17 @@ class _HttpServer(uvicorn.Server):
         yield
 
 
-def _http_socket(listen: str) -> socket.socket:
+def _http_socket(listen: str, send_buffer_bytes: int) -> socket.socket:
     host, _, port = listen.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer_bytes:
+        # Inherited by accepted connections. A fixed buffer stops the kernel's autotuning
+        # (megabytes), which hid a client that stopped reading from the relay for thousands
+        # of tokens (docs/gateway.md, "Clients that stop reading").
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     try:
         sock.bind((host, int(port or 0)))
     except OSError as exc:
@@ -76,6 +81,7 @@ async def serve(config: GatewayConfig, authenticator: Authenticator | None) -> N
         credentials,
         bearer_token(config.engine_token_file) if config.engine_token_file else "",
         config.poll_interval_s,
+        config.engine_window_bytes,
     )
     await pool.start()
     settings = RelaySettings(
@@ -118,7 +124,7 @@ async def serve(config: GatewayConfig, authenticator: Authenticator | None) -> N
         )
     http_server, http_task = None, None
     if config.http_listen:
-        sock = _http_socket(config.http_listen)
+        sock = _http_socket(config.http_listen, config.http_send_buffer_bytes)
         front = OpenAIFront(pool, relay, authenticator, config.max_body_bytes)
         http_server = _HttpServer(
             uvicorn.Config(front.app, log_level="warning", lifespan="off", access_log=False)
