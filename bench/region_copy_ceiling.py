@@ -117,7 +117,7 @@ def store_gets(nbytes: int, thread_counts: list[int]) -> None:
             *("--region-copy-threads", str(t)),
         )
         region = SharedRegion(nbytes + DEFAULT_OFFSET)
-        np.frombuffer(region.buf, np.uint8)[DEFAULT_OFFSET:] = 0  # past the proof
+        np.frombuffer(region.buf, np.uint8)[DEFAULT_OFFSET:] = 0  # faulted in
         try:
             with StoreClient(store.address, timeout=600) as client:
                 client.register_region(region, ttl_s=600)
