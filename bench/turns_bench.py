@@ -84,7 +84,9 @@ async def _readers(address: str, n: int, max_tokens: int, tag: str) -> list[floa
         return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-def starvation(address: str, r: int, unread: int, readers: int, unread_tokens: int) -> dict[str, float]:
+def starvation(
+    address: str, r: int, unread: int, readers: int, unread_tokens: int
+) -> dict[str, float]:
     channel = grpc.insecure_channel(address)  # default options: BDP probing on
     stub = engine_pb2_grpc.EngineStub(channel)
     calls = [stub.Generate(_request(i, unread_tokens, f"u{r}")) for i in range(unread)]
