@@ -190,6 +190,20 @@ def agreement(ours: list[list[int]], plain: list[list[int]]) -> tuple[float, int
     return equal / len(ours), fewest, statistics.median(firsts)
 
 
+def held_out_windows(length: int) -> list[list[int]]:
+    """Windows of held-out Python source (training/corpus.py) in the embedded tokenizer: the
+    trained models' own kind of text, which they never saw."""
+    from tokenizers import Tokenizer
+
+    from engine_service.default_model import TRAINED_DIR
+    from training import corpus
+    from training.tokenizer import token_stream
+
+    tokenizer = Tokenizer.from_file(str(TRAINED_DIR / "tokenizer.json"))
+    stream = token_stream(tokenizer, corpus.load().held_out)
+    return [stream[i : i + length] for i in range(0, len(stream) - length, 4 * length)]
+
+
 def engine_rate(address: str, prompt: list[int], n: int, k: int) -> tuple[float, float]:
     from tandem_client import EngineClient  # the engine runs only here (the device: no grpc)
 
@@ -222,6 +236,11 @@ def main() -> None:
         default="eager",
         help="eager, wide, compiled, wide+compiled (comma; the first also runs solo)",
     )
+    p.add_argument(
+        "--held-out-prompts",
+        action="store_true",
+        help="prompts from held-out Python source (the trained models), not random tokens",
+    )
     p.add_argument("--skip-solo", action="store_true")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--json")
@@ -245,7 +264,14 @@ def main() -> None:
         target = load_model(specs["target"], Path(tmp))
         drafts = {"draft": load_model(specs["draft"], Path(tmp)), "self": target}
         rng = random.Random(0)
-        prompt = [rng.randrange(3, target.vocab_size) for _ in range(a.prompt)]
+        prompts_from = held_out_windows(a.prompt) if a.held_out_prompts else None
+
+        def new_prompt() -> list[int]:
+            if prompts_from is not None:
+                return prompts_from[rng.randrange(len(prompts_from))]
+            return [rng.randrange(3, target.vocab_size) for _ in range(a.prompt)]
+
+        prompt = new_prompt()
         print(
             f"target {a.target}, draft {a.draft}, {target.dtype} on {out['device']}, prompt "
             f"{a.prompt}, {a.tokens} tokens, k={a.k}"
@@ -256,10 +282,7 @@ def main() -> None:
         if not a.skip_solo:
             solo(a, specs, target, drafts, prompt, out, Path(tmp))
         for streams in [int(x) for x in a.streams.split(",") if x]:
-            prompts = [
-                [rng.randrange(3, target.vocab_size) for _ in range(a.prompt)]
-                for _ in range(streams)
-            ]
+            prompts = [new_prompt() for _ in range(streams)]
             out["batched"].append(batched(a, target, drafts, prompts))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))

@@ -51,7 +51,8 @@ def test_tandem_up_streams_a_demo_and_stops_cleanly(
     assert lines[1].startswith("store  listening on 127.0.0.1:")
     assert lines[2].startswith("engine listening on 127.0.0.1:")
     assert lines[3].startswith("model  tandem-tiny@sha256:")
-    assert "random weights" in lines[4] and "--model mlx-community/" in lines[5]
+    assert "trained here" in lines[4] and "--model mlx-community/" in lines[5]
+    assert lines[6].startswith("demo   def read_lines(path):")
     assert "[length: 12 tokens" in result.stdout
     assert lines[-1] == "stopped (engine exit 0, store exit 0)"
 

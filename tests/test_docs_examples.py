@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from engine_service.default_model import ensure_model
 from tests.servers import ROOT, GatewayProcess, InProcessStore, ServiceProcess, start_engine
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -175,7 +176,7 @@ def _start_and_stop(
             args.append("127.0.0.1:0")  # free ports: the suite's servers hold the defaults
         elif args and args[-1] == "--model" and flag.startswith("./"):
             # A local mlx model directory: the embedded one, copied where the docs point.
-            shutil.copytree(data_dir / "models" / "tandem-tiny-v1", cwd / flag)
+            shutil.copytree(ensure_model("tandem-tiny", data_dir / "models"), cwd / flag)
             args.append(flag)
         else:
             args.append(addresses.get(flag, flag))

@@ -45,7 +45,12 @@ def solo(model: Any, prompt: list[int], n: int, codec: KVCodec) -> tuple[list[in
 
 
 def _max_diff(a: list[Any], b: list[Any]) -> float:
-    return max(float(mx.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+    """The largest difference of two runs' logprobs, relative to their size: a trained
+    model's unlikely tokens sit at -20 to -40, where fp32 sums in another order differ in
+    the fourth digit."""
+    return max(
+        float((mx.abs(x - y) / mx.maximum(mx.abs(y), 1.0)).max()) for x, y in zip(a, b, strict=True)
+    )
 
 
 @pytest.mark.parametrize("full_width", [False, True], ids=["slices", "full-width"])

@@ -49,7 +49,12 @@ TQ33 = KVCodec.turboquant(3, 3)
 
 
 def _max_diff(a: list[Any], b: list[Any]) -> float:
-    return max(float(mx.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+    """The largest difference of two runs' logprobs, relative to their size: a trained
+    model's unlikely tokens sit at -20 to -40, where fp32 sums in another order differ in
+    the fourth digit."""
+    return max(
+        float((mx.abs(x - y) / mx.maximum(mx.abs(y), 1.0)).max()) for x, y in zip(a, b, strict=True)
+    )
 
 
 @pytest.fixture

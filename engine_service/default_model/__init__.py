@@ -2,19 +2,25 @@
 
 No weights can be downloaded where Tandem is developed and tested, so the engine's default
 model is made locally on first use and cached in the data directory: a real mlx-lm
-architecture (config.json + safetensors with fixed-seed random weights), a real byte-level
-BPE tokenizer trained with `tokenizers` on a small committed corpus, and a chat template.
-It is loaded through mlx-lm's own loader like any other model directory.
+architecture (config.json + safetensors), a 2,048-token byte-level BPE tokenizer and a chat
+template, loaded through mlx-lm's own loader like any other model directory. The default,
+its draft and the hybrid variant are trained here on the Python standard library's source
+(`python -m training`, docs/training.md): their weights and the tokenizer are committed in
+`trained/` and checked against their sha256 when a directory is built. The test shapes
+(`build_model_dir` without weights) get fixed-seed random weights: only their shapes matter.
 
 Variants (all share the tokenizer):
-- `tandem-tiny`: llama, 4 layers, full attention (the default).
-- `tandem-tiny-swa`: llama with sliding-window layers (RotatingKVCache).
-- `tandem-tiny-hybrid`: lfm2, short-conv recurrent layers and attention (ArraysCache + KVCache).
-- `tandem-tiny-draft`: a 2-layer llama companion for speculative decoding.
+- `tandem-tiny`: llama, 4 layers, full attention (the default; trained).
+- `tandem-tiny-draft`: a 2-layer llama companion for speculative decoding (trained).
+- `tandem-tiny-swa`: llama with sliding-window layers (RotatingKVCache; tandem-tiny's
+  weights).
+- `tandem-tiny-hybrid`: lfm2, short-conv recurrent layers and attention (ArraysCache +
+  KVCache; trained).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -26,8 +32,14 @@ DEFAULT_MODEL = "tandem-tiny"
 VOCAB_SIZE = 2048
 SEED = 20261129
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The trained models' committed weights and tokenizer (python -m training; docs/training.md).
+TRAINED_DIR = Path(__file__).parent / "trained"
+TRAINED_MODELS = ("tandem-tiny", "tandem-tiny-draft", "tandem-tiny-hybrid")
+# The sliding-window variant has tandem-tiny's parameters: it serves its weights, attending
+# over 64 tokens on half its layers (windowed attention it was not trained with).
+SHARED_WEIGHTS = {"tandem-tiny-swa": "tandem-tiny"}
 # Bump when the recipe changes so cached directories are rebuilt.
-RECIPE_VERSION = "1"
+RECIPE_VERSION = "2"
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -95,10 +107,12 @@ def ensure_model(name: str, cache_dir: Path) -> Path:
     if name not in CONFIGS:
         raise ValueError(f"unknown embedded model {name!r}; known: {sorted(CONFIGS)}")
     config = {**CONFIGS[name], "tandem_embedded": f"{name}-v{RECIPE_VERSION}"}
-    return build_once(config, cache_dir / f"{name}-v{RECIPE_VERSION}")
+    trained = SHARED_WEIGHTS.get(name, name)
+    weights = TRAINED_DIR / f"{trained}.safetensors" if trained in TRAINED_MODELS else None
+    return build_once(config, cache_dir / f"{name}-v{RECIPE_VERSION}", weights)
 
 
-def build_once(config: dict[str, Any], target: Path) -> Path:
+def build_once(config: dict[str, Any], target: Path, weights: Path | None = None) -> Path:
     """`target`, a model directory built from config on first use: in a staging directory
     renamed into place, so concurrent builders (test workers, engines) share one build."""
     if (target / "config.json").exists():
@@ -106,7 +120,7 @@ def build_once(config: dict[str, Any], target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        build_model_dir(config, staging)
+        build_model_dir(config, staging, weights=weights)
         try:
             os.rename(staging, target)
         except OSError:
@@ -117,15 +131,19 @@ def build_once(config: dict[str, Any], target: Path) -> Path:
     return target
 
 
-def build_model_dir(config: dict[str, Any], out: Path, dtype: str = "float32") -> None:
-    """Writes an mlx-lm model directory: config, fixed-seed random weights, tokenizer.
+def build_model_dir(
+    config: dict[str, Any], out: Path, dtype: str = "float32", weights: Path | None = None
+) -> None:
+    """Writes an mlx-lm model directory: config, the committed tokenizer, and the trained
+    `weights` (checked against trained/SHA256SUMS) or fixed-seed random weights.
 
     Also used by tests to make directories shaped like hub models (e.g. a bf16 qwen3).
     """
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer()
-    tokenizer.save(str(out / "tokenizer.json"))
-    eos = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
+    shutil.copyfile(verified(TRAINED_DIR / "tokenizer.json"), out / "tokenizer.json")
+    vocab_json = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
+    ids = {t["content"]: t["id"] for t in vocab_json}
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -153,27 +171,25 @@ def build_model_dir(config: dict[str, Any], out: Path, dtype: str = "float32") -
     # A config may ask for a larger embedding than the tokenizer (benchmark shapes): the
     # extra ids exist in the model but decode to nothing.
     vocab = max(int(config.get("vocab_size", VOCAB_SIZE)), VOCAB_SIZE)
+    if weights is not None:
+        dtype = "float16"  # as trained weights are committed
     config = {**config, "vocab_size": vocab, "eos_token_id": eos, "torch_dtype": dtype}
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    _write_weights(config, out, dtype)
+    if weights is not None:
+        shutil.copyfile(verified(weights), out / "model.safetensors")
+    else:
+        _write_weights(config, out, dtype)
 
 
-def _train_tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        min_frequency=1,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    corpus = (Path(__file__).parent / "corpus.txt").read_text(encoding="utf-8")
-    tokenizer.train_from_iterator(corpus.splitlines(), trainer=trainer)
-    return tokenizer
+def verified(path: Path) -> Path:
+    """path, once its sha256 matches trained/SHA256SUMS (a damaged or hand-edited file of the
+    committed model is refused, never served)."""
+    lines = (TRAINED_DIR / "SHA256SUMS").read_text().splitlines()
+    sums = {name: digest for digest, name in (line.split() for line in lines)}
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if sums.get(path.name) != digest:
+        raise ValueError(f"{path} does not match its sha256 in {TRAINED_DIR / 'SHA256SUMS'}")
+    return path
 
 
 def _write_weights(config: dict[str, Any], out: Path, dtype: str) -> None:

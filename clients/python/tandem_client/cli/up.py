@@ -15,11 +15,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tandem_client.engine_client import EngineClient
 from tandem_client.errors import TandemError
 
-DEMO_PROMPT = [{"role": "user", "content": "Tell me about Tandem."}]
+DEMO_CHAT = [{"role": "user", "content": "Tell me about Tandem."}]
+# The embedded default is trained on Python's standard library: it continues code, not chats.
+DEMO_CODE = 'def read_lines(path):\n    """Return the lines of the file at path."""'
 EMBEDDED_MODELS = ("tandem-tiny", "tandem-tiny-draft")
 NAMES = {"gateway_service": "gateway", "engine_service": "engine", "store_service": "store"}
 
@@ -130,19 +133,25 @@ def cmd_up(args: argparse.Namespace) -> int:
             _wait_ready(client)
             info = client.model_info()
             print(f"model  {info.model_id}  ({info.model_type}, {info.dtype}, BLAS {info.blas})")
+            prompt: Any = DEMO_CHAT
             if info.name in EMBEDDED_MODELS:
-                # Say it before the demo prints noise.
                 print(
-                    f"       {info.name} is the embedded default: a real tokenizer with random "
-                    "weights, so its text is noise.\n       Serve a real model with: tandem up "
+                    f"       {info.name} is the embedded default: 3 M parameters trained here "
+                    "on Python's standard library (docs/training.md); it continues code.\n"
+                    "       Serve a real model with: tandem up "
                     "--model mlx-community/Qwen3-0.6B-4bit (or any mlx-lm model directory)"
                 )
-            print(f"demo   {DEMO_PROMPT[0]['content']}\n       ", end="", flush=True)
+                prompt = DEMO_CODE
+            shown = prompt if isinstance(prompt, str) else prompt[0]["content"]
+            print("demo   " + shown.replace("\n", "\n       "), end="", flush=True)
+            if not isinstance(prompt, str):
+                print("\n       ", end="", flush=True)
             final = None
             for chunk in client.stream(
-                DEMO_PROMPT, max_tokens=args.demo_tokens, temperature=0.7, seed=1
+                prompt, max_tokens=args.demo_tokens, temperature=0.7, seed=1
             ):
-                print(chunk.text, end="", flush=True)
+                text = chunk.text.replace("\n", "\n       ")
+                print(text, end="", flush=True)
                 final = chunk
             if final is not None and final.usage is not None:
                 u = final.usage
