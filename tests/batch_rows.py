@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -66,3 +67,12 @@ def tokens_of(bg: BatchGenerator, uid: int, n: int) -> list[int]:
     while len(out) < n:
         out += [r.token for r in bg.next()[1] if r.uid == uid]
     return out
+
+
+def max_logprob_difference(a: list[Any], b: list[Any]) -> float:
+    """The largest difference of two runs' logprobs, relative to their size: a trained
+    model's unlikely tokens sit at -20 to -40, where fp32 sums in another order differ in
+    the fourth digit."""
+    return max(
+        float((mx.abs(x - y) / mx.maximum(mx.abs(y), 1.0)).max()) for x, y in zip(a, b, strict=True)
+    )

@@ -21,7 +21,7 @@ from engine_service.kv_codec import KVCodec
 from engine_service.quantized_kv import BatchQuantizedKVCache, PackedRow, adopt_row
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import TandemError
-from tests.batch_rows import batched
+from tests.batch_rows import batched, max_logprob_difference
 from tests.servers import (
     ServiceProcess,
     free_port,
@@ -44,15 +44,6 @@ def solo(model: Any, prompt: list[int], n: int, codec: KVCodec) -> tuple[list[in
     return [int(t) for t, _ in out], [lp for _, lp in out]
 
 
-def _max_diff(a: list[Any], b: list[Any]) -> float:
-    """The largest difference of two runs' logprobs, relative to their size: a trained
-    model's unlikely tokens sit at -20 to -40, where fp32 sums in another order differ in
-    the fourth digit."""
-    return max(
-        float((mx.abs(x - y) / mx.maximum(mx.abs(y), 1.0)).max()) for x, y in zip(a, b, strict=True)
-    )
-
-
 @pytest.mark.parametrize("full_width", [False, True], ids=["slices", "full-width"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_all_quantized_batch_matches_mlx_lm_solo(
@@ -68,7 +59,7 @@ def test_all_quantized_batch_matches_mlx_lm_solo(
     for prompt, codec, got, got_lp in zip(prompts, codecs, tokens, logprobs, strict=True):
         want, want_lp = solo(reference.model, prompt, 24, codec)
         assert got == want
-        worst = max(worst, _max_diff(got_lp, want_lp))
+        worst = max(worst, max_logprob_difference(got_lp, want_lp))
     # Batched and solo quantized attention differ only in padding columns and reduction
     # order; on fp32 that stays far below any logit gap that could flip a greedy token.
     print(f"\n{bits}-bit batched vs solo QuantizedKVCache: max logprob difference {worst:.2e}")
@@ -91,7 +82,7 @@ def test_mixed_codecs_convert_at_their_own_steps(
     for prompt, codec, got, got_lp in zip(prompts, codecs, tokens, logprobs, strict=True):
         want, want_lp = solo(reference.model, prompt, 40, codec)
         assert got == want, f"{codec} changed in a mixed batch"
-        worst = max(worst, _max_diff(got_lp, want_lp))
+        worst = max(worst, max_logprob_difference(got_lp, want_lp))
     print(f"\nmixed batch vs solo: max logprob difference {worst:.2e}")
     assert worst < 1e-3
 

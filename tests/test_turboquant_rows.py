@@ -34,7 +34,14 @@ from tandem_client import EngineClient, StoreClient
 from tandem_client.engine_client import generate_request
 from tandem_client.errors import TandemError
 from tandem_wire.pb import engine_pb2
-from tests.batch_rows import alone, batched, decoding_batch, remove_after, tokens_of
+from tests.batch_rows import (
+    alone,
+    batched,
+    decoding_batch,
+    max_logprob_difference,
+    remove_after,
+    tokens_of,
+)
 from tests.servers import (
     ServiceProcess,
     free_port,
@@ -46,15 +53,6 @@ from tests.servers import (
 
 TEXT = "The quick brown fox jumps over the lazy dog. "
 TQ33 = KVCodec.turboquant(3, 3)
-
-
-def _max_diff(a: list[Any], b: list[Any]) -> float:
-    """The largest difference of two runs' logprobs, relative to their size: a trained
-    model's unlikely tokens sit at -20 to -40, where fp32 sums in another order differ in
-    the fourth digit."""
-    return max(
-        float((mx.abs(x - y) / mx.maximum(mx.abs(y), 1.0)).max()) for x, y in zip(a, b, strict=True)
-    )
 
 
 @pytest.fixture
@@ -87,7 +85,7 @@ def test_a_batch_of_turboquant_rows_decodes_each_row_as_alone(
     for prompt, got, got_lp in zip(prompts, tokens, logprobs, strict=True):
         want, want_lp = alone(reference.model, prompt, 24, codec)
         assert got == want
-        worst = max(worst, _max_diff(got_lp, want_lp))
+        worst = max(worst, max_logprob_difference(got_lp, want_lp))
     # Rows differ from their solo runs only in padding columns (zero codes and norms decode to
     # zero vectors, masked) and in reduction order: far below a greedy token's logit gap.
     print(f"\n{codec.signature()} batched vs alone: max logprob difference {worst:.2e}")
@@ -110,7 +108,7 @@ def test_turboquant_plain_and_affine_rows_share_a_batch(reference: Any) -> None:
     for prompt, codec, got, got_lp in zip(prompts, codecs, tokens, logprobs, strict=True):
         want, want_lp = alone(reference.model, prompt, 40, codec)
         assert got == want, f"{codec.signature()} changed in a mixed batch"
-        worst = max(worst, _max_diff(got_lp, want_lp))
+        worst = max(worst, max_logprob_difference(got_lp, want_lp))
     print(f"\nmixed batch vs alone: max logprob difference {worst:.2e}")
     assert worst < 1e-3
 
