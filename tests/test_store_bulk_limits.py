@@ -14,12 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem_client import Checkpoint, StoreClient, Tensor
 from tandem_wire.auth import token_sha256
 from tandem_wire.pb import store_pb2, store_pb2_grpc
 from tests.servers import start_store
+from tests.test_store_idle_puts import small_calls_answer
 
 WORKERS = 32  # the store's default --max-workers
 PER_CONNECTION = WORKERS // 2  # its default --max-bulk-calls-per-connection
@@ -69,24 +69,7 @@ def test_idle_put_streams_leave_get_lookup_stats_and_health_answering(tmp_path: 
             assert "--max-bulk-calls" in (error.details() or ""), error.details()
         assert sum(not c.done() for c in silent) == PUT_SHARE  # held, each a worker
 
-        with grpc.insecure_channel(store.address, options=OWN_CONNECTION) as other:
-            stub = store_pb2_grpc.StoreStub(other)
-            got = list(stub.Get(store_pb2.GetRequest(key=b"small"), timeout=ANSWER_WITHIN_S))
-            assert got[0].HasField("header")
-            stub.Lookup(
-                store_pb2.LookupRequest(
-                    model_id="m", block_size=16, block_hashes=[bytes(32)], token_count=16
-                ),
-                timeout=ANSWER_WITHIN_S,
-            )
-            stats = store_pb2_grpc.StoreAdminStub(other).Stats(
-                store_pb2.StatsRequest(), timeout=ANSWER_WITHIN_S
-            )
-            assert stats.records == 1
-            health = health_pb2_grpc.HealthStub(other).Check(
-                health_pb2.HealthCheckRequest(), timeout=ANSWER_WITHIN_S
-            )
-            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert small_calls_answer(store.address).records == 1
         with StoreClient(store.address, timeout=ANSWER_WITHIN_S) as client:
             assert bytes(client.get(b"small").tensors[0].data) == b"abcd"
     finally:

@@ -55,24 +55,7 @@ def test_silent_puts_time_out_and_give_their_workers_back(tmp_path: Path) -> Non
             for _ in range(PER_CONNECTION)
         ]
 
-        with grpc.insecure_channel(store.address, options=OWN_CONNECTION) as other:
-            stub = store_pb2_grpc.StoreStub(other)
-            got = list(stub.Get(store_pb2.GetRequest(key=b"small"), timeout=ANSWER_WITHIN_S))
-            assert got[0].HasField("header")
-            stub.Lookup(
-                store_pb2.LookupRequest(
-                    model_id="m", block_size=16, block_hashes=[bytes(32)], token_count=16
-                ),
-                timeout=ANSWER_WITHIN_S,
-            )
-            stats = store_pb2_grpc.StoreAdminStub(other).Stats(
-                store_pb2.StatsRequest(), timeout=ANSWER_WITHIN_S
-            )
-            assert stats.records >= 1
-            health = health_pb2_grpc.HealthStub(other).Check(
-                health_pb2.HealthCheckRequest(), timeout=ANSWER_WITHIN_S
-            )
-            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert small_calls_answer(store.address).records >= 1
 
         # Every silent Put let in (it held a worker) was ended by the store, not by the
         # client's own 60 s deadline: DEADLINE_EXCEEDED naming the setting. Those past the
@@ -106,6 +89,29 @@ def test_silent_puts_time_out_and_give_their_workers_back(tmp_path: Path) -> Non
         for channel in channels:
             channel.close()
         store.stop()
+
+
+def small_calls_answer(address: str) -> store_pb2.StatsResponse:
+    """Get, Lookup, Stats and health each answer within ANSWER_WITHIN_S on a connection of
+    their own (the record b"small" must exist); returns the Stats."""
+    with grpc.insecure_channel(address, options=OWN_CONNECTION) as other:
+        stub = store_pb2_grpc.StoreStub(other)
+        got = list(stub.Get(store_pb2.GetRequest(key=b"small"), timeout=ANSWER_WITHIN_S))
+        assert got[0].HasField("header")
+        stub.Lookup(
+            store_pb2.LookupRequest(
+                model_id="m", block_size=16, block_hashes=[bytes(32)], token_count=16
+            ),
+            timeout=ANSWER_WITHIN_S,
+        )
+        stats: store_pb2.StatsResponse = store_pb2_grpc.StoreAdminStub(other).Stats(
+            store_pb2.StatsRequest(), timeout=ANSWER_WITHIN_S
+        )
+        health = health_pb2_grpc.HealthStub(other).Check(
+            health_pb2.HealthCheckRequest(), timeout=ANSWER_WITHIN_S
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    return stats
 
 
 def _stalled_after(
