@@ -167,7 +167,11 @@ def serve(config: StoreConfig) -> None:
         # The log, not stdout: stdout carries the one banner line (a reader may close it after).
         admin_host = config.admin_listen.rsplit(":", 1)[0]
         log.info("StoreAdmin listening on %s:%d", admin_host, servers[1][1])
-    stop.wait()
+    # Woken every half second: a SIGTERM the kernel delivers to another of the store's
+    # threads only sets CPython's flag, and a main thread blocked in a lock without a
+    # timeout would never run the handler (a store that ignored its SIGTERM, seen in CI).
+    while not stop.wait(0.5):
+        pass
     log.info("draining (grace %.0fs)", config.grace_s)
     for _, _, health_servicer in servers:
         health_servicer.enter_graceful_shutdown()
