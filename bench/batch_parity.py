@@ -28,7 +28,7 @@ from mlx_lm.generate import BatchGenerator  # noqa: E402
 # isort: on
 
 from bench.engine_bench import model_spec  # noqa: E402
-from engine_service.model import load_model  # noqa: E402
+from engine_service.model.loading import load_model  # noqa: E402
 
 
 def run(model, prompts: list[list[int]], n: int) -> list[list[int]]:  # noqa: ANN001

@@ -47,7 +47,7 @@ from bench.checkpoint_restore import (  # noqa: E402
 )
 from bench.engine_bench import model_spec  # noqa: E402
 from engine_service import blas  # noqa: E402
-from engine_service.model import load_model  # noqa: E402
+from engine_service.model.loading import load_model  # noqa: E402
 from tandem_client import EngineClient, StoreClient  # noqa: E402
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc  # noqa: E402
 from tests.servers import free_port, start_engine, start_store_on  # noqa: E402

@@ -15,8 +15,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 import engine_service  # noqa: F401  (the fast BLAS must load before mlx)
-from engine_service.cache_codec import capture, restore, to_host
-from engine_service.device_landing import as_they_arrive, landing_for
+from engine_service.checkpoints.cache_records import capture, restore, to_host
+from engine_service.checkpoints.device_landing import as_they_arrive, landing_for
 from tandem_client import StoreClient
 from tandem_client.regions import SharedRegion
 from tandem_client.store_client import Checkpoint
@@ -187,7 +187,7 @@ def bench_local_hit(loaded, tokens: int, repeat: int) -> dict:  # noqa: ANN001
     bytes (what a store hit does after its Get), ABAB, both trimmed to the matched length."""
     from mlx_lm.models.cache import trim_prompt_cache
 
-    from engine_service.checkpoints import CheckpointManager, CheckpointSettings
+    from engine_service.checkpoints.manager import CheckpointManager, CheckpointSettings
 
     prompt = random_prompt(tokens + 64, loaded.vocab_size, seed=11)
     manager = CheckpointManager(loaded, CheckpointSettings(local_cache_bytes=8 << 30))

@@ -30,12 +30,12 @@ from mlx_lm.generate import BatchGenerator  # noqa: E402
 # isort: on
 
 from bench.engine_bench import model_spec, prompts  # noqa: E402
-from engine_service.compiled_decode import CompiledDecode  # noqa: E402
-from engine_service.jobs import Job, StartingPoint  # noqa: E402
-from engine_service.model import LoadedModel, load_model  # noqa: E402
-from engine_service.new_rows import NewRows  # noqa: E402
-from engine_service.requests import GenerationRequest  # noqa: E402
-from engine_service.sampling import SamplingOptions  # noqa: E402
+from engine_service.loop.compiled_decode import CompiledDecode  # noqa: E402
+from engine_service.loop.jobs import Job, StartingPoint  # noqa: E402
+from engine_service.loop.new_rows import NewRows  # noqa: E402
+from engine_service.model.loading import LoadedModel, load_model  # noqa: E402
+from engine_service.protocol.requests import GenerationRequest  # noqa: E402
+from engine_service.sampling.samplers import SamplingOptions  # noqa: E402
 
 
 def decode(

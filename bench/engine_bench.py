@@ -46,8 +46,8 @@ import grpc  # noqa: E402
 
 from bench.shapes import SHAPES, model_spec  # noqa: E402, F401  (other benches import them here)
 from engine_service import blas  # noqa: E402
-from engine_service.default_model import ensure_model  # noqa: E402
-from engine_service.model import load_model  # noqa: E402
+from engine_service.model.default_model import ensure_model  # noqa: E402
+from engine_service.model.loading import load_model  # noqa: E402
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc  # noqa: E402
 from tests.servers import free_port, start_engine  # noqa: E402
 

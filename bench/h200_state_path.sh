@@ -7,7 +7,7 @@ nproc; df -h /dev/shm | tail -1
 # 1. The pinned landing: region bytes pulled by the GPU equal the host's, every dtype.
 python3 - <<'PY'
 import numpy as np, mlx.core as mx
-from engine_service.device_landing import landing_for, host_array
+from engine_service.checkpoints.device_landing import landing_for, host_array
 from tandem_client.regions import SharedRegion
 from tandem_client.records import Tensor
 region = SharedRegion(256 << 20)

@@ -35,8 +35,8 @@ from mlx_lm.models.base import (  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 # isort: on
 
-from engine_service.kv_codec import KVCodec  # noqa: E402
-from engine_service.quantized_kv import BatchQuantizedKVCache, PlainRow  # noqa: E402
+from engine_service.kv.batch_cache import BatchQuantizedKVCache, PlainRow  # noqa: E402
+from engine_service.protocol.kv_codec import KVCodec  # noqa: E402
 
 
 def timed(fn: Any, repeat: int) -> float:

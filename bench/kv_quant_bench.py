@@ -42,9 +42,9 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from bench.shapes import model_spec  # noqa: E402
 from engine_service import blas  # noqa: E402
-from engine_service.kv_codec import KVCodec  # noqa: E402
-from engine_service.model import load_model  # noqa: E402
-from engine_service.quantized_kv import adopt_row  # noqa: E402
+from engine_service.kv.batch_cache import adopt_row  # noqa: E402
+from engine_service.model.loading import load_model  # noqa: E402
+from engine_service.protocol.kv_codec import KVCodec  # noqa: E402
 
 CODECS = {
     "plain": KVCodec(),

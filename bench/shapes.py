@@ -7,7 +7,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine_service.default_model import build_model_dir
+from engine_service.model.default_model import build_model_dir
 
 SHAPES = {
     # Random-weight stand-ins for real checkpoints (no downloads here).

@@ -50,10 +50,10 @@ from mlx_lm.generate import (  # noqa: E402
 
 from bench.shapes import SHAPES, model_spec  # noqa: E402
 from engine_service import blas  # noqa: E402
-from engine_service.compiled_decode import CompiledDecode  # noqa: E402
-from engine_service.model import load_model  # noqa: E402
-from engine_service.sampling import SamplingOptions  # noqa: E402
-from engine_service.speculative_batch import SpecRow, SpeculativeBatch, prefilled  # noqa: E402
+from engine_service.loop.compiled_decode import CompiledDecode  # noqa: E402
+from engine_service.model.loading import load_model  # noqa: E402
+from engine_service.sampling.samplers import SamplingOptions  # noqa: E402
+from engine_service.speculative.batch import SpecRow, SpeculativeBatch, prefilled  # noqa: E402
 
 # A Qwen3-0.6B-shaped draft with the Llama-3 vocabulary size (same tokenizer as the target).
 DRAFT_SHAPES = {"qwen3-0.6b-shape": {**SHAPES["qwen3-0.6b-shape"], "vocab_size": 128256}}
@@ -195,7 +195,7 @@ def held_out_windows(length: int) -> list[list[int]]:
     trained models' own kind of text, which they never saw."""
     from tokenizers import Tokenizer
 
-    from engine_service.default_model import TRAINED_DIR
+    from engine_service.model.default_model import TRAINED_DIR
     from training import corpus
     from training.tokenizer import token_stream
 

@@ -28,9 +28,9 @@ import mlx.core as mx  # noqa: E402
 
 from bench.shapes import model_spec  # noqa: E402
 from bench.speculative_bench import batch_plain  # noqa: E402
-from engine_service.model import load_model  # noqa: E402
-from engine_service.sampling import SamplingOptions  # noqa: E402
-from engine_service.speculative_batch import SpecRow, SpeculativeBatch, prefilled  # noqa: E402
+from engine_service.model.loading import load_model  # noqa: E402
+from engine_service.sampling.samplers import SamplingOptions  # noqa: E402
+from engine_service.speculative.batch import SpecRow, SpeculativeBatch, prefilled  # noqa: E402
 
 
 def attention_times(heads: int, kv_heads: int, dim: int, rows: int, q: int) -> dict[str, float]:

@@ -102,8 +102,8 @@ def replay(spec: str, data_dir: Path, tokens: int) -> None:
     """The matcher rebuilt past `tokens` generated tokens (what a resume adds)."""
     import numpy as np
 
-    from engine_service.constraints import Constraint, ConstraintKind, Grammars, mask_words
-    from engine_service.model import load_model
+    from engine_service.model.loading import load_model
+    from engine_service.sampling.constraints import Constraint, ConstraintKind, Grammars, mask_words
 
     loaded = load_model(spec, data_dir)
     grammars = Grammars.for_model(loaded)

@@ -1,4 +1,4 @@
-"""The TurboQuant codec (engine_service/turboquant.py) beside the KV stores a user has today,
+"""The TurboQuant codec (engine_service/kv/turboquant.py) beside the KV stores a user has today,
 before it is wired into the batch rows (issue 18): bytes per token of a model's KV and the
 streams a memory budget holds, and the time of one decode step's attention over a batch's
 cached positions.
@@ -39,7 +39,7 @@ import engine_service  # noqa: E402, F401  (the fast BLAS must load before mlx)
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.base import quantized_scaled_dot_product_attention  # noqa: E402
 
-from engine_service.turboquant import (  # noqa: E402
+from engine_service.kv.turboquant import (  # noqa: E402
     TurboQuantCodec,
     rotated_attention,
     turboquant_attention,

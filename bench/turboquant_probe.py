@@ -1,4 +1,4 @@
-"""TurboQuant's MLX-CUDA kernels (engine_service/turboquant_cuda.py) against the pure-MLX
+"""TurboQuant's MLX-CUDA kernels (engine_service/kv/turboquant_cuda.py) against the pure-MLX
 reference, on the device: the same codes and the same decoded vectors, the time of a decode
 and of one layer's attention at two batch sizes, and what a new shape costs each (the
 reference's compiled graphs are traced per shape; the kernels are built once).
@@ -25,8 +25,8 @@ import engine_service  # noqa: E402, F401  (the fast BLAS must load before mlx)
 
 import mlx.core as mx  # noqa: E402
 
-from engine_service import turboquant_cuda  # noqa: E402
-from engine_service.turboquant import TurboQuantCodec, turboquant_attention  # noqa: E402
+from engine_service.kv import turboquant_cuda  # noqa: E402
+from engine_service.kv.turboquant import TurboQuantCodec, turboquant_attention  # noqa: E402
 # isort: on
 
 HEADS, KV_HEADS, DIM = 16, 8, 128  # the Qwen3-0.6B shape's attention

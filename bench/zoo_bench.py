@@ -35,14 +35,14 @@ from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
 
 import engine_service  # noqa: E402, F401
 from bench.shapes import SHAPES, model_spec  # noqa: E402
-from engine_service.capability_probe import probe  # noqa: E402
-from engine_service.checkpoints import CheckpointManager, CheckpointSettings  # noqa: E402
-from engine_service.events import Event, Finished, Started, Token  # noqa: E402
-from engine_service.loop_limits import Limits  # noqa: E402
-from engine_service.model import LoadedModel, load_model  # noqa: E402
-from engine_service.planner import Planner  # noqa: E402
-from engine_service.requests import DraftSupport  # noqa: E402
-from engine_service.scheduler import Scheduler  # noqa: E402
+from engine_service.checkpoints.manager import CheckpointManager, CheckpointSettings  # noqa: E402
+from engine_service.core.capability_probe import probe  # noqa: E402
+from engine_service.core.planner import Planner  # noqa: E402
+from engine_service.loop.limits import Limits  # noqa: E402
+from engine_service.loop.scheduler import Scheduler  # noqa: E402
+from engine_service.model.loading import LoadedModel, load_model  # noqa: E402
+from engine_service.protocol.events import Event, Finished, Started, Token  # noqa: E402
+from engine_service.protocol.requests import DraftSupport  # noqa: E402
 from tests.model_zoo import ZOO, build_zoo_model  # noqa: E402
 from tests.zoo_checks import prompt_of, request  # noqa: E402
 

@@ -1,3 +1,3 @@
-from engine_service.server import main
+from engine_service.front.server import main
 
 main()

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_service.kv_codec import KVCodec, Scheme, checked_codec
+from engine_service.protocol.kv_codec import KVCodec, Scheme, checked_codec
 from tandem_wire.logs import add_logging_args
 from tandem_wire.tls import add_listening_args
 

@@ -9,8 +9,8 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine_service.kv_codec import KVCodec
-from engine_service.quantized_kv import adopt_row
+from engine_service.kv.batch_cache import adopt_row
+from engine_service.protocol.kv_codec import KVCodec
 
 
 def batched(

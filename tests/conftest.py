@@ -115,7 +115,7 @@ def engine_client(engine: ServiceProcess) -> Iterator[EngineClient]:
 @pytest.fixture(scope="session")
 def reference(engine: ServiceProcess, engine_data_dir: Path):  # noqa: ANN201
     """The default model loaded in this process through mlx-lm, for comparisons."""
-    from engine_service.model import load_model
+    from engine_service.model.loading import load_model
 
     return load_model("", engine_data_dir)
 

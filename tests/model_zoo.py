@@ -1,6 +1,6 @@
 """The model zoo: tiny random-weight stand-ins for the mlx-lm architectures people run.
 
-Each entry is a config.json for `engine_service.default_model.build_model_dir`, shaped
+Each entry is a config.json for `engine_service.model.default_model.build_model_dir`, shaped
 like the hub checkpoint it is named after (its field names, rope scaling, layer pattern,
 sliding windows, attention sinks, MLA ranks, experts and routing) but shrunk to a hidden
 size of 64-128, two to six layers and a handful of experts, so that a test can build,
@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine_service.default_model import VOCAB_SIZE, build_once
+from engine_service.model.default_model import VOCAB_SIZE, build_once
 
 # Phi-3.5-mini's longrope factors, one per rotary frequency pair (head_dim 32: 16 pairs),
 # sampled from the hub config's 48.

@@ -10,9 +10,9 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as cache_lib
 
-from engine_service.cache_codec import capture, restore, to_host
+from engine_service.checkpoints.cache_records import capture, restore, to_host
 from engine_service.errors import Precondition
-from engine_service.model import layout_codec, load_model
+from engine_service.model.loading import layout_codec, load_model
 from tandem_client import Checkpoint, StoreClient
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 12

@@ -9,13 +9,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
 
-from engine_service.compiled_decode import CompiledDecode
-from engine_service.jobs import Job, StartingPoint
-from engine_service.kv_codec import PLAIN_KV, KVCodec
-from engine_service.model import LoadedModel, load_model
-from engine_service.new_rows import NewRows
-from engine_service.requests import GenerationRequest
-from engine_service.sampling import SamplingOptions
+from engine_service.loop.compiled_decode import CompiledDecode
+from engine_service.loop.jobs import Job, StartingPoint
+from engine_service.loop.new_rows import NewRows
+from engine_service.model.loading import LoadedModel, load_model
+from engine_service.protocol.kv_codec import PLAIN_KV, KVCodec
+from engine_service.protocol.requests import GenerationRequest
+from engine_service.sampling.samplers import SamplingOptions
 
 
 @pytest.fixture(scope="module")

@@ -19,22 +19,22 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine_service import wire
-from engine_service.constraints import (
+from engine_service.errors import InvalidRequest
+from engine_service.front import wire
+from engine_service.front.response_stream import ResponseBuilder, ResponseChunk
+from engine_service.loop.limits import Limits
+from engine_service.loop.scheduler import Scheduler
+from engine_service.model.loading import LoadedModel, load_model
+from engine_service.protocol.events import Token
+from engine_service.protocol.requests import GenerationRequest, RequestPolicy, stop_token_ids
+from engine_service.sampling.constraints import (
     MAX_CHOICES,
     MAX_ERROR_CHARS,
     Constraint,
     ConstraintKind,
     Grammars,
 )
-from engine_service.errors import InvalidRequest
-from engine_service.events import Token
-from engine_service.loop_limits import Limits
-from engine_service.model import LoadedModel, load_model
-from engine_service.requests import GenerationRequest, RequestPolicy, stop_token_ids
-from engine_service.response_stream import ResponseBuilder, ResponseChunk
-from engine_service.sampling import SamplingOptions
-from engine_service.scheduler import Scheduler
+from engine_service.sampling.samplers import SamplingOptions
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import InvalidArgument
 from tandem_wire.pb import engine_pb2
@@ -140,7 +140,7 @@ def test_a_failing_grammar_is_neither_logged_nor_answered_whole(
     grammars: Grammars, caplog: pytest.LogCaptureFixture
 ) -> None:
     secret = "(" + "SECRET|" * 10_000 + "a"  # 70,002 characters, an unclosed group
-    caplog.set_level(logging.INFO, logger="engine_service.constraints")
+    caplog.set_level(logging.INFO, logger="engine_service.sampling.constraints")
     with pytest.raises(InvalidRequest) as refused:
         grammars.compile(Constraint(ConstraintKind.REGEX, secret))
     assert len(str(refused.value)) < MAX_ERROR_CHARS + 40

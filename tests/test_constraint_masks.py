@@ -1,4 +1,4 @@
-"""The batch masks of structured output (engine_service/constraint_masks.py) in-process: rows
+"""The batch masks of structured output (engine_service/sampling/masks.py) in-process: rows
 that join a running batch at different steps are masked together with the batch after their
 first step, keep their constraints, and give the tokens of their solo runs, in either order
 of a step's host work; the ordering follows the device's wait; the bitmask
@@ -16,14 +16,19 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine_service.constraint_masks import StepOrder
-from engine_service.constraints import ConstrainedRow, Constraint, ConstraintKind, apply_bitmask
-from engine_service.events import Finished
-from engine_service.loop_limits import Limits
-from engine_service.model import LoadedModel, load_model
-from engine_service.requests import GenerationRequest, stop_token_ids
-from engine_service.sampling import SamplingOptions
-from engine_service.scheduler import Scheduler
+from engine_service.loop.limits import Limits
+from engine_service.loop.scheduler import Scheduler
+from engine_service.model.loading import LoadedModel, load_model
+from engine_service.protocol.events import Finished
+from engine_service.protocol.requests import GenerationRequest, stop_token_ids
+from engine_service.sampling.constraints import (
+    ConstrainedRow,
+    Constraint,
+    ConstraintKind,
+    apply_bitmask,
+)
+from engine_service.sampling.masks import StepOrder
+from engine_service.sampling.samplers import SamplingOptions
 from tests.test_engine_domain import Collector
 
 DATE = r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"
@@ -154,7 +159,7 @@ def test_the_bitmask_forbids_only_masked_rows_tokens_and_padded_columns() -> Non
 def test_a_processor_left_in_mlx_lms_rows_still_masks_every_step(tiny: LoadedModel) -> None:
     """The per-row path (used where BatchMasks cannot take a row over) consumes each fed
     token itself."""
-    from engine_service.constraints import Grammars
+    from engine_service.sampling.constraints import Grammars
 
     grammars = Grammars.for_model(tiny)
     row: ConstrainedRow = grammars.row(Constraint(ConstraintKind.REGEX, "[0-9][a-z]"), [])

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine_service.default_model import TRAINED_DIR, ensure_model, verified
+from engine_service.model.default_model import TRAINED_DIR, ensure_model, verified
 from training import corpus
 from training.tokenizer import token_stream
 from training.train import Recipe, evaluate

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from engine_service.default_model import ensure_model
+from engine_service.model.default_model import ensure_model
 from tests.servers import ROOT, GatewayProcess, InProcessStore, ServiceProcess, start_engine
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

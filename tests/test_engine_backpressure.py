@@ -1,5 +1,5 @@
 """Slow readers: a stream whose client stopped reading gives its batch slot up (parked), comes
-back exactly when read, and is cancelled when it stays away (engine_service/preemption.py).
+back exactly when read, and is cancelled when it stays away (engine_service/loop/preemption.py).
 
 The unread clients here open their channel with a small HTTP/2 window (1 KiB, no BDP probe):
 the engine sees a client stop reading only once that window is full, and a default gRPC

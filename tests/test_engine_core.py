@@ -16,10 +16,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine_service.core_channel import Codec, Delivery, Refused, StatsAnswer
-from engine_service.engine_stats import EngineStats
 from engine_service.errors import Overloaded, error_named
-from engine_service.events import Event, Finished, Started, Token
+from engine_service.protocol.channel import Codec, Delivery, Refused, StatsAnswer
+from engine_service.protocol.engine_stats import EngineStats
+from engine_service.protocol.events import Event, Finished, Started, Token
 from tandem_client import EngineClient, Generation, TandemError
 from tests.servers import ServiceProcess, child_pids, start_engine
 

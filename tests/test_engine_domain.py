@@ -15,9 +15,14 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from engine_service.cache_codec import CODEC_VERSION, restore, to_host
-from engine_service.checkpoint_stats import CheckpointCounters
-from engine_service.checkpoints import CheckpointManager, CheckpointSettings
+from engine_service.checkpoints.cache_records import CODEC_VERSION, restore, to_host
+from engine_service.checkpoints.generation_meta import GenerationMeta
+from engine_service.checkpoints.manager import CheckpointManager, CheckpointSettings
+from engine_service.checkpoints.prefix_cache import PrefixCache
+from engine_service.checkpoints.prefix_reuse import PrefixReuse
+from engine_service.checkpoints.restore_cost import PROBE_EVERY, RestoreCost
+from engine_service.checkpoints.spill import Put, SpillQueue
+from engine_service.core.plans import PrefixPlan
 from engine_service.errors import (
     AlreadyExists,
     Corrupt,
@@ -26,18 +31,13 @@ from engine_service.errors import (
     Precondition,
     Unavailable,
 )
-from engine_service.events import Event, Finished, Started, Token
-from engine_service.generation_meta import GenerationMeta
-from engine_service.loop_limits import Limits
-from engine_service.model import LoadedModel, load_model
-from engine_service.plans import PrefixPlan
-from engine_service.prefix_cache import PrefixCache
-from engine_service.prefix_reuse import PrefixReuse
-from engine_service.requests import GenerationRequest, stop_token_ids
-from engine_service.restore_cost import PROBE_EVERY, RestoreCost
-from engine_service.sampling import SamplingOptions
-from engine_service.scheduler import Scheduler
-from engine_service.spill import Put, SpillQueue
+from engine_service.loop.limits import Limits
+from engine_service.loop.scheduler import Scheduler
+from engine_service.model.loading import LoadedModel, load_model
+from engine_service.protocol.checkpoint_stats import CheckpointCounters
+from engine_service.protocol.events import Event, Finished, Started, Token
+from engine_service.protocol.requests import GenerationRequest, stop_token_ids
+from engine_service.sampling.samplers import SamplingOptions
 from store_service.config import StoreConfig
 from store_service.server import create_server
 from store_service.store import CheckpointStore
@@ -425,7 +425,7 @@ def test_after_a_run_of_prefills_one_hit_is_restored_to_measure_the_store_again(
 def test_the_default_region_is_sized_for_the_backend_within_shared_memory() -> None:
     import shutil
 
-    from engine_service.checkpoints import region_bytes
+    from engine_service.checkpoints.manager import region_bytes
     from tandem_client.regions import SHM_DIR
 
     assert region_bytes(12 << 20) == 12 << 20 and region_bytes(0) == 0

@@ -10,8 +10,8 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from engine_service.default_model import build_model_dir
-from engine_service.kv_codec import KVCodec
+from engine_service.model.default_model import build_model_dir
+from engine_service.protocol.kv_codec import KVCodec
 from tandem_client import EngineClient
 from tests.batch_rows import alone
 from tests.servers import start_engine

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_service.text import TextStream
+from engine_service.front.text import TextStream
 from tandem_client import EngineClient
 
 

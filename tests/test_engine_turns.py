@@ -4,7 +4,7 @@ The never-reading clients here use default gRPC channels: BDP probing grows thei
 windows to megabytes, so the engine's writes never block and their rows are never parked as
 slow readers (test_engine_backpressure.py shows those, with a 1 KiB window). Turns bound
 them anyway: while requests wait for a full batch, a row gives its slot up every
-`--turn-tokens` tokens and queues again (engine_service/turns.py), and comes back exactly.
+`--turn-tokens` tokens and queues again (engine_service/loop/turns.py), and comes back exactly.
 Without turns the readers wait until the never-reading streams end.
 """
 

@@ -1,7 +1,7 @@
 """Clients of the gateway's SSE endpoint that never read cannot starve its readers.
 
 Kernel socket buffers and the gateway's own buffers take thousands of tokens of events
-before a stopped SSE client shows at the engine; the engine's turns (engine_service/turns.py)
+before a stopped SSE client shows at the engine; the engine's turns (engine_service/loop/turns.py)
 bound what those streams take while readers wait, and they end exactly once read.
 """
 

@@ -91,9 +91,11 @@ def test_the_server_sdist_carries_what_builds_its_stubs(tmp_path: Path) -> None:
         names = set(archive.getnames())
     for wanted in ("protos/tandem/v1/engine.proto", "scripts/gen_protos.py", "setup.py"):
         assert f"tandem-0.1.0/{wanted}" in names
-    assert "tandem-0.1.0/engine_service/default_model/trained/tandem-tiny.safetensors" in names
+    assert (
+        "tandem-0.1.0/engine_service/model/default_model/trained/tandem-tiny.safetensors" in names
+    )
     with zipfile.ZipFile(tmp_path / "tandem-0.1.0-py3-none-any.whl") as wheel:
         inside = set(wheel.namelist())
     assert {"tandem_wire/pb/engine_pb2.py", "tandem_wire/pb/store_pb2_grpc.py"} <= inside
-    assert "engine_service/default_model/trained/tandem-tiny.safetensors" in inside
-    assert "engine_service/default_model/trained/SHA256SUMS" in inside
+    assert "engine_service/model/default_model/trained/tandem-tiny.safetensors" in inside
+    assert "engine_service/model/default_model/trained/SHA256SUMS" in inside

@@ -14,9 +14,9 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from engine_service.cache_codec import CapturedCache
-from engine_service.prefix_cache import BLOCK_SIZE, PrefixCache
-from engine_service.prefix_snapshots import boundary
+from engine_service.checkpoints.cache_records import CapturedCache
+from engine_service.checkpoints.prefix_cache import BLOCK_SIZE, PrefixCache
+from engine_service.checkpoints.prefix_snapshots import boundary
 from tandem_client import EngineClient
 from tandem_client.identity import block_hashes
 from tests.servers import InProcessStore, ServiceProcess, serve_store, start_engine

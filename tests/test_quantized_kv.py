@@ -16,9 +16,9 @@ import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine_service import quantized_kv
-from engine_service.kv_codec import KVCodec
-from engine_service.quantized_kv import BatchQuantizedKVCache, PackedRow, adopt_row
+from engine_service.kv import batch_cache as quantized_kv
+from engine_service.kv.batch_cache import BatchQuantizedKVCache, PackedRow, adopt_row
+from engine_service.protocol.kv_codec import KVCodec
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import TandemError
 from tests.batch_rows import batched, max_logprob_difference

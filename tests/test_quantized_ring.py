@@ -14,12 +14,12 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from engine_service.cache_codec import capture, restore_captured
-from engine_service.kv_codec import KVCodec, StorageKind, request_layout
-from engine_service.kv_rows import PackedRingRow
-from engine_service.model import LoadedModel, load_model
-from engine_service.quantized_kv import adopt_row
-from engine_service.quantized_ring import BatchQuantizedRingCache
+from engine_service.checkpoints.cache_records import capture, restore_captured
+from engine_service.kv.batch_cache import adopt_row
+from engine_service.kv.ring_cache import BatchQuantizedRingCache
+from engine_service.kv.rows import PackedRingRow
+from engine_service.model.loading import LoadedModel, load_model
+from engine_service.protocol.kv_codec import KVCodec, StorageKind, request_layout
 from tandem_client import EngineClient, StoreClient
 from tests.batch_rows import (
     alone,

@@ -12,10 +12,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step, speculative_generate_step
 
-from engine_service.attachments import DRAFT_SCHEMA
-from engine_service.model import load_model
-from engine_service.sampling import SamplingOptions, SeededSampler
-from engine_service.speculative_batch import SpecRow, SpeculativeBatch, prefilled
+from engine_service.checkpoints.attachments import DRAFT_SCHEMA
+from engine_service.model.loading import load_model
+from engine_service.sampling.samplers import SamplingOptions, SeededSampler
+from engine_service.speculative.batch import SpecRow, SpeculativeBatch, prefilled
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import TandemError
 

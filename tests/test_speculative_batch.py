@@ -1,4 +1,4 @@
-"""Speculative rows in one batch (engine_service/speculative_batch.py), in process: per-row
+"""Speculative rows in one batch (engine_service/speculative/batch.py), in process: per-row
 rollback of every batch cache kind, and batched speculation equal to plain decoding on the
 plain, sliding-window and hybrid (recurrent) tiny models, with rollbacks counted."""
 
@@ -12,13 +12,13 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from engine_service.compiled_decode import CompiledDecode
-from engine_service.kv_codec import PLAIN_KV, KVCodec
-from engine_service.model import LoadedModel, load_model
-from engine_service.quantized_kv import BatchQuantizedKVCache, adopt_row
-from engine_service.quantized_ring import BatchQuantizedRingCache
-from engine_service.sampling import SamplingOptions, SeededSampler
-from engine_service.speculative_batch import SpecRow, SpeculativeBatch, prefilled
+from engine_service.kv.batch_cache import BatchQuantizedKVCache, adopt_row
+from engine_service.kv.ring_cache import BatchQuantizedRingCache
+from engine_service.loop.compiled_decode import CompiledDecode
+from engine_service.model.loading import LoadedModel, load_model
+from engine_service.protocol.kv_codec import PLAIN_KV, KVCodec
+from engine_service.sampling.samplers import SamplingOptions, SeededSampler
+from engine_service.speculative.batch import SpecRow, SpeculativeBatch, prefilled
 
 TOKENS = 40
 EIGHT_BIT = KVCodec(8, 64)

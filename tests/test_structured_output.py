@@ -1,6 +1,6 @@
-"""Structured output (engine_service/constraints.py) against a real engine: JSON Schema, regex,
-choice and grammar constraints hold on the tiny model (random weights: the constraint does all
-the work), constrained rows in a batch equal their solo runs, a SIGKILL mid-generation resumes
+"""Structured output (engine_service/sampling/constraints.py) against a real engine: JSON Schema,
+regex, choice and grammar constraints hold on the tiny model (random weights: the constraint does
+all the work), constrained rows in a batch equal their solo runs, a SIGKILL mid-generation resumes
 exactly, and bad constraints are INVALID_ARGUMENT."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The TurboQuant codec (engine_service/turboquant.py) in-process: its codebook is the
+"""The TurboQuant codec (engine_service/kv/turboquant.py) in-process: its codebook is the
 Gaussian Lloyd-Max quantizer, a round trip's error stays within the paper's bound at every
 bit width, packing loses nothing, the same seed encodes alike, and attention over encoded
 keys and values in the rotated domain matches float attention within a stated tolerance."""
@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine_service.turboquant import BITS, TurboQuantCodec, distortion_bound, rotated_attention
-from engine_service.turboquant_codebooks import (
+from engine_service.kv.turboquant import BITS, TurboQuantCodec, distortion_bound, rotated_attention
+from engine_service.kv.turboquant_codebooks import (
     FROZEN_CODEBOOKS,
     gaussian_codebook,
     lloyd_max_codebook,

@@ -18,8 +18,9 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine_service import attention_routing
-from engine_service.kv_codec import (
+from engine_service.kv import attention_routing
+from engine_service.kv.batch_cache import BatchQuantizedKVCache, TurboQuantRow, adopt_row
+from engine_service.protocol.kv_codec import (
     KVCodec,
     Scheme,
     StorageKind,
@@ -28,7 +29,6 @@ from engine_service.kv_codec import (
     layout_accepts,
     request_layout,
 )
-from engine_service.quantized_kv import BatchQuantizedKVCache, TurboQuantRow, adopt_row
 from gateway_service.openai_wire import ApiError, completion_request
 from tandem_client import EngineClient, StoreClient
 from tandem_client.engine_client import generate_request

@@ -1,4 +1,4 @@
-"""engine_service/upstream_fixes.py: each fix is still needed (mlx-lm's own code still gets it
+"""engine_service/model/upstream_fixes.py: each fix is still needed (mlx-lm's own code still gets it
 wrong; when that test fails, mlx-lm has fixed it: drop the fix) and, applied, it is right."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.utils import load
 
-from engine_service import upstream_fixes
-from engine_service.default_model import build_model_dir
+from engine_service.model import upstream_fixes
+from engine_service.model.default_model import build_model_dir
 
 NEMOTRON_H: dict[str, Any] = {
     "model_type": "nemotron_h",
@@ -118,7 +118,7 @@ def test_nemotron_h_batched_rows_still_broken_upstream(
     wrong = [i for i, (row, ref) in enumerate(zip(got, reference, strict=True)) if row[0] != ref[0]]
     assert wrong, (
         "mlx-lm now decodes nemotron_h's padded batch rows like solo ones: drop the "
-        f"{FIX.name!r} fix from engine_service/upstream_fixes.py"
+        f"{FIX.name!r} fix from engine_service/model/upstream_fixes.py"
     )
     assert set(wrong) <= {0, 1, 3}  # padded rows: not the longest, nor the one-token one
 

@@ -23,15 +23,15 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from engine_service.checkpoints import CheckpointManager, CheckpointSettings
-from engine_service.events import Event, Finished, Started, Token
-from engine_service.kv_codec import GROUP_SIZES, PLAIN_KV, KVCodec, request_layout
-from engine_service.loop_limits import Limits
-from engine_service.model import LoadedModel, load_model
-from engine_service.planner import Planner
-from engine_service.requests import DraftSupport, GenerationRequest, stop_token_ids
-from engine_service.sampling import SamplingOptions
-from engine_service.scheduler import Scheduler
+from engine_service.checkpoints.manager import CheckpointManager, CheckpointSettings
+from engine_service.core.planner import Planner
+from engine_service.loop.limits import Limits
+from engine_service.loop.scheduler import Scheduler
+from engine_service.model.loading import LoadedModel, load_model
+from engine_service.protocol.events import Event, Finished, Started, Token
+from engine_service.protocol.kv_codec import GROUP_SIZES, PLAIN_KV, KVCodec, request_layout
+from engine_service.protocol.requests import DraftSupport, GenerationRequest, stop_token_ids
+from engine_service.sampling.samplers import SamplingOptions
 from tests.model_zoo import build_zoo_model
 
 TOKENS = 16

@@ -2,5 +2,5 @@
 
 `python -m training` trains `tandem-tiny` (and its draft) from scratch on the Python
 standard library's own source, on the CPU in well under an hour, seeded; the engine serves
-the weights committed in engine_service/default_model/trained/.
+the weights committed in engine_service/model/default_model/trained/.
 """

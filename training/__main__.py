@@ -1,6 +1,6 @@
 """`python -m training`: trains the tokenizer and the embedded models, or checks a rerun.
 
-python -m training                       # writes engine_service/default_model/trained/
+python -m training                       # writes engine_service/model/default_model/trained/
 python -m training --out /tmp/t --check  # retrains elsewhere, compares with the committed
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 import engine_service  # noqa: F401 - picks a fast BLAS before mlx is imported
-from engine_service.default_model import TRAINED_DIR, TRAINED_MODELS
+from engine_service.model.default_model import TRAINED_DIR, TRAINED_MODELS
 from training import corpus
 from training.tokenizer import token_stream, train_tokenizer
 from training.train import Recipe, Report, elapsed_since, environment, save_weights, train

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from engine_service.default_model import SPECIAL_TOKENS, VOCAB_SIZE
+from engine_service.model.default_model import SPECIAL_TOKENS, VOCAB_SIZE
 
 
 def train_tokenizer(texts: Iterable[str]) -> Any:

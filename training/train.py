@@ -22,8 +22,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from engine_service.default_model import CONFIGS, SEED, VOCAB_SIZE
-from engine_service.mlx_compat import model_classes
+from engine_service.model.default_model import CONFIGS, SEED, VOCAB_SIZE
+from engine_service.model.mlx_compat import model_classes
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,267 @@
+"""Caches to tensor records and back, through mlx-lm's own cache contract.
+
+Every mlx-lm cache exposes `state` (arrays and scalars, possibly nested with None and class
+names, as CacheList does) and `from_state`; mlx-lm 0.32 folds what older releases kept in
+`meta_state` into `state` (a `meta_state`, where a cache has one, is kept too). A layer is
+encoded as its class name and a JSON skeleton of its state in which each array is replaced
+by the name of a tensor record. Tensors keep their dtype name; bfloat16 travels as its raw 2-byte
+words (viewed as uint16), never through float32.
+
+Capture runs on the MLX thread and returns evaluated arrays (a device copy, so the live batch
+may keep changing); `to_host` turns them into the store's `Tensor`s (views, no copy) any
+thread can send. `restore` rebuilds caches from a record's bytes, `restore_captured` from a
+capture still in memory (the local prefix tier) without a trip through host bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as cache_lib
+
+from engine_service.checkpoints.device_landing import WORD_VIEWS, host_array
+from engine_service.errors import Corrupt, Precondition
+from engine_service.kv.batch_cache import PackedRow, PlainRow, TurboQuantRow
+from engine_service.kv.rows import PackedRingRow, PlainRingRow
+from engine_service.model.loading import layout_codec
+from engine_service.protocol.kv_codec import layout_accepts
+from tandem_client.records import Tensor
+
+CODEC_VERSION = "tandem.cache.v1"
+
+# Cache classes of our own a checkpoint may name, beside mlx-lm's (looked up by name there).
+OWN_CLASSES: dict[str, Any] = {"TurboQuantRow": TurboQuantRow, "PackedRingRow": PackedRingRow}
+
+
+def cache_class(name: str) -> Any:
+    """The class a checkpoint's layer names (None: unknown)."""
+    return OWN_CLASSES.get(name) or getattr(cache_lib, name, None)
+
+
+@dataclass
+class CapturedCache:
+    """A snapshot of one sequence's caches: evaluated MLX arrays plus how to rebuild them."""
+
+    arrays: dict[str, mx.array]  # name -> array as stored (bf16 viewed as uint16)
+    dtypes: dict[str, str]  # name -> original dtype name
+    skeleton: list[dict[str, Any]]  # per layer: class, meta_state, state skeleton
+    layout: list[str]
+    tokens: int  # sequence positions the caches hold
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def meta(self) -> dict[str, str]:
+        return {
+            "codec": CODEC_VERSION,
+            "cache": json.dumps(self.skeleton),
+            "dtypes": json.dumps(self.dtypes),
+            "layout": "|".join(self.layout),
+        }
+
+
+def _dtype_name(a: mx.array) -> str:
+    return str(a.dtype).removeprefix("mlx.core.")
+
+
+def capture(caches: list[Any], tokens: int, wait: bool = True, prefix: str = "") -> CapturedCache:
+    """Snapshot caches on the MLX thread.
+
+    wait=False schedules the copies (mx.async_eval) and returns at once: they are computed
+    alongside the next decode step instead of stalling it; call `settle` before reading.
+    prefix: prepended to tensor names (attachments share a record with the caches).
+    """
+    arrays: dict[str, mx.array] = {}
+    dtypes: dict[str, str] = {}
+
+    def encode(value: Any, prefix: str) -> Any:
+        if isinstance(value, mx.array):
+            name = prefix
+            dtype = _dtype_name(value)
+            view = WORD_VIEWS.get(dtype)
+            stored = value.view(view[0]) if view else value
+            # MLX arrays are immutable: holding this reference keeps the snapshot's bytes even
+            # as the batch writes on (an update then copies instead of reusing the buffer).
+            arrays[name] = mx.contiguous(stored)
+            dtypes[name] = dtype
+            return {"t": name}
+        if value is None or isinstance(value, (str, int, float, bool)):
+            return {"v": value}
+        if isinstance(value, (list, tuple)):
+            return {"l": [encode(v, f"{prefix}.{i}") for i, v in enumerate(value)]}
+        raise TypeError(f"cannot encode cache state of type {type(value).__name__}")
+
+    skeleton = []
+    for i, cache in enumerate(caches):
+        skeleton.append(
+            {
+                "class": _class_name(cache),
+                "meta": list(getattr(cache, "meta_state", ()) or ()),
+                "state": encode(_live_state(cache), f"{prefix}l{i}"),
+            }
+        )
+    if wait:
+        mx.eval(list(arrays.values()))
+    else:
+        mx.async_eval(list(arrays.values()))
+    return CapturedCache(arrays, dtypes, skeleton, [layout_codec(c) for c in caches], tokens)
+
+
+def _class_name(cache: Any) -> str:
+    """The mlx-lm class a layer restores as (a batch row restores as its solo cache)."""
+    if isinstance(cache, PlainRow):
+        return "KVCache"
+    if isinstance(cache, PackedRow):
+        return "QuantizedKVCache"
+    if isinstance(cache, PlainRingRow):
+        return "RotatingKVCache"
+    return type(cache).__name__
+
+
+def settle(captured: CapturedCache) -> None:
+    """Waits for a capture's copies (MLX thread)."""
+    mx.eval(list(captured.arrays.values()))
+
+
+def _live_state(cache: Any) -> Any:
+    """The cache's state, without the unused tail of step-grown KV buffers."""
+    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    if keys is None or values is None:
+        return cache.state
+    n = getattr(cache, "offset", 0)
+    if isinstance(cache, cache_lib.KVCache):
+        return keys[..., :n, :], values[..., :n, :], n
+    if isinstance(cache, cache_lib.QuantizedKVCache):
+        live = [tuple(p[..., :n, :] for p in planes) for planes in (keys, values)]
+        return live[0], live[1], n, cache.group_size, cache.bits
+    return cache.state
+
+
+def host_view(array: mx.array) -> memoryview:
+    """The bytes of an evaluated array, without a copy (MLX arrays export a buffer)."""
+    return memoryview(array).cast("B")  # type: ignore[arg-type]
+
+
+def to_host(captured: CapturedCache) -> list[Tensor]:
+    """The capture as the store's tensors, viewing evaluated memory (no copy): safe to send
+    from any thread once the capture is settled."""
+    return [
+        Tensor(name, captured.dtypes[name], tuple(array.shape), host_view(array))
+        for name, array in captured.arrays.items()
+    ]
+
+
+def restore(
+    meta: dict[str, str],
+    tensors: Iterable[Tensor],
+    expected_layout: list[str],
+    to_array: Callable[[Tensor], mx.array] = host_array,
+) -> list[Any]:
+    """Rebuilds caches from a checkpoint's metadata and tensors (bytes from the store);
+    to_array: how bytes become an MLX array (device_landing.py: a host copy, or a GPU pull
+    from the pinned region).
+
+    Raises Precondition naming what differs when the codec or layout does not match.
+    """
+    by_name = {t.name: t for t in tensors}
+    return _rebuild(meta, lambda name: to_array(by_name[name]), expected_layout)
+
+
+def check_restorable(
+    meta: dict[str, str], tensors: Iterable[Tensor], expected_layout: list[str]
+) -> None:
+    """What `restore` would refuse, found without building anything (any thread): a codec or
+    layout mismatch is Precondition; a skeleton that names a missing tensor, an unknown cache
+    class or bytes that do not fit a tensor's shape is Corrupt."""
+    _check_header(meta, expected_layout)
+    by_name = {t.name: t for t in tensors}
+
+    def visit(node: Any) -> None:
+        if not isinstance(node, dict):
+            raise Corrupt("checkpoint cache skeleton is malformed")
+        if "t" in node:
+            t = by_name.get(node["t"])
+            if t is None:
+                raise Corrupt(f"checkpoint names tensor {node['t']!r} but does not hold it")
+            view = WORD_VIEWS.get(t.dtype)
+            try:
+                width = np.dtype(view[1] if view else t.dtype).itemsize
+            except TypeError as exc:
+                raise Corrupt(f"tensor {t.name!r} has unknown dtype {t.dtype!r}") from exc
+            if math.prod(t.shape) * width != memoryview(t.data).nbytes:
+                raise Corrupt(f"tensor {t.name!r} holds bytes that do not fit {list(t.shape)}")
+        elif "l" in node:
+            for child in node["l"]:
+                visit(child)
+        elif "v" not in node:
+            raise Corrupt("checkpoint cache skeleton is malformed")
+
+    try:
+        layers = json.loads(meta["cache"])
+    except (KeyError, ValueError) as exc:
+        raise Corrupt("checkpoint has no readable cache skeleton") from exc
+    for layer in layers:
+        if not isinstance(layer, dict) or cache_class(str(layer.get("class"))) is None:
+            raise Corrupt(f"checkpoint names an unknown cache class {layer!r:.80}")
+        visit(layer.get("state"))
+
+
+def restore_captured(captured: CapturedCache, expected_layout: list[str]) -> list[Any]:
+    """Rebuilds caches from a capture still in memory, reusing its arrays: no host round trip.
+
+    The capture keeps its own references, so a cache that writes on gets a fresh buffer
+    (MLX arrays are immutable) and the capture stays as it was.
+    """
+
+    def array(name: str) -> mx.array:
+        stored = captured.arrays[name]
+        dtype = captured.dtypes[name]
+        return stored.view(getattr(mx, dtype)) if dtype in WORD_VIEWS else stored
+
+    return _rebuild(captured.meta(), array, expected_layout)
+
+
+def _check_header(meta: dict[str, str], expected_layout: list[str]) -> None:
+    if meta.get("codec") != CODEC_VERSION:
+        raise Precondition(f"checkpoint codec {meta.get('codec')!r} is not {CODEC_VERSION!r}")
+    layout = meta.get("layout", "").split("|")
+    if not layout_accepts(list(expected_layout), layout):
+        raise Precondition(
+            f"checkpoint cache layout {layout} differs from the request's {list(expected_layout)}"
+        )
+
+
+def _rebuild(
+    meta: dict[str, str], array: Callable[[str], mx.array], expected_layout: list[str]
+) -> list[Any]:
+    _check_header(meta, expected_layout)
+
+    def decode(node: dict[str, Any]) -> Any:
+        if "t" in node:
+            return array(node["t"])
+        if "v" in node:
+            return node["v"]
+        return [decode(child) for child in node["l"]]
+
+    caches = []
+    for layer in json.loads(meta["cache"]):
+        cls = cache_class(layer["class"])
+        cache = cls.from_state(_tuples(decode(layer["state"]), layer["class"]))
+        if layer["meta"]:
+            cache.meta_state = tuple(layer["meta"])
+        caches.append(cache)
+    return caches
+
+
+def _tuples(state: Any, cls: str) -> Any:
+    # CacheList's state is a list of (state, class name) pairs.
+    if cls == "CacheList":
+        return [(s, c) for s, c in state]
+    return state

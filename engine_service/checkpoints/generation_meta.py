@@ -1,0 +1,109 @@
+"""What a generation checkpoint says about itself: its metadata strings (`GenerationMeta`),
+the digest of the options a resume must share, and the keys and rules of segment chains
+(generation_checkpoints.py has the policy that uses them)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from engine_service.errors import Corrupt, Precondition
+from engine_service.sampling.samplers import SamplingOptions
+
+# A chain holds at most this many segments before a whole snapshot starts a new one.
+MAX_CHAIN = 16
+# Segments of one chain fetched at once on resume.
+FETCH_WORKERS = 8
+# The metadata key of an ended generation's tombstone: how it ended.
+ENDED = "tandem.ended"
+
+
+@dataclass(frozen=True)
+class GenerationMeta:
+    """A generation checkpoint's state, as its record's metadata strings."""
+
+    prompt_tokens: int
+    generated: int
+    pending: int
+    seed: int
+    max_tokens: int
+    options: str  # options_digest(...).hex()
+    # Chains only: the live segments are first .. next - 1.
+    chain_first: int | None = None
+    chain_next: int | None = None
+
+    @property
+    def next_step(self) -> int:
+        return self.generated + 1
+
+    def to_metadata(self) -> dict[str, str]:
+        meta = {
+            "prompt_tokens": str(self.prompt_tokens),
+            "generated": str(self.generated),
+            "pending": str(self.pending),
+            "seed": str(self.seed),
+            "next_step": str(self.next_step),
+            "max_tokens": str(self.max_tokens),
+            "options": self.options,
+        }
+        if self.chain_first is not None and self.chain_next is not None:
+            meta["chain_first"] = str(self.chain_first)
+            meta["chain_next"] = str(self.chain_next)
+        return meta
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> GenerationMeta:
+        if "segments_first" in meta:
+            raise Precondition(
+                "this checkpoint chain was written by an older engine (no segment list); "
+                "it cannot be resumed by this one"
+            )
+        try:
+            chained = "chain_first" in meta
+            return cls(
+                prompt_tokens=int(meta["prompt_tokens"]),
+                generated=int(meta["generated"]),
+                pending=int(meta["pending"]),
+                seed=int(meta["seed"]),
+                max_tokens=int(meta["max_tokens"]),
+                options=meta["options"],
+                chain_first=int(meta["chain_first"]) if chained else None,
+                chain_next=int(meta["chain_next"]) if chained else None,
+            )
+        except (KeyError, ValueError) as exc:
+            raise Corrupt(f"generation checkpoint metadata is malformed ({exc!r})") from exc
+
+
+def options_digest(options: SamplingOptions) -> bytes:
+    """What a resumed request must share with the original besides prompt and request id."""
+    fields = {
+        k: getattr(options, k)
+        for k in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "repetition_context_size",
+            "seed",
+            "stop",
+            "stop_token_ids",
+            "ignore_eos",
+        )
+    }
+    if options.constraint is not None:  # absent from unconstrained keys: they stay as they were
+        fields["constraint"] = options.constraint.digest()
+    return hashlib.blake2b(
+        json.dumps(fields, sort_keys=True, default=list).encode(), digest_size=16
+    ).digest()
+
+
+def segment_key(key: bytes, index: int) -> bytes:
+    """The record key of segment `index` of a generation checkpoint's chain."""
+    return hashlib.blake2b(key + index.to_bytes(4, "big"), digest_size=32).digest()
+
+
+def segmentable(layout: list[str]) -> bool:
+    """Plain KV caches only grow at the end, so a checkpoint can append what is new."""
+    return all(codec == "kv:plain" for codec in layout)

@@ -1,0 +1,389 @@
+"""Generation checkpoints: snapshots of a running generation, saved, resumed and forgotten.
+
+Every `checkpoint_interval` tokens the MLX thread captures a row's caches; one step later,
+when the token sampled in between (the pending token) is known, the snapshot is queued for
+the store, pinned while the generation runs, and deleted when it ends.
+
+Chain policy (all of it is here): caches made only of plain KV layers grow only at the end,
+so a snapshot can hold just the positions added since the last one. Such snapshots are
+*segments* of an append-only chain, each its own record; after every segment a small
+*manifest* under the generation key carries the generation's state (tokens, pending token,
+step) and names the live segments. A resume reads the manifest and exactly the segments it
+lists. A chain starts over with a whole snapshot when there is none yet, when it reached
+MAX_CHAIN segments, or when a segment or manifest did not reach the store (a hole is never
+built upon). Other layouts store a whole snapshot under the generation key each time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as cache_lib
+
+from engine_service.checkpoints.attachments import CapturedAttachment, check_attachment
+from engine_service.checkpoints.attachments import find as find_attachment
+from engine_service.checkpoints.cache_records import capture, check_restorable, restore, settle
+from engine_service.checkpoints.device_landing import Landing
+from engine_service.checkpoints.generation_meta import (
+    ENDED,
+    FETCH_WORKERS,
+    MAX_CHAIN,
+    GenerationMeta,
+    options_digest,
+    segment_key,
+    segmentable,
+)
+from engine_service.checkpoints.host_staging import HostStaging
+from engine_service.checkpoints.spill import Put, SpillQueue
+from engine_service.core.plans import ResumePlan
+from engine_service.errors import Corrupt, EngineError, NotFound, Precondition, Unavailable
+from engine_service.loop.jobs import Job, PendingSnapshot, Segment
+from engine_service.protocol.checkpoint_stats import CheckpointCounters
+from engine_service.sampling.samplers import SamplingOptions
+from tandem_client.errors import DataLoss, TandemError
+from tandem_client.errors import NotFound as StoreNotFound
+from tandem_client.identity import generation_key, scope_digest
+from tandem_client.records import Checkpoint
+from tandem_client.store_client import StoreClient
+
+
+class GenerationCheckpoints:
+    def __init__(
+        self,
+        model_id: str,
+        counters: CheckpointCounters,
+        store: StoreClient | None = None,
+        spill: SpillQueue | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.counters = counters
+        self.store = store
+        self.spill = spill
+        self.staging = HostStaging(Landing(), None)  # how captures become host bytes
+        self._lock = threading.Lock()
+        # Generation key -> first segment of a chain that has a hole (a segment or manifest
+        # that did not reach the store): its later records are not sent, its next snapshot
+        # starts a new chain.
+        self._broken: dict[bytes, int] = {}
+
+    def key(
+        self,
+        namespace: str,
+        prompt: list[int],
+        options: SamplingOptions,
+        request_id: str,
+        layout: list[str],
+    ) -> bytes:
+        scope = scope_digest(self.model_id, layout, namespace)
+        return generation_key(scope, prompt, options_digest(options), request_id)
+
+    # -- the MLX thread ----------------------------------------------------------------------
+
+    def enroll(self, job: Job) -> None:
+        """Gives an admitted job its checkpoint key when it asked for checkpoints."""
+        r = job.request
+        if self.spill is not None and r.checkpoint_interval:
+            job.checkpoint_key = self.key(r.namespace, r.prompt, r.sampling, r.request_id, r.layout)
+
+    @staticmethod
+    def due(job: Job) -> bool:
+        """Whether a running job's next snapshot is due: N tokens since its last one."""
+        since = len(job.tokens) - job.last_checkpoint_at
+        return bool(job.checkpoint_key) and since >= job.request.checkpoint_interval
+
+    def capture(self, job: Job, row_caches: list[Any]) -> PendingSnapshot:
+        """Starts a snapshot of a batch row (no wait: the copies run with the next step)."""
+        r = job.request
+        held = len(r.prompt) + len(job.tokens)
+        segment = None
+        if segmentable(r.layout):
+            segment = self._next_segment(job, held)
+            row_caches = _positions(row_caches, segment.start)
+        captured = capture(row_caches, held, wait=False)
+        job.last_checkpoint_at = len(job.tokens)
+        return PendingSnapshot(captured, list(job.tokens), segment)
+
+    def capture_whole(
+        self, job: Job, caches: list[Any], attachments: list[CapturedAttachment]
+    ) -> PendingSnapshot:
+        """A whole snapshot whose pending token is known already (the last of job.tokens)."""
+        held = len(job.request.prompt) + len(job.tokens) - 1
+        job.last_checkpoint_at = len(job.tokens)
+        captured = capture(caches, held, wait=False)
+        return PendingSnapshot(captured, job.tokens[:-1], None, list(attachments))
+
+    def _next_segment(self, job: Job, held: int) -> Segment:
+        chain = job.chain
+        with self._lock:
+            broken = self._broken.get(job.checkpoint_key) == chain.first
+        start = chain.covered
+        if (
+            chain.next_index == 0
+            or chain.covered == 0
+            or chain.next_index - chain.first >= MAX_CHAIN
+            or broken
+        ):
+            chain.first, start = chain.next_index, 0
+        segment = Segment(chain.next_index, chain.first, start)
+        chain.next_index += 1
+        chain.covered = held
+        return segment
+
+    def save_parked(self, job: Job, snapshot: PendingSnapshot) -> bool:
+        """A parked row's whole snapshot, its pending token the last of job.tokens (MLX
+        thread); False when it is not queued. Its chain starts over after it."""
+        if not job.checkpoint_key:
+            return False
+        job.chain.covered = 0
+        return self.save(job, snapshot, pending=job.tokens[-1])
+
+    def save(self, job: Job, snapshot: PendingSnapshot, pending: int) -> bool:
+        """Queues a snapshot for the store once its pending token is known (MLX thread);
+        False when it is not queued."""
+        if self.spill is None:
+            return False
+        r, key = job.request, job.checkpoint_key
+        settle(snapshot.captured)
+        for attachment in snapshot.attachments:
+            settle(attachment.captured)
+        meta = GenerationMeta(
+            prompt_tokens=len(r.prompt),
+            generated=len(snapshot.generated),
+            pending=pending,
+            seed=r.sampling.seed,
+            max_tokens=r.max_tokens,
+            options=options_digest(r.sampling).hex(),
+        )
+        record = self._record(job, key, "generation", [*r.prompt, *snapshot.generated])
+        job.checkpointed = True
+        captured, segment = snapshot.captured, snapshot.segment
+        if segment is None:
+            record.metadata = {**meta.to_metadata(), **captured.meta()}
+            record.tensors, keep = self.staging.tensors(captured)
+            record.attachments = [a.to_record() for a in snapshot.attachments]
+            nbytes = captured.nbytes + sum(a.nbytes for a in snapshot.attachments)
+            return self.spill.put(Put(record, nbytes, keep=keep))
+        part = self._record(job, segment_key(key, segment.index), "object", record.token_ids)
+        part.metadata = {**captured.meta(), "segment_of": key.hex(), "start": str(segment.start)}
+        part.tensors, keep = self.staging.tensors(captured)
+        chained = dataclasses.replace(meta, chain_first=segment.first, chain_next=segment.index + 1)
+        record.metadata = {
+            **chained.to_metadata(),
+            "codec": captured.meta()["codec"],
+            "layout": "|".join(r.layout),
+        }
+
+        def wanted() -> bool:
+            with self._lock:
+                return self._broken.get(key) != segment.first
+
+        def broke() -> None:
+            with self._lock:
+                self._broken[key] = segment.first
+
+        # The segment first, then the manifest naming it: a manifest never lists a segment
+        # that is not stored.
+        for item in (part, record):
+            nbytes = captured.nbytes if item is part else 0
+            held = keep if item is part else None
+            if not self.spill.put(
+                Put(item, nbytes, still_wanted=wanted, on_failed=broke, keep=held)
+            ):
+                broke()
+                return False
+        return True
+
+    def _record(self, job: Job, key: bytes, kind: str, token_ids: list[int]) -> Checkpoint:
+        r = job.request
+        return Checkpoint(
+            key=key,
+            kind=kind,
+            namespace=r.namespace,
+            model_id=self.model_id,
+            layout=r.layout,
+            token_ids=list(token_ids),
+            trimmable=False,
+        )
+
+    def forget(self, job: Job) -> None:
+        """An ended generation: its checkpoint becomes a small tombstone under the same key
+        (so a resume answers "finished; N tokens", not NOT_FOUND) and every segment goes.
+
+        The tombstone is an unpinned metadata-only "object" record once the generation's
+        lease lapses: it lives until the store's LRU evicts it, and is not listed among the
+        generations in flight.
+        """
+        if self.spill is None:
+            return
+        key, namespace, spill = job.checkpoint_key, job.request.namespace, self.spill
+        tombstone = self._record(job, key, "object", [*job.request.prompt, *job.tokens])
+        tombstone.metadata = {
+            ENDED: job.ended,
+            "prompt_tokens": str(len(job.request.prompt)),
+            "generated": str(len(job.tokens)),
+        }
+        # The tombstone first, replacing the manifest: a resume then finds it, or a manifest
+        # whose segments are all still there (load() re-reads the key when one went missing).
+        # If it cannot land, the manifest is deleted instead.
+        spill.put(Put(tombstone, 0, pinned=False, on_failed=lambda: spill.delete(key, namespace)))
+        for index in range(job.chain.next_index):
+            self.spill.delete(segment_key(key, index), namespace)
+        with self._lock:
+            self._broken.pop(key, None)
+
+    def materialize(self, plan: ResumePlan) -> list[Any]:
+        """The caches of a resume plan (MLX thread): the whole snapshot, or the chain's
+        segments joined in order."""
+        start = time.perf_counter()
+        caches = self._joined(plan)
+        self.counters.observe_restore(plan.nbytes, plan.fetch_s + time.perf_counter() - start)
+        return caches
+
+    def _joined(self, plan: ResumePlan) -> list[Any]:
+        if not plan.chain_next:
+            (whole,) = plan.parts
+            return restore(whole.metadata, whole.tensors, plan.layout)
+        parts = [restore(p.metadata, p.tensors, plan.layout) for p in plan.parts]
+        caches = []
+        for layer in zip(*parts, strict=True):
+            cache = cache_lib.KVCache()
+            cache.keys = mx.concatenate([p.keys[..., : p.offset, :] for p in layer], axis=2)
+            cache.values = mx.concatenate([p.values[..., : p.offset, :] for p in layer], axis=2)
+            cache.offset = sum(p.offset for p in layer)
+            caches.append(cache)
+        return caches
+
+    # -- handler threads ---------------------------------------------------------------------
+
+    def load(
+        self,
+        key: bytes,
+        namespace: str,
+        prompt: list[int],
+        layout: list[str],
+        companions: dict[str, dict[str, str]] | None = None,
+    ) -> ResumePlan:
+        """The checkpoint of a generation to resume, checked against the request.
+
+        companions: attachment schema -> metadata it must carry (e.g. the draft model); the
+        ones present are checked here (FAILED_PRECONDITION) and kept in the plan.
+        """
+        if self.store is None:
+            raise Precondition("resume needs an engine started with --store")
+        start = time.perf_counter()
+        try:
+            record = self.store.get(key, namespace)
+        except StoreNotFound as exc:
+            raise NotFound(
+                "no checkpoint for this request (same request_id, prompt, sampling "
+                "options and kv options are needed to resume)"
+            ) from exc
+        except TandemError as exc:
+            raise _store_failure(exc) from exc
+        _refuse_ended(record)
+        if record.model_id != self.model_id:
+            raise Precondition(
+                f"checkpoint was made by model {record.model_id!r}; this engine "
+                f"serves {self.model_id!r}"
+            )
+        if list(record.layout) != layout:
+            raise Precondition(
+                f"checkpoint cache layout {list(record.layout)} differs from the request's {layout}"
+            )
+        meta = GenerationMeta.from_metadata(record.metadata)
+        if record.token_ids[: meta.prompt_tokens] != list(prompt):
+            raise Precondition("checkpoint prompt differs from the request's")
+        parts = [record]
+        if meta.chain_first is not None and meta.chain_next is not None:
+            try:
+                parts = self._segments(key, namespace, meta.chain_first, meta.chain_next)
+            except NotFound:
+                now = self._reread(key, namespace)  # it may have ended meanwhile
+                if now is None:
+                    raise NotFound(
+                        "no checkpoint for this request: the generation ended (finished or "
+                        "cancelled) and its checkpoint was deleted"
+                    ) from None
+                _refuse_ended(now)
+                raise
+        # Refuse here, with a status, what the MLX thread could not restore.
+        for part in parts:
+            check_restorable(part.metadata, part.tensors, layout)
+        kept = []
+        for schema, expect in (companions or {}).items():
+            attachment = find_attachment(record.attachments, schema)
+            if attachment is not None:
+                check_attachment(attachment, schema, len(record.token_ids), expect)
+                kept.append(attachment)
+        self.counters.add(resumes=1)
+        return ResumePlan(
+            key,
+            generated=list(record.token_ids[meta.prompt_tokens :]),
+            pending=meta.pending,
+            layout=layout,
+            parts=parts,
+            chain_first=meta.chain_first or 0,
+            chain_next=meta.chain_next or 0,
+            attachments=kept,
+            fetch_s=time.perf_counter() - start,
+        )
+
+    def _reread(self, key: bytes, namespace: str) -> Checkpoint | None:
+        assert self.store is not None
+        try:
+            return self.store.get_header(key, namespace)
+        except TandemError:
+            return None
+
+    def _segments(self, key: bytes, namespace: str, first: int, end: int) -> list[Checkpoint]:
+        """Exactly the segments a manifest lists, fetched in parallel."""
+        store = self.store
+        assert store is not None
+        if not 0 <= first < end or end - first > MAX_CHAIN:
+            raise Corrupt(f"generation checkpoint lists segments {first}..{end - 1}")
+
+        def fetch(index: int) -> Checkpoint:
+            try:
+                return store.get(segment_key(key, index), namespace)
+            except StoreNotFound as exc:
+                raise NotFound(f"segment {index} of this checkpoint is not in the store") from exc
+            except TandemError as exc:
+                raise _store_failure(exc) from exc
+
+        with ThreadPoolExecutor(max_workers=min(FETCH_WORKERS, end - first)) as pool:
+            return list(pool.map(fetch, range(first, end)))
+
+
+def _refuse_ended(record: Checkpoint) -> None:
+    """A tombstone: the generation ended; there is nothing to resume."""
+    ended = record.metadata.get(ENDED)
+    if ended is not None:
+        tokens = record.metadata.get("generated", "?")
+        raise Precondition(f"this generation {ended}; {tokens} tokens (nothing to resume)")
+
+
+def _store_failure(exc: TandemError) -> EngineError:
+    """What a resume answers when the store could not give it the checkpoint: its bytes are
+    damaged (DATA_LOSS, never tokens), or the store cannot be reached (UNAVAILABLE)."""
+    if isinstance(exc, DataLoss):
+        return Corrupt(f"the checkpoint is damaged in the store: {exc}")
+    return Unavailable(f"the store could not serve the checkpoint: {exc}")
+
+
+def _positions(row_caches: list[Any], start: int) -> list[Any]:
+    """Positions [start, offset) of plain KV caches, as caches of their own (no copy yet)."""
+    if not start:
+        return row_caches
+    segment = []
+    for cache in row_caches:
+        part = cache_lib.KVCache()
+        part.keys = cache.keys[..., start : cache.offset, :]
+        part.values = cache.values[..., start : cache.offset, :]
+        part.offset = cache.offset - start
+        segment.append(part)
+    return segment

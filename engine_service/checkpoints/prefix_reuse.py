@@ -1,0 +1,279 @@
+"""Prefix reuse: a prompt's longest cached prefix, restored so only the rest is prefilled.
+
+A prompt's block-hash chain is looked up in the in-memory tier (prefix_cache.py) first, then in
+the store; the longest hit wins. A local hit is rebuilt from the captured device arrays
+themselves (no trip through host bytes); a store hit from the record's bytes. Either is trimmed
+to the matched length. After prefill the prompt's caches are kept locally and spilled to the
+store once (deduplicated, `if_absent`). Caches that cannot be trimmed are kept as exact records
+instead, taken during prefill (prefix_snapshots.py): they serve their own length only. A
+prompt that finds nothing gets a `PrefixMiss` saying why.
+
+`find` runs on handler threads (it may call the store); `materialize` and `save` on the MLX
+thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any
+
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+from engine_service.checkpoints.cache_records import (
+    capture,
+    check_restorable,
+    restore,
+    restore_captured,
+)
+from engine_service.checkpoints.device_landing import Landing, as_they_arrive
+from engine_service.checkpoints.host_staging import HostStaging
+from engine_service.checkpoints.prefix_cache import BLOCK_SIZE, PrefixCache
+from engine_service.checkpoints.restore_cost import RestoreCost
+from engine_service.checkpoints.spill import Put, SpillQueue
+from engine_service.core.plans import PrefixMiss, PrefixPlan
+from engine_service.errors import Corrupt, Precondition
+from engine_service.protocol.checkpoint_stats import CheckpointCounters
+from tandem_client.errors import DataLoss, TandemError
+from tandem_client.identity import block_hashes, prefix_key, scope_digest
+from tandem_client.records import Checkpoint, LookupResult
+from tandem_client.store_client import StoreClient
+
+log = logging.getLogger(__name__)
+
+# How long the MLX thread waits for a part of a progressive Get (the store copies GB/s).
+ARRIVAL_TIMEOUT_S = 30.0
+
+# Prefix keys already spilled, remembered up to this many (a miss only costs a Put the store
+# answers with ALREADY_EXISTS).
+SAVED_KEYS = 100_000
+
+
+class PrefixReuse:
+    def __init__(
+        self,
+        model_id: str,
+        local: PrefixCache,
+        counters: CheckpointCounters,
+        store: StoreClient | None = None,
+        spill: SpillQueue | None = None,
+        min_prefix_tokens: int = BLOCK_SIZE,
+    ) -> None:
+        self.model_id = model_id
+        self.local = local
+        self.counters = counters
+        self.store = store
+        self.spill = spill
+        self.min_prefix_tokens = min_prefix_tokens
+        self.cost = RestoreCost()  # store hit or prefill, decided per request
+        self.landing = Landing()  # how store bytes become arrays (the region's, once attached)
+        self.staging = HostStaging(self.landing, None)  # how captures become host bytes
+        self._saved_keys: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+
+    def scope(self, namespace: str, layout: list[str]) -> bytes:
+        return scope_digest(self.model_id, layout, namespace)
+
+    def find(self, prompt: list[int], namespace: str, layout: list[str]) -> PrefixPlan | PrefixMiss:
+        """The longest reusable prefix of the prompt, at most all but its last token (one
+        token must be fed), or why there is none. The whole prompt is looked up, so a prompt
+        seen before restores len - 1 positions (its record is trimmed by one) and feeds one
+        token, instead of stopping at the last block boundary; an exact record serves only
+        the length it holds."""
+        usable = prompt
+        if len(usable) <= BLOCK_SIZE:
+            return PrefixMiss("shorter than a block")
+        scope = self.scope(namespace, layout)
+        chain = block_hashes(usable, BLOCK_SIZE, scope)
+        most = len(prompt) - 1
+        lengths = [min((i + 1) * BLOCK_SIZE, len(usable), most) for i in range(len(chain))]
+        key, local_len, exact = self.local.match(chain, lengths)
+        captured = self.local.get(key) if local_len else None
+        best: PrefixPlan | PrefixMiss = (
+            PrefixPlan(local_len, key, layout, local=captured, exact=exact)
+            if captured
+            else PrefixMiss("no stored prefix")
+        )
+        if self.store is not None:
+            found: PrefixPlan | PrefixMiss
+            try:
+                found = self._from_store(usable, namespace, layout, chain, local_len)
+            except (DataLoss, Corrupt, Precondition) as exc:  # quarantined, or not restorable
+                log.warning("prefix checkpoint unusable, prefilling instead: %s", exc)
+                self.counters.add(restore_failures=1)
+                found = PrefixMiss("not restorable")
+            except TandemError as exc:
+                log.warning("store lookup failed, prefilling instead: %s", exc)
+                self.counters.add(restore_failures=1)
+                found = PrefixMiss("store unavailable")
+            # A store hit beats a local one (it is longer); a local hit beats any store miss.
+            if isinstance(found, PrefixPlan) or isinstance(best, PrefixMiss):
+                best = found
+        if isinstance(best, PrefixMiss):
+            self.counters.add(misses=1)
+        return best
+
+    def _lookup(
+        self, chain: list[bytes], tokens: int, namespace: str, layout: list[str]
+    ) -> LookupResult:
+        assert self.store is not None
+        return self.store.lookup(
+            namespace=namespace,
+            model_id=self.model_id,
+            layout=layout,
+            block_size=BLOCK_SIZE,
+            block_hashes=chain,
+            token_count=tokens,
+        )
+
+    def _from_store(
+        self,
+        usable: list[int],
+        namespace: str,
+        layout: list[str],
+        chain: list[bytes],
+        better_than: int,
+    ) -> PrefixPlan | PrefixMiss:
+        assert self.store is not None
+        hit = self._lookup(chain, len(usable), namespace, layout)
+        if hit.found and not hit.trimmable and hit.record_tokens >= len(usable):
+            # An exact record of the whole prompt leaves no token to feed: the longest one
+            # short of the prompt's last token serves instead.
+            shorter = block_hashes(usable[:-1], BLOCK_SIZE, self.scope(namespace, layout))
+            hit = self._lookup(shorter, len(usable) - 1, namespace, layout)
+        matched = min(hit.matched_tokens, len(usable) - 1)  # one token is left to feed
+        exact = not hit.trimmable
+        if not hit.found or matched <= better_than or (exact and matched != hit.record_tokens):
+            return PrefixMiss("no stored prefix")
+        if not self.cost.worth_restoring(matched - better_than):
+            return PrefixMiss("cheaper to prefill")  # restore_cost.py
+        start = time.perf_counter()
+        # Same-host: the bytes stay in the region until the MLX thread has made them arrays;
+        # they arrive while it does (progressive: pulled as each part is verified).
+        record, hold = self.store.get_held(
+            hit.key, namespace, size_hint=hit.payload_bytes, progressive=True
+        )
+        try:
+            # What the MLX thread could not restore is refused here, as a miss.
+            check_restorable(record.metadata, record.tensors, layout)
+        except BaseException:
+            if hold is not None:
+                hold.release()
+            raise
+        return PrefixPlan(
+            matched,
+            hit.key,
+            layout,
+            stored=record,
+            hold=hold,
+            fetch_s=time.perf_counter() - start,
+            exact=exact,
+        )
+
+    def materialize(self, plan: PrefixPlan) -> list[Any] | None:
+        """Caches for a plan (MLX thread), trimmed to the matched length; None: prefill."""
+        start = time.perf_counter()
+        try:
+            if plan.local is not None:
+                caches = restore_captured(plan.local, plan.layout)
+                held = plan.local.tokens
+            else:
+                assert plan.stored is not None
+                try:
+                    caches = restore(
+                        plan.stored.metadata,
+                        plan.stored.tensors,
+                        plan.layout,
+                        as_they_arrive(self.landing, plan.stored, plan.hold, ARRIVAL_TIMEOUT_S),
+                    )
+                finally:  # the arrays own their bytes before the region span is reused
+                    self.landing.settle()
+                    if plan.hold is not None:
+                        plan.hold.release()
+                held = int(plan.stored.metadata.get("tokens", plan.matched))
+            if held > plan.matched:
+                if plan.exact or not can_trim_prompt_cache(caches):
+                    return None
+                trim_prompt_cache(caches, held - plan.matched)
+        except (Precondition, KeyError, ValueError, TandemError) as exc:
+            log.warning("prefix checkpoint not restorable, prefilling instead: %s", exc)
+            self.counters.add(restore_failures=1)
+            return None
+        seconds = plan.fetch_s + time.perf_counter() - start
+        if plan.local is not None:
+            self.counters.add(local_hits=1, restore_seconds=seconds)
+        else:
+            self.counters.add(store_hits=1, restored_bytes=plan.nbytes, restore_seconds=seconds)
+            self.counters.observe_restore(plan.nbytes, seconds)
+            self.cost.observe_restore(plan.nbytes, plan.matched, seconds)
+        return caches
+
+    def save(
+        self, row_caches: list[Any], prompt: list[int], namespace: str, layout: list[str]
+    ) -> None:
+        """Keeps a prompt's caches (MLX thread; row_caches hold prompt + 1 token)."""
+        if len(prompt) < self.min_prefix_tokens or not can_trim_prompt_cache(row_caches):
+            return  # untrimmable: an exact snapshot was kept during prefill (prefix_snapshots)
+        scope = self.scope(namespace, layout)
+        key = prefix_key(scope, prompt)
+        if key in self.local or key in self._saved_keys:
+            return
+        trim_prompt_cache(row_caches, 1)
+        self._keep(key, scope, row_caches, prompt, namespace, layout, trimmable=True)
+
+    def save_exact(
+        self, caches: list[Any], tokens: list[int], namespace: str, layout: list[str]
+    ) -> None:
+        """Keeps caches holding exactly `tokens` that cannot be trimmed (MLX thread): they
+        serve a prompt that starts with those tokens, at that length only."""
+        if len(tokens) < self.min_prefix_tokens:
+            return
+        scope = self.scope(namespace, layout)
+        key = prefix_key(scope, tokens)
+        if key not in self.local and key not in self._saved_keys:
+            self._keep(key, scope, caches, tokens, namespace, layout, trimmable=False)
+
+    def _keep(
+        self,
+        key: bytes,
+        scope: bytes,
+        caches: list[Any],
+        prompt: list[int],
+        namespace: str,
+        layout: list[str],
+        trimmable: bool,
+    ) -> None:
+        """Captures caches holding exactly `prompt` into the local tier and the spill queue."""
+        captured = capture(caches, len(prompt))
+        chain = block_hashes(prompt, BLOCK_SIZE, scope)
+        self.local.add(key, captured, chain, len(prompt), exact=not trimmable)
+        if self.spill is None:
+            return
+        self._saved_keys[key] = None
+        if len(self._saved_keys) > SAVED_KEYS:
+            self._saved_keys.popitem(last=False)
+        tensors, keep = self.staging.tensors(captured)
+        record = Checkpoint(
+            key=key,
+            kind="prefix",
+            namespace=namespace,
+            model_id=self.model_id,
+            layout=layout,
+            token_ids=list(prompt),
+            trimmable=trimmable,
+            block_size=BLOCK_SIZE,
+            block_hashes=chain,
+            metadata={**captured.meta(), "tokens": str(len(prompt))},
+            tensors=tensors,
+        )
+        self.spill.put(
+            Put(
+                record,
+                captured.nbytes,
+                if_absent=True,
+                pinned=False,
+                # Not in the store after all: let a later prompt send it again.
+                on_failed=lambda: self._saved_keys.pop(key, None),
+                keep=keep,
+            )
+        )

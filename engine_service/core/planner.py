@@ -1,0 +1,45 @@
+"""Where a request starts: its own generation checkpoint (resume), a cached prefix, or nothing.
+
+Runs on a handler thread before the request is submitted: it may call the store (lookup,
+get), which the MLX thread never does. The MLX thread later materializes the plan
+(checkpoints.starting_point).
+"""
+
+from __future__ import annotations
+
+from engine_service.checkpoints.attachments import DRAFT_SCHEMA
+from engine_service.checkpoints.manager import CheckpointManager
+from engine_service.checkpoints.prefix_cache import BLOCK_SIZE
+from engine_service.core.plans import Plan
+from engine_service.protocol.requests import DraftSupport, GenerationRequest
+
+
+class Planner:
+    def __init__(self, checkpoints: CheckpointManager | None, drafts: DraftSupport) -> None:
+        self.checkpoints = checkpoints
+        self.drafts = drafts
+
+    def needed(self, req: GenerationRequest) -> bool:
+        """Whether planning may find anything (else it is skipped: no thread hop)."""
+        return self.checkpoints is not None and (req.resume or len(req.prompt) > BLOCK_SIZE)
+
+    def plan(self, req: GenerationRequest) -> Plan:
+        """The checkpoint a request starts from (blocking: call off the event loop).
+
+        Raises NotFound / Precondition / Corrupt for a resume that cannot go on.
+        """
+        ckpt = self.checkpoints
+        if ckpt is None:
+            return None
+        if req.resume:
+            gens = ckpt.generations
+            key = gens.key(req.namespace, req.prompt, req.sampling, req.request_id, req.layout)
+            # A speculative generation resumes with its draft model's cache when the
+            # checkpoint carries one made by this engine's draft model.
+            companions = (
+                {DRAFT_SCHEMA: {"draft_model": self.drafts.model_id}} if req.num_draft else None
+            )
+            return gens.load(key, req.namespace, req.prompt, req.layout, companions)
+        if len(req.prompt) > BLOCK_SIZE:
+            return ckpt.prefixes.find(req.prompt, req.namespace, req.layout)
+        return None

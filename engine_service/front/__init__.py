@@ -1,0 +1,3 @@
+"""The engine's gRPC front process: servicer, wire conversion, response streams, text, metrics, and
+its link to the core process.
+"""

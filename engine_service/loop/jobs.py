@@ -1,0 +1,94 @@
+"""A request inside the engine loop (`Job`), and the checkpoint state it carries."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engine_service.checkpoints.attachments import CapturedAttachment
+from engine_service.checkpoints.cache_records import CapturedCache
+from engine_service.core.plans import Plan, ResumePlan
+from engine_service.protocol.events import PrefixMissReason, Sink
+from engine_service.protocol.requests import GenerationRequest
+from engine_service.sampling.constraints import ConstrainedRow
+
+
+@dataclass
+class ChainCursor:
+    """Where a generation's append-only checkpoint chain stands (plain KV caches only)."""
+
+    next_index: int = 0  # segments numbered so far (every index ever used)
+    first: int = 0  # the first segment of the live chain
+    covered: int = 0  # cache positions the live chain's segments hold
+
+    def live(self) -> list[int]:
+        return list(range(self.first, self.next_index))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One snapshot as a chain segment: its index, its chain's first segment, and the first
+    cache position it holds (0: the chain starts here with a whole snapshot)."""
+
+    index: int
+    first: int
+    start: int
+
+
+@dataclass
+class PendingSnapshot:
+    """A generation capture waiting for its pending token (sampled one step later)."""
+
+    captured: CapturedCache
+    generated: list[int]  # tokens emitted when it was taken
+    segment: Segment | None  # None: a whole snapshot under the generation key
+    attachments: list[CapturedAttachment] = field(default_factory=list)
+
+
+@dataclass
+class Job:
+    request: GenerationRequest
+    sink: Sink
+    plan: Plan = None
+    uid: int = -1  # the BatchGenerator row; -1 while waiting or in the speculative lane
+    tokens: list[int] = field(default_factory=list)  # generated so far (resumed ones too)
+    constrained: ConstrainedRow | None = None  # its structured-output processor, in a batch
+    checkpoint_key: bytes = b""
+    checkpointed: bool = False  # something of it is in (or on its way to) the store
+    keep_checkpoint: bool = False  # a client that went away may come back and resume
+    snapshot: PendingSnapshot | None = None
+    last_checkpoint_at: int = 0  # len(tokens) at the last generation snapshot
+    chain: ChainCursor = field(default_factory=ChainCursor)
+    admitted_at: float = 0.0
+    recompute: bool = False  # starts again from its tokens alone (its batch step failed)
+    turn_start: int = 0  # len(tokens) when it last got its slot (turns.py)
+    # How it ended, for the tombstone a resume reads (generation_checkpoints.forget).
+    ended: Literal["finished", "was cancelled", "failed"] = "finished"
+
+    @property
+    def resumed(self) -> bool:
+        return isinstance(self.plan, ResumePlan)
+
+    def admit(self) -> None:
+        self.admitted_at = time.monotonic()
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_tokens - len(self.tokens)
+
+    @property
+    def turn(self) -> int:
+        """Tokens generated since it last got its slot."""
+        return len(self.tokens) - self.turn_start
+
+
+@dataclass(frozen=True)
+class StartingPoint:
+    """What a job's first model call feeds, over which caches."""
+
+    feed: list[int]  # tokens to feed now
+    history: list[int]  # tokens already in the caches
+    caches: list[Any] | None  # None: fresh caches
+    cached_prompt_tokens: int  # reused (history may hold more: a prefix snapshot's prefill)
+    prefix_miss_reason: PrefixMissReason = ""  # why it reused nothing (Started says so)

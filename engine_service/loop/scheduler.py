@@ -1,0 +1,465 @@
+"""The engine loop: one thread owns every MLX call and drives mlx-lm's BatchGenerator.
+
+gRPC handlers never touch MLX. They submit a request with a `sink` (a thread-safe callable
+that takes a list of events) and may cancel it; the loop admits requests between decode
+steps, steps the batch, and pushes each request's events to its sink: Started, Token per
+generated token, and exactly one Finished. The loop never waits on the network.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from engine_service.checkpoints.manager import CheckpointManager, starting_point
+from engine_service.core.capability_probe import ProbeFailed, kv_refusal, prepare_to_serve
+from engine_service.core.plans import Plan, PrefixPlan
+from engine_service.errors import Corrupt, EngineError, InvalidRequest, ModelFailed
+from engine_service.front.response_stream import Deliver
+from engine_service.loop.admissions import Admissions, gather_burst
+from engine_service.loop.commands import Cancel, Command, Park, Restored, Stop, Submit, Unpark
+from engine_service.loop.compiled_decode import CompiledDecode
+from engine_service.loop.jobs import Job, StartingPoint
+from engine_service.loop.limits import Limits
+from engine_service.loop.new_rows import NewRows
+from engine_service.loop.parking import Parking
+from engine_service.loop.preemption import Preemption, restart_point
+from engine_service.loop.row_isolation import isolate, recompute_point
+from engine_service.loop.step_checkpoints import StepCheckpoints
+from engine_service.loop.warmup import WarmUpFailed, warm_up
+from engine_service.model.loading import LoadedModel
+from engine_service.model.mlx_compat import batch_cache_bytes, running_batch
+from engine_service.protocol.engine_stats import EngineStats
+from engine_service.protocol.events import Event, Finished, FinishReason, Sink, Started, Token
+from engine_service.protocol.requests import GenerationRequest
+from engine_service.sampling.constraints import Grammars
+from engine_service.sampling.masks import BatchMasks
+from engine_service.sampling.samplers import requested_logprobs
+from engine_service.speculative.lane import SpeculativeLane
+
+log = logging.getLogger(__name__)
+
+KV_BYTES_EVERY = 16  # steps between readings of the batch's KV bytes (Stats.kv_cache_bytes)
+
+# An idle engine receiving a burst gathers it for at most this many admission windows.
+GATHER_WINDOWS = 25
+
+
+def deliver_directly(outbox: list[tuple[Sink, list[Event]]]) -> None:
+    for sink, events in outbox:
+        sink(events)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        limits: Limits,
+        deliver: Deliver = deliver_directly,
+        checkpoints: CheckpointManager | None = None,
+        draft: LoadedModel | None = None,
+        compiled_decode_max_batch: int = 0,
+    ) -> None:
+        self.loaded = loaded
+        # The batch's model: decode steps of small batches compiled (compiled_decode.py), or
+        # as loaded (0).
+        model = (
+            CompiledDecode(loaded.model, compiled_decode_max_batch)
+            if compiled_decode_max_batch > 0
+            else loaded.model
+        )
+        # Structured output: constrained rows' masks, all rows of a step together.
+        self._masks = BatchMasks(model, loaded.vocab_size, lambda: running_batch(self._bg))
+        self._batch_model = self._masks
+        self.checkpoints = checkpoints
+        # The tokenizer llguidance needs is built on the first constraint.
+        self.grammars = Grammars.for_model(loaded)
+        # Requests with num_draft_tokens run as a batch of their own (speculative_lane.py).
+        self._speculative = (
+            SpeculativeLane(
+                self,
+                loaded,
+                draft,
+                checkpoints,
+                limits.prefill_step_size,
+                compiled_decode_max_batch,
+            )
+            if draft is not None
+            else None
+        )
+        self.limits = limits
+        self.deliver = deliver
+        self._outbox: list[tuple[Sink, list[Event]]] = []
+        self._step_checkpoints = StepCheckpoints(checkpoints) if checkpoints else None
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards admission counters and stats
+        self._stats = EngineStats()
+        self._admissions = Admissions(
+            limits.max_running, limits.max_queued, self._stats, self._lock
+        )
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._rows: dict[int, Job] = {}
+        self._by_id: dict[str, Job] = {}
+        self._preemption = Preemption(limits.park)
+        self._parking = Parking(
+            self, self._preemption, checkpoints, self._waiting, self._by_id, self._inbox.put
+        )
+        self._bg: BatchGenerator  # made on the engine thread: MLX streams are per thread
+        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self._warm = False
+        self._ready = threading.Event()
+        self._start_failure: ProbeFailed | WarmUpFailed | None = None
+
+    def _new_batch_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self._batch_model,
+            completion_batch_size=self.limits.max_running,
+            prefill_batch_size=min(self.limits.prefill_batch_size, self.limits.max_running),
+            prefill_step_size=self.limits.prefill_step_size,
+        )
+
+    # -- called from other threads -----------------------------------------------------------
+
+    def start(self, warm: bool = False) -> None:
+        """Starts the loop: probes what the model can do (capability_probe.py) and, with warm,
+        runs its batch shapes once (warmup.py), returning when that is done. Raises
+        ProbeFailed or WarmUpFailed when the model cannot serve."""
+        self._warm = warm
+        self._thread.start()
+        self._ready.wait()
+        if self._start_failure is not None:
+            raise self._start_failure
+
+    def submit(self, request: GenerationRequest, sink: Sink, plan: Plan = None) -> None:
+        """Admits a request or raises Overloaded / AlreadyExists / Unavailable."""
+        self._admissions.enter(request)
+        self._inbox.put(Submit(Job(request, sink, plan)))
+
+    def cancel(self, request_id: str, keep_checkpoint: bool = False, stopped: bool = False) -> bool:
+        """Asks the loop to stop a request; False if it is not known (already finished).
+
+        keep_checkpoint: leave its generation checkpoint in the store, for a client that went
+        away and may resume; otherwise it is deleted. stopped: a stop string ended it.
+        """
+        known = self._admissions.knows(request_id)
+        if known:
+            self._inbox.put(Cancel(request_id, keep_checkpoint, stopped))
+        return known
+
+    def park(self, request_id: str) -> None:
+        """Its client stopped reading: the row is to give its slot up (preemption.py)."""
+        self._inbox.put(Park(request_id))
+
+    def unpark(self, request_id: str) -> None:
+        """Its client reads again: a parked row goes back to the waiting queue."""
+        self._inbox.put(Unpark(request_id))
+
+    def stop_accepting(self) -> None:
+        self._admissions.stop()
+
+    def pending(self) -> int:
+        return self._admissions.pending
+
+    def shutdown(self) -> None:
+        """Cancels whatever is left and stops the loop."""
+        self.stop_accepting()
+        self._inbox.put(Stop())
+        self._thread.join(30)
+
+    def queued_saves(self, timeout: float = 60.0) -> bool:
+        """Waits until the prefixes of every delivered first token are queued for the store."""
+        saves = self._step_checkpoints
+        return saves is None or saves.queued_saves(timeout)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return self._stats.snapshot(time.monotonic())
+
+    # -- what the speculative lane uses (LaneHost) -------------------------------------------
+
+    def emit(self, job: Job, events: list[Event]) -> None:
+        """Queues a job's events; they leave together at the end of the step."""
+        self._outbox.append((job.sink, events))
+
+    def finish(self, job: Job) -> None:
+        """Forgets a job that ended; its generation checkpoint goes unless it is kept."""
+        if job.checkpointed and not job.keep_checkpoint and self.checkpoints is not None:
+            self.checkpoints.generations.forget(job)
+        self._rows.pop(job.uid, None)
+        self._by_id.pop(job.request.request_id, None)
+        self._preemption.forget(job)
+        self._admissions.leave(job.request.request_id)
+
+    def starting_point(self, job: Job) -> StartingPoint:
+        if job.recompute:  # its batch failed under it (row_isolation.py)
+            job.recompute = False
+            return recompute_point(job)
+        parked = self._preemption.restart_from(job)
+        if parked is not None:
+            ckpt = self.checkpoints
+            return restart_point(job, parked, ckpt.generations.materialize if ckpt else None)
+        return starting_point(job, self.checkpoints)
+
+    # -- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._bg = self._new_batch_generator()
+        try:  # what the model runs (capability_probe.py), then the warm-up
+            limits = self.limits
+            sizes = [1, min(limits.prefill_batch_size, limits.max_running), limits.max_running]
+            prepare_to_serve(self.loaded, limits.default_kv, self._new_batch_generator)
+            if self._warm:
+                warm_up(self._bg, self.loaded, sizes, limits.prefill_step_size, limits.default_kv)
+        except (ProbeFailed, WarmUpFailed) as exc:
+            self._start_failure = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        was_idle = True
+        while True:
+            idle = not self._rows and not self._waiting and not self._speculating()
+            if idle and not was_idle:
+                # Nothing runs: the buffers MLX cached for the batch go back to the device
+                # (a GPU may be shared; the next burst allocates what it needs again).
+                mx.clear_cache()
+                self._stats.kv_cache_bytes = 0
+            was_idle = idle
+            waiting_before = len(self._waiting)
+            if not self._drain_inbox(block=idle):
+                break
+            if len(self._waiting) > waiting_before and not self._gather_burst(idle):
+                break
+            self._admit()
+            self._expire_deadlines()
+            self._expire_idle()
+            if self._rows:
+                self._step()
+            if self._speculating():
+                self._step_speculative()
+            self._publish_counts()
+            self._flush_outbox()
+            if self._step_checkpoints is not None:
+                self._step_checkpoints.save_prefixes(self._bg)
+        self._cancel_all("the engine is shutting down")
+        self._flush_outbox()
+
+    def _gather_burst(self, idle: bool) -> bool:
+        """The rest of a burst of arrivals (admissions.gather_burst); False: asked to stop."""
+        return gather_burst(
+            self.limits.admission_window_s,
+            GATHER_WINDOWS if idle else 1,
+            lambda: self._running() + len(self._waiting) < self.limits.max_running,
+            lambda: len(self._waiting),
+            lambda: self._drain_inbox(block=False),
+        )
+
+    def _flush_outbox(self) -> None:
+        if self._outbox:
+            outbox, self._outbox = self._outbox, []
+            self.deliver(outbox)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Applies queued commands; False when asked to stop."""
+        while True:
+            try:
+                command = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return True
+            block = False
+            if isinstance(command, Submit):
+                self._waiting.append(command.job)
+                self._by_id[command.job.request.request_id] = command.job
+            elif isinstance(command, Cancel):
+                job = self._by_id.get(command.request_id)
+                if job is not None:
+                    job.keep_checkpoint = command.keep_checkpoint
+                    job.ended = "finished" if command.stopped else "was cancelled"
+                self._cancel(command.request_id)
+            elif isinstance(command, (Park, Unpark)):
+                self._parking.command(command)
+            elif isinstance(command, Restored):
+                self._parking.restored(command)
+            else:
+                return False
+
+    def _running(self) -> int:
+        return len(self._rows) + (len(self._speculative) if self._speculative else 0)
+
+    def _speculating(self) -> bool:
+        return bool(self._speculative and len(self._speculative))
+
+    def _step_speculative(self) -> None:
+        assert self._speculative is not None
+        produced = self._speculative.step()
+        with self._lock:
+            self._stats.add_tokens(produced, time.monotonic())
+            self._stats.speculative = dataclasses.replace(self._speculative.counters)
+
+    def _admit(self) -> None:
+        free = self.limits.max_running - self._running()
+        batch, arriving = [], []
+        while free > 0 and self._waiting:
+            job = self._waiting.popleft()
+            if self._rows and isinstance(job.plan, PrefixPlan) and job.plan.arriving:
+                # The store is still copying its prefix: admitted at a later step, so the
+                # running rows never wait for the store (an idle engine pulls as it copies).
+                arriving.append(job)
+                continue
+            # A KV scheme the model cannot run is refused before the row joins a batch.
+            refusal = kv_refusal(self.loaded, job.request.kv, self._new_batch_generator)
+            if refusal:
+                self._end_failed(job, refusal, InvalidRequest)
+                continue
+            free -= 1
+            if not job.admitted_at:
+                self._prepare(job)
+            if job.request.num_draft and self._speculative is not None:
+                self._speculative.admit(job)
+            else:
+                batch.append(job)
+        self._waiting.extendleft(reversed(arriving))
+        if not batch:
+            return
+        rows = NewRows(self.loaded.model, self.grammars)
+        for job in batch:
+            fresh = not job.tokens and not job.recompute  # not a row coming back
+            try:
+                start = self.starting_point(job)
+                rows.add(job, start)
+            except Exception as exc:  # a checkpoint that cannot be restored ends its request
+                log.exception("restoring %s failed", job.request.request_id)
+                self._end_failed(job, f"restoring the checkpoint failed: {exc}", Corrupt)
+                continue
+            if fresh:
+                cached, why = start.cached_prompt_tokens, start.prefix_miss_reason
+                self.emit(job, [Started(len(job.request.prompt), cached, why)])
+        if not rows.jobs:
+            return
+        rows.insert(self._bg)
+        self._parking.joined(rows.jobs)
+        for job in rows.jobs:
+            self._rows[job.uid] = job
+            if job.constrained is not None:
+                self._masks.add(job.constrained)
+        with self._lock:
+            self._stats.prompt_tokens_total += rows.prompt_tokens
+
+    def _prepare(self, job: Job) -> None:
+        """What every admitted request needs: its admission time and checkpoint key."""
+        job.admit()
+        if self.checkpoints is not None:
+            self.checkpoints.generations.enroll(job)
+
+    def _step(self) -> None:
+        try:
+            _, responses = self._bg.next()
+        except Exception:  # a row the model fails on must not end the rows beside it
+            log.exception("a batch step of %d rows failed; trying each alone", len(self._rows))
+            self._isolate()
+            return
+        self._masks.settle(self._rows)
+        if not responses:
+            return
+        for r in responses:
+            job = self._rows.get(r.uid)
+            if job is None:
+                continue  # removed (cancelled) while its token was in flight
+            job.tokens.append(r.token)
+            extra = requested_logprobs(r.logprobs, r.token, job.request.sampling.logprobs)
+            events: list[Event] = [Token(r.token, *extra)]
+            if self._step_checkpoints is not None:
+                finished_cache = r.prompt_cache if r.finish_reason is not None else None
+                self._step_checkpoints.after_token(job, self._bg, finished_cache)
+            if r.finish_reason is not None:
+                stop = r.token if r.finish_reason == "stop" else None
+                # Also a stop: a matcher that failed mid-row (a parser limit) allows only EOS.
+                cut = job.constrained is not None and not job.constrained.complete(job.tokens)
+                events.append(
+                    Finished(
+                        "stop" if stop is not None else "length",
+                        stop_token=stop,
+                        constraint_incomplete=cut,
+                    )
+                )
+                self.finish(job)
+            self.emit(job, events)
+        if self._step_checkpoints is not None:
+            self._step_checkpoints.capture_due(self._bg, self._rows, self._stats.steps_total)
+        self._parking.step(self._bg, self._rows, self.limits.max_running - self._running())
+        with self._lock:
+            self._stats.add_step(len(responses), time.monotonic())
+            if self._stats.steps_total % KV_BYTES_EVERY == 0:  # a sum over layers: not each step
+                self._stats.kv_cache_bytes = batch_cache_bytes(self._bg)
+
+    def _expire_idle(self) -> None:
+        timeout = self.limits.park.idle_timeout_s
+        for request_id in self._parking.idle_expired(time.monotonic()):
+            self._cancel(request_id, "idle", f"the client read nothing for {timeout:g} s")
+
+    def _cancel(self, request_id: str, reason: FinishReason = "cancelled", error: str = "") -> None:
+        job = self._by_id.get(request_id)
+        if job is None:
+            return
+        if job.uid >= 0:
+            self._bg.remove([job.uid])
+        elif self._speculative is not None and request_id in self._speculative:
+            self._speculative.remove(request_id)
+        elif not self._preemption.is_parked(job):
+            self._waiting.remove(job)
+        self.finish(job)
+        with self._lock:
+            self._stats.cancelled_total += 1
+        self.emit(job, [Finished(reason, error=error)])
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for job in list(self._by_id.values()):
+            if job.request.deadline is not None and now > job.request.deadline:
+                job.keep_checkpoint = True  # the client may retry with resume
+                self._cancel(job.request.request_id, "deadline", "deadline exceeded")
+
+    def _isolate(self) -> None:
+        """After a failed step (row_isolation.py): the rows the model fails on alone end,
+        the others wait at the front of the queue to start again by recompute."""
+        jobs = list(self._rows.values())
+        self._rows.clear()
+        self._bg = self._new_batch_generator()
+        self._masks.settle(self._rows)
+        verdicts = isolate(self.loaded.model, jobs, self._new_batch_generator)
+        for verdict in reversed(verdicts):
+            verdict.job.uid = -1
+            if verdict.culprit:
+                why = f"the model failed on this request: {verdict.failure}"
+                self._end_failed(verdict.job, why, ModelFailed, keep_checkpoint=True)
+            else:
+                verdict.job.recompute = True
+                self._waiting.appendleft(verdict.job)
+        with self._lock:
+            self._stats.isolated_failures_total += sum(v.culprit for v in verdicts)
+
+    def _end_failed(
+        self, job: Job, error: str, failure: type[EngineError], keep_checkpoint: bool = False
+    ) -> None:
+        """Ends a job the engine failed or refused; its stream ends with failure's status."""
+        job.ended = "failed"
+        job.keep_checkpoint = job.keep_checkpoint or keep_checkpoint
+        self.finish(job)
+        self.emit(job, [Finished("error", error=error, failure=failure.__name__)])
+
+    def _cancel_all(self, message: str) -> None:
+        for job in list(self._by_id.values()):
+            job.keep_checkpoint = True  # shutting down: resumable on another engine
+            self._cancel(job.request.request_id, "cancelled", message)
+
+    def _publish_counts(self) -> None:
+        with self._lock:
+            self._stats.running = self._running()
+            self._stats.queued = len(self._waiting)
+            self._stats.parking = dataclasses.replace(self._preemption.counters)

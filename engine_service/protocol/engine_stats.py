@@ -1,0 +1,78 @@
+"""The engine loop's counters (Stats RPC), kept by the scheduler under its lock."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from dataclasses import dataclass, field
+
+from engine_service.loop.preemption import ParkCounters
+from engine_service.speculative.batch import SpeculativeCounters
+
+# Decode rate: tokens over the last this many seconds.
+RATE_WINDOW_S = 5.0
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    queued: int = 0
+    requests_total: int = 0
+    generated_tokens_total: int = 0
+    prompt_tokens_total: int = 0
+    decode_tokens_per_second: float = 0.0
+    batch_size: int = 0
+    max_batch_size_seen: int = 0
+    mean_batch_size: float = 0.0
+    cancelled_total: int = 0
+    rejected_total: int = 0
+    steps_total: int = 0
+    # Rows ended because the model failed on them alone (row_isolation.py).
+    isolated_failures_total: int = 0
+    parking: ParkCounters = field(default_factory=ParkCounters)
+    # Bytes the running batch's KV caches hold (read every few steps; 0 when idle).
+    kv_cache_bytes: int = 0
+    speculative: SpeculativeCounters = field(default_factory=SpeculativeCounters)
+    # (time.monotonic(), tokens) of recent steps, for the decode rate.
+    recent: collections.deque[tuple[float, int]] = field(
+        default_factory=lambda: collections.deque(maxlen=256)
+    )
+
+    def add_step(self, rows: int, now: float) -> None:
+        """One batch step that produced a token for each of `rows` rows."""
+        self.steps_total += 1
+        self.batch_size = rows
+        self.max_batch_size_seen = max(self.max_batch_size_seen, rows)
+        self.add_tokens(rows, now)
+
+    def add_tokens(self, tokens: int, now: float) -> None:
+        self.generated_tokens_total += tokens
+        self.recent.append((now, tokens))
+
+    def snapshot(self, now: float) -> EngineStats:
+        """A copy with the derived rates filled in."""
+        window = [(t, n) for t, n in self.recent if now - t <= RATE_WINDOW_S]
+        tps = 0.0
+        if len(window) >= 2:
+            span = window[-1][0] - window[0][0]
+            tps = sum(n for _, n in window[1:]) / span if span > 0 else 0.0
+        return EngineStats(
+            running=self.running,
+            queued=self.queued,
+            requests_total=self.requests_total,
+            generated_tokens_total=self.generated_tokens_total,
+            prompt_tokens_total=self.prompt_tokens_total,
+            decode_tokens_per_second=tps,
+            batch_size=self.batch_size,
+            max_batch_size_seen=self.max_batch_size_seen,
+            mean_batch_size=(
+                self.generated_tokens_total / self.steps_total if self.steps_total else 0
+            ),
+            cancelled_total=self.cancelled_total,
+            rejected_total=self.rejected_total,
+            steps_total=self.steps_total,
+            isolated_failures_total=self.isolated_failures_total,
+            parking=dataclasses.replace(self.parking),
+            kv_cache_bytes=self.kv_cache_bytes,
+            speculative=dataclasses.replace(self.speculative),
+        )

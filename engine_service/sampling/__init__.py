@@ -1,0 +1,2 @@
+"""Sampling and structured output: samplers, constraints, their compile budget, the batch's
+masks."""
