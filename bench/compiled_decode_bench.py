@@ -33,9 +33,10 @@ from bench.engine_bench import model_spec, prompts  # noqa: E402
 from engine_service.loop.compiled_decode import CompiledDecode  # noqa: E402
 from engine_service.loop.jobs import Job, StartingPoint  # noqa: E402
 from engine_service.loop.new_rows import NewRows  # noqa: E402
-from engine_service.model.loading import LoadedModel, load_model  # noqa: E402
+from engine_service.model.loaded import LoadedModel  # noqa: E402
+from engine_service.model.loading import load_model  # noqa: E402
 from engine_service.protocol.requests import GenerationRequest  # noqa: E402
-from engine_service.sampling.samplers import SamplingOptions  # noqa: E402
+from engine_service.protocol.sampling_options import SamplingOptions  # noqa: E402
 
 
 def decode(

@@ -52,7 +52,7 @@ from bench.shapes import SHAPES, model_spec  # noqa: E402
 from engine_service import blas  # noqa: E402
 from engine_service.loop.compiled_decode import CompiledDecode  # noqa: E402
 from engine_service.model.loading import load_model  # noqa: E402
-from engine_service.sampling.samplers import SamplingOptions  # noqa: E402
+from engine_service.protocol.sampling_options import SamplingOptions  # noqa: E402
 from engine_service.speculative.batch import SpecRow, SpeculativeBatch, prefilled  # noqa: E402
 
 # A Qwen3-0.6B-shaped draft with the Llama-3 vocabulary size (same tokenizer as the target).

@@ -29,7 +29,7 @@ import mlx.core as mx  # noqa: E402
 from bench.shapes import model_spec  # noqa: E402
 from bench.speculative_bench import batch_plain  # noqa: E402
 from engine_service.model.loading import load_model  # noqa: E402
-from engine_service.sampling.samplers import SamplingOptions  # noqa: E402
+from engine_service.protocol.sampling_options import SamplingOptions  # noqa: E402
 from engine_service.speculative.batch import SpecRow, SpeculativeBatch, prefilled  # noqa: E402
 
 

@@ -103,7 +103,8 @@ def replay(spec: str, data_dir: Path, tokens: int) -> None:
     import numpy as np
 
     from engine_service.model.loading import load_model
-    from engine_service.sampling.constraints import Constraint, ConstraintKind, Grammars, mask_words
+    from engine_service.protocol.constraint import Constraint, ConstraintKind
+    from engine_service.sampling.constraints import Grammars, mask_words
 
     loaded = load_model(spec, data_dir)
     grammars = Grammars.for_model(loaded)

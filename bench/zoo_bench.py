@@ -8,7 +8,7 @@ model's shape (bench/shapes.py, random weights: `--archs llama3.1-8b-shape`):
   through the engine's core (`Scheduler`: our batch caches, samplers, stop handling, events),
   interleaved ABAB after a warm round of each; the median of the paired ratios (ours /
   mlx-lm) with their spread;
-- the start-up probe's seconds (capability_probe.py);
+- the start-up probe's seconds (core/capability_probe.py);
 - for architectures whose caches cannot be trimmed (recurrent, sliding windows): the time to
   the first token of a long prompt sent the first time (a prefix snapshot is taken during
   its prefill) and sent again (restored from it), beside mlx-lm prefilling it alone.
@@ -40,7 +40,8 @@ from engine_service.core.capability_probe import probe  # noqa: E402
 from engine_service.core.planner import Planner  # noqa: E402
 from engine_service.loop.limits import Limits  # noqa: E402
 from engine_service.loop.scheduler import Scheduler  # noqa: E402
-from engine_service.model.loading import LoadedModel, load_model  # noqa: E402
+from engine_service.model.loaded import LoadedModel  # noqa: E402
+from engine_service.model.loading import load_model  # noqa: E402
 from engine_service.protocol.events import Event, Finished, Started, Token  # noqa: E402
 from engine_service.protocol.requests import DraftSupport  # noqa: E402
 from tests.model_zoo import ZOO, build_zoo_model  # noqa: E402

@@ -35,12 +35,12 @@ class EngineConfig:
     switch_interval_s: float = 0.001
     # How long the loop waits for the rest of a burst of arrivals before a prefill.
     admission_window_s: float = 0.002
-    # Slow readers (preemption.py): unread tokens before a row gives its slot up (0: never),
+    # Slow readers (loop/preemption.py): unread tokens before a row gives its slot up (0: never),
     # the bytes parked rows may hold, and how long one may stay parked.
     park_after_tokens: int = 256
     park_bytes: int = 1 << 30
     park_idle_timeout_s: float = 300.0
-    # Turns (turns.py): tokens a row generates in its slot before it gives the slot up to a
+    # Turns (loop/turns.py): tokens a row generates in its slot before it gives the slot up to a
     # waiting request when the batch is full (0: never). Bounds what a stream nobody reads
     # takes before its client's window (megabytes) fills.
     turn_tokens: int = 512
@@ -68,14 +68,14 @@ class EngineConfig:
     # Same-host data plane (docs/store.md): bytes of shared memory for restores; 0 = off.
     store_region_bytes: int = -1  # -1: sized for the backend (checkpoints.region_bytes)
     spill_batch_records: int = 32  # checkpoint Puts sent in one PutMany (1: one Put each)
-    # Prometheus /metrics (metrics.py) on HOST:PORT; "" = off.
+    # Prometheus /metrics (front/metrics.py) on HOST:PORT; "" = off.
     metrics_listen: str = ""
     log_format: str = "text"  # or "json" (tandem_wire/logs.py)
     log_level: str = "info"
     log_prompts: bool = False  # the prompt's token ids in each request line (private data)
     # Run each decode and prefill shape once at start (MLX-CUDA compiles kernels on first use).
     warmup: bool = True
-    # The decode step as one compiled MLX graph where the batch allows (compiled_decode.py),
+    # The decode step as one compiled MLX graph where the batch allows (loop/compiled_decode.py),
     # for batches of at most this many rows: past that the GPU's step outweighs the Python
     # graph building it saves, and on an H200 the compiled step was slower (performance.md).
     compiled_decode: bool = True
@@ -193,7 +193,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         "--switch-interval",
         type=float,
         default=float(_env("SWITCH_INTERVAL", "0.001")),
-        help="Python GIL switch interval in seconds (see server.py)",
+        help="Python GIL switch interval in seconds (see front/server.py)",
     )
     p.add_argument(
         "--admission-window",

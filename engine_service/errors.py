@@ -1,4 +1,4 @@
-"""The engine's error hierarchy; servicer.py maps it to gRPC status codes in one place.
+"""The engine's error hierarchy; front/servicer.py maps it to gRPC status codes in one place.
 
     EngineError                 INTERNAL (never raised as such: a bug)
     ├── InvalidRequest          INVALID_ARGUMENT   the caller sent something malformed

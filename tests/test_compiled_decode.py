@@ -12,10 +12,11 @@ from mlx_lm.generate import BatchGenerator
 from engine_service.loop.compiled_decode import CompiledDecode
 from engine_service.loop.jobs import Job, StartingPoint
 from engine_service.loop.new_rows import NewRows
-from engine_service.model.loading import LoadedModel, load_model
+from engine_service.model.loaded import LoadedModel
+from engine_service.model.loading import load_model
 from engine_service.protocol.kv_codec import PLAIN_KV, KVCodec
 from engine_service.protocol.requests import GenerationRequest
-from engine_service.sampling.samplers import SamplingOptions
+from engine_service.protocol.sampling_options import SamplingOptions
 
 
 @pytest.fixture(scope="module")

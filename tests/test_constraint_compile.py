@@ -2,7 +2,8 @@
 front's compiles run on a pool of their own and wait at most --constraint-compile-timeout (an
 overrun is refused as too complex and remembered, a wait behind others' compiles is
 RESOURCE_EXHAUSTED); the core prepares each constraint's matcher on its planning pool, and a
-row on the loop only copies it (engine_service/sampling/constraint_compiler.py, constraints.py).
+row on the loop only copies it (engine_service/sampling/constraint_compiler.py,
+sampling/constraints.py).
 
 The compiles here are stand-ins held on events, so what is refused does not depend on how
 fast this machine compiles; the matchers are llguidance's own on the tiny model."""
@@ -16,9 +17,11 @@ import numpy as np
 import pytest
 
 from engine_service.errors import InvalidRequest, Overloaded
-from engine_service.model.loading import LoadedModel, load_model
+from engine_service.model.loaded import LoadedModel
+from engine_service.model.loading import load_model
+from engine_service.protocol.constraint import Constraint, ConstraintKind
 from engine_service.sampling.constraint_compiler import CompileBudget
-from engine_service.sampling.constraints import Constraint, ConstraintKind, Grammars, mask_words
+from engine_service.sampling.constraints import Grammars, mask_words
 
 
 def test_a_compile_past_its_budget_is_refused_and_remembered() -> None:

@@ -21,20 +21,22 @@ import pytest
 
 from engine_service.errors import InvalidRequest
 from engine_service.front import wire
+from engine_service.front.policy import RequestPolicy
 from engine_service.front.response_stream import ResponseBuilder, ResponseChunk
 from engine_service.loop.limits import Limits
 from engine_service.loop.scheduler import Scheduler
-from engine_service.model.loading import LoadedModel, load_model
-from engine_service.protocol.events import Token
-from engine_service.protocol.requests import GenerationRequest, RequestPolicy, stop_token_ids
-from engine_service.sampling.constraints import (
+from engine_service.model.loaded import LoadedModel
+from engine_service.model.loading import load_model
+from engine_service.protocol.constraint import (
     MAX_CHOICES,
     MAX_ERROR_CHARS,
     Constraint,
     ConstraintKind,
-    Grammars,
 )
-from engine_service.sampling.samplers import SamplingOptions
+from engine_service.protocol.events import Token
+from engine_service.protocol.requests import GenerationRequest, stop_token_ids
+from engine_service.protocol.sampling_options import SamplingOptions
+from engine_service.sampling.constraints import Grammars
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import InvalidArgument
 from tandem_wire.pb import engine_pb2
@@ -59,14 +61,14 @@ def grammars(tiny: LoadedModel) -> Grammars:
     return Grammars.for_model(tiny)
 
 
-def _policy(tiny: LoadedModel, grammars: Grammars) -> RequestPolicy:
-    return RequestPolicy(loaded=tiny, context=4096, default_max_tokens=64, grammars=grammars)
+def _policy(tiny: LoadedModel) -> RequestPolicy:
+    return RequestPolicy(loaded=tiny, context=4096, default_max_tokens=64)
 
 
 def test_a_choice_past_the_parser_row_is_refused_before_compiling(
     tiny: LoadedModel, grammars: Grammars
 ) -> None:
-    policy = _policy(tiny, grammars)
+    policy = _policy(tiny)
     for n in (MAX_CHOICES + 1, 40_000):
         request = engine_pb2.GenerateRequest(text="Pick:")
         request.constraint.choice.options.extend(_options(n))

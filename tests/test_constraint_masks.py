@@ -18,17 +18,14 @@ import pytest
 
 from engine_service.loop.limits import Limits
 from engine_service.loop.scheduler import Scheduler
-from engine_service.model.loading import LoadedModel, load_model
+from engine_service.model.loaded import LoadedModel
+from engine_service.model.loading import load_model
+from engine_service.protocol.constraint import Constraint, ConstraintKind
 from engine_service.protocol.events import Finished
 from engine_service.protocol.requests import GenerationRequest, stop_token_ids
-from engine_service.sampling.constraints import (
-    ConstrainedRow,
-    Constraint,
-    ConstraintKind,
-    apply_bitmask,
-)
+from engine_service.protocol.sampling_options import SamplingOptions
+from engine_service.sampling.constraints import ConstrainedRow, apply_bitmask
 from engine_service.sampling.masks import StepOrder
-from engine_service.sampling.samplers import SamplingOptions
 from tests.test_engine_domain import Collector
 
 DATE = r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"

@@ -33,11 +33,12 @@ from engine_service.errors import (
 )
 from engine_service.loop.limits import Limits
 from engine_service.loop.scheduler import Scheduler
-from engine_service.model.loading import LoadedModel, load_model
+from engine_service.model.loaded import LoadedModel
+from engine_service.model.loading import load_model
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.events import Event, Finished, Started, Token
 from engine_service.protocol.requests import GenerationRequest, stop_token_ids
-from engine_service.sampling.samplers import SamplingOptions
+from engine_service.protocol.sampling_options import SamplingOptions
 from store_service.config import StoreConfig
 from store_service.server import create_server
 from store_service.store import CheckpointStore

@@ -84,7 +84,7 @@ def test_eight_concurrent_streams_match_their_solo_runs(engine_client: EngineCli
 def test_logprobs_are_returned_and_consistent(engine_client: EngineClient) -> None:
     got = engine_client.generate("Hello", max_tokens=6, logprobs=3, ignore_eos=True)
     # One logprob a token, in each chunk's order. A chunk may carry several tokens: events a
-    # reader has not taken yet are coalesced (response_stream.py), as under a loaded machine.
+    # reader has not taken yet are coalesced (front/response_stream.py), as under a loaded machine.
     chunks = [c for c in got.chunks if c.token_ids]
     assert sum(len(c.token_ids) for c in chunks) == 6
     for chunk in chunks:

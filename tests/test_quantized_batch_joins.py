@@ -21,7 +21,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine_service.kv.batch_cache import adopt_row
-from engine_service.model.loading import LoadedModel, load_model
+from engine_service.model.loaded import LoadedModel
+from engine_service.model.loading import load_model
 from engine_service.protocol.kv_codec import PLAIN_KV, KVCodec
 from tests.batch_rows import alone
 

@@ -18,7 +18,8 @@ from engine_service.checkpoints.cache_records import capture, restore_captured
 from engine_service.kv.batch_cache import adopt_row
 from engine_service.kv.ring_cache import BatchQuantizedRingCache
 from engine_service.kv.rows import PackedRingRow
-from engine_service.model.loading import LoadedModel, load_model
+from engine_service.model.loaded import LoadedModel
+from engine_service.model.loading import load_model
 from engine_service.protocol.kv_codec import KVCodec, StorageKind, request_layout
 from tandem_client import EngineClient, StoreClient
 from tests.batch_rows import (
@@ -155,7 +156,8 @@ def test_a_packed_ring_row_extracted_and_merged_is_byte_identical(swa: LoadedMod
 
 
 def _saved_prefix(model: Any, prompt: list[int]) -> list[Any]:
-    """What a prefix save does to a ring that has not wrapped (prefix_reuse.py): the row cut
+    """What a prefix save does to a ring that has not wrapped (checkpoints/prefix_reuse.py): the
+    row cut
     after its first token (converted to its codec by then), trimmed back to the prompt less
     its last token."""
     bg = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)

@@ -21,11 +21,12 @@ from engine_service.front.response_stream import RequestStream, respond
 from engine_service.kv.batch_cache import BatchQuantizedKVCache
 from engine_service.loop.limits import Limits
 from engine_service.loop.scheduler import Scheduler
-from engine_service.model.loading import LoadedModel, load_model
+from engine_service.model.loaded import LoadedModel
+from engine_service.model.loading import load_model
 from engine_service.protocol.events import Finished, Started, Token
 from engine_service.protocol.kv_codec import KVCodec, StorageKind
 from engine_service.protocol.requests import GenerationRequest, stop_token_ids
-from engine_service.sampling.samplers import SamplingOptions
+from engine_service.protocol.sampling_options import SamplingOptions
 from tests.zoo_checks import Collector
 
 LONG = 400  # the plain streams' length

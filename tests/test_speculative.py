@@ -14,7 +14,8 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 
 from engine_service.checkpoints.attachments import DRAFT_SCHEMA
 from engine_service.model.loading import load_model
-from engine_service.sampling.samplers import SamplingOptions, SeededSampler
+from engine_service.protocol.sampling_options import SamplingOptions
+from engine_service.sampling.samplers import SeededSampler
 from engine_service.speculative.batch import SpecRow, SpeculativeBatch, prefilled
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import TandemError

@@ -15,9 +15,11 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from engine_service.kv.batch_cache import BatchQuantizedKVCache, adopt_row
 from engine_service.kv.ring_cache import BatchQuantizedRingCache
 from engine_service.loop.compiled_decode import CompiledDecode
-from engine_service.model.loading import LoadedModel, load_model
+from engine_service.model.loaded import LoadedModel
+from engine_service.model.loading import load_model
 from engine_service.protocol.kv_codec import PLAIN_KV, KVCodec
-from engine_service.sampling.samplers import SamplingOptions, SeededSampler
+from engine_service.protocol.sampling_options import SamplingOptions
+from engine_service.sampling.samplers import SeededSampler
 from engine_service.speculative.batch import SpecRow, SpeculativeBatch, prefilled
 
 TOKENS = 40

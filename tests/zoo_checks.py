@@ -27,11 +27,12 @@ from engine_service.checkpoints.manager import CheckpointManager, CheckpointSett
 from engine_service.core.planner import Planner
 from engine_service.loop.limits import Limits
 from engine_service.loop.scheduler import Scheduler
-from engine_service.model.loading import LoadedModel, load_model
+from engine_service.model.loaded import LoadedModel
+from engine_service.model.loading import load_model
 from engine_service.protocol.events import Event, Finished, Started, Token
 from engine_service.protocol.kv_codec import GROUP_SIZES, PLAIN_KV, KVCodec, request_layout
 from engine_service.protocol.requests import DraftSupport, GenerationRequest, stop_token_ids
-from engine_service.sampling.samplers import SamplingOptions
+from engine_service.protocol.sampling_options import SamplingOptions
 from tests.model_zoo import build_zoo_model
 
 TOKENS = 16

@@ -165,7 +165,8 @@ def restore(
     to_array: Callable[[Tensor], mx.array] = host_array,
 ) -> list[Any]:
     """Rebuilds caches from a checkpoint's metadata and tensors (bytes from the store);
-    to_array: how bytes become an MLX array (device_landing.py: a host copy, or a GPU pull
+    to_array: how bytes become an MLX array (checkpoints/device_landing.py: a host copy, or a GPU
+    pull
     from the pinned region).
 
     Raises Precondition naming what differs when the codec or layout does not match.

@@ -32,7 +32,7 @@ from tandem_client.regions import RegionHold, SharedRegion
 
 log = logging.getLogger(__name__)
 
-# dtypes numpy cannot hold travel as same-width unsigned words (cache_codec.py).
+# dtypes numpy cannot hold travel as same-width unsigned words (checkpoints/cache_records.py).
 WORD_VIEWS = {"bfloat16": (mx.uint16, np.uint16)}
 # Pull kernel launch: 16-byte words, a grid-stride loop over at most this many threads.
 THREADS_PER_BLOCK = 256

@@ -1,6 +1,6 @@
 """What a generation checkpoint says about itself: its metadata strings (`GenerationMeta`),
 the digest of the options a resume must share, and the keys and rules of segment chains
-(generation_checkpoints.py has the policy that uses them)."""
+(checkpoints/generations.py has the policy that uses them)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 
 from engine_service.errors import Corrupt, Precondition
-from engine_service.sampling.samplers import SamplingOptions
+from engine_service.protocol.sampling_options import SamplingOptions
 
 # A chain holds at most this many segments before a whole snapshot starts a new one.
 MAX_CHAIN = 16

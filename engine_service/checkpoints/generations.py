@@ -44,7 +44,7 @@ from engine_service.core.plans import ResumePlan
 from engine_service.errors import Corrupt, EngineError, NotFound, Precondition, Unavailable
 from engine_service.loop.jobs import Job, PendingSnapshot, Segment
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
-from engine_service.sampling.samplers import SamplingOptions
+from engine_service.protocol.sampling_options import SamplingOptions
 from tandem_client.errors import DataLoss, TandemError
 from tandem_client.errors import NotFound as StoreNotFound
 from tandem_client.identity import generation_key, scope_digest
@@ -258,7 +258,7 @@ class GenerationCheckpoints:
             caches.append(cache)
         return caches
 
-    # -- handler threads ---------------------------------------------------------------------
+    # -- the planning pool ---------------------------------------------------------------------
 
     def load(
         self,

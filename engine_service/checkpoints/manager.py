@@ -3,10 +3,10 @@
 - prefix_reuse.py: a prompt's longest cached prefix, local tier then store; saved after prefill.
 - prefix_snapshots.py: for caches that cannot be trimmed, the prompt's state at its last block
   boundary, kept during prefill.
-- generation_checkpoints.py: snapshots of running generations, their chains, resume.
+- generations.py: snapshots of running generations, their chains, resume.
 - spill.py: the bounded queue that sends both to the store off the MLX thread.
 
-Network calls happen on request handler threads (lookup, get) and the spill thread (put,
+Network calls happen on the core's planning pool (lookup, get) and the spill thread (put,
 delete), never on the MLX thread.
 """
 
@@ -27,13 +27,14 @@ from engine_service.checkpoints.host_staging import HostStaging
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE, PrefixCache
 from engine_service.checkpoints.prefix_reuse import PrefixReuse
 from engine_service.checkpoints.prefix_snapshots import PrefixSnapshots
-from engine_service.checkpoints.spill import FlushResult, SpillQueue
+from engine_service.checkpoints.spill import SpillQueue
 from engine_service.core.plans import Plan, PrefixMiss, PrefixPlan, ResumePlan
 from engine_service.errors import EngineError, Unavailable
 from engine_service.loop.jobs import Job, StartingPoint
-from engine_service.model.loading import LoadedModel
+from engine_service.model.loaded import LoadedModel
 from engine_service.protocol.checkpoint_stats import CheckpointCounters, CheckpointStats
 from engine_service.protocol.events import PrefixMissReason
+from engine_service.protocol.flush import FlushResult
 from tandem_client.errors import NotFound as StoreNotFound
 from tandem_client.errors import TandemError
 from tandem_client.regions import SHM_DIR, SharedRegion, remove_stale_regions
@@ -164,7 +165,7 @@ class CheckpointManager:
     def prefix_start(self, job: Job) -> StartingPoint:
         """Where a fresh prompt starts (MLX thread): its cached prefix restored, or why it
         reused none; for caches that cannot be trimmed, a snapshot on the way
-        (prefix_snapshots.py)."""
+        (checkpoints/prefix_snapshots.py)."""
         r, plan = job.request, job.plan
         caches, cached, reason = None, 0, _miss_reason(plan, len(r.prompt))
         if isinstance(plan, PrefixPlan):

@@ -1,14 +1,15 @@
 """Prefix reuse: a prompt's longest cached prefix, restored so only the rest is prefilled.
 
-A prompt's block-hash chain is looked up in the in-memory tier (prefix_cache.py) first, then in
+A prompt's block-hash chain is looked up in the in-memory tier (checkpoints/prefix_cache.py) first,
+then in
 the store; the longest hit wins. A local hit is rebuilt from the captured device arrays
 themselves (no trip through host bytes); a store hit from the record's bytes. Either is trimmed
 to the matched length. After prefill the prompt's caches are kept locally and spilled to the
 store once (deduplicated, `if_absent`). Caches that cannot be trimmed are kept as exact records
-instead, taken during prefill (prefix_snapshots.py): they serve their own length only. A
+instead, taken during prefill (checkpoints/prefix_snapshots.py): they serve their own length only. A
 prompt that finds nothing gets a `PrefixMiss` saying why.
 
-`find` runs on handler threads (it may call the store); `materialize` and `save` on the MLX
+`find` runs on the core's planning pool (it may call the store); `materialize` and `save` on the MLX
 thread.
 """
 
@@ -146,7 +147,7 @@ class PrefixReuse:
         if not hit.found or matched <= better_than or (exact and matched != hit.record_tokens):
             return PrefixMiss("no stored prefix")
         if not self.cost.worth_restoring(matched - better_than):
-            return PrefixMiss("cheaper to prefill")  # restore_cost.py
+            return PrefixMiss("cheaper to prefill")  # checkpoints/restore_cost.py
         start = time.perf_counter()
         # Same-host: the bytes stay in the region until the MLX thread has made them arrays;
         # they arrive while it does (progressive: pulled as each part is verified).

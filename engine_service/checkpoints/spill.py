@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
+from engine_service.protocol.flush import FlushResult
 from tandem_client.errors import AlreadyExists, PutManyFailed, TandemError
 from tandem_client.errors import NotFound as StoreNotFound
 from tandem_client.records import Checkpoint, PutItem
@@ -55,7 +56,8 @@ class Put:
     # Checked just before sending: False skips the put (e.g. its chain broke meanwhile).
     still_wanted: Callable[[], bool] | None = None
     on_failed: Callable[[], None] | None = None  # after a put that did not land
-    # What the tensors' bytes live in (a region span, host_staging.py): dropped with the item.
+    # What the tensors' bytes live in (a region span, checkpoints/host_staging.py): dropped with
+    # the item.
     keep: object = None
 
 
@@ -68,14 +70,6 @@ class Delete:
 @dataclass
 class _Barrier:
     done: threading.Event
-
-
-@dataclass
-class FlushResult:
-    durable: bool  # everything acknowledged since the last barrier is on the store's disk
-    flushed: int = 0  # puts that landed since the last barrier
-    missing: int = 0  # dropped for lack of queue room
-    failed: int = 0  # sent and refused or unreachable
 
 
 # Puts queued back to back leave in one PutMany call of at most this many records / bytes: a

@@ -1,6 +1,6 @@
 """Where a request starts: its own generation checkpoint (resume), a cached prefix, or nothing.
 
-Runs on a handler thread before the request is submitted: it may call the store (lookup,
+Runs on the core's planning pool before the request is submitted: it may call the store (lookup,
 get), which the MLX thread never does. The MLX thread later materializes the plan
 (checkpoints.starting_point).
 """

@@ -1,8 +1,9 @@
 """Where a request starts from: a cached prefix of its prompt, or its own generation checkpoint
 (or why there was no prefix to reuse).
 
-Made on a handler thread by planner.py (which may read the store), materialized into caches on
-the MLX thread (prefix_reuse.py, generation_checkpoints.py).
+Made on the core's planning pool by core/planner.py (which may read the store), materialized into
+caches on
+the MLX thread (checkpoints/prefix_reuse.py, checkpoints/generations.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The engine core: the process that owns MLX — model, batch, caches, sampling, checkpoints.
 
-Started by the gRPC front (front_core.py) as `python -m engine_service.core.process`, with
+Started by the gRPC front (front/core_link.py) as `python -m engine_service.core.process`, with
 the front's own engine flags after `--`. It loads the model, warms the batch shapes, says
 Ready, then serves commands until the front says Shutdown or goes away (its end of the
 `--parent-fd` pipe closes). Its MLX thread shares the GIL only with the command reader,
@@ -30,7 +30,6 @@ import zmq
 
 from engine_service import blas
 from engine_service.checkpoints.manager import CheckpointManager
-from engine_service.checkpoints.spill import FlushResult
 from engine_service.config import EngineConfig, parse_args
 from engine_service.core.capability_probe import ProbeFailed
 from engine_service.core.planner import Planner
@@ -64,7 +63,10 @@ from engine_service.protocol.channel import (
     Unpark,
 )
 from engine_service.protocol.events import Event, Finished, Sink
+from engine_service.protocol.flush import FlushResult
 from engine_service.protocol.requests import DraftSupport
+from engine_service.sampling.constraint_compiler import CompileBudget
+from engine_service.sampling.constraints import Grammars
 from tandem_wire.logs import configure_logging
 
 log = logging.getLogger("tandem.engine.core")
@@ -175,6 +177,9 @@ class CoreService:
         req = command.request
         try:
             if req.sampling.constraint is not None:
+                # Compiled once, here, within --constraint-compile-timeout: a grammar that does
+                # not compile, or nothing satisfies, is refused before it takes a slot.
+                self.scheduler.grammars.compile(req.sampling.constraint)
                 self.scheduler.grammars.prepare(req.sampling.constraint)
             plan = self.planner.plan(req) if self.planner.needed(req) else None
         except Exception as exc:  # noqa: BLE001 - refused (EngineError) or a bug (logged)
@@ -262,6 +267,7 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
         checkpoints,
         draft,
         compiled_decode_max_batch=config.compiled_decode_max_batch if config.compiled_decode else 0,
+        grammars=Grammars.for_model(loaded, CompileBudget(config.constraint_compile_timeout_s)),
     )
     scheduler.start(warm=config.warmup)
     drafts = DraftSupport(draft.model_id if draft else "", config.num_draft_tokens)

@@ -8,7 +8,7 @@ from engine_service.checkpoints.manager import CheckpointManager, CheckpointSett
 from engine_service.config import EngineConfig
 from engine_service.loop.limits import Limits
 from engine_service.loop.preemption import ParkSettings
-from engine_service.model.loading import LoadedModel
+from engine_service.model.loaded import LoadedModel
 from tandem_client.credentials import bearer_token, tls_credentials
 
 

@@ -1,7 +1,7 @@
 """The gRPC front's end of the engine core: starts it, talks to it, notices when it dies.
 
 One `CoreLink` per front, on the event loop. It spawns `engine_service.core.process` with
-the front's flags, sends commands and awaits answers (core_channel.py), and routes each
+the front's flags, sends commands and awaits answers (protocol/channel.py), and routes each
 step's Delivery to the request streams it holds. When the core exits unasked, every open
 stream ends with UNAVAILABLE, every waiting call fails with it, `on_serving(False)` is
 called (health: NOT_SERVING), and a new core is started with backoff; `on_serving(True)`
@@ -25,7 +25,6 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from engine_service.checkpoints.spill import FlushResult
 from engine_service.errors import Unavailable, error_named
 from engine_service.front.core_spawn import CoreProcess, spawn_core
 from engine_service.front.response_stream import RequestStream
@@ -52,6 +51,7 @@ from engine_service.protocol.channel import (
     Unpark,
 )
 from engine_service.protocol.events import Finished
+from engine_service.protocol.flush import FlushResult
 from engine_service.protocol.requests import GenerationRequest
 
 log = logging.getLogger("tandem.engine")

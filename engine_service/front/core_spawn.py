@@ -2,7 +2,7 @@
 
 The front calls this before it imports mlx-lm and the tokenizer stack (seconds): the core
 loads its model meanwhile. ZeroMQ lets the core connect to the ipc endpoints before the
-front binds them (core_link.py); it retries until they exist.
+front binds them (front/core_link.py); it retries until they exist.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """From engine events to what a client receives: text, replayed tokens, logprobs, usage.
 
-Runs on the event loop, per request. The MLX loop sends token ids (events.py); here they are
-detokenized with exact stop strings (text.py), a resumed generation's held tokens are
+Runs on the event loop, per request. The MLX loop sends token ids (protocol/events.py); here they
+are
+detokenized with exact stop strings (front/text.py), a resumed generation's held tokens are
 replayed from its checkpoint, and the last chunk carries the usage. Chunks are domain values;
-wire.py turns them into GenerateResponse messages.
+front/wire.py turns them into GenerateResponse messages.
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from engine_service.errors import (
 )
 from engine_service.front.metrics import RequestMetrics
 from engine_service.front.text import TextStream
-from engine_service.protocol.events import Event, Finished, PrefixMissReason, Sink, Started, Token
+from engine_service.protocol.events import Event, Finished, PrefixMissReason, Started, Token
 from engine_service.protocol.requests import GenerationRequest
 
 ResponseFinish = Literal["length", "stop", "cancelled", "error"]
-Deliver = Callable[[list[tuple[Sink, list[Event]]]], None]
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class ResponseChunk:
 
 @dataclass(frozen=True)
 class Backpressure:
-    """What a stream tells the engine loop about its reader (preemption.py)."""
+    """What a stream tells the engine loop about its reader (loop/preemption.py)."""
 
     unread_limit: int  # tokens waiting here before `stalled` is called
     stalled: Callable[[], None]  # the client's window is full and it fell that far behind
@@ -99,7 +99,7 @@ class RequestStream:
         self._unread = 0
         self._stalled = False
 
-    def push(self, events: list[Event]) -> None:  # on the event loop (core_link.py)
+    def push(self, events: list[Event]) -> None:  # on the event loop (front/core_link.py)
         self._queue.put_nowait(events)
         bp = self._backpressure
         if bp is None:

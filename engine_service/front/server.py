@@ -1,7 +1,7 @@
 """The engine's front process: gRPC (aio) server, health, reflection, signals.
 
 The model runs in the engine core, a second process this one starts and watches
-(core_link.py, core_process.py): the MLX loop never shares a GIL with gRPC.
+(front/core_link.py, core/process.py): the MLX loop never shares a GIL with gRPC.
 """
 
 from __future__ import annotations
@@ -56,11 +56,10 @@ async def serve(
     # Imported here, after the core was spawned: mlx-lm and the tokenizer stack take seconds
     # to import, and the core loads its model meanwhile.
     from engine_service.front.core_link import CoreLink
+    from engine_service.front.policy import RequestPolicy
     from engine_service.front.servicer import EngineServicer
-    from engine_service.model.loading import without_weights
-    from engine_service.protocol.requests import DraftSupport, RequestPolicy
-    from engine_service.sampling.constraint_compiler import CompileBudget
-    from engine_service.sampling.constraints import Grammars
+    from engine_service.model.loaded import without_weights
+    from engine_service.protocol.requests import DraftSupport
 
     health_servicer = health.aio.HealthServicer()
 
@@ -82,7 +81,6 @@ async def serve(
         default_checkpoint_interval=config.checkpoint_interval,
         default_kv=config.kv_codec,
         drafts=DraftSupport(ready.draft_model_id, config.num_draft_tokens),
-        grammars=Grammars.for_model(loaded, CompileBudget(config.constraint_compile_timeout_s)),
     )
     metrics = _serve_metrics(config.metrics_listen, core) if config.metrics_listen else None
     server = grpc.aio.server(options=SERVER_OPTIONS)

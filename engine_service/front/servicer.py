@@ -1,8 +1,8 @@
 """The gRPC face of the engine (grpc.aio): wire -> domain -> wire, one error path.
 
-Runs in the front process. Each RPC converts its request (wire.py), asks the engine core
-(core_link.py: planning, admission, the batch, checkpoints all live there), turns its events
-into text (response_stream.py), and converts the result back. Engine errors map to their
+Runs in the front process. Each RPC converts its request (front/wire.py), asks the engine core
+(front/core_link.py: planning, admission, the batch, checkpoints all live there), turns its events
+into text (front/response_stream.py), and converts the result back. Engine errors map to their
 status code in `rpc_status`, for unary and streaming RPCs alike; anything else is logged and
 is INTERNAL.
 """
@@ -24,8 +24,9 @@ from engine_service.errors import EngineError, NotFound
 from engine_service.front import wire
 from engine_service.front.core_link import CoreLink
 from engine_service.front.metrics import RequestMetrics
+from engine_service.front.policy import RequestPolicy
 from engine_service.front.response_stream import Backpressure, RequestStream, ResponseChunk, respond
-from engine_service.protocol.requests import GenerationRequest, RequestPolicy, scoped_id
+from engine_service.protocol.requests import GenerationRequest, scoped_id
 from tandem_wire.auth import AuthError, current, namespace_for
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
 from tandem_wire.service import Access

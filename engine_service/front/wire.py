@@ -12,17 +12,18 @@ import uuid
 from typing import Any
 
 from engine_service import blas
-from engine_service.checkpoints.spill import FlushResult
 from engine_service.config import MAX_DRAFT
 from engine_service.errors import InvalidRequest, Precondition
+from engine_service.front.policy import RequestPolicy
 from engine_service.front.response_stream import ResponseChunk
-from engine_service.model.loading import LoadedModel
+from engine_service.model.loaded import LoadedModel
 from engine_service.protocol.checkpoint_stats import CheckpointStats
+from engine_service.protocol.constraint import Constraint, ConstraintKind, check_constraint
 from engine_service.protocol.engine_stats import EngineStats
+from engine_service.protocol.flush import FlushResult
 from engine_service.protocol.kv_codec import KVCodec, Scheme, checked_codec, request_layout
-from engine_service.protocol.requests import GenerationRequest, RequestPolicy, stop_token_ids
-from engine_service.sampling.constraints import Constraint, ConstraintKind, check_constraint
-from engine_service.sampling.samplers import SamplingOptions
+from engine_service.protocol.requests import GenerationRequest, stop_token_ids
+from engine_service.protocol.sampling_options import SamplingOptions
 from tandem_wire.limits import MAX_REQUEST_ID_CHARS, namespace_problem
 from tandem_wire.pb import engine_pb2
 
@@ -110,7 +111,8 @@ def kv_codec_from_pb(
         raise InvalidRequest(str(exc)) from exc
     if not codec.quantized:
         return codec
-    # What the core's start-up probe found this model's attention cannot run (capabilities.py).
+    # What the core's start-up probe found this model's attention cannot run
+    # (protocol/capabilities.py).
     refusal = loaded.capabilities.refusal(codec)
     if refusal:
         raise InvalidRequest(refusal)
@@ -120,8 +122,9 @@ def kv_codec_from_pb(
 def constraint_from_pb(
     request: engine_pb2.GenerateRequest, policy: RequestPolicy
 ) -> Constraint | None:
-    """The request's structured-output constraint, compiled once here so that a bad one is
-    INVALID_ARGUMENT with the library's message before it takes a batch slot."""
+    """The request's structured-output constraint, its shape and size checked (microseconds).
+    The core compiles it where it runs, before it takes a batch slot: a grammar that does not
+    compile is refused from there (INVALID_ARGUMENT with the library's message)."""
     which = request.constraint.WhichOneof("kind") if request.HasField("constraint") else None
     if which is None:
         return None
@@ -133,9 +136,6 @@ def constraint_from_pb(
     else:
         constraint = Constraint(ConstraintKind(which), source=getattr(c, which))
     check_constraint(constraint)
-    if policy.grammars is None:
-        raise Precondition("this engine does not take constraints")
-    policy.grammars.compile(constraint)
     return constraint
 
 

@@ -7,10 +7,10 @@ holds one plain tensor for every row. No library has a batch cache whose rows di
 codec, so this module writes one, on mlx-lm's cache contract (merge, extend, filter,
 extract, prepare/finalize, make_mask, trim, state/meta_state/from_state).
 
-Rows are kept in *groups* by storage format (kv_planes.py): one plain group (the model's
+Rows are kept in *groups* by storage format (kv/planes.py): one plain group (the model's
 dtype), one affine group per (bits, group size), holding packed planes (values, scales,
 biases) as mlx-lm's `QuantizedKVCache` does, and one TurboQuant group per (key bits, value
-bits), holding (codes, norms) planes (turboquant.py). Every group shares the batch's column
+bits), holding (codes, norms) planes (kv/turboquant.py). Every group shares the batch's column
 axis: a row's tokens end at column `_idx` and begin after its left padding, exactly as in
 `BatchKVCache`.
 
@@ -22,7 +22,7 @@ cache at the same point). Attention then runs on:
   (`bits`/`group_size` are visible on the cache only in this state, which is how
   `scaled_dot_product_attention` picks the quantized path);
 - one TurboQuant group: the planes are handed to attention as `TurboQuantPlanes`, which
-  attention_routing.py sends to `turboquant_attention` (rotated domain);
+  kv/attention_routing.py sends to `turboquant_attention` (rotated domain);
 - several groups: packed rows are dequantized for this step into one plain tensor. The values
   are those the packed path reads; only the rounding order of the arithmetic differs.
 
@@ -414,7 +414,7 @@ class BatchQuantizedKVCache(BatchState, BaseCache):
         return sum(p.nbytes for g in self._groups for p in g.planes)
 
 
-# Solo rows merge into this batch (kv_rows.py cannot import it: it is imported from here).
+# Solo rows merge into this batch (kv/rows.py cannot import it: it is imported from here).
 Row.batch_type = BatchQuantizedKVCache
-# Solo ring rows merge into their batch (quantized_ring.py sets RingRow.batch_type on import).
+# Solo ring rows merge into their batch (kv/ring_cache.py sets RingRow.batch_type on import).
 quantized_ring.register()

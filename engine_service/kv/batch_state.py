@@ -1,4 +1,4 @@
-"""mlx-lm's `state` / `meta_state` / `from_state` for BatchQuantizedKVCache (quantized_kv.py):
+"""mlx-lm's `state` / `meta_state` / `from_state` for BatchQuantizedKVCache (kv/batch_cache.py):
 its planes as a flat array list, and the rest (groups, padding, codecs, shape) as JSON, so a
 batch cache survives mlx-lm's prompt-cache save/load and deep copies."""
 
@@ -18,7 +18,7 @@ S = TypeVar("S", bound="BatchState")
 
 @dataclass(frozen=True)
 class DecodeState:
-    """What a compiled decode step reads of a plain batch cache (compiled_decode.py)."""
+    """What a compiled decode step reads of a plain batch cache (loop/compiled_decode.py)."""
 
     keys: mx.array  # (rows, heads, capacity, width): the whole plane
     values: mx.array

@@ -1,8 +1,8 @@
 """Rows of one storage format and the planes they live in, for the batch KV cache
-(quantized_kv.py), all of shape (rows, heads, columns, width):
+(kv/batch_cache.py), all of shape (rows, heads, columns, width):
 - plain rows: one tensor per side;
 - affine rows: (values, scales, biases) planes as mlx-lm's QuantizedKVCache lays them out;
-- TurboQuant rows: (codes, norms) planes (turboquant.py), keys and values at their own bits.
+- TurboQuant rows: (codes, norms) planes (kv/turboquant.py), keys and values at their own bits.
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ def attention_planes(
     """What attention reads of a batch's groups, each plane through `live` (the columns
     attention sees): one plain group's tensors (plain SDPA), one affine group's planes
     (mlx-lm's quantized SDPA), one TurboQuant group's `TurboQuantPlanes` (routed by
-    attention_routing.py), or for mixed groups one plain tensor in batch order, the packed
+    kv/attention_routing.py), or for mixed groups one plain tensor in batch order, the packed
     rows decoded for the step."""
     kdim, vdim = shape[1], shape[2]
     if len(groups) == 1:

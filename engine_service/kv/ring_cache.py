@@ -5,7 +5,7 @@ mlx-lm's `BatchRotatingKVCache` holds one plain tensor for every row, and mlx-lm
 quantize a `RotatingKVCache` at all (`to_quantized` is not implemented). This is its ring
 bookkeeping, step for step (the ring position `_idx`, tokens seen `_offset`, `rotated`, the
 trims that keep `max_size` columns, the temporal reordering before rows join, the per-row
-left padding and offsets, `make_mask` unchanged), carried over to plane groups (kv_planes.py)
+left padding and offsets, `make_mask` unchanged), carried over to plane groups (kv/planes.py)
 as BatchQuantizedKVCache does for full attention: plain, affine and TurboQuant rows share one
 column axis, so one mask serves every row. Column operations apply to every plane of every
 group; row operations (filter, per-row rolls, extract) to each group's rows.
@@ -14,7 +14,7 @@ A row with a quantized codec is plain until its first model call has stored its 
 moves into its packed group once (whole columns are encoded: quantization is per position).
 The request's `quantized_kv_start` applies to full-attention layers; a ring holds at most its
 window, so it converts at once. Attention per layer: one group reads its planes as
-quantized_kv.py does (plain SDPA, affine SDPA, TurboQuant planes); mixed groups decode the
+kv/batch_cache.py does (plain SDPA, affine SDPA, TurboQuant planes); mixed groups decode the
 packed rows for the step.
 """
 
@@ -78,7 +78,7 @@ class BatchQuantizedRingCache(BaseCache):
         def live(p: mx.array) -> mx.array:
             if n >= p.shape[2]:
                 return p
-            # MLX-CUDA's quantized matmul cannot read a column slice (quantized_kv.py).
+            # MLX-CUDA's quantized matmul cannot read a column slice (kv/batch_cache.py).
             return mx.contiguous(p[..., :n, :]) if FULL_WIDTH_PLANES else p[..., :n, :]
 
         return attention_planes(self._groups, self._shape, dtype, live)
@@ -443,8 +443,8 @@ class BatchQuantizedRingCache(BaseCache):
 
 
 def register() -> None:
-    """Solo ring rows merge into this batch (kv_rows.py cannot import it: it imports that).
-    Called by quantized_kv.py, which every user of the rows imports."""
+    """Solo ring rows merge into this batch (kv/rows.py cannot import it: it imports that).
+    Called by kv/batch_cache.py, which every user of the rows imports."""
     RingRow.batch_type = BatchQuantizedRingCache
 
 

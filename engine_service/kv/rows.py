@@ -1,7 +1,7 @@
 """One request's KV layer as a row BatchQuantizedKVCache can batch: `PlainRow` (plain tensors,
 with the codec it converts to) and `PackedRow` (affine planes), both mlx-lm's own solo caches
 underneath, adopted without a copy, and `TurboQuantRow` (codes and norms: no mlx-lm cache holds
-them). quantized_kv.py explains the batch."""
+them). kv/batch_cache.py explains the batch."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class Row:
     keys: Any
     values: Any
     offset: int
-    # The batch cache rows merge into (BatchQuantizedKVCache): set by quantized_kv.py, which
+    # The batch cache rows merge into (BatchQuantizedKVCache): set by kv/batch_cache.py, which
     # imports this module (the other way round would be an import cycle).
     batch_type: ClassVar[Any] = None
 
@@ -110,7 +110,7 @@ class TurboQuantRow(Row, BaseCache):
 
 class RingRow(Row):
     """What the solo ring rows share: batching as a BatchQuantizedRingCache (set by
-    quantized_ring.py) and their planes in temporal order."""
+    kv/ring_cache.py) and their planes in temporal order."""
 
     max_size: int
 

@@ -1,6 +1,6 @@
 """The TurboQuant KV codec (Zandieh et al., 2025, "TurboQuant: online vector quantization with
 near-optimal distortion rate"), in MLX ops, and the attention a batch of TurboQuant rows runs
-(quantized_kv.py stores the rows; attention_routing.py sends their attention here).
+(kv/batch_cache.py stores the rows; kv/attention_routing.py sends their attention here).
 
 A key or value vector x of one head is stored as its norm and the indices of a scalar
 codebook, one a coordinate, of the unit vector after a fixed random rotation:
@@ -23,7 +23,7 @@ Indices are packed into uint32 words, 32 // b to a word (16 at 2 bits, 10 at 3, 
 norms are float32. No library offers this codec for MLX: mlx-lm has affine quantization only.
 
 The graphs here are the reference and what the CPU and Metal run; on MLX-CUDA the encode,
-decode and decode-step attention go through turboquant_cuda.py's kernels.
+decode and decode-step attention go through kv/turboquant_cuda.py's kernels.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _rotation(head_dim: int, seed: int) -> np.ndarray:
 @dataclass(frozen=True)
 class TurboQuantPlanes:
     """One encoded tensor: [..., words] packed indices and [..., 1] norms, with the codec that
-    decodes them (what a batch cache hands attention: attention_routing.py routes on it)."""
+    decodes them (what a batch cache hands attention: kv/attention_routing.py routes on it)."""
 
     codes: mx.array  # uint32
     norms: mx.array  # float32

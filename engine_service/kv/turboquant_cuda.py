@@ -1,6 +1,6 @@
 """TurboQuant's decode and quantize steps as MLX-CUDA custom kernels (`mx.fast.cuda_kernel`).
 
-The pure-MLX path (turboquant.py) is the reference and what the CPU and Metal run. On MLX-CUDA
+The pure-MLX path (kv/turboquant.py) is the reference and what the CPU and Metal run. On MLX-CUDA
 its compiled elementwise graphs are specialized per shape, and a batch's shapes change as rows
 join and planes grow, so each new shape compiled anew: a kernel written once per (head width,
 bits, dtype) has no such cost, and reads each packed word once per output element.
@@ -328,7 +328,7 @@ class _StepMask:
     flat: Any = None
 
 
-FUSED: bool | None = None  # None: not yet checked on this device (turboquant.py checks once)
+FUSED: bool | None = None  # None: not yet checked on this device (kv/turboquant.py checks once)
 _fused: dict[tuple[int, int, int, int, int], FusedAttention] = {}
 
 

@@ -1,4 +1,4 @@
-"""What other threads ask of the engine loop, through its inbox (scheduler.py)."""
+"""What other threads ask of the engine loop, through its inbox (loop/scheduler.py)."""
 
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ class Job:
     chain: ChainCursor = field(default_factory=ChainCursor)
     admitted_at: float = 0.0
     recompute: bool = False  # starts again from its tokens alone (its batch step failed)
-    turn_start: int = 0  # len(tokens) when it last got its slot (turns.py)
+    turn_start: int = 0  # len(tokens) when it last got its slot (loop/turns.py)
     # How it ended, for the tombstone a resume reads (generation_checkpoints.forget).
     ended: Literal["finished", "was cancelled", "failed"] = "finished"
 

@@ -1,4 +1,4 @@
-"""The engine loop's limits (engine_setup.py fills them from the flags; scheduler.py obeys)."""
+"""The engine loop's limits (core/setup.py fills them from the flags; loop/scheduler.py obeys)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class Limits:
     prefill_step_size: int = 2048
     # How long the loop lingers for more arrivals before admitting new requests.
     admission_window_s: float = 0.002
-    # Rows whose clients stopped reading leave their slots (preemption.py).
+    # Rows whose clients stopped reading leave their slots (loop/preemption.py).
     park: ParkSettings = field(default_factory=ParkSettings)
     # The engine's default KV codec: the warm-up's rows run under it (its kernels compile then).
     default_kv: KVCodec = PLAIN_KV

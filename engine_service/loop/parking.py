@@ -1,6 +1,6 @@
 """The loop's side of parked rows: park and unpark commands, rows leaving the batch after a
-step (a stalled client's, or a turn's: turns.py), a row read back from the store, and parked
-rows whose client stayed away too long (the policy itself: preemption.py)."""
+step (a stalled client's, or a turn's: loop/turns.py), a row read back from the store, and parked
+rows whose client stayed away too long (the policy itself: loop/preemption.py)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from the store once it is read back: the pending token is fed over the restored 
 its sampler goes on at the same step, so its tokens are those of an uninterrupted run. A row
 parked longer than `idle_timeout_s` is cancelled (its checkpoint, if any, is kept).
 
-Turns (turns.py) use the same way out of the batch: a row whose turn is over while others
+Turns (loop/turns.py) use the same way out of the batch: a row whose turn is over while others
 wait leaves as a parked row does, but is queued again at once; a checkpointed one goes to the
 store only when its capture is over the memory budget. Whether a row that left waits for its
 client or for a slot is decided by `_stalled` when it leaves, and a client may stall or read
@@ -35,6 +35,7 @@ from engine_service.checkpoints.cache_records import CapturedCache, capture, res
 from engine_service.core.plans import ResumePlan
 from engine_service.loop.jobs import Job, PendingSnapshot, StartingPoint
 from engine_service.loop.turns import due_turns
+from engine_service.protocol.engine_stats import ParkCounters
 
 # Queues a parked row's snapshot for the store; False when it cannot (no store, not a
 # checkpointed request, or the spill queue is full).
@@ -52,20 +53,8 @@ class ParkSettings:
     # A row parked this long is cancelled.
     idle_timeout_s: float = 300.0
     # Tokens a row generates in its slot before it gives the slot up to a waiting request
-    # (turns.py); 0 = no turns.
+    # (loop/turns.py); 0 = no turns.
     turn_tokens: int = 512
-
-
-@dataclass
-class ParkCounters:
-    preempted_total: int = 0
-    unparked_total: int = 0
-    idle_cancelled_total: int = 0
-    over_budget_total: int = 0  # asked to park, kept running: the budget was full
-    parked_to_store_total: int = 0  # parked in the store only, memory freed
-    parked: int = 0
-    parked_bytes: int = 0
-    turns_yielded_total: int = 0  # slots given up to waiting requests (queued again)
 
 
 class Return(enum.Enum):

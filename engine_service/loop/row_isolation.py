@@ -8,7 +8,7 @@ its checkpoint kept); the others start again by recompute in the fresh batch and
 the token they were at (samplers are keyed by step, constraints replayed). When every row
 runs alone, the failure needs them together: all end, since the same batch would fail again.
 
-The start-up probe (capability_probe.py) refuses the kinds of rows known to fail; this is the
+The start-up probe (core/capability_probe.py) refuses the kinds of rows known to fail; this is the
 net for the ones nobody knew of.
 """
 

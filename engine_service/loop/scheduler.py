@@ -22,7 +22,6 @@ from engine_service.checkpoints.manager import CheckpointManager, starting_point
 from engine_service.core.capability_probe import ProbeFailed, kv_refusal, prepare_to_serve
 from engine_service.core.plans import Plan, PrefixPlan
 from engine_service.errors import Corrupt, EngineError, InvalidRequest, ModelFailed
-from engine_service.front.response_stream import Deliver
 from engine_service.loop.admissions import Admissions, gather_burst
 from engine_service.loop.commands import Cancel, Command, Park, Restored, Stop, Submit, Unpark
 from engine_service.loop.compiled_decode import CompiledDecode
@@ -34,10 +33,18 @@ from engine_service.loop.preemption import Preemption, restart_point
 from engine_service.loop.row_isolation import isolate, recompute_point
 from engine_service.loop.step_checkpoints import StepCheckpoints
 from engine_service.loop.warmup import WarmUpFailed, warm_up
-from engine_service.model.loading import LoadedModel
+from engine_service.model.loaded import LoadedModel
 from engine_service.model.mlx_compat import batch_cache_bytes, running_batch
 from engine_service.protocol.engine_stats import EngineStats
-from engine_service.protocol.events import Event, Finished, FinishReason, Sink, Started, Token
+from engine_service.protocol.events import (
+    Deliver,
+    Event,
+    Finished,
+    FinishReason,
+    Sink,
+    Started,
+    Token,
+)
 from engine_service.protocol.requests import GenerationRequest
 from engine_service.sampling.constraints import Grammars
 from engine_service.sampling.masks import BatchMasks
@@ -66,9 +73,10 @@ class Scheduler:
         checkpoints: CheckpointManager | None = None,
         draft: LoadedModel | None = None,
         compiled_decode_max_batch: int = 0,
+        grammars: Grammars | None = None,
     ) -> None:
         self.loaded = loaded
-        # The batch's model: decode steps of small batches compiled (compiled_decode.py), or
+        # The batch's model: decode steps of small batches compiled (loop/compiled_decode.py), or
         # as loaded (0).
         model = (
             CompiledDecode(loaded.model, compiled_decode_max_batch)
@@ -79,9 +87,10 @@ class Scheduler:
         self._masks = BatchMasks(model, loaded.vocab_size, lambda: running_batch(self._bg))
         self._batch_model = self._masks
         self.checkpoints = checkpoints
-        # The tokenizer llguidance needs is built on the first constraint.
-        self.grammars = Grammars.for_model(loaded)
-        # Requests with num_draft_tokens run as a batch of their own (speculative_lane.py).
+        # Constraints compiled here (the core), on its planning pool; the tokenizer llguidance
+        # needs is built on the first one.
+        self.grammars = grammars if grammars is not None else Grammars.for_model(loaded)
+        # Requests with num_draft_tokens run as a batch of their own (speculative/lane.py).
         self._speculative = (
             SpeculativeLane(
                 self,
@@ -128,8 +137,8 @@ class Scheduler:
     # -- called from other threads -----------------------------------------------------------
 
     def start(self, warm: bool = False) -> None:
-        """Starts the loop: probes what the model can do (capability_probe.py) and, with warm,
-        runs its batch shapes once (warmup.py), returning when that is done. Raises
+        """Starts the loop: probes what the model can do (core/capability_probe.py) and, with warm,
+        runs its batch shapes once (loop/warmup.py), returning when that is done. Raises
         ProbeFailed or WarmUpFailed when the model cannot serve."""
         self._warm = warm
         self._thread.start()
@@ -154,7 +163,7 @@ class Scheduler:
         return known
 
     def park(self, request_id: str) -> None:
-        """Its client stopped reading: the row is to give its slot up (preemption.py)."""
+        """Its client stopped reading: the row is to give its slot up (loop/preemption.py)."""
         self._inbox.put(Park(request_id))
 
     def unpark(self, request_id: str) -> None:
@@ -198,7 +207,7 @@ class Scheduler:
         self._admissions.leave(job.request.request_id)
 
     def starting_point(self, job: Job) -> StartingPoint:
-        if job.recompute:  # its batch failed under it (row_isolation.py)
+        if job.recompute:  # its batch failed under it (loop/row_isolation.py)
             job.recompute = False
             return recompute_point(job)
         parked = self._preemption.restart_from(job)
@@ -211,7 +220,7 @@ class Scheduler:
 
     def _run(self) -> None:
         self._bg = self._new_batch_generator()
-        try:  # what the model runs (capability_probe.py), then the warm-up
+        try:  # what the model runs (core/capability_probe.py), then the warm-up
             limits = self.limits
             sizes = [1, min(limits.prefill_batch_size, limits.max_running), limits.max_running]
             prepare_to_serve(self.loaded, limits.default_kv, self._new_batch_generator)
@@ -426,7 +435,7 @@ class Scheduler:
                 self._cancel(job.request.request_id, "deadline", "deadline exceeded")
 
     def _isolate(self) -> None:
-        """After a failed step (row_isolation.py): the rows the model fails on alone end,
+        """After a failed step (loop/row_isolation.py): the rows the model fails on alone end,
         the others wait at the front of the queue to start again by recompute."""
         jobs = list(self._rows.values())
         self._rows.clear()

@@ -6,7 +6,7 @@ client up to its socket buffers, so a stream nobody reads can hold a slot for th
 tokens before its backlog shows (response_stream.RequestStream). Turns bound what any row,
 reader or not, takes while others wait: when requests wait for a slot and the batch is full,
 a row that has generated `turn_tokens` tokens since it got its slot gives it up. It is parked
-as a slow reader's row is (preemption.py: captured, out of the batch, exact on return) and
+as a slow reader's row is (loop/preemption.py: captured, out of the batch, exact on return) and
 queued again at once behind the requests that waited, so it is never dropped, only made to
 take turns. Rows with the longest current turn go first, at most one per waiting request;
 nothing moves while nobody waits.

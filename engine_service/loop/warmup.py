@@ -18,10 +18,10 @@ from mlx_lm.generate import BatchGenerator
 
 from engine_service.loop.jobs import Job, StartingPoint
 from engine_service.loop.new_rows import NewRows
-from engine_service.model.loading import LoadedModel
+from engine_service.model.loaded import LoadedModel
 from engine_service.protocol.kv_codec import PLAIN_KV, KVCodec
 from engine_service.protocol.requests import GenerationRequest
-from engine_service.sampling.samplers import SamplingOptions
+from engine_service.protocol.sampling_options import SamplingOptions
 
 log = logging.getLogger(__name__)
 

@@ -2,91 +2,33 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as cache_lib
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import load, load_tokenizer
+from mlx_lm.utils import load
 
 from engine_service.kv import attention_routing
 from engine_service.model import upstream_fixes
 from engine_service.model.default_model import DEFAULT_MODEL, ensure_model, is_embedded
+from engine_service.model.loaded import LoadedModel
 from engine_service.model.mlx_compat import download
-from engine_service.protocol.capabilities import Capabilities, from_layout
+from engine_service.protocol.capabilities import from_layout
 from engine_service.protocol.kv_codec import storage_signature
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class LoadedModel:
-    model: Any  # an mlx.nn.Module (None in the gRPC front: without_weights)
-    tokenizer: TokenizerWrapper
-    name: str
-    path: Path
-    digest: str
-    config: dict[str, Any]
-    context_length: int
-    vocab_size: int  # token ids the tokenizer knows: valid inputs are [0, vocab_size)
-    layout: list[str]
-    eos_token_ids: list[int]
-    dtype: str
-    # Key and value head widths of the attention layers (what a KV group size must divide).
-    kv_head_dims: tuple[int, ...] = ()
-    # What its caches do here: set by the core's probe on the MLX thread before it serves.
-    capabilities: Capabilities = field(default_factory=Capabilities)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def model_id(self) -> str:
-        return f"{self.name}@{self.digest}"
-
-    def facts(self) -> ModelFacts:
-        """What the gRPC front needs to know of the model the engine core loaded."""
-        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelFacts)}
-        return ModelFacts(**{**shared, "path": str(self.path)})
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """A loaded model without its weights: the core sends it to the front (core_channel.py)."""
-
-    name: str
-    path: str
-    digest: str
-    config: dict[str, Any]
-    context_length: int
-    vocab_size: int
-    layout: list[str]
-    eos_token_ids: list[int]
-    dtype: str
-    kv_head_dims: tuple[int, ...]
-    capabilities: Capabilities = Capabilities()
-
-
-def without_weights(facts: ModelFacts) -> LoadedModel:
-    """The front's view of the core's model: the same tokenizer, no weights (model None).
-
-    The front validates, tokenizes and detokenizes; only the core runs the model."""
-    path = Path(facts.path)
-    tokenizer = load_tokenizer(path, eos_token_ids=facts.config.get("eos_token_id"))
-    shared = {f.name: getattr(facts, f.name) for f in dataclasses.fields(ModelFacts)}
-    return LoadedModel(model=None, tokenizer=tokenizer, **{**shared, "path": path})
-
-
 def layout_codec(cache: Any) -> str:
     """The codec id of one layer's cache, as DESIGN.md's layout signature names them."""
-    layout_id = getattr(cache, "layout_id", None)  # a packed ring row (kv_rows.py)
+    layout_id = getattr(cache, "layout_id", None)  # a packed ring row (kv/rows.py)
     if layout_id is not None:
         return str(layout_id)
-    stored = getattr(cache, "stored_as", None)  # a TurboQuant row (kv_rows.py)
+    stored = getattr(cache, "stored_as", None)  # a TurboQuant row (kv/rows.py)
     if stored is not None:
         return storage_signature(stored)
     if isinstance(cache, cache_lib.QuantizedKVCache):

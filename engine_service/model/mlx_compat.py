@@ -12,7 +12,7 @@ from typing import Any
 from mlx_lm.models import cache as _cache
 from mlx_lm.utils import _download, _get_classes
 
-# The base of mlx-lm's cache classes: a batch cache of our own (quantized_kv.py) must be one
+# The base of mlx-lm's cache classes: a batch cache of our own (kv/batch_cache.py) must be one
 # for mlx-lm's model code and BatchGenerator to treat it as a cache.
 BaseCache = _cache._BaseCache
 

@@ -1,4 +1,4 @@
-"""What a model's caches can do in this engine (found by capability_probe.py).
+"""What a model's caches can do in this engine (found by core/capability_probe.py).
 
 Pure data: it crosses from the core to the front inside ModelFacts, where requests are
 checked against it. A quantized scheme is probed at start-up when it is the engine's

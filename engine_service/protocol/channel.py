@@ -15,11 +15,11 @@ from typing import Any
 
 import msgspec
 
-from engine_service.checkpoints.spill import FlushResult
-from engine_service.model.loading import ModelFacts
 from engine_service.protocol.checkpoint_stats import CheckpointStats
 from engine_service.protocol.engine_stats import EngineStats
 from engine_service.protocol.events import Event
+from engine_service.protocol.flush import FlushResult
+from engine_service.protocol.model_facts import ModelFacts
 from engine_service.protocol.requests import GenerationRequest
 
 # -- front -> core -------------------------------------------------------------------------

@@ -54,7 +54,8 @@ class CheckpointStats:
     resumes: int = 0
     store_up: bool = True
     shared_memory_reads: int = 0  # store reads through the same-host region
-    # The restore-or-prefill choice (restore_cost.py): its two measured rates and counts.
+    # The restore-or-prefill choice (checkpoints/restore_cost.py): its two measured rates and
+    # counts.
     restore_bytes_per_second: float = 0.0
     prefill_tokens_per_second: float = 0.0
     restore_chosen: int = 0
@@ -67,7 +68,7 @@ class CheckpointStats:
 
 
 class CheckpointCounters:
-    """CheckpointStats behind a lock: handler threads, the MLX thread and the spill thread
+    """CheckpointStats behind a lock: the core's planning pool, the MLX thread and the spill thread
     all count."""
 
     def __init__(self) -> None:

@@ -6,11 +6,30 @@ import collections
 import dataclasses
 from dataclasses import dataclass, field
 
-from engine_service.loop.preemption import ParkCounters
-from engine_service.speculative.batch import SpeculativeCounters
-
 # Decode rate: tokens over the last this many seconds.
 RATE_WINDOW_S = 5.0
+
+
+@dataclass
+class ParkCounters:
+    preempted_total: int = 0
+    unparked_total: int = 0
+    idle_cancelled_total: int = 0
+    over_budget_total: int = 0  # asked to park, kept running: the budget was full
+    parked_to_store_total: int = 0  # parked in the store only, memory freed
+    parked: int = 0
+    parked_bytes: int = 0
+    turns_yielded_total: int = 0  # slots given up to waiting requests (queued again)
+
+
+@dataclass
+class SpeculativeCounters:
+    """The speculative batch's rounds, proposals and rollbacks since start."""
+
+    rounds_total: int = 0
+    drafted_total: int = 0
+    accepted_total: int = 0
+    rollbacks_total: int = 0
 
 
 @dataclass
@@ -27,7 +46,7 @@ class EngineStats:
     cancelled_total: int = 0
     rejected_total: int = 0
     steps_total: int = 0
-    # Rows ended because the model failed on them alone (row_isolation.py).
+    # Rows ended because the model failed on them alone (loop/row_isolation.py).
     isolated_failures_total: int = 0
     parking: ParkCounters = field(default_factory=ParkCounters)
     # Bytes the running batch's KV caches hold (read every few steps; 0 when idle).

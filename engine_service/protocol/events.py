@@ -1,7 +1,7 @@
 """What the engine loop tells a request's handler: Started, Token per generated token, and
-exactly one Finished. Shared by the batch loop (scheduler.py) and the speculative lane.
+exactly one Finished. Shared by the batch loop (loop/scheduler.py) and the speculative lane.
 
-msgspec structs: the engine core sends them to the gRPC front as they are (core_channel.py),
+msgspec structs: the engine core sends them to the gRPC front as they are (protocol/channel.py),
 one message per engine step, encoded in microseconds.
 """
 
@@ -13,13 +13,14 @@ from typing import Literal
 import msgspec
 
 # "stop": a stop token (stop strings are found by the handler); "deadline": the client's
-# deadline passed; "idle": the client read nothing for the park timeout (preemption.py);
+# deadline passed; "idle": the client read nothing for the park timeout (loop/preemption.py);
 # "unavailable": the engine core exited under the request (the front says so).
 FinishReason = Literal["length", "stop", "cancelled", "deadline", "idle", "error", "unavailable"]
 
 # Why a prompt reused no cached prefix (docs/checkpoints.md); "" when it reused one, or was
 # not looked up for reuse (a resume). "not restorable": a record failed its checks (damaged,
-# another layout) or could not be rebuilt; "cheaper to prefill": restore_cost.py's choice;
+# another layout) or could not be rebuilt; "cheaper to prefill": checkpoints/restore_cost.py's
+# choice;
 # "prefix reuse off": an engine loop without a checkpoint manager.
 PrefixMissReason = Literal[
     "",
@@ -58,3 +59,6 @@ class Finished(msgspec.Struct, frozen=True, tag=True):
 
 Event = Started | Token | Finished
 Sink = Callable[[list[Event]], None]
+# One engine step's events for every stream, handed over together (the core sends them as
+# one Delivery message).
+Deliver = Callable[[list[tuple[Sink, list[Event]]]], None]

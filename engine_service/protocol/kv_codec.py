@@ -3,7 +3,7 @@ TurboQuant-coded at 2-4 bits, from some length on), and what that does to the re
 layout signature (DESIGN.md).
 
 Pure data and rules, no MLX: the wire layer validates requests against it, the batch cache
-(quantized_kv.py) stores rows by it, checkpoints key and check layouts with it.
+(kv/batch_cache.py) stores rows by it, checkpoints key and check layouts with it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class Scheme(Enum):
     """How a quantized row codes its vectors."""
 
     AFFINE = "quant"  # mlx-lm's mx.quantize: per-group scale and bias
-    TURBOQUANT = "turboquant"  # turboquant.py: a rotation, then a Gaussian codebook
+    TURBOQUANT = "turboquant"  # kv/turboquant.py: a rotation, then a Gaussian codebook
 
 
 class StorageKind(Enum):
@@ -32,7 +32,7 @@ class StorageKind(Enum):
 
 @dataclass(frozen=True)
 class Storage:
-    """The format one group of batch rows is stored in (kv_planes.py): rows of equal storage
+    """The format one group of batch rows is stored in (kv/planes.py): rows of equal storage
     share planes."""
 
     kind: StorageKind

@@ -1,13 +1,11 @@
-"""A generation request as the engine sees it (validated from its wire form by wire.py)."""
+"""A generation request as the engine sees it (validated from its wire form by front/wire.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_service.model.loading import LoadedModel
-from engine_service.protocol.kv_codec import PLAIN_KV, KVCodec
-from engine_service.sampling.constraints import Grammars
-from engine_service.sampling.samplers import SamplingOptions
+from engine_service.protocol.kv_codec import KVCodec
+from engine_service.protocol.sampling_options import SamplingOptions
 
 
 @dataclass(frozen=True)
@@ -16,20 +14,6 @@ class DraftSupport:
 
     model_id: str = ""  # "" when no draft model is loaded
     default: int = 0
-
-
-@dataclass(frozen=True)
-class RequestPolicy:
-    """The engine's limits and defaults that a request is validated and completed against."""
-
-    loaded: LoadedModel
-    context: int
-    default_max_tokens: int
-    has_store: bool = False
-    default_checkpoint_interval: int = 0
-    default_kv: KVCodec = PLAIN_KV
-    drafts: DraftSupport = DraftSupport()
-    grammars: Grammars | None = None  # checks constraints as they arrive (None: refused)
 
 
 def stop_token_ids(sampling: SamplingOptions, eos_token_ids: list[int]) -> frozenset[int]:

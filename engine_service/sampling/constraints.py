@@ -3,21 +3,18 @@ strings) compiled by llguidance, and each constrained row's matcher.
 
 llguidance does the grammar work (matchers, token masks); we wire it into mlx-lm's
 BatchGenerator: a row's first step through its per-row logits processor, every later step
-through BatchMasks (constraint_masks.py), all constrained rows of the batch together. A
+through BatchMasks (sampling/masks.py), all constrained rows of the batch together. A
 matcher has no serialized state, so a resumed row rebuilds it by replaying the tokens
 generated before the checkpoint (consume_tokens: microseconds per token).
 """
 
 from __future__ import annotations
 
-import enum
 import functools
-import hashlib
 import json
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -25,87 +22,42 @@ import numpy as np
 
 from engine_service.errors import InvalidRequest
 from engine_service.model import mlx_compat
+from engine_service.protocol.constraint import Constraint, ConstraintKind, short_error
 from engine_service.sampling.constraint_compiler import CompileBudget
 
 log = logging.getLogger(__name__)
 
-MAX_CONSTRAINT_CHARS = 256 * 1024
-# llguidance's parser limits (LLParserLimits; its defaults, llguidance 1.9). Past one of them a
-# grammar fails to compile (refused with the library's message, which names the limit) or
-# its matcher fails mid-generation. One an option list reaches at once: an Earley row holds
-# at most MAX_ITEMS_IN_ROW items, so a choice of 2,000 strings fails after its first token
-# ("Current row has 2001 items"): the options and the rule's own item must fit.
-MAX_ITEMS_IN_ROW = 2000
-MAX_CHOICES = MAX_ITEMS_IN_ROW - 1
 MAX_CACHED = 256  # compiled grammars and prepared matchers kept, by constraint
 MAX_FORCED_PROBE = 256  # forced tokens a compile walks through (a self-requiring schema fails)
-MAX_ERROR_CHARS = 300  # of a library message: it may quote the user's grammar
 # JSON without free whitespace between tokens (`{"a":1,"b":[2]}`): fewer tokens, and no model
 # can spend its max_tokens on blanks. A schema may ask otherwise through "x-guidance".
 COMPACT_JSON: Any = {"whitespace_flexible": False}
 
 
-class ConstraintKind(enum.Enum):
-    JSON_SCHEMA = "json_schema"
-    REGEX = "regex"
-    LARK = "lark"
-    GBNF = "gbnf"
-    CHOICE = "choice"
-    JSON_OBJECT = "json_object"
+def grammar_of(constraint: Constraint) -> str:
+    """llguidance's grammar for a constraint (InvalidRequest where the text cannot be read)."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
-
-@dataclass(frozen=True)
-class Constraint:
-    kind: ConstraintKind
-    source: str = ""  # the schema, regex or grammar text
-    choices: tuple[str, ...] = ()
-
-    def digest(self) -> str:
-        """Part of a generation's identity: a resume must carry the same constraint."""
-        text = json.dumps([self.kind.value, self.source, list(self.choices)])
-        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-
-    def grammar(self) -> str:
-        """llguidance's grammar for it (InvalidRequest where the text cannot be read)."""
-        from llguidance import LLMatcher
-        from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
-
-        try:
-            if self.kind is ConstraintKind.JSON_SCHEMA:
-                json.loads(self.source)  # a clear message for text that is not JSON
-                return str(LLMatcher.grammar_from_json_schema(self.source, COMPACT_JSON))
-            if self.kind is ConstraintKind.JSON_OBJECT:
-                return str(LLMatcher.grammar_from_json_schema({"type": "object"}, COMPACT_JSON))
-            if self.kind is ConstraintKind.REGEX:
-                return str(LLMatcher.grammar_from_regex(self.source))
-            if self.kind is ConstraintKind.LARK:
-                return str(LLMatcher.grammar_from_lark(self.source))
-            if self.kind is ConstraintKind.GBNF:
-                return str(LLMatcher.grammar_from_lark(gbnf_to_lark(self.source)))
-            # A choice: a Lark alternation of JSON-quoted literals (Lark reads them as such).
-            options = " | ".join(json.dumps(c) for c in self.choices)
-            return str(LLMatcher.grammar_from_lark(f"start: {options}\n"))
-        except (ValueError, RuntimeError, GbnfToLarkError) as exc:  # the library's, json's
-            raise self.refusal(str(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - gbnf_to_lark raises bare Exception too
-            raise self.refusal(f"{type(exc).__name__}: {exc}") from None
-
-    @property
-    def size(self) -> int:
-        return len(self.source) + sum(len(c) for c in self.choices)
-
-    def refusal(self, error: str, what: str = "") -> InvalidRequest:
-        """InvalidRequest with the library's message, cut short; logged by kind and size
-        only (the text is the user's, up to 256 KiB, and messages quote it)."""
-        short = short_error(error)
-        log.info("constraint %s of %d characters refused: %s", self.kind.value, self.size, short)
-        return InvalidRequest(f"constraint ({self.kind.value}){what}: {short}")
-
-
-def short_error(error: str) -> str:
-    """A library message without llguidance's trailer, at most MAX_ERROR_CHARS."""
-    error = error.replace("<non-verbose/>", "").strip()
-    return error if len(error) <= MAX_ERROR_CHARS else error[: MAX_ERROR_CHARS - 3] + "..."
+    try:
+        if constraint.kind is ConstraintKind.JSON_SCHEMA:
+            json.loads(constraint.source)  # a clear message for text that is not JSON
+            return str(LLMatcher.grammar_from_json_schema(constraint.source, COMPACT_JSON))
+        if constraint.kind is ConstraintKind.JSON_OBJECT:
+            return str(LLMatcher.grammar_from_json_schema({"type": "object"}, COMPACT_JSON))
+        if constraint.kind is ConstraintKind.REGEX:
+            return str(LLMatcher.grammar_from_regex(constraint.source))
+        if constraint.kind is ConstraintKind.LARK:
+            return str(LLMatcher.grammar_from_lark(constraint.source))
+        if constraint.kind is ConstraintKind.GBNF:
+            return str(LLMatcher.grammar_from_lark(gbnf_to_lark(constraint.source)))
+        # A choice: a Lark alternation of JSON-quoted literals (Lark reads them as such).
+        options = " | ".join(json.dumps(c) for c in constraint.choices)
+        return str(LLMatcher.grammar_from_lark(f"start: {options}\n"))
+    except (ValueError, RuntimeError, GbnfToLarkError) as exc:  # the library's, json's
+        raise constraint.refusal(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - gbnf_to_lark raises bare Exception too
+        raise constraint.refusal(f"{type(exc).__name__}: {exc}") from None
 
 
 @functools.cache
@@ -117,34 +69,14 @@ def parser_limits() -> Any:
     return LLParserLimits(verbose_errors=False)
 
 
-def check_constraint(constraint: Constraint) -> None:
-    """Shape and size checks the front makes before any compiling (microseconds: a
-    40,000-option choice is refused here, not after seconds of grammar building)."""
-    if len(constraint.choices) > MAX_CHOICES:
-        raise InvalidRequest(
-            f"constraint choice has {len(constraint.choices)} options; at most "
-            f"{MAX_CHOICES} (llguidance's parser holds {MAX_ITEMS_IN_ROW} items in a row)"
-        )
-    size = constraint.size
-    if size > MAX_CONSTRAINT_CHARS:
-        raise InvalidRequest(
-            f"the constraint is {size} characters (choice options counted together); "
-            f"at most {MAX_CONSTRAINT_CHARS}"
-        )
-    if constraint.kind is ConstraintKind.CHOICE:
-        if not constraint.choices or any(not c for c in constraint.choices):
-            raise InvalidRequest("constraint choice needs at least one non-empty string")
-    elif constraint.kind is not ConstraintKind.JSON_OBJECT and not constraint.source:
-        raise InvalidRequest(f"constraint {constraint.kind.value} is empty")
-
-
 class Grammars:
     """The engine's llguidance tokenizer (built once, ~1 s) and its compiled constraints.
 
-    The front compiles and checks each constraint as it arrives (compile: within the budget,
-    off the event loop). The core prepares a matcher for it when the request reaches it, on
-    its planning pool (prepare); on the batch loop a row only copies that matcher (row), so
-    no grammar is ever compiled there. A batch of requests under one schema compiles it once.
+    The core compiles and checks each constraint when its request arrives (compile: within
+    the budget) and prepares a matcher for it (prepare), both on its planning pool; on the
+    batch loop a row only copies that matcher (row), so no grammar is ever compiled there. A
+    batch of requests under one schema compiles it once. The front only checks a
+    constraint's shape and size (protocol/constraint.py).
     """
 
     def __init__(
@@ -157,7 +89,7 @@ class Grammars:
         self.hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.budget = budget  # the front's: compiles wait at most its timeout
+        self.budget = budget  # compiles wait at most its timeout
         self._lock = threading.Lock()
         self._tokenizer: Any = None
         self._grammars: dict[Constraint, tuple[str, bool]] = {}  # grammar, start checked
@@ -202,7 +134,7 @@ class Grammars:
 
         grammar, started = self._grammars.get(constraint, ("", False))
         if not grammar:
-            grammar = constraint.grammar()
+            grammar = grammar_of(constraint)
             error = LLMatcher.validate_grammar(grammar, self.tokenizer, limits=parser_limits())
             if error and not error.startswith("WARNING"):
                 raise constraint.refusal(error)
@@ -252,7 +184,7 @@ class Grammars:
     def _matcher(self, constraint: Constraint) -> Any:
         from llguidance import LLMatcher
 
-        grammar = self._grammars.get(constraint, ("", False))[0] or constraint.grammar()
+        grammar = self._grammars.get(constraint, ("", False))[0] or grammar_of(constraint)
         matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
         if matcher.is_error():
             raise constraint.refusal(matcher.get_error())
@@ -278,7 +210,7 @@ class ConstrainedRow:
     """A constrained row's matcher, and mlx-lm logits processor for its first step.
 
     A new row's first step runs inside mlx-lm as a batch of the new rows alone, through this
-    processor; BatchMasks (constraint_masks.py) then takes the row out of mlx-lm's per-row
+    processor; BatchMasks (sampling/masks.py) then takes the row out of mlx-lm's per-row
     processors and masks every later step with the whole batch's rows together. The first
     call's last token is a prompt token or one the matcher consumed when it was built; each
     later token fed to the row is the one sampled a step before, consumed by `advance`.

@@ -11,37 +11,15 @@ The filters are mlx-lm's (top-k, top-p, min-p); only the keyed draw is ours.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from engine_service.sampling.constraints import Constraint
+from engine_service.protocol.sampling_options import SamplingOptions
 
 Sampler = Callable[[mx.array], mx.array]
 _MASK64 = (1 << 64) - 1
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 0.0
-    repetition_context_size: int = 20
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: int = -1  # -1: none; n >= 0: the sampled token's logprob and n alternatives
-    ignore_eos: bool = False
-    constraint: Constraint | None = None  # structured output (constraints.py)
-    extra: dict[str, str] = field(default_factory=dict, compare=False)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def step_key(seed: int, step: int) -> mx.array:

@@ -10,7 +10,7 @@ A round, for B rows (mlx-lm's `speculative_generate_step` algorithm, batched):
   plus the target's own next token, sampled with the key of its generated index;
 - roll back: the target gives back K - n_i positions a row, the draft what it fed past its
   invariant. Batch caches do this per row (`rollback`: a trim of what every row gives back
-  and a right shift of the rest, quantized_kv.py and quantized_ring.py). Recurrent layers
+  and a right shift of the rest, kv/batch_cache.py and kv/ring_cache.py). Recurrent layers
   (mlx-lm's `ArraysCache`) cannot give positions back: their state from before the verify
   is restored and the accepted tokens are fed again, right-padded, with the cache's
   `lengths` telling each row where its state stops (what mlx-lm's padded prefill uses).
@@ -35,20 +35,12 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from engine_service.kv.batch_cache import BatchQuantizedKVCache, adopt_row
 from engine_service.kv.planes import FULL_WIDTH_PLANES
+from engine_service.protocol.engine_stats import SpeculativeCounters
 from engine_service.protocol.kv_codec import PLAIN_KV, KVCodec
-from engine_service.sampling.samplers import SamplingOptions, SeededSampler
+from engine_service.protocol.sampling_options import SamplingOptions
+from engine_service.sampling.samplers import SeededSampler
 
 Processor = Callable[[mx.array, mx.array], mx.array]
-
-
-@dataclass
-class SpeculativeCounters:
-    """The speculative batch's rounds, proposals and rollbacks since start."""
-
-    rounds_total: int = 0
-    drafted_total: int = 0
-    accepted_total: int = 0
-    rollbacks_total: int = 0
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Speculative requests: one batch of their own on the MLX thread (speculative_batch.py).
+"""Speculative requests: one batch of their own on the MLX thread (speculative/batch.py).
 
 The requests that asked for speculation draft together and are verified together, one round
 per loop iteration, while the other requests step in mlx-lm's BatchGenerator (it has no
@@ -29,13 +29,13 @@ from engine_service.checkpoints.manager import CheckpointManager
 from engine_service.core.plans import ResumePlan
 from engine_service.loop.compiled_decode import CompiledDecode
 from engine_service.loop.jobs import Job, StartingPoint
-from engine_service.model.loading import LoadedModel
+from engine_service.model.loaded import LoadedModel
+from engine_service.protocol.engine_stats import SpeculativeCounters
 from engine_service.protocol.events import Event, Finished, FinishReason, Started, Token
 from engine_service.sampling.samplers import make_processors, requested_logprobs
 from engine_service.speculative.batch import (
     SpecRow,
     SpeculativeBatch,
-    SpeculativeCounters,
     prefilled,
 )
 
@@ -67,7 +67,7 @@ class SpeculativeLane:
         self.draft = draft
         self.checkpoints = checkpoints
         self.prefill_step = prefill_step
-        # The draft's one-token steps compiled for small batches (compiled_decode.py), as the
+        # The draft's one-token steps compiled for small batches (loop/compiled_decode.py), as the
         # engine's own decode is with --compiled-decode: they are host-bound.
         self._draft_steps = (
             CompiledDecode(draft.model, compiled_draft_max_batch)
