@@ -125,3 +125,80 @@ def test_no_private_names_across_modules() -> None:
                 and node.value.id in ("cache_lib", "mlx_lm", "generate")
             ):
                 assert name == "engine_service.model.mlx_compat", f"{name} uses {node.attr}"
+
+
+# The engine's rooms (docs/architecture.md). The front process runs gRPC and never the batch:
+# it imports the protocol, errors, config, BLAS set-up and the tokenizer view, nothing else.
+FRONT_MAY_IMPORT = (
+    "engine_service.front",
+    "engine_service.protocol",
+    "engine_service.errors",
+    "engine_service.config",
+    "engine_service.blas",
+    "engine_service.model.loaded",
+)
+# The core's rooms never reach back into the front.
+CORE_ROOMS = ("loop", "kv", "checkpoints", "speculative", "sampling", "model", "core")
+
+
+def _engine_imports(tree: ast.Module) -> list[str]:
+    out = []
+    for module, names in _imports(tree):
+        if module == "engine_service":  # `from engine_service import blas`
+            out.extend(f"engine_service.{n}" for n in names)
+        elif module.startswith("engine_service."):
+            out.append(module)
+    return out
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_the_front_imports_only_the_protocol_and_the_tokenizer_view() -> None:
+    for name, tree in _modules().items():
+        if not _within(name, ("engine_service.front",)):
+            continue
+        for module in _engine_imports(tree):
+            assert _within(module, FRONT_MAY_IMPORT), f"the front's {name} imports {module}"
+
+
+def test_the_core_rooms_never_import_the_front() -> None:
+    for name, tree in _modules().items():
+        if not any(_within(name, (f"engine_service.{room}",)) for room in CORE_ROOMS):
+            continue
+        for module in _engine_imports(tree):
+            assert not _within(module, ("engine_service.front",)), f"{name} imports {module}"
+
+
+def test_the_protocol_imports_no_mlx_and_nothing_but_itself() -> None:
+    for name, tree in _modules().items():
+        if not _within(name, ("engine_service.protocol",)):
+            continue
+        for module, _ in _imports(tree):
+            assert module.split(".")[0] not in ("mlx", "mlx_lm", "numpy"), (name, module)
+        for module in _engine_imports(tree):
+            allowed = ("engine_service.protocol", "engine_service.errors")
+            assert _within(module, allowed), f"{name} imports {module}"
+
+
+def test_importing_the_front_loads_no_batch_cache_loop_or_checkpoint_module() -> None:
+    """The proof in docs/architecture.md, in a fresh interpreter: the front's servicer and
+    server load the protocol and the tokenizer view, never mlx-lm's batch caches' users."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, engine_service.front.servicer, engine_service.front.server;"
+        "print('\\n'.join(sorted(m for m in sys.modules if m.startswith('engine_service'))))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.split()
+    assert "engine_service.front.servicer" in loaded and "engine_service.protocol.channel" in loaded
+    for module in loaded:
+        assert _within(module, (*FRONT_MAY_IMPORT, "engine_service.model")) or module in (
+            "engine_service",
+        ), f"importing the front loads {module}"
+    rooms = {m.split(".")[1] for m in loaded if m.count(".") >= 1}
+    assert not rooms & {"loop", "kv", "checkpoints", "speculative", "sampling", "core"}, rooms
