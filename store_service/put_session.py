@@ -15,7 +15,8 @@ from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
 from store_service.errors import IdleStream, InvalidRequest
-from store_service.records import PutSpec, all_tensors, chunk_key, chunk_layout
+from store_service.put_spec import PutSpec
+from store_service.records import all_tensors, chunk_key, chunk_layout
 from tandem_wire.checksum import crc32
 
 # Chunks handed to the writer per LMDB transaction, and the most bytes one Put may have

@@ -21,7 +21,8 @@ from typing import Any
 
 from store_service.config import StoreConfig
 from store_service.errors import Corrupt, InvalidRequest, StoreError
-from store_service.records import PutSpec, StoredRecord, chunk_key
+from store_service.put_spec import PutSpec
+from store_service.records import StoredRecord, chunk_key
 from store_service.storage import read_only
 from store_service.store import CheckpointStore
 from tandem_wire.checksum import crc32

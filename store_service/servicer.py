@@ -18,7 +18,8 @@ from store_service.errors import InvalidRequest, Precondition, status_on_error
 from store_service.fair_share import GET, PUT, BulkCallLimit
 from store_service.metrics import TRANSFERS, TransferPath
 from store_service.put_session import IdleLimited
-from store_service.records import PutSpec, RecordFilter, all_tensors
+from store_service.put_spec import PutSpec
+from store_service.records import RecordFilter, all_tensors
 from store_service.region_copy import copy_in_parts, progress_part_bytes, region_payload
 from store_service.storage import now_ms
 from store_service.store import CheckpointStore

@@ -20,11 +20,11 @@ from store_service.config import StoreConfig
 from store_service.errors import Aborted, AlreadyExists, Corrupt, InvalidRequest, NotFound
 from store_service.map_warmer import MapWarmer
 from store_service.put_session import InflightBudget, PutSession
+from store_service.put_spec import PutSpec
 from store_service.records import (
     KIND_PREFIX,
     ChunkSlot,
     Lease,
-    PutSpec,
     RecordInfo,
     StoredRecord,
     chain_lengths,

@@ -26,6 +26,7 @@ PB_ALLOWED = {
     "store_service": {
         "store_service.wire",
         "store_service.records",
+        "store_service.put_spec",
         "store_service.servicer",
         "store_service.server",
     },
@@ -142,7 +143,7 @@ CORE_ROOMS = ("loop", "kv", "checkpoints", "speculative", "sampling", "model", "
 
 
 def _engine_imports(tree: ast.Module) -> list[str]:
-    out = []
+    out: list[str] = []
     for module, names in _imports(tree):
         if module == "engine_service":  # `from engine_service import blas`
             out.extend(f"engine_service.{n}" for n in names)

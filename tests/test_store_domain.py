@@ -22,8 +22,8 @@ from store_service.errors import (
     Precondition,
     StorageError,
 )
+from store_service.put_spec import PutSpec
 from store_service.records import (
-    PutSpec,
     RecordFilter,
     chunk_layout,
     normalize_namespace,
