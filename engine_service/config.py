@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine_service.protocol.kv_codec import KVCodec, Scheme, checked_codec
-from tandem_wire.logs import add_logging_args
-from tandem_wire.tls import add_listening_args
+from tandem_wire.server_flags import (
+    AuthFlags,
+    EnvDefaults,
+    LogFlags,
+    MetricsFlags,
+    TlsFlags,
+    add_auth_args,
+    add_grace_arg,
+    add_listen_arg,
+    add_log_args,
+    add_metrics_arg,
+    add_off_switch,
+    add_tls_args,
+    config_fields,
+)
 
 SCHEMES = {"affine": Scheme.AFFINE, "turboquant": Scheme.TURBOQUANT}
 
@@ -131,19 +143,7 @@ class EngineConfig:
             raise ValueError("--num-draft-tokens needs --draft-model")
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"TANDEM_ENGINE_{name}", default)
-
-
-def _off_switch(p: argparse.ArgumentParser, dest: str, help: str) -> None:
-    """--no-NAME for a feature that is on unless that flag or TANDEM_ENGINE_NAME=0 says no."""
-    p.add_argument(
-        "--no-" + dest.replace("_", "-"),
-        dest=dest,
-        action="store_false",
-        default=_env(dest.upper(), "1") != "0",
-        help=help,
-    )
+ENV = EnvDefaults("TANDEM_ENGINE_")
 
 
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
@@ -152,163 +152,158 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     )
     p.add_argument(
         "--model",
-        default=_env("MODEL", ""),
+        default=ENV("MODEL", ""),
         help="model directory or hub id; empty = the embedded default (tandem-tiny)",
     )
-    p.add_argument(
-        "--listen",
-        default=_env("LISTEN", "127.0.0.1:50051"),
-        help="HOST:PORT; port 0 picks a free one (printed on start)",
-    )
-    p.add_argument("--store", default=_env("STORE", ""), help="store address (HOST:PORT)")
+    add_listen_arg(p, ENV, "127.0.0.1:50051")
+    p.add_argument("--store", default=ENV("STORE", ""), help="store address (HOST:PORT)")
     p.add_argument(
         "--data-dir",
-        default=_env("DATA_DIR", ".tandem"),
+        default=ENV("DATA_DIR", ".tandem"),
         help="where embedded models are built and cached",
     )
     p.add_argument(
         "--dtype",
-        default=_env("DTYPE", "auto"),
+        default=ENV("DTYPE", "auto"),
         help="auto (float32 on CPU), float32, bfloat16, float16",
     )
-    p.add_argument("--max-running", type=int, default=int(_env("MAX_RUNNING", "32")))
-    p.add_argument("--max-queued", type=int, default=int(_env("MAX_QUEUED", "256")))
-    p.add_argument("--max-context", type=int, default=int(_env("MAX_CONTEXT", "0")))
-    p.add_argument("--prefill-step-size", type=int, default=int(_env("PREFILL_STEP", "2048")))
-    p.add_argument("--default-max-tokens", type=int, default=int(_env("DEFAULT_MAX_TOKENS", "256")))
-    p.add_argument("--grace", type=float, default=float(_env("GRACE", "10")))
+    p.add_argument("--max-running", type=int, default=ENV.integer("MAX_RUNNING", 32))
+    p.add_argument("--max-queued", type=int, default=ENV.integer("MAX_QUEUED", 256))
+    p.add_argument("--max-context", type=int, default=ENV.integer("MAX_CONTEXT", 0))
+    p.add_argument("--prefill-step-size", type=int, default=ENV.integer("PREFILL_STEP", 2048))
+    p.add_argument("--default-max-tokens", type=int, default=ENV.integer("DEFAULT_MAX_TOKENS", 256))
+    add_grace_arg(p, ENV)
     p.add_argument(
         "--checkpoint-interval",
         type=int,
-        default=int(_env("CHECKPOINT_INTERVAL", "0")),
+        default=ENV.integer("CHECKPOINT_INTERVAL", 0),
         help="checkpoint generations every N tokens (needs --store); 0 = off",
     )
     p.add_argument(
-        "--prefix-cache-bytes", type=int, default=int(_env("PREFIX_CACHE_BYTES", str(512 << 20)))
+        "--prefix-cache-bytes", type=int, default=ENV.integer("PREFIX_CACHE_BYTES", 512 << 20)
     )
     p.add_argument(
-        "--spill-queue-bytes", type=int, default=int(_env("SPILL_QUEUE_BYTES", str(1 << 30)))
+        "--spill-queue-bytes", type=int, default=ENV.integer("SPILL_QUEUE_BYTES", 1 << 30)
     )
     p.add_argument(
         "--switch-interval",
         type=float,
-        default=float(_env("SWITCH_INTERVAL", "0.001")),
+        default=ENV.real("SWITCH_INTERVAL", 0.001),
         help="Python GIL switch interval in seconds (see front/server.py)",
     )
     p.add_argument(
         "--admission-window",
         type=float,
-        default=float(_env("ADMISSION_WINDOW", "0.002")),
+        default=ENV.real("ADMISSION_WINDOW", 0.002),
         help="seconds the loop gathers a burst of arrivals into one prefill (0: off)",
     )
     p.add_argument(
         "--constraint-compile-timeout",
         type=float,
-        default=float(_env("CONSTRAINT_COMPILE_TIMEOUT", "10")),
+        default=ENV.real("CONSTRAINT_COMPILE_TIMEOUT", 10),
         help="seconds a constraint may take to compile before it is refused as too complex",
     )
     p.add_argument(
         "--park-after-tokens",
         type=int,
-        default=int(_env("PARK_AFTER_TOKENS", "256")),
+        default=ENV.integer("PARK_AFTER_TOKENS", 256),
         help="a stream whose client has not read this many tokens gives its slot up (0: never)",
     )
     p.add_argument(
         "--park-bytes",
         type=int,
-        default=int(_env("PARK_BYTES", str(1 << 30))),
+        default=ENV.integer("PARK_BYTES", 1 << 30),
         help="bytes of caches parked rows may hold at once",
     )
     p.add_argument(
         "--park-idle-timeout",
         type=float,
-        default=float(_env("PARK_IDLE_TIMEOUT", "300")),
+        default=ENV.real("PARK_IDLE_TIMEOUT", 300),
         help="seconds a parked stream waits for its client before it is cancelled",
     )
     p.add_argument(
         "--turn-tokens",
         type=int,
-        default=int(_env("TURN_TOKENS", "512")),
+        default=ENV.integer("TURN_TOKENS", 512),
         help="while requests wait for a full batch, a row gives its slot up after this many "
         "tokens and queues again (0: never)",
     )
     p.add_argument(
         "--kv-bits",
         type=int,
-        default=int(_env("KV_BITS", "0")),
+        default=ENV.integer("KV_BITS", 0),
         help="quantize full-attention KV caches by default: 4 or 8 bits affine, 2-4 bits "
         "TurboQuant keys (0: plain)",
     )
     p.add_argument(
         "--kv-scheme",
         choices=sorted(SCHEMES),
-        default=_env("KV_SCHEME", "affine"),
+        default=ENV("KV_SCHEME", "affine"),
         help="how quantized KV rows are coded: affine (mlx-lm's) or turboquant",
     )
     p.add_argument(
         "--kv-value-bits",
         type=int,
-        default=int(_env("KV_VALUE_BITS", "0")),
+        default=ENV.integer("KV_VALUE_BITS", 0),
         help="TurboQuant's value bits, 2-4 (0: --kv-bits)",
     )
-    p.add_argument("--kv-group-size", type=int, default=int(_env("KV_GROUP_SIZE", "64")))
+    p.add_argument("--kv-group-size", type=int, default=ENV.integer("KV_GROUP_SIZE", 64))
     p.add_argument(
         "--quantized-kv-start",
         type=int,
-        default=int(_env("QUANTIZED_KV_START", "0")),
+        default=ENV.integer("QUANTIZED_KV_START", 0),
         help="tokens a row holds in the model's dtype before it converts",
     )
     p.add_argument(
         "--draft-model",
-        default=_env("DRAFT_MODEL", ""),
+        default=ENV("DRAFT_MODEL", ""),
         help="draft model for speculative decoding (embedded name, directory or hub id)",
     )
     p.add_argument(
         "--num-draft-tokens",
         type=int,
-        default=int(_env("NUM_DRAFT_TOKENS", "0")),
+        default=ENV.integer("NUM_DRAFT_TOKENS", 0),
         help="draft tokens per round for requests that do not choose (0: no speculation)",
     )
-    add_listening_args(p, _env)
-    add_logging_args(p, _env)
+    add_tls_args(p, ENV)
+    add_auth_args(p, ENV)
+    add_log_args(p, ENV)
     p.add_argument(
         "--log-prompts",
         action="store_true",
-        default=_env("LOG_PROMPTS", "") == "1",
+        default=ENV.flag("LOG_PROMPTS"),
         help="put each prompt's token ids in its request log line (they are user data)",
     )
-    p.add_argument("--store-tls-ca", default=_env("STORE_TLS_CA", ""), help="the store's CA")
-    p.add_argument("--store-tls-cert", default=_env("STORE_TLS_CERT", ""), help="client cert")
-    p.add_argument("--store-tls-key", default=_env("STORE_TLS_KEY", ""), help="client key")
+    p.add_argument("--store-tls-ca", default=ENV("STORE_TLS_CA", ""), help="the store's CA")
+    p.add_argument("--store-tls-cert", default=ENV("STORE_TLS_CERT", ""), help="client cert")
+    p.add_argument("--store-tls-key", default=ENV("STORE_TLS_KEY", ""), help="client key")
     p.add_argument(
         "--store-token-file",
-        default=_env("STORE_TOKEN_FILE", ""),
+        default=ENV("STORE_TOKEN_FILE", ""),
         help="file holding the bearer token the engine presents to the store",
     )
     p.add_argument(
         "--store-region-bytes",
         type=int,
-        default=int(_env("STORE_REGION_BYTES", "-1")),
+        default=ENV.integer("STORE_REGION_BYTES", -1),
         help="shared memory the store writes restores into when it is on this host (0: off; "
         "-1: 256 MiB, 8 GiB with MLX-CUDA, at most half of /dev/shm's free space)",
     )
     p.add_argument(
         "--spill-batch-records",
         type=int,
-        default=int(_env("SPILL_BATCH_RECORDS", "32")),
+        default=ENV.integer("SPILL_BATCH_RECORDS", 32),
         help="checkpoint records queued together that leave in one PutMany (1: one Put each)",
     )
-    p.add_argument(
-        "--metrics-listen",
-        default=_env("METRICS_LISTEN", ""),
-        help="serve Prometheus /metrics on HOST:PORT (default: off)",
+    add_metrics_arg(p, ENV)
+    add_off_switch(p, ENV, "warmup", "skip running the batch shapes once before serving")
+    add_off_switch(
+        p, ENV, "compiled_decode", "build each decode step's graph in Python, not compiled"
     )
-    _off_switch(p, "warmup", "skip running the batch shapes once before serving")
-    _off_switch(p, "compiled_decode", "build each decode step's graph in Python, not compiled")
     p.add_argument(
         "--compiled-decode-max-batch",
         type=int,
-        default=int(_env("COMPILED_DECODE_MAX_BATCH", "8")),
+        default=ENV.integer("COMPILED_DECODE_MAX_BATCH", 8),
         help="largest batch whose decode step runs compiled (larger ones build it in Python)",
     )
     a = p.parse_args(argv)
@@ -336,20 +331,12 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             checkpoint_interval=a.checkpoint_interval,
             prefix_cache_bytes=a.prefix_cache_bytes,
             spill_queue_bytes=a.spill_queue_bytes,
-            tls_cert=a.tls_cert,
-            tls_key=a.tls_key,
-            tls_client_ca=a.tls_client_ca,
-            auth_file=a.auth_file,
-            insecure_no_auth=a.insecure_no_auth,
             store_tls_ca=a.store_tls_ca,
             store_tls_cert=a.store_tls_cert,
             store_tls_key=a.store_tls_key,
             store_token_file=a.store_token_file,
             store_region_bytes=a.store_region_bytes,
             spill_batch_records=a.spill_batch_records,
-            metrics_listen=a.metrics_listen,
-            log_format=a.log_format,
-            log_level=a.log_level,
             log_prompts=a.log_prompts,
             warmup=a.warmup,
             compiled_decode=a.compiled_decode,
@@ -361,6 +348,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             kv_value_bits=a.kv_value_bits,
             draft_model=a.draft_model,
             num_draft_tokens=a.num_draft_tokens,
+            **config_fields(a, TlsFlags, AuthFlags, LogFlags, MetricsFlags),
         )
     except ValueError as exc:
         p.error(str(exc))

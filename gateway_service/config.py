@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 
-from tandem_wire.logs import add_logging_args
+from tandem_wire.server_flags import (
+    AuthFlags,
+    EnvDefaults,
+    LogFlags,
+    MetricsFlags,
+    add_auth_args,
+    add_log_args,
+    add_metrics_arg,
+    config_fields,
+)
 
 
 @dataclass(frozen=True)
@@ -69,8 +77,7 @@ class GatewayConfig:
             raise ValueError("--http-send-buffer-bytes must be 0 (the kernel's) or >= 4096")
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"TANDEM_GATEWAY_{name}", default)
+ENV = EnvDefaults("TANDEM_GATEWAY_")
 
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
@@ -78,56 +85,51 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         prog="tandem-gateway",
         description="OpenAI-compatible HTTP and Tandem gRPC in front of many engines.",
     )
-    env_engines = [e for e in _env("ENGINES", "").split(",") if e.strip()]
+    env_engines = [e for e in ENV("ENGINES", "").split(",") if e.strip()]
     p.add_argument(
         "--engine",
         action="append",
         default=None,
         help="an engine's HOST:PORT (repeat; or TANDEM_GATEWAY_ENGINES=a,b)",
     )
-    p.add_argument("--engines-file", default=_env("ENGINES_FILE", ""))
-    p.add_argument("--http-listen", default=_env("HTTP_LISTEN", ""), help="HOST:PORT (:0 = any)")
-    p.add_argument("--grpc-listen", default=_env("GRPC_LISTEN", ""), help="HOST:PORT (:0 = any)")
+    p.add_argument("--engines-file", default=ENV("ENGINES_FILE", ""))
+    p.add_argument("--http-listen", default=ENV("HTTP_LISTEN", ""), help="HOST:PORT (:0 = any)")
+    p.add_argument("--grpc-listen", default=ENV("GRPC_LISTEN", ""), help="HOST:PORT (:0 = any)")
     p.add_argument(
-        "--checkpoint-interval", type=int, default=int(_env("CHECKPOINT_INTERVAL", "16"))
+        "--checkpoint-interval", type=int, default=ENV.integer("CHECKPOINT_INTERVAL", 16)
     )
-    p.add_argument("--poll-interval", type=float, default=float(_env("POLL_INTERVAL", "0.5")))
-    p.add_argument("--failover-wait", type=float, default=float(_env("FAILOVER_WAIT", "10")))
-    p.add_argument("--max-failovers", type=int, default=int(_env("MAX_FAILOVERS", "8")))
-    p.add_argument("--affinity-slack", type=int, default=int(_env("AFFINITY_SLACK", "4")))
-    p.add_argument("--auth-file", default=_env("AUTH_FILE", ""))
-    p.add_argument(
-        "--insecure-no-auth",
-        action="store_true",
-        default=_env("INSECURE_NO_AUTH", "") == "1",
-        help="allow a non-loopback listen address without --auth-file",
+    p.add_argument("--poll-interval", type=float, default=ENV.real("POLL_INTERVAL", 0.5))
+    p.add_argument("--failover-wait", type=float, default=ENV.real("FAILOVER_WAIT", 10))
+    p.add_argument("--max-failovers", type=int, default=ENV.integer("MAX_FAILOVERS", 8))
+    p.add_argument("--affinity-slack", type=int, default=ENV.integer("AFFINITY_SLACK", 4))
+    add_auth_args(
+        p,
+        ENV,
+        auth_help=None,
+        insecure_help="allow a non-loopback listen address without --auth-file",
     )
-    p.add_argument("--engine-token-file", default=_env("ENGINE_TOKEN_FILE", ""))
-    p.add_argument("--engine-tls-ca", default=_env("ENGINE_TLS_CA", ""))
-    p.add_argument(
-        "--metrics-listen",
-        default=_env("METRICS_LISTEN", ""),
-        help="serve Prometheus /metrics on HOST:PORT (default: off)",
-    )
+    p.add_argument("--engine-token-file", default=ENV("ENGINE_TOKEN_FILE", ""))
+    p.add_argument("--engine-tls-ca", default=ENV("ENGINE_TLS_CA", ""))
+    add_metrics_arg(p, ENV)
     p.add_argument(
         "--max-body-bytes",
         type=int,
-        default=int(_env("MAX_BODY_BYTES", str(8 << 20))),
+        default=ENV.integer("MAX_BODY_BYTES", 8 << 20),
         help="HTTP bodies larger than this are refused 413 (default 8 MiB)",
     )
     p.add_argument(
         "--engine-window-bytes",
         type=int,
-        default=int(_env("ENGINE_WINDOW_BYTES", str(16 << 10))),
+        default=ENV.integer("ENGINE_WINDOW_BYTES", 16 << 10),
         help="HTTP/2 window of each engine stream, no BDP probing (0: gRPC's default)",
     )
     p.add_argument(
         "--http-send-buffer-bytes",
         type=int,
-        default=int(_env("HTTP_SEND_BUFFER_BYTES", str(64 << 10))),
+        default=ENV.integer("HTTP_SEND_BUFFER_BYTES", 64 << 10),
         help="kernel send buffer of each HTTP connection (0: the kernel's autotuning)",
     )
-    add_logging_args(p, _env)
+    add_log_args(p, ENV)
     a = p.parse_args(argv)
     try:
         return GatewayConfig(
@@ -140,16 +142,12 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             failover_wait_s=a.failover_wait,
             max_failovers=a.max_failovers,
             affinity_slack=a.affinity_slack,
-            auth_file=a.auth_file,
-            insecure_no_auth=a.insecure_no_auth,
             engine_token_file=a.engine_token_file,
             engine_tls_ca=a.engine_tls_ca,
-            metrics_listen=a.metrics_listen,
             max_body_bytes=a.max_body_bytes,
             engine_window_bytes=a.engine_window_bytes,
             http_send_buffer_bytes=a.http_send_buffer_bytes,
-            log_format=a.log_format,
-            log_level=a.log_level,
+            **config_fields(a, AuthFlags, LogFlags, MetricsFlags),
         )
     except ValueError as exc:
         p.error(str(exc))

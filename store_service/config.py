@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from tandem_wire.logs import add_logging_args
-from tandem_wire.tls import add_listening_args
+from tandem_wire.server_flags import (
+    AuthFlags,
+    EnvDefaults,
+    LogFlags,
+    MetricsFlags,
+    TlsFlags,
+    add_auth_args,
+    add_grace_arg,
+    add_listen_arg,
+    add_log_args,
+    add_metrics_arg,
+    add_tls_args,
+    config_fields,
+)
 
 
 class SyncMode(StrEnum):
@@ -92,109 +103,96 @@ class StoreConfig:
             raise ValueError("--put-idle-timeout-s must be >= 0 (0: no limit)")
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"TANDEM_STORE_{name}", default)
+ENV = EnvDefaults("TANDEM_STORE_")
 
 
 def parse_args(argv: list[str] | None = None) -> StoreConfig:
     parser = argparse.ArgumentParser(prog="tandem-store", description=__doc__)
-    parser.add_argument("--data-dir", default=_env("DATA_DIR", ".tandem/store"))
+    parser.add_argument("--data-dir", default=ENV("DATA_DIR", ".tandem/store"))
+    add_listen_arg(parser, ENV, "127.0.0.1:50061")
     parser.add_argument(
-        "--listen",
-        default=_env("LISTEN", "127.0.0.1:50061"),
-        help="HOST:PORT; port 0 picks a free one (printed on start)",
-    )
-    parser.add_argument(
-        "--capacity-bytes", type=int, default=int(_env("CAPACITY_BYTES", str(8 * GiB)))
+        "--capacity-bytes", type=int, default=ENV.integer("CAPACITY_BYTES", 8 * GiB)
     )
     parser.add_argument(
         "--sync-mode",
         choices=[m.value for m in SyncMode],
-        default=_env("SYNC_MODE", SyncMode.COMMIT.value),
+        default=ENV("SYNC_MODE", SyncMode.COMMIT.value),
     )
     parser.add_argument(
         "--sync-interval",
         type=float,
-        default=float(_env("SYNC_INTERVAL", "1.0")),
+        default=ENV.real("SYNC_INTERVAL", 1.0),
         help="seconds between syncs in periodic mode (the loss window)",
     )
-    parser.add_argument("--chunk-bytes", type=int, default=int(_env("CHUNK_BYTES", str(MiB))))
-    parser.add_argument("--max-workers", type=int, default=int(_env("MAX_WORKERS", "32")))
+    parser.add_argument("--chunk-bytes", type=int, default=ENV.integer("CHUNK_BYTES", MiB))
+    parser.add_argument("--max-workers", type=int, default=ENV.integer("MAX_WORKERS", 32))
     parser.add_argument(
         "--region-copy-threads",
         type=int,
-        default=int(_env("REGION_COPY_THREADS", "0")),
+        default=ENV.integer("REGION_COPY_THREADS", 0),
         help="threads copying one Get into a same-host region (0: from the cores, 4..16)",
     )
     parser.add_argument(
         "--max-bulk-calls-per-connection",
         type=int,
-        default=int(_env("MAX_BULK_CALLS_PER_CONNECTION", "0")),
+        default=ENV.integer("MAX_BULK_CALLS_PER_CONNECTION", 0),
         help="concurrent Put/Get calls one client connection may have (0: max-workers / 2)",
     )
     parser.add_argument(
         "--max-bulk-calls",
         type=int,
-        default=int(_env("MAX_BULK_CALLS", "0")),
+        default=ENV.integer("MAX_BULK_CALLS", 0),
         help="concurrent Put/Get calls in all, each kind at most that less a third "
         "(0: max-workers less max(4, max-workers / 4), kept for small calls and health)",
     )
     parser.add_argument(
         "--max-bulk-calls-per-principal",
         type=int,
-        default=int(_env("MAX_BULK_CALLS_PER_PRINCIPAL", "0")),
+        default=ENV.integer("MAX_BULK_CALLS_PER_PRINCIPAL", 0),
         help="with --auth-file, concurrent Put/Get calls one principal may have "
         "(0: --max-bulk-calls less a third)",
     )
     parser.add_argument(
         "--region-socket",
-        default=_env("REGION_SOCKET", ""),
+        default=ENV("REGION_SOCKET", ""),
         help="Unix socket same-host callers hand their regions' fds over on: a path, "
         "@NAME (abstract), 'off' (no regions); default: a random abstract name",
     )
     parser.add_argument(
         "--max-regions-per-principal",
         type=int,
-        default=int(_env("MAX_REGIONS_PER_PRINCIPAL", "64")),
+        default=ENV.integer("MAX_REGIONS_PER_PRINCIPAL", 64),
         help="same-host regions one principal may hold (registered or being handed over)",
     )
     parser.add_argument(
         "--max-regions",
         type=int,
-        default=int(_env("MAX_REGIONS", "1024")),
+        default=ENV.integer("MAX_REGIONS", 1024),
         help="same-host regions the store holds in all (at most half its open-file limit)",
     )
     parser.add_argument(
         "--put-idle-timeout-s",
         type=float,
-        default=float(_env("PUT_IDLE_TIMEOUT_S", "10")),
+        default=ENV.real("PUT_IDLE_TIMEOUT_S", 10),
         help="seconds a Put stream may send nothing before the store ends it with "
         "DEADLINE_EXCEEDED and frees its worker (0: no limit)",
     )
-    parser.add_argument(
-        "--grace",
-        type=float,
-        default=float(_env("GRACE", "10")),
-        help="seconds SIGTERM waits for in-flight calls",
-    )
+    add_grace_arg(parser, ENV, help="seconds SIGTERM waits for in-flight calls")
     parser.add_argument(
         "--map-size",
         type=int,
-        default=int(_env("MAP_SIZE", "0")),
+        default=ENV.integer("MAP_SIZE", 0),
         help="initial LMDB map size in bytes (grows on demand); 0 = from capacity",
     )
-    add_listening_args(parser, _env)
-    add_logging_args(parser, _env)
+    add_tls_args(parser, ENV)
+    add_auth_args(parser, ENV)
+    add_log_args(parser, ENV)
     parser.add_argument(
         "--admin-listen",
-        default=_env("ADMIN_LISTEN", ""),
+        default=ENV("ADMIN_LISTEN", ""),
         help="HOST:PORT serving StoreAdmin (then not served on --listen)",
     )
-    parser.add_argument(
-        "--metrics-listen",
-        default=_env("METRICS_LISTEN", ""),
-        help="serve Prometheus /metrics on HOST:PORT (default: off)",
-    )
+    add_metrics_arg(parser, ENV)
     args = parser.parse_args(argv)
     try:
         return StoreConfig(
@@ -206,13 +204,7 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
             chunk_bytes=args.chunk_bytes,
             max_workers=args.max_workers,
             region_copy_threads=args.region_copy_threads,
-            tls_client_ca=args.tls_client_ca,
-            auth_file=args.auth_file,
             admin_listen=args.admin_listen,
-            metrics_listen=args.metrics_listen,
-            log_format=args.log_format,
-            log_level=args.log_level,
-            insecure_no_auth=args.insecure_no_auth,
             bulk_calls_per_connection=args.max_bulk_calls_per_connection,
             max_bulk_calls=args.max_bulk_calls,
             bulk_calls_per_principal=args.max_bulk_calls_per_principal,
@@ -222,8 +214,7 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
             put_idle_timeout_s=args.put_idle_timeout_s,
             grace_s=args.grace,
             map_size_bytes=args.map_size,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
+            **config_fields(args, TlsFlags, AuthFlags, LogFlags, MetricsFlags),
         )
     except ValueError as exc:
         parser.error(str(exc))
