@@ -7,11 +7,9 @@ Hand-written because the JSON shape is ten lines over the standard library's log
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -50,8 +48,3 @@ def configure_logging(level: str = "info", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-
-
-def add_logging_args(p: argparse.ArgumentParser, env: Callable[[str, str], str]) -> None:
-    p.add_argument("--log-format", choices=LOG_FORMATS, default=env("LOG_FORMAT", "text"))
-    p.add_argument("--log-level", choices=LOG_LEVELS, default=env("LOG_LEVEL", "info"))

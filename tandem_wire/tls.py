@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,29 +38,6 @@ def bind(server: Any, listen: str, cert: str = "", key: str = "", client_ca: str
     if port == 0:
         raise OSError(_cannot_bind(listen))
     return int(port)
-
-
-def add_listening_args(p: argparse.ArgumentParser, env: Callable[[str, str], str]) -> None:
-    """The flags both servers take for TLS, mTLS and authentication (`env(NAME, default)`
-    reads the server's TANDEM_* variable)."""
-    p.add_argument("--tls-cert", default=env("TLS_CERT", ""), help="PEM certificate")
-    p.add_argument("--tls-key", default=env("TLS_KEY", ""), help="PEM private key")
-    p.add_argument(
-        "--tls-client-ca",
-        default=env("TLS_CLIENT_CA", ""),
-        help="PEM CA bundle: clients must present a certificate it signed (mTLS)",
-    )
-    p.add_argument(
-        "--auth-file",
-        default=env("AUTH_FILE", ""),
-        help="JSON file of principals (docs/security.md); reloaded on SIGHUP",
-    )
-    p.add_argument(
-        "--insecure-no-auth",
-        action="store_true",
-        default=env("INSECURE_NO_AUTH", "") == "1",
-        help="allow a non-loopback address without --auth-file",
-    )
 
 
 def is_loopback(listen: str) -> bool:
