@@ -5,6 +5,7 @@ client package or mlx, the gateway without mlx or the engine, no private names a
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,6 +108,116 @@ def test_the_gateway_needs_neither_mlx_nor_the_engine() -> None:
             assert top not in ("mlx", "mlx_lm", "engine_service", "store_service"), (name, module)
 
 
+# The one module that may touch mlx-lm's private names (pinned to mlx-lm's version).
+MLX_COMPAT = "engine_service.model.mlx_compat"
+
+
+def _mlx_lm_private_names() -> set[str]:
+    """The private attribute names mlx-lm itself defines, read off the installed sources:
+    `self._x = ...` (or `cls._x`) in its methods, and `_x` methods and class attributes."""
+    spec = importlib.util.find_spec("mlx_lm")
+    assert spec is not None and spec.submodule_search_locations, "mlx-lm is not installed"
+    names: set[str] = set()
+    for folder in spec.submodule_search_locations:
+        for path in Path(folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id in ("self", "cls")
+                ):
+                    names.add(node.attr)
+                elif isinstance(node, ast.ClassDef):
+                    for item in node.body:
+                        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                            names.add(item.name)
+                        elif isinstance(item, ast.Assign):
+                            names.update(t.id for t in item.targets if isinstance(t, ast.Name))
+                        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                            names.add(item.target.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _mlx_lm_bindings(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """(module aliases, class names) a module binds from mlx-lm; names taken from the adapter
+    (mlx_compat re-exports mlx-lm's private base class) count as mlx-lm's."""
+    modules: set[str] = set()
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "mlx_lm":
+                    modules.add(alias.asname or "mlx_lm")
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if node.module.split(".")[0] == "mlx_lm" or node.module == MLX_COMPAT:
+                for alias in node.names:
+                    bound = alias.asname or alias.name
+                    # `from mlx_lm.models import cache as cache_lib` binds a module.
+                    (modules if alias.name[:1].islower() else names).add(bound)
+    return modules, names
+
+
+def _mlx_lm_classes(modules: dict[str, ast.Module]) -> set[str]:
+    """Our classes whose instances are mlx-lm objects: those deriving from an mlx-lm class
+    (through our own classes too), and the mixins such a class is built from."""
+    classes: list[tuple[ast.ClassDef, set[str], set[str]]] = []
+    for name, tree in modules.items():
+        if name.startswith("engine_service."):
+            aliases, imported = _mlx_lm_bindings(tree)
+            classes += [
+                (n, aliases, imported) for n in ast.walk(tree) if isinstance(n, ast.ClassDef)
+            ]
+    ours = {node.name for node, _, _ in classes}
+    marked: set[str] = set()
+    while True:
+        before = len(marked)
+        for node, aliases, imported in classes:
+            for base in node.bases:
+                root = base
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if (isinstance(base, ast.Name) and (base.id in imported or base.id in marked)) or (
+                    isinstance(base, ast.Attribute)
+                    and isinstance(root, ast.Name)
+                    and root.id in aliases
+                ):
+                    marked.add(node.name)
+            if node.name in marked:  # its mixins are mlx-lm objects' classes too
+                marked.update(b.id for b in node.bases if isinstance(b, ast.Name) and b.id in ours)
+        if len(marked) == before:
+            return marked
+
+
+class _PrivateUses(ast.NodeVisitor):
+    """`<expr>._x` where `_x` is one of mlx-lm's private names: on any receiver but `self` /
+    `cls`, and on those inside a class whose instances are mlx-lm objects (where the name
+    may be mlx-lm's: our own attributes there are named apart from mlx-lm's)."""
+
+    def __init__(self, private: set[str], mlx_classes: set[str], aliases: set[str]) -> None:
+        self.private, self.mlx_classes, self.aliases = private, mlx_classes, aliases
+        self.classes: list[str] = []
+        self.found: list[str] = []
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:  # noqa: N802
+        self.classes.append(node.name)
+        self.generic_visit(node)
+        self.classes.pop()
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:  # noqa: N802
+        attr, value = node.attr, node.value
+        if attr.startswith("_") and not attr.startswith("__"):
+            receiver = value.id if isinstance(value, ast.Name) else ""
+            if receiver in self.aliases:  # a private of an mlx-lm module
+                self.found.append(f"line {node.lineno}: {ast.unparse(node)}")
+            elif attr in self.private and (
+                receiver not in ("self", "cls")
+                or (self.classes and self.classes[-1] in self.mlx_classes)
+            ):
+                self.found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        self.generic_visit(node)
+
+
 def test_no_private_names_across_modules() -> None:
     modules = _modules()
     for name, tree in modules.items():
@@ -116,16 +227,19 @@ def test_no_private_names_across_modules() -> None:
                 assert not private, f"{name} imports private {private} from {module}"
             elif module.startswith("mlx_lm") and private:
                 # mlx-lm privates go through the one adapter pinned to its version.
-                assert name == "engine_service.model.mlx_compat", f"{name} imports {private}"
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Attribute)
-                and node.attr.startswith("_")
-                and not node.attr.startswith("__")
-                and isinstance(node.value, ast.Name)
-                and node.value.id in ("cache_lib", "mlx_lm", "generate")
-            ):
-                assert name == "engine_service.model.mlx_compat", f"{name} uses {node.attr}"
+                assert name == MLX_COMPAT, f"{name} imports {private}"
+    # Nor attributes: an mlx-lm private name read or written outside the adapter, on an mlx-lm
+    # object or on one of our subclasses of mlx-lm classes, is a use of mlx-lm's internals.
+    mlx_private = _mlx_lm_private_names()
+    assert {"_idx", "_offset", "_tokenizer", "_temporal_order"} <= mlx_private
+    mlx_classes = _mlx_lm_classes(modules)
+    assert {"BatchQuantizedKVCache", "BatchState", "PlainRingRow"} <= mlx_classes
+    for name, tree in modules.items():
+        if not name.startswith("engine_service.") or name == MLX_COMPAT:
+            continue
+        uses = _PrivateUses(mlx_private, mlx_classes, _mlx_lm_bindings(tree)[0])
+        uses.visit(tree)
+        assert not uses.found, f"{name} uses mlx-lm's private names: {uses.found}"
 
 
 # The engine's rooms (docs/architecture.md). The front process runs gRPC and never the batch:

@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine_service.kv import batch_cache as quantized_kv
+from engine_service.kv import batch_writes as quantized_kv  # where the flag is read
 from engine_service.kv.batch_cache import BatchQuantizedKVCache, PackedRow, adopt_row
 from engine_service.protocol.kv_codec import KVCodec
 from tandem_client import EngineClient, StoreClient

@@ -16,8 +16,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from engine_service.checkpoints.cache_records import capture, restore_captured
 from engine_service.kv.batch_cache import adopt_row
-from engine_service.kv.ring_cache import BatchQuantizedRingCache
-from engine_service.kv.rows import PackedRingRow
+from engine_service.kv.ring_cache import BatchQuantizedRingCache, PackedRingRow
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
 from engine_service.protocol.kv_codec import KVCodec, StorageKind, request_layout

@@ -28,7 +28,7 @@ from mlx_lm.models import cache as cache_lib
 from engine_service.checkpoints.device_landing import WORD_VIEWS, host_array
 from engine_service.errors import Corrupt, Precondition
 from engine_service.kv.batch_cache import PackedRow, PlainRow, TurboQuantRow
-from engine_service.kv.rows import PackedRingRow, PlainRingRow
+from engine_service.kv.ring_cache import PackedRingRow, PlainRingRow
 from engine_service.model.loading import layout_codec
 from engine_service.protocol.kv_codec import layout_accepts
 from tandem_client.records import Tensor

@@ -59,12 +59,14 @@ class GenerationCheckpoints:
         counters: CheckpointCounters,
         store: StoreClient | None = None,
         spill: SpillQueue | None = None,
+        staging: HostStaging | None = None,
     ) -> None:
         self.model_id = model_id
         self.counters = counters
         self.store = store
         self.spill = spill
-        self.staging = HostStaging(Landing(), None)  # how captures become host bytes
+        # How captures become host bytes (through the store's region when attached).
+        self.staging = staging if staging is not None else HostStaging(Landing(), None)
         self._lock = threading.Lock()
         # Generation key -> first segment of a chain that has a hole (a segment or manifest
         # that did not reach the store): its later records are not sent, its next snapshot

@@ -107,6 +107,10 @@ class CheckpointManager:
             if self.store is not None
             else None
         )
+        self.region = self._attach_region() if self.store is not None else None
+        # Captures become host bytes, and store bytes arrays, through the region when the
+        # store took one: one staging for prefixes and generations.
+        staging = HostStaging(landing_for(self.region), self.store if self.region else None)
         self.prefixes = PrefixReuse(
             self.model_id,
             PrefixCache(settings.local_cache_bytes),
@@ -114,16 +118,13 @@ class CheckpointManager:
             self.store,
             self.spill,
             settings.min_prefix_tokens,
+            staging,
         )
         self.snapshots = PrefixSnapshots(loaded.model, self.prefixes, settings.prefill_step_size)
         self.generations = GenerationCheckpoints(
-            self.model_id, self.counters, self.store, self.spill
+            self.model_id, self.counters, self.store, self.spill, staging
         )
         self._loader = ThreadPoolExecutor(2, thread_name_prefix="checkpoint-read-back")
-        self.region = self._attach_region() if self.store is not None else None
-        self.prefixes.landing = landing_for(self.region)
-        staging = HostStaging(self.prefixes.landing, self.store if self.region else None)
-        self.prefixes.staging = self.generations.staging = staging
 
     def _attach_region(self) -> SharedRegion | None:
         """The same-host data plane, when the store is on this host and takes the region;

@@ -60,6 +60,7 @@ class PrefixReuse:
         store: StoreClient | None = None,
         spill: SpillQueue | None = None,
         min_prefix_tokens: int = BLOCK_SIZE,
+        staging: HostStaging | None = None,
     ) -> None:
         self.model_id = model_id
         self.local = local
@@ -68,8 +69,10 @@ class PrefixReuse:
         self.spill = spill
         self.min_prefix_tokens = min_prefix_tokens
         self.cost = RestoreCost()  # store hit or prefill, decided per request
-        self.landing = Landing()  # how store bytes become arrays (the region's, once attached)
-        self.staging = HostStaging(self.landing, None)  # how captures become host bytes
+        # How captures become host bytes, and (its landing) how store bytes become arrays:
+        # through the store's shared-memory region when the engine attached one.
+        self.staging = staging if staging is not None else HostStaging(Landing(), None)
+        self.landing = self.staging.landing
         self._saved_keys: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
     def scope(self, namespace: str, layout: list[str]) -> bytes:

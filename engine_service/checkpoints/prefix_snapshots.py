@@ -20,6 +20,7 @@ from mlx_lm.models.cache import CacheList, RotatingKVCache, make_prompt_cache
 
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE
 from engine_service.checkpoints.prefix_reuse import PrefixReuse
+from engine_service.model.mlx_compat import ring_position, set_ring_position
 from engine_service.protocol.requests import GenerationRequest
 
 
@@ -49,9 +50,9 @@ def keep_window(caches: list[Any]) -> None:
         keys, values, size = cache.keys, cache.values, cache.max_size
         if keys is None or values is None:
             continue
-        if keys.shape[2] > size and cache._idx == keys.shape[2]:  # in temporal order
+        if keys.shape[2] > size and ring_position(cache) == keys.shape[2]:  # in temporal order
             cache.keys, cache.values = keys[..., -size:, :], values[..., -size:, :]
-            cache._idx = size
+            set_ring_position(cache, size)
 
 
 class PrefixSnapshots:

@@ -31,12 +31,12 @@ class BatchState:
     """A mixin: the attributes below are BatchQuantizedKVCache's."""
 
     _lp: list[int]
-    _idx: int
+    _written: int
     _cap: int
     _codecs: list[KVCodec]
     _groups: list[PlaneGroup]
     _shape: tuple[int, int, int, str] | None
-    _right_padding: list[int] | None
+    _right_padding_to_roll: list[int] | None
     _waiting: int | None
     offset: mx.array
     left_padding: mx.array
@@ -44,15 +44,19 @@ class BatchState:
     def decode_state(self) -> DecodeState | None:
         """The planes and offsets of a one-token step, with room for that token; None when
         this batch is not one plain group with nothing to convert or prepare."""
-        if len(self._groups) != 1 or self._groups[0].packed or self._right_padding is not None:
+        if (
+            len(self._groups) != 1
+            or self._groups[0].packed
+            or self._right_padding_to_roll is not None
+        ):
             return None
         if self._waiting != 0 or not self._groups[0].keys:
             return None  # rows due to be quantized, or not counted yet: the eager path
-        if self._idx + 1 > self._cap:
+        if self._written + 1 > self._cap:
             return None  # the eager step grows the planes; the next one compiles
         group = self._groups[0]
         return DecodeState(
-            group.keys[0], group.values[0], self.offset, self.left_padding, self._idx
+            group.keys[0], group.values[0], self.offset, self.left_padding, self._written
         )
 
     def adopt_decode(self, keys: mx.array, values: mx.array, offset: mx.array) -> None:
@@ -61,7 +65,7 @@ class BatchState:
         group = self._groups[0]
         group.keys, group.values = [keys], [values]
         self.offset = offset
-        self._idx += 1
+        self._written += 1
 
     @property
     def state(self) -> list[mx.array]:
@@ -79,7 +83,7 @@ class BatchState:
             {
                 "groups": [[g.storage.to_json(), g.rows, len(g.keys)] for g in self._groups],
                 "lp": self._lp,
-                "idx": self._idx,
+                "idx": self._written,
                 "cap": self._cap,
                 "codecs": [c.to_json() for c in self._codecs],
                 "shape": [heads, kdim, vdim, dtype],
@@ -91,7 +95,7 @@ class BatchState:
         meta = json.loads(v)
         arrays = getattr(self, "_state_arrays", [])
         self._lp = meta["lp"]
-        self._idx, self._cap = meta["idx"], meta["cap"]
+        self._written, self._cap = meta["idx"], meta["cap"]
         self._codecs = [KVCodec.from_json(c) for c in meta["codecs"]]
         heads, kdim, vdim, dtype = meta["shape"]
         self._shape = (heads, kdim, vdim, dtype) if heads else None
@@ -103,7 +107,7 @@ class BatchState:
             )
             at += 2 * n
         self.offset, self.left_padding = arrays[at], arrays[at + 1]
-        self._right_padding = None
+        self._right_padding_to_roll = None
         self._waiting = None
 
     @classmethod

@@ -1,7 +1,12 @@
-"""One request's KV layer as a row BatchQuantizedKVCache can batch: `PlainRow` (plain tensors,
-with the codec it converts to) and `PackedRow` (affine planes), both mlx-lm's own solo caches
-underneath, adopted without a copy, and `TurboQuantRow` (codes and norms: no mlx-lm cache holds
-them). kv/batch_cache.py explains the batch."""
+"""One request's KV layer as a row a batch can hold: `PlainLayer` (plain tensors, with the
+codec it converts to) and `PackedLayer` (affine planes), both mlx-lm's own solo caches
+underneath, adopted without a copy, `TurboQuantLayer` (codes and norms: no mlx-lm cache holds
+them), and the sliding-window `PlainRingLayer` and `PackedRingLayer`.
+
+Each batch module declares the rows that merge into it, where the batch is defined:
+kv/batch_cache.py's PlainRow, PackedRow and TurboQuantRow (BatchQuantizedKVCache) and
+kv/ring_cache.py's PlainRingRow and PackedRingRow (BatchQuantizedRingCache). This module
+cannot name the batches: they import it."""
 
 from __future__ import annotations
 
@@ -10,21 +15,20 @@ from typing import Any, ClassVar
 import mlx.core as mx
 from mlx_lm.models import cache as cache_lib
 
-from engine_service.model.mlx_compat import BaseCache
-from engine_service.protocol.kv_codec import PLAIN_KV, KVCodec, Storage, StorageKind, ring_signature
+from engine_service.model.mlx_compat import BaseCache, ring_in_temporal_order, set_ring_position
+from engine_service.protocol.kv_codec import PLAIN_KV, KVCodec, Storage, ring_signature
 
 
 class Row:
-    """What PlainRow and PackedRow share: a codec, adoption of mlx-lm's solo cache (no copy),
-    and batching as a BatchQuantizedKVCache."""
+    """What every row shares: a codec, adoption of mlx-lm's solo cache (no copy), and merging
+    into its batch."""
 
     codec: KVCodec
     keys: Any
     values: Any
     offset: int
-    # The batch cache rows merge into (BatchQuantizedKVCache): set by kv/batch_cache.py, which
-    # imports this module (the other way round would be an import cycle).
-    batch_type: ClassVar[Any] = None
+    # The batch cache the row merges into: declared by each row class, in its batch's module.
+    batch_type: ClassVar[Any]
 
     @classmethod
     def adopt(cls, cache: Any, codec: KVCodec) -> Any:
@@ -37,7 +41,7 @@ class Row:
         return cls.batch_type.merge(caches)
 
 
-class PlainRow(Row, cache_lib.KVCache):
+class PlainLayer(Row, cache_lib.KVCache):
     """One request's plain KV layer, with the codec it converts to."""
 
     def __init__(self, codec: KVCodec = PLAIN_KV) -> None:
@@ -45,7 +49,7 @@ class PlainRow(Row, cache_lib.KVCache):
         self.codec = codec
 
 
-class PackedRow(Row, cache_lib.QuantizedKVCache):
+class PackedLayer(Row, cache_lib.QuantizedKVCache):
     """One request's converted (quantized) KV layer."""
 
     def __init__(self, codec: KVCodec) -> None:
@@ -53,7 +57,7 @@ class PackedRow(Row, cache_lib.QuantizedKVCache):
         self.codec = codec
 
 
-class TurboQuantRow(Row, BaseCache):
+class TurboQuantLayer(Row, BaseCache):
     """One request's converted TurboQuant KV layer: keys and values each (codes, norms)
     planes of shape (1, heads, tokens, width), cut from a batch (BatchQuantizedKVCache.extract)
     or restored from a checkpoint. It only ever runs inside a batch (merge)."""
@@ -109,16 +113,20 @@ class TurboQuantRow(Row, BaseCache):
 
 
 class RingRow(Row):
-    """What the solo ring rows share: batching as a BatchQuantizedRingCache (set by
-    kv/ring_cache.py) and their planes in temporal order."""
+    """What the solo ring rows share: their planes in temporal order, and how many columns
+    those hold."""
 
     max_size: int
 
     def temporal_planes(self) -> tuple[list[mx.array], list[mx.array]]:
         raise NotImplementedError
 
+    def set_columns(self, columns: int) -> None:
+        """The columns its planes hold, in temporal order (planes set from a batch)."""
+        raise NotImplementedError
 
-class PlainRingRow(RingRow, cache_lib.RotatingKVCache):
+
+class PlainRingLayer(RingRow, cache_lib.RotatingKVCache):
     """One request's plain sliding-window layer (mlx-lm's RotatingKVCache), with its codec."""
 
     def __init__(self, max_size: int, codec: KVCodec = PLAIN_KV) -> None:
@@ -126,10 +134,17 @@ class PlainRingRow(RingRow, cache_lib.RotatingKVCache):
         self.codec = codec
 
     def temporal_planes(self) -> tuple[list[mx.array], list[mx.array]]:
-        return [self._temporal_order(self.keys)], [self._temporal_order(self.values)]
+        keys, values = (
+            ring_in_temporal_order(self, self.keys),
+            ring_in_temporal_order(self, self.values),
+        )
+        return [keys], [values]
+
+    def set_columns(self, columns: int) -> None:
+        set_ring_position(self, columns)  # in temporal order: the next write follows them
 
 
-class PackedRingRow(RingRow, BaseCache):
+class PackedRingLayer(RingRow, BaseCache):
     """One request's converted sliding-window layer: its window's packed planes (affine or
     TurboQuant) in temporal order, cut from a batch. It only ever runs inside a batch."""
 
@@ -142,7 +157,7 @@ class PackedRingRow(RingRow, BaseCache):
         self.keys: tuple[mx.array, ...] | None = None
         self.values: tuple[mx.array, ...] | None = None
         self.offset = 0  # tokens seen (RoPE position)
-        self._idx = 0  # columns held
+        self.columns = 0  # columns held
 
     @property
     def stored_as(self) -> Storage:
@@ -164,7 +179,7 @@ class PackedRingRow(RingRow, BaseCache):
             list(self.values),
             self.offset,
             self.max_size,
-            self._idx,
+            self.columns,
             self.codec.to_json(),
             list(self.row_shape),
         ]
@@ -173,10 +188,13 @@ class PackedRingRow(RingRow, BaseCache):
     def state(self, v: list[Any]) -> None:
         keys, values, offset, max_size, idx, codec, shape = v
         self.keys, self.values = tuple(keys), tuple(values)
-        self.offset, self.max_size, self._idx = int(offset), int(max_size), int(idx)
+        self.offset, self.max_size, self.columns = int(offset), int(max_size), int(idx)
         self.codec = KVCodec.from_json(codec)
         heads, kdim, vdim, dtype = shape
         self.row_shape = (int(heads), int(kdim), int(vdim), str(dtype))
+
+    def set_columns(self, columns: int) -> None:
+        self.columns = columns
 
     def size(self) -> int:
         return min(self.offset, self.max_size)
@@ -191,10 +209,10 @@ class PackedRingRow(RingRow, BaseCache):
         """Drops the last n positions of a ring that has not wrapped (a saved prefix)."""
         n = min(self.offset, n)
         if n and self.keys is not None and self.values is not None:
-            end = self._idx - n
+            end = self.columns - n
             self.keys = tuple(p[..., :end, :] for p in self.keys)
             self.values = tuple(p[..., :end, :] for p in self.values)
-            self._idx = end
+            self.columns = end
         self.offset -= n
         return n
 
@@ -213,38 +231,6 @@ def ring_shape(caches: list[Any]) -> tuple[int, int, int, str]:
         k, v = cache.keys, cache.values
         return k.shape[1], k.shape[3], v.shape[3], str(k.dtype).removeprefix("mlx.core.")
     raise ValueError("no row holds any tokens")
-
-
-def adopt_row(cache: Any, codec: KVCodec) -> Any:
-    """A request's layer cache as one BatchQuantizedKVCache can batch; other kinds unchanged.
-
-    Every plain KV layer goes through this (plain requests too), so that any two requests can
-    share a batch whatever their codecs.
-    """
-    if type(cache) is cache_lib.KVCache:
-        return PlainRow.adopt(cache, codec)
-    if type(cache) is cache_lib.RotatingKVCache and cache.keep == 0:
-        ring = PlainRingRow(cache.max_size, codec)
-        ring.keys, ring.values, ring.offset, ring._idx = (
-            cache.keys,
-            cache.values,
-            cache.offset,
-            cache._idx,
-        )
-        return ring
-    if isinstance(cache, PackedRingRow) and codec.storage != cache.stored_as:
-        raise ValueError(f"a {cache.layout_id} cache cannot continue as {codec}")
-    if type(cache) is cache_lib.QuantizedKVCache:
-        if codec.storage != Storage(StorageKind.AFFINE, cache.bits, cache.group_size):
-            raise ValueError(
-                f"a {cache.bits}-bit/{cache.group_size} cache cannot continue as {codec}"
-            )
-        return PackedRow.adopt(cache, codec)
-    if isinstance(cache, TurboQuantRow) and codec.storage != cache.stored_as:
-        raise ValueError(f"a {cache.codec.signature()} cache cannot continue as {codec}")
-    if isinstance(cache, (PlainRow, PackedRow, TurboQuantRow, PlainRingRow, PackedRingRow)):
-        cache.codec = codec
-    return cache
 
 
 def codec_of(cache: Any) -> KVCodec:

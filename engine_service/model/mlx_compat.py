@@ -34,6 +34,24 @@ def hf_tokenizer(tokenizer: Any) -> Any:
     return tokenizer._tokenizer
 
 
+def ring_position(cache: Any) -> int:
+    """A RotatingKVCache's write position `_idx` (the columns it holds until it wraps): its
+    `offset` counts tokens seen, and no public name carries where the ring writes next."""
+    return int(cache._idx)
+
+
+def set_ring_position(cache: Any, position: int) -> None:
+    """Sets a RotatingKVCache's write position `_idx` (a ring adopted or cut from a batch with
+    its planes set directly: mlx-lm's constructor starts it at 0)."""
+    cache._idx = position
+
+
+def ring_in_temporal_order(cache: Any, plane: Any) -> Any:
+    """A RotatingKVCache's plane (keys or values) in temporal order: mlx-lm's own unrolling
+    `_temporal_order`, which BatchRotatingKVCache.merge uses the same way."""
+    return cache._temporal_order(plane)
+
+
 def running_batch(bg: Any) -> Any:
     """The BatchGenerator's batch of decoding rows (None when none): its `uids` and
     `prompt_cache` (one batch cache per layer)."""

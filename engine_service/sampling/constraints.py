@@ -91,7 +91,7 @@ class Grammars:
         self.eos_token_ids = eos_token_ids
         self.budget = budget  # compiles wait at most its timeout
         self._lock = threading.Lock()
-        self._tokenizer: Any = None
+        self._llg_tokenizer: Any = None
         self._grammars: dict[Constraint, tuple[str, bool]] = {}  # grammar, start checked
         self._templates: OrderedDict[Constraint, Any] = OrderedDict()  # fresh matchers
         self.built_on_loop = 0  # rows whose matcher was not prepared (evicted meanwhile)
@@ -109,13 +109,13 @@ class Grammars:
     @property
     def tokenizer(self) -> Any:
         with self._lock:
-            if self._tokenizer is None:
+            if self._llg_tokenizer is None:
                 import llguidance.hf
 
-                self._tokenizer = llguidance.hf.from_tokenizer(
+                self._llg_tokenizer = llguidance.hf.from_tokenizer(
                     self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
                 )
-            return self._tokenizer
+            return self._llg_tokenizer
 
     def compile(self, constraint: Constraint, check_start: bool = True) -> str:
         """The checked grammar (InvalidRequest with the library's message): it compiles
