@@ -42,12 +42,19 @@ TEST_WORKERS ?= 2
 test: $(PB_STAMP) $(NODE_STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-# The fault-injection suites at length: many store and engine SIGKILLs (tests/test_faults.py),
+# The fault-injection suites at length: many store and engine SIGKILLs (tests/test_faults.py;
+# the engine's at seeded random moments, some between a checkpoint's capture and its Put),
 # engines killed under streams through the gateway (tests/test_gateway_failover.py), and an
 # engine of every zoo architecture killed after its first tokens (tests/test_engine_zoo_processes.py).
+# Each run draws a fresh seed, printed: `make soak SOAK_SEED=<seed>` replays one.
 SOAK_KILLS ?= 30
+ifndef SOAK_SEED
+SOAK_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+endif
 soak: $(PB_STAMP) $(NODE_STAMP)
-	TANDEM_SOAK_KILLS=$(SOAK_KILLS) TANDEM_GATEWAY_KILLS=$(SOAK_KILLS) TANDEM_ZOO_KILLS=all \
+	@echo "==> soak seed $(SOAK_SEED) (replay: make soak SOAK_SEED=$(SOAK_SEED))"
+	TANDEM_SOAK_KILLS=$(SOAK_KILLS) TANDEM_SOAK_SEED=$(SOAK_SEED) \
+		TANDEM_GATEWAY_KILLS=$(SOAK_KILLS) TANDEM_ZOO_KILLS=all \
 		$(PY) -m pytest -q -s tests/test_faults.py tests/test_gateway_failover.py \
 		tests/test_engine_zoo_processes.py
 

@@ -141,6 +141,21 @@ class ServiceProcess:
         self.proc.kill()
         self.proc.wait(10)
 
+    def freeze(self, timeout: float = 10.0) -> None:
+        """SIGSTOP, and wait until every thread of the process is stopped (/proc): from then
+        on it reads, writes and answers nothing until `thaw`."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while not all(state in "Tt" for state in thread_states(self.pid)):
+            assert time.monotonic() < deadline, f"{self.module} not stopped after {timeout}s"
+            time.sleep(0.005)
+
+    def thaw(self) -> None:
+        """SIGCONT: a frozen process goes on where it stopped."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def terminate(self, timeout: float = 60.0) -> int:
         """SIGTERM and wait; returns the exit status."""
         assert self.proc is not None
@@ -201,6 +216,33 @@ def child_pids(pid: int) -> list[int]:
         if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
             found.append(int(entry.name))
     return found
+
+
+def wait_until(check: Any, timeout: float = 60.0, what: str = "the condition") -> Any:
+    """Calls `check` until it returns something true, which it returns; fails after
+    `timeout` seconds. Polls briefly (5 ms to 100 ms, doubling): waits on observable state,
+    never on the passing of time."""
+    deadline = time.monotonic() + timeout
+    pause = 0.005
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"no {what} after {timeout}s (last: {got!r})"
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
+
+
+def thread_states(pid: int) -> list[str]:
+    """The scheduler state of each thread of pid (Linux /proc: R, S, D, T stopped...)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended meanwhile
+        states.append(stat.rsplit(")", 1)[1].split()[0])
+    return states
 
 
 def free_port() -> int:
