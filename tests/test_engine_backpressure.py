@@ -9,6 +9,7 @@ client's window is 64 KiB or more - the same test with it only takes longer.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 from tandem_client import EngineClient
 from tandem_client.engine_client import generate_request
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
-from tests.servers import start_engine, start_store
+from tests.servers import ServiceProcess, start_engine, start_store
 
 SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
 MAX_TOKENS = 160
@@ -41,13 +42,31 @@ def _stats(address: str) -> engine_pb2.EngineStatsResponse:
 
 
 def _wait(address: str, until: object, timeout: float = 120.0) -> engine_pb2.EngineStatsResponse:
+    """Polls the engine's Stats until `until(stats)` (5 ms between calls at first, doubling
+    to 100 ms): the state is seen soon after it holds, not at the next fixed tick."""
     deadline = time.monotonic() + timeout
-    while True:
-        s = _stats(address)
-        if until(s):  # type: ignore[operator]
-            return s
-        assert time.monotonic() < deadline, f"engine never got there: {s}"
-        time.sleep(0.2)
+    pause = 0.005
+    with EngineClient(address) as c:
+        while True:
+            s = c.stats()
+            if until(s):  # type: ignore[operator]
+                return s
+            assert time.monotonic() < deadline, f"engine never got there: {s}"
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+
+
+@pytest.fixture(scope="module")
+def parking_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    """One engine for the tests that park unread rows in memory (32 slots, parked after 32
+    unread tokens); each leaves it with nothing running or parked."""
+    engine = start_engine(
+        tmp_path_factory.mktemp("parking"), "--max-running", "32", "--park-after-tokens", "32"
+    )
+    try:
+        yield engine
+    finally:
+        engine.stop()
 
 
 def _read_all(call: object) -> list[int]:
@@ -57,14 +76,18 @@ def _read_all(call: object) -> list[int]:
     return tokens
 
 
-def test_32_unread_streams_give_their_slots_up_and_resume_exactly(tmp_path: Path) -> None:
-    engine = start_engine(tmp_path, "--max-running", "32", "--park-after-tokens", "32")
+def test_32_unread_streams_give_their_slots_up_and_resume_exactly(
+    parking_engine: ServiceProcess,
+) -> None:
+    engine = parking_engine
+    before = _stats(engine.address)
+    channel = grpc.insecure_channel(engine.address, options=SMALL_WINDOW)
     try:
-        channel = grpc.insecure_channel(engine.address, options=SMALL_WINDOW)
         stub = engine_pb2_grpc.EngineStub(channel)
         unread = [stub.Generate(_request(i)) for i in range(32)]  # opened, never read (yet)
         s = _wait(engine.address, lambda s: s.parked == 32)
-        assert s.running == 0 and s.preempted_total == 32 and s.parked_bytes > 0
+        assert s.running == 0 and s.preempted_total - before.preempted_total == 32
+        assert s.parked_bytes > 0
 
         # Every slot was given up: a normal client is served within its deadline.
         with EngineClient(engine.address, timeout=30) as normal:
@@ -85,10 +108,10 @@ def test_32_unread_streams_give_their_slots_up_and_resume_exactly(tmp_path: Path
         assert got[:8] == want
         assert all(len(t) == MAX_TOKENS for t in got)
         s = _stats(engine.address)
-        assert s.unparked_total >= 32 and s.parked == 0 and s.parked_bytes == 0
-        channel.close()
+        assert s.unparked_total - before.unparked_total >= 32
+        assert s.parked == 0 and s.parked_bytes == 0
     finally:
-        engine.stop()
+        channel.close()
 
 
 CODECS: list[dict[str, Any]] = [
@@ -99,25 +122,25 @@ CODECS: list[dict[str, Any]] = [
 ]
 
 
-def test_parked_rows_of_every_kv_codec_come_back_exactly(tmp_path: Path) -> None:
+def test_parked_rows_of_every_kv_codec_come_back_exactly(parking_engine: ServiceProcess) -> None:
     """Parking captures a row's caches as they are (packed affine planes, TurboQuant codes)
-    and puts them back in the batch: each codec's streams end as their uninterrupted runs."""
-    engine = start_engine(tmp_path, "--max-running", "8", "--park-after-tokens", "32")
-    requests = [_request(i, **CODECS[i % len(CODECS)]) for i in range(8)]
+    and puts them back in the batch: each codec's stream ends as its uninterrupted run (one
+    row of each, parked together)."""
+    engine = parking_engine
+    requests = [_request(i, **codec) for i, codec in enumerate(CODECS)]
+    channel = grpc.insecure_channel(engine.address, options=SMALL_WINDOW)
     try:
-        channel = grpc.insecure_channel(engine.address, options=SMALL_WINDOW)
         stub = engine_pb2_grpc.EngineStub(channel)
         unread = [stub.Generate(r) for r in requests]
         _wait(engine.address, lambda s: s.parked == len(requests))
-        with ThreadPoolExecutor(8) as pool:
+        with ThreadPoolExecutor(len(requests)) as pool:
             got = list(pool.map(_read_all, unread))
         with EngineClient(engine.address, timeout=120) as c:
             want = [[t for m in c.stream_request(r) for t in m.token_ids] for r in requests]
         assert got == want
         assert all(len(t) == MAX_TOKENS for t in got)
-        channel.close()
     finally:
-        engine.stop()
+        channel.close()
 
 
 def test_a_stream_parked_past_the_idle_timeout_is_cancelled_and_resumable(tmp_path: Path) -> None:

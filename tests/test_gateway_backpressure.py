@@ -17,9 +17,10 @@ from typing import Any
 from tests.servers import GatewayProcess, start_engine
 from tests.test_engine_backpressure import _stats, _wait
 
-STALLED, READERS = 30, 60
-MAX_RUNNING = 16  # fewer slots than stalled clients: without turns the readers wait them out
-STALLED_TOKENS = 256
+STALLED, READERS = 16, 32
+MAX_RUNNING = 8  # fewer slots than stalled clients: without turns the readers wait them out
+TURN_TOKENS = 16
+STALLED_TOKENS = 8 * TURN_TOKENS  # 8 turns each: none can end while the readers go first
 CHECKED = 8  # stalled streams compared with an uninterrupted run (the rest: lengths)
 READER_TOKENS = 16
 
@@ -107,9 +108,9 @@ def _reference(http: str, i: int) -> str:
     return text
 
 
-def test_30_stalled_sse_clients_leave_60_readers_served(tmp_path: Path) -> None:
+def test_16_stalled_sse_clients_leave_32_readers_served(tmp_path: Path) -> None:
     engine = start_engine(
-        tmp_path / "engine", "--max-running", str(MAX_RUNNING), "--turn-tokens", "32"
+        tmp_path / "engine", "--max-running", str(MAX_RUNNING), "--turn-tokens", str(TURN_TOKENS)
     )
     gateway = GatewayProcess([engine.address], tmp_path / "gateway.log")
     try:

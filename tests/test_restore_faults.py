@@ -3,6 +3,7 @@ engine never uses the region's bytes, prefills instead and answers correctly."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -74,20 +75,28 @@ def test_the_store_killed_mid_copy_makes_the_engine_prefill(
     # One copy thread, and the store's threads at the lowest priority: the watcher's
     # SIGSTOP lands while the copy is still under way, even on 2 busy cores.
     store = start_store(tmp_path / "store", "--region-copy-threads", "1")
-    seeder = start_engine(engine_data_dir, "--store", store.address, log_dir=tmp_path / "a")
+    # No local prefix cache: the prompt's second request finds its prefix in the store only
+    # (one engine seeds the store and restores from it).
+    engine_proc = start_engine(
+        engine_data_dir, "--store", store.address, "--prefix-cache-bytes", "0", log_dir=tmp_path
+    )
     try:
-        with EngineClient(seeder.address) as engine:
+        with EngineClient(engine_proc.address) as engine:
             reference = engine.generate(PROMPT, **REQUEST).token_ids
             assert engine.flush().durable  # the prompt's prefix is in the store
-    finally:
-        seeder.stop()
-    with StoreClient(store.address) as client:
-        (record,) = client.list_all(kind="prefix")
-    assert record.payload_bytes > 8 << 20
+            seeded = engine.stats().checkpoints
+        assert seeded.prefix_hits_store == 0 and seeded.restore_failures == 0
+        with StoreClient(store.address) as client:
+            (record,) = client.list_all(kind="prefix")
+        assert record.payload_bytes > 8 << 20
 
-    fresh = start_engine(engine_data_dir, "--store", store.address, log_dir=tmp_path / "b")
-    try:
-        region = _region_of(fresh)
+        region = _region_of(engine_proc)
+        # The seeding Put went through the region (its bytes are still there, the span free
+        # again): blanked, so the watcher sees the restore's first byte land.
+        with open(region, "r+b") as f, mmap.mmap(f.fileno(), 0) as view:
+            view[DEFAULT_OFFSET : DEFAULT_OFFSET + record.payload_bytes] = bytes(
+                record.payload_bytes
+            )
         assert store.proc is not None
         for task in Path(f"/proc/{store.proc.pid}/task").iterdir():
             os.setpriority(os.PRIO_PROCESS, int(task.name), 19)  # new threads inherit it
@@ -95,7 +104,7 @@ def test_the_store_killed_mid_copy_makes_the_engine_prefill(
         outcome: dict[str, object] = {}
 
         def generate() -> None:
-            with EngineClient(fresh.address, timeout=120) as engine:
+            with EngineClient(engine_proc.address, timeout=120) as engine:
                 outcome["tokens"] = engine.generate(PROMPT, **REQUEST).token_ids
 
         request = threading.Thread(target=generate)
@@ -107,9 +116,9 @@ def test_the_store_killed_mid_copy_makes_the_engine_prefill(
         store.proc.wait(10)
         request.join(120)
         assert outcome["tokens"] == reference
-        with EngineClient(fresh.address) as engine:
+        with EngineClient(engine_proc.address) as engine:
             stats = engine.stats().checkpoints
         assert stats.prefix_hits_store == 0 and stats.restore_failures >= 1
     finally:
-        fresh.stop()
+        engine_proc.stop()
         store.stop()
