@@ -181,7 +181,7 @@ def test_store_down_does_not_stop_generation_and_flush_reports_durability(stack:
 
         def checkpoints_flow_again() -> bool:
             engine.generate(PROMPT[:90], max_tokens=24, ignore_eos=True, checkpoint_interval=4)
-            time.sleep(0.3)
+            engine.flush()  # a barrier: its checkpoints were sent (or failed fast, backing off)
             return engine.stats().checkpoints.store_up
 
         _wait_for(checkpoints_flow_again, timeout=60)

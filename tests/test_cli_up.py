@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-from tests.servers import ROOT, ServiceProcess
+from tests.servers import ROOT, ServiceProcess, child_pids
 
 
 def _up(tmp_path: Path, engine_data_dir: Path) -> list[str]:
@@ -89,12 +95,31 @@ def test_tandem_up_with_engines_starts_the_gateway_in_front(
     assert lines[-1] == ("stopped (gateway exit 0, engine exit 0, engine exit 0, store exit 0)")
 
 
+def _state(pid: int) -> str:
+    """A process's state letter (Linux /proc); '' once it is reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _wait_for(what: str, done: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"{what}: not reached in {timeout:g} s"
+        time.sleep(0.01)
+
+
 def test_ctrl_c_shows_the_drain_and_a_second_stops_at_once(
     tmp_path: Path, engine_data_dir: Path, engine: ServiceProcess
 ) -> None:
-    import signal
-    import time
-
     proc = subprocess.Popen(
         [
             *_up(tmp_path, engine_data_dir),
@@ -112,12 +137,32 @@ def test_ctrl_c_shows_the_drain_and_a_second_stops_at_once(
         lines.append(line)
         if line.startswith("serving;"):
             break
+    services = child_pids(proc.pid)
+    (engine_pid,) = [pid for pid in services if "engine_service" in _cmdline(pid)]
+    (store_pid,) = [pid for pid in services if "store_service" in _cmdline(pid)]
+    every_process = [engine_pid, store_pid, *child_pids(engine_pid)]  # the engine's core too
     proc.send_signal(signal.SIGINT)
     drain = proc.stdout.readline()
     assert drain.startswith("draining (0 running, 0 queued;"), lines + [drain]
     assert "Ctrl-C again stops at once" in drain
-    started = time.monotonic()
+    # `tandem up` sends the engine its SIGTERM only once a second Ctrl-C kills: the engine's
+    # log saying it drains shows the second Ctrl-C is now that one.
+    engine_log = tmp_path / "up" / "engine.log"
+    _wait_for("the engine draining", lambda: "draining:" in engine_log.read_text())
+    # Held mid-drain, the engine can end only by being killed: without the second Ctrl-C
+    # `tandem up` would wait its 30 s for it, kill it alone, then stop the store with SIGTERM.
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(engine_pid, signal.SIGSTOP)
+    _wait_for("the engine held or gone", lambda: _state(engine_pid) in ("T", "t", "Z", ""))
+    held = _state(engine_pid) in ("T", "t")
     proc.send_signal(signal.SIGINT)  # the second: no waiting for graces
     out, _ = proc.communicate(timeout=60)
-    assert time.monotonic() - started < 10
-    assert out.strip().splitlines()[-1].startswith("stopped (engine exit")
+    assert proc.returncode == 0
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("stopped (engine exit")
+    if held:  # both killed at once: the engine it waited for, the store it had not stopped
+        assert last == "stopped (engine exit -9, store exit -9)"
+    else:  # the engine had ended its drain before it could be held (seldom)
+        assert re.fullmatch(r"stopped \(engine exit 0, store exit (0|-9)\)", last), last
+    # Nothing left running (a zombie is an exit not yet reaped).
+    _wait_for("every process gone", lambda: all(_state(p) in ("Z", "") for p in every_process))

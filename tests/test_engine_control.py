@@ -25,6 +25,19 @@ def _wait_for(predicate, timeout: float = 30.0) -> None:  # noqa: ANN001
         time.sleep(0.02)
 
 
+def _draining(address: str) -> bool:
+    """The engine has stopped admitting: its health says NOT_SERVING (set right after it
+    stops accepting work), or it no longer answers at all."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        except grpc.RpcError:
+            return True
+    return bool(reply.status == health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 def _idle(client: EngineClient) -> bool:
     s = client.stats()
     return s.running == 0 and s.queued == 0
@@ -186,7 +199,7 @@ def test_admission_limits_and_graceful_shutdown(small_engine: ServiceProcess) ->
     # SIGTERM: in-flight work finishes within the grace period; new work is refused.
     assert small_engine.proc is not None
     small_engine.proc.send_signal(15)
-    time.sleep(0.3)
+    _wait_for(lambda: _draining(small_engine.address))
     with pytest.raises(TandemError) as refused:
         client.generate("Hello", max_tokens=2)
     assert refused.value.code == grpc.StatusCode.UNAVAILABLE

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -76,6 +76,14 @@ class Collector:
         return [e.token_id for e in self.events if isinstance(e, Token)]
 
 
+def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Polls an observable condition until it holds; fails naming it after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not reached in {timeout:g} s"
+        time.sleep(0.01)
+
+
 def _request(
     loaded: LoadedModel, rid: str, prompt: list[int], max_tokens: int, **sampling: object
 ) -> GenerationRequest:
@@ -135,8 +143,7 @@ def test_scheduler_cancel_deadline_and_limits(tiny: LoadedModel, scheduler: Sche
     scheduler.submit(_request(tiny, "long", [1, 2, 3], 4000), long)
     with pytest.raises(AlreadyExists):
         scheduler.submit(_request(tiny, "long", [1, 2, 3], 10), Collector())
-    while not long.tokens:
-        time.sleep(0.01)
+    _wait_for(lambda: bool(long.tokens), "the long row's first token")
     assert scheduler.cancel("long")
     assert long.wait().reason == "cancelled"
     assert not scheduler.cancel("long")  # finished: unknown now
@@ -163,16 +170,20 @@ def test_scheduler_cancel_deadline_and_limits(tiny: LoadedModel, scheduler: Sche
 
 
 class FakeSink:
-    """Records what reaches it; `gate` holds puts back, `down` makes them fail."""
+    """Records what reaches it; `gate` holds puts back, `down` makes them fail. `entered` is
+    set once a put has reached the sink (held there while the gate is shut); `log` is what
+    landed, in order, with the store's Flush calls among them."""
 
     def __init__(self) -> None:
         self.puts: list[bytes] = []
         self.deletes: list[bytes] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.entered = threading.Event()
         self.down = False
         self.flushes = 0
         self.batches: list[int] = []  # records per put_many call
+        self.log: list[str] = []
 
     def put(
         self,
@@ -182,10 +193,12 @@ class FakeSink:
         pin_ttl_s: int = 0,
         pin_holder: str = "",
     ) -> object:
+        self.entered.set()
         assert self.gate.wait(30)
         if self.down:
             raise StoreUnavailable("store down")
         self.puts.append(checkpoint.key)
+        self.log.append("put " + checkpoint.key.decode())
         return None
 
     def put_many(self, items: Sequence[PutItem]) -> object:
@@ -199,10 +212,12 @@ class FakeSink:
 
     def delete(self, key: bytes, namespace: str = "", *, force: bool = False) -> int:
         self.deletes.append(key)
+        self.log.append("delete " + key.decode())
         return 0
 
     def flush(self) -> bool:
         self.flushes += 1
+        self.log.append("flush")
         return not self.down
 
 
@@ -224,12 +239,17 @@ def test_spill_queue_is_bounded_and_flush_is_a_barrier() -> None:
     result: list[object] = []
     barrier = threading.Thread(target=lambda: result.append(spill.flush(timeout=30)))
     barrier.start()
-    time.sleep(0.2)
-    assert not result  # the barrier waits for what was queued before it
+    # "a" is held inside the sink (observed, not slept for): nothing queued behind it, the
+    # barrier included, can have been passed.
+    _wait_for(sink.entered.is_set, "the first put held at the sink")
+    assert not result and barrier.is_alive()  # the barrier waits for what was queued before it
+    assert sink.flushes == 0
     sink.gate.set()
     barrier.join(30)
     (flushed,) = result
     assert sink.puts == [b"a", b"c"] and sink.deletes == [b"a"] and sink.flushes == 1
+    # The store's Flush came only after everything queued before the barrier had landed.
+    assert sink.log == ["put a", "put c", "delete a", "flush"]
     assert flushed.flushed == 2 and flushed.missing == 1 and flushed.failed == 0  # type: ignore[attr-defined]
     assert not flushed.durable  # type: ignore[attr-defined]  # one was dropped
     assert spill.flush().durable  # nothing lost since the last barrier
@@ -242,7 +262,7 @@ def test_puts_queued_together_leave_in_one_call_and_keep_their_order() -> None:
     spill = SpillQueue(sink, capacity_bytes=1 << 20, counters=counters)
     sink.gate.clear()
     spill.put(_put(b"first", 10))  # taken at once, held at the sink
-    time.sleep(0.2)
+    _wait_for(sink.entered.is_set, "the first put held at the sink")  # alone in its call
     for i in range(5):
         spill.put(_put(b"p%d" % i, 10))
     spill.delete(b"p0", "default")  # a delete ends a batch: it keeps its place
@@ -265,7 +285,17 @@ def test_spill_queue_counts_failures_and_skips_unwanted_puts() -> None:
     assert not result.durable and result.failed == 2 and failed == [b"x", b"y"]
     assert counters.snapshot().store_up is False
     sink.down = False
-    time.sleep(0.3)  # past the first backoff
+
+    # While the backoff lasts puts fail fast without reaching the sink; a probe a flush shows
+    # when they are sent again (whatever the backoff's length).
+    def a_probe_lands() -> bool:
+        spill.put(_put(b"probe", 10))
+        spill.flush()
+        return b"probe" in sink.puts
+
+    _wait_for(a_probe_lands, "a put sent again after the backoff")
+    assert counters.snapshot().store_up is True
+    sink.puts.clear()
     spill.put(_put(b"skip", 10, still_wanted=lambda: False))
     spill.put(_put(b"z", 10))
     result = spill.flush()
@@ -325,8 +355,7 @@ def test_resume_reads_only_the_segments_its_manifest_lists(
     request.checkpoint_interval = 8
     sink = Collector()
     scheduler.submit(request, sink)
-    while len(sink.tokens) < 60:
-        time.sleep(0.01)
+    _wait_for(lambda: len(sink.tokens) >= 60, "60 tokens of the kept row")
     scheduler.cancel("kept", keep_checkpoint=True)
     sink.wait()
     scheduler.shutdown()

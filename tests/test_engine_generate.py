@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -51,13 +53,39 @@ def test_seeded_sampling_is_reproducible(engine_client: EngineClient) -> None:
     assert len(first.token_ids) == 48
 
 
+def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not reached in {timeout:g} s"
+        time.sleep(0.02)
+
+
+def _idle(client: EngineClient) -> bool:
+    stats = client.stats()
+    return stats.running == 0 and stats.queued == 0
+
+
 def _solo_and_concurrent(
     client: EngineClient, requests: list[dict[str, Any]]
-) -> tuple[list[list[int]], list[Generation]]:
+) -> tuple[list[list[int]], list[Generation], tuple[int, int]]:
+    """The requests one at a time, then all at once; with the (batch steps, tokens) the
+    engine counted while the concurrent ones ran (and nothing else did)."""
     solo = [client.generate(**r).token_ids for r in requests]
+    _wait_for(lambda: _idle(client), "an idle engine")
+    before = client.stats()
     with ThreadPoolExecutor(len(requests)) as pool:
         together = list(pool.map(lambda r: client.generate(**r), requests))
-    return solo, together
+    generated = sum(len(g.token_ids) for g in together)
+
+    # A step is counted just after its tokens are sent: wait for the last one's count.
+    def counted() -> bool:
+        return client.stats().generated_tokens_total - before.generated_tokens_total >= generated
+
+    _wait_for(counted, "the concurrent tokens counted")
+    after = client.stats()
+    steps = after.steps_total - before.steps_total
+    tokens = after.generated_tokens_total - before.generated_tokens_total
+    return solo, together, (steps, tokens)
 
 
 def test_eight_concurrent_streams_match_their_solo_runs(engine_client: EngineClient) -> None:
@@ -73,12 +101,16 @@ def test_eight_concurrent_streams_match_their_solo_runs(engine_client: EngineCli
                 seed=100 + i,
             )
         )
-    solo, together = _solo_and_concurrent(engine_client, requests)
+    solo, together, (steps, tokens) = _solo_and_concurrent(engine_client, requests)
     for i, (alone, batched) in enumerate(zip(solo, together, strict=True)):
         assert len(batched.token_ids) == 24 + 3 * i
         assert batched.token_ids == alone, f"request {i} changed under batching"
     stats = engine_client.stats()
     assert stats.max_batch_size_seen >= 2
+    # This test's own rows were batched: while they ran (and nothing else did), the engine
+    # made their tokens in fewer steps than tokens, so some step decoded two or more of them.
+    assert tokens == sum(24 + 3 * i for i in range(len(requests)))
+    assert steps < tokens, (steps, tokens)
 
 
 def test_logprobs_are_returned_and_consistent(engine_client: EngineClient) -> None:

@@ -73,6 +73,14 @@ def status(
     return code_of(lambda: call(metadata))
 
 
+def _wait_for(what: str, done: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Polls an observable condition until it holds; fails naming it after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"{what}: not reached in {timeout:g} s"
+        time.sleep(0.02)
+
+
 def _record(key: bytes, namespace: str = "") -> Checkpoint:
     data = b"secret of " + key
     return Checkpoint(
@@ -333,6 +341,7 @@ def test_engine_tenancy_and_engine_to_store_over_tls_with_a_token(
 
             # acme's generation, interrupted: beta can neither cancel nor resume it.
             options = dict(max_tokens=48, ignore_eos=True, checkpoint_interval=8, request_id="g1")
+            cancelled_before = ops.stats().cancelled_total
             stream = acme.stream_request(acme.request(prompt[:40], **options))
             first = []
             for chunk in stream:
@@ -343,7 +352,12 @@ def test_engine_tenancy_and_engine_to_store_over_tls_with_a_token(
                     assert cancel.value.code == grpc.StatusCode.NOT_FOUND
                     break
             stream.close()  # a disconnect keeps the checkpoint
-            time.sleep(0.5)
+
+            def disconnect_seen() -> bool:  # the row freed: its last checkpoint is queued
+                stats = ops.stats()
+                return stats.cancelled_total > cancelled_before and stats.running == 0
+
+            _wait_for("the engine freeing the disconnected row", disconnect_seen)
             assert ops.flush().durable  # checkpoints reached the TLS store with the token
             with pytest.raises(TandemError) as resume:
                 beta.generate(prompt[:40], resume=True, **options)
