@@ -3,6 +3,10 @@ batch with the same request alone."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import mlx.core as mx
@@ -11,6 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine_service.kv.batch_cache import adopt_row
 from engine_service.protocol.kv_codec import KVCodec
+from tandem_client.errors import TandemError
 
 
 def batched(
@@ -76,3 +81,47 @@ def max_logprob_difference(a: list[Any], b: list[Any]) -> float:
     return max(
         float((mx.abs(x - y) / mx.maximum(mx.abs(y), 1.0)).max()) for x, y in zip(a, b, strict=True)
     )
+
+
+def joining_a_decoding_batch(
+    engine: Any, anchor_id: str, cases: int, run_case: Callable[[int], Iterator[list[int]]]
+) -> list[list[int]]:
+    """Runs `cases` streams on an engine, each joining a batch already decoding, and checks it
+    did: a plain anchor row has made tokens before the first case is sent and is still
+    running (then cancelled) after the last one ended. Staggered: each case is sent once the
+    one before it has a token of its own. run_case(i) yields case i's token ids chunk by
+    chunk; the result is each case's tokens."""
+    anchor: list[Any] = []
+    anchor_decoding = threading.Event()
+    started = [threading.Event() for _ in range(cases)]
+
+    def run_anchor() -> None:
+        for chunk in engine.stream(
+            "anchor", request_id=anchor_id, max_tokens=4000, ignore_eos=True
+        ):
+            anchor.append(chunk)
+            if chunk.token_ids:
+                anchor_decoding.set()
+
+    def run(i: int) -> list[int]:
+        if i:
+            assert started[i - 1].wait(60), f"case {i - 1} made no token"
+        got: list[int] = []
+        for token_ids in run_case(i):
+            got.extend(token_ids)
+            if got:
+                started[i].set()
+        return got
+
+    anchor_thread = threading.Thread(target=run_anchor)
+    anchor_thread.start()
+    try:
+        assert anchor_decoding.wait(60), "the anchor row made no token"
+        with ThreadPoolExecutor(cases) as pool:
+            results = list(pool.map(run, range(cases)))
+    finally:
+        with contextlib.suppress(TandemError):  # ended already: said below
+            engine.cancel(anchor_id)
+        anchor_thread.join(60)
+    assert anchor and anchor[-1].finish_reason == "cancelled", "the anchor ended early"
+    return results

@@ -3,10 +3,7 @@ row moves that keep the packed bytes, and checkpoints of quantized rows through 
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +17,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine_service.kv import batch_writes as quantized_kv  # where the flag is read
 from engine_service.kv.batch_cache import BatchQuantizedKVCache, PackedRow, adopt_row
 from engine_service.protocol.kv_codec import KVCodec
-from tandem_client import EngineClient, GenerationChunk, StoreClient
+from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import TandemError
-from tests.batch_rows import batched, max_logprob_difference
+from tests.batch_rows import batched, joining_a_decoding_batch, max_logprob_difference
 from tests.servers import (
     ServiceProcess,
     free_port,
@@ -176,26 +173,10 @@ def test_quantized_requests_in_a_running_engine_match_solo(
         (TEXT * 3, KVCodec(8, 32, 70), 28),
         (TEXT * 5, KVCodec(4, 32, 0), 12),
     ]
-    # Each case joins a batch already decoding, checked: a plain anchor row has made tokens
-    # before the first case is sent and is still running (cancelled) after the last ended.
-    # Staggered: each case is sent once the one before it has a token of its own.
-    anchor: list[GenerationChunk] = []
-    anchor_decoding = threading.Event()
-    started = [threading.Event() for _ in cases]
+    # Each case joins a batch already decoding, checked (batch_rows.joining_a_decoding_batch).
 
-    def run_anchor() -> None:
-        for chunk in engine_client.stream(
-            "anchor", request_id="quantized-anchor", max_tokens=4000, ignore_eos=True
-        ):
-            anchor.append(chunk)
-            if chunk.token_ids:
-                anchor_decoding.set()
-
-    def run(i: int) -> list[int]:
-        if i:
-            assert started[i - 1].wait(60), f"case {i - 1} made no token"
+    def run(i: int) -> Iterator[list[int]]:
         text, codec, n = cases[i]
-        got: list[int] = []
         for chunk in engine_client.stream(
             tok.encode(text),
             max_tokens=n,
@@ -204,22 +185,9 @@ def test_quantized_requests_in_a_running_engine_match_solo(
             kv_group_size=codec.group_size,
             quantized_kv_start=codec.start,
         ):
-            got.extend(chunk.token_ids)
-            if got:
-                started[i].set()
-        return got
+            yield list(chunk.token_ids)
 
-    anchor_thread = threading.Thread(target=run_anchor)
-    anchor_thread.start()
-    try:
-        assert anchor_decoding.wait(60), "the anchor row made no token"
-        with ThreadPoolExecutor(len(cases)) as pool:
-            results = list(pool.map(run, range(len(cases))))
-    finally:
-        with contextlib.suppress(TandemError):  # ended already: said below
-            engine_client.cancel("quantized-anchor")
-        anchor_thread.join(60)
-    assert anchor and anchor[-1].finish_reason == "cancelled", "the anchor ended early"
+    results = joining_a_decoding_batch(engine_client, "quantized-anchor", len(cases), run)
     for (text, codec, n), got in zip(cases, results, strict=True):
         assert got == solo(reference.model, tok.encode(text), n, codec)[0], codec
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from tests.batch_rows import (
     alone,
     batched,
     decoding_batch,
+    joining_a_decoding_batch,
     max_logprob_difference,
     remove_after,
     tokens_of,
@@ -254,7 +254,8 @@ def test_clients_and_gateway_carry_the_turboquant_choice() -> None:
 def test_turboquant_requests_in_a_running_engine_match_alone(
     engine_client: EngineClient, reference: Any
 ) -> None:
-    """Requests join a running batch with their own codecs and finish at their own lengths."""
+    """Requests join a running batch (checked: an anchor row decodes throughout) with their own
+    codecs and finish at their own lengths."""
     tok = reference.tokenizer
     cases = [
         (TEXT * 4, KVCodec(), 40),
@@ -264,11 +265,12 @@ def test_turboquant_requests_in_a_running_engine_match_alone(
         (TEXT * 5, KVCodec.turboquant(2, 4), 12),
     ]
 
-    def run(i: int) -> list[int]:
-        time.sleep(0.15 * i)  # staggered: each joins a batch already decoding
+    # Each case joins a batch already decoding, checked (batch_rows.joining_a_decoding_batch).
+
+    def run(i: int) -> Iterator[list[int]]:
         text, codec, n = cases[i]
         scheme = "turboquant" if codec.storage.kind is StorageKind.TURBOQUANT else "affine"
-        got = engine_client.generate(
+        for chunk in engine_client.stream(
             tok.encode(text),
             max_tokens=n,
             ignore_eos=True,
@@ -276,11 +278,10 @@ def test_turboquant_requests_in_a_running_engine_match_alone(
             kv_scheme=scheme,
             kv_value_bits=codec.value_bits,
             quantized_kv_start=codec.start,
-        )
-        return list(got.token_ids)
+        ):
+            yield list(chunk.token_ids)
 
-    with ThreadPoolExecutor(len(cases)) as pool:
-        results = list(pool.map(run, range(len(cases))))
+    results = joining_a_decoding_batch(engine_client, "turboquant-anchor", len(cases), run)
     for (text, codec, n), got in zip(cases, results, strict=True):
         assert got == alone(reference.model, tok.encode(text), n, codec)[0], codec.signature()
 
