@@ -63,12 +63,28 @@ def test_store_sigkill_under_four_writers_loses_no_acknowledged_put(tmp_path: Pa
     writers = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
     for t in writers:
         t.start()
+
+    def acknowledged_past(count: int) -> None:
+        # A kill's moment is a seeded count of puts acknowledged since the last start: drawn
+        # from the seed, observed, and never a guess at how long something takes.
+        deadline = time.monotonic() + 60
+        while True:
+            with lock:
+                if len(acked) >= count:
+                    return
+            assert time.monotonic() < deadline, f"seed {SEED}: fewer than {count} puts acked"
+            time.sleep(0.01)
+
     try:
         for _ in range(KILLS):
-            time.sleep(rng.uniform(0.2, 1.2))
+            with lock:
+                before = len(acked)
+            acknowledged_past(before + rng.randint(1, 24))
             store[0].kill()
             store[0] = start_store_on(data, port, "--sync-mode", "commit")
-        time.sleep(0.5)
+        with lock:
+            before = len(acked)
+        acknowledged_past(before + 4)  # the writers reached the last store too
     finally:
         stop.set()
         for t in writers:
