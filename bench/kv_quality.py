@@ -32,7 +32,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from engine_service.model.default_model import TRAINED_DIR, ensure_model  # noqa: E402
 from engine_service.protocol.kv_codec import PLAIN_KV, KVCodec  # noqa: E402
 from engine_service.kv import attention_routing  # noqa: E402, F401
-from engine_service.kv import batch_cache as quantized_kv  # noqa: E402, F401
+from engine_service.kv import batch_cache  # noqa: E402, F401
 from engine_service.kv.rows import adopt_row  # noqa: E402
 from training import corpus  # noqa: E402
 from training.tokenizer import token_stream  # noqa: E402

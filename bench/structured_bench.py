@@ -93,7 +93,7 @@ def throughput(root: Path, spec: str, streams: int, sides: list[int], pairs: int
         switches = [
             line for line in (root / "engine.log").read_text().splitlines() if "queue the" in line
         ]
-        print(f"step order switches to forward-first (constraint_masks.StepOrder): {len(switches)}")
+        print(f"step order switches to forward-first (sampling/masks.StepOrder): {len(switches)}")
         for line in switches[:3]:
             print("  ", line[-140:])
 

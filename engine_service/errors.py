@@ -75,7 +75,7 @@ class ModelFailed(EngineError):
 
 
 def error_named(name: str, message: str) -> EngineError:
-    """The engine error a core process refused a call with (core_channel.Refused): the same
+    """The engine error a core process refused a call with (protocol/channel.Refused): the same
     class, so the front answers with the same status; an unknown name is INTERNAL."""
     kinds = {kind.__name__: kind for kind in _subclasses(EngineError)}
     return kinds.get(name, EngineError)(message)

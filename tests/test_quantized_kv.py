@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine_service.kv import batch_writes as quantized_kv  # where the flag is read
+from engine_service.kv import batch_writes  # where the flag is read
 from engine_service.kv.batch_cache import BatchQuantizedKVCache, PackedRow, adopt_row
 from engine_service.protocol.kv_codec import KVCodec
 from tandem_client import EngineClient, StoreClient
@@ -48,7 +48,7 @@ def test_all_quantized_batch_matches_mlx_lm_solo(
     reference: Any, bits: int, full_width: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every row packed: attention runs mlx-lm's quantized SDPA over the batch's planes."""
-    monkeypatch.setattr(quantized_kv, "FULL_WIDTH_PLANES", full_width)
+    monkeypatch.setattr(batch_writes, "FULL_WIDTH_PLANES", full_width)
     tok = reference.tokenizer
     prompts = [tok.encode(TEXT * k) for k in (1, 4, 2, 7)]
     codecs = [KVCodec(bits, 64, 0)] * len(prompts)
@@ -71,7 +71,7 @@ def test_mixed_codecs_convert_at_their_own_steps(
     """bf16, 8-bit and 4-bit rows in one batch, converting at different token counts; the
     mixed steps attend over dequantized packed rows. full-width: what MLX-CUDA runs (whole
     step-grown planes, the mask hiding unused columns), forced here on the CPU."""
-    monkeypatch.setattr(quantized_kv, "FULL_WIDTH_PLANES", full_width)
+    monkeypatch.setattr(batch_writes, "FULL_WIDTH_PLANES", full_width)
     tok = reference.tokenizer
     prompts = [tok.encode(TEXT * k) for k in (3, 1, 5, 2)]
     codecs = [KVCodec(), KVCodec(8, 64, 0), KVCodec(4, 64, 30), KVCodec(8, 32, 75)]

@@ -31,7 +31,7 @@ DRAFT_SCHEMA = "tandem.speculative.draft.v1"
 
 @dataclass
 class CapturedAttachment:
-    """An attachment whose tensors are still MLX arrays being copied (see cache_codec)."""
+    """An attachment whose tensors are still MLX arrays being copied (see cache_records)."""
 
     schema: str
     captured: CapturedCache

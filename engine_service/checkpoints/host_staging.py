@@ -5,7 +5,7 @@ MLX thread (an 8k-token prefix of a 0.6B model: ~300 ms before the next step). W
 region (checkpoints/device_landing.py) the device pushes the arrays into a span of it instead (~40
 GB/s);
 the span travels with the Put and is given back when the Put item is done. Elsewhere, or when
-no span is free, the tensors view the arrays' own memory (cache_codec.to_host, no copy).
+no span is free, the tensors view the arrays' own memory (cache_records.to_host, no copy).
 """
 
 from __future__ import annotations

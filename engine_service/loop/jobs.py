@@ -63,7 +63,7 @@ class Job:
     admitted_at: float = 0.0
     recompute: bool = False  # starts again from its tokens alone (its batch step failed)
     turn_start: int = 0  # len(tokens) when it last got its slot (loop/turns.py)
-    # How it ended, for the tombstone a resume reads (generation_checkpoints.forget).
+    # How it ended, for the tombstone a resume reads (checkpoints/generations.forget).
     ended: Literal["finished", "was cancelled", "failed"] = "finished"
 
     @property

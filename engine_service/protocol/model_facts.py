@@ -10,7 +10,7 @@ from engine_service.protocol.capabilities import Capabilities
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """A loaded model without its weights: the core sends it to the front (core_channel.py)."""
+    """A loaded model without its weights: the core sends it to the front (protocol/channel.py)."""
 
     name: str
     path: str
