@@ -130,6 +130,7 @@ def test_a_shell_block_runs(
         # As every engine the suite starts (conftest.py): the documented engines skip the
         # warm-up (a second or two each on two cores; test_engine_core.py runs one with it).
         "TANDEM_ENGINE_WARMUP": "0",
+        "OPENBLAS_NUM_THREADS": "1",  # as every engine the suite starts (conftest.py)
     }
     for command in _commands(block):
         words = shlex.split(command, comments=True)
