@@ -54,6 +54,9 @@ from tandem_client.bulk import RegionPut, put_messages
 from tandem_client.records import Checkpoint, Tensor
 from tandem_wire.pb import store_pb2
 address, token, path = sys.argv[1], sys.argv[2], sys.argv[3]
+# grpc imports its channel modules on first use: load them while the checkout (perhaps 0700)
+# is still readable.
+grpc.insecure_channel(address).close()
 os.setgid(65534)
 os.setuid(65534)
 name, size = os.path.basename(path), os.stat(path).st_size
