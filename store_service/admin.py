@@ -88,6 +88,8 @@ class StoreAdmin:
                 raise Precondition("record is pinned by a lease; use force to delete it anyway")
             st.index.remove(ikey)
         self._delete_from_disk([info])
+        if self.store.tier is not None:  # a finished generation leaves both tiers
+            self.store.tier.delete(ikey, namespace, info.payload_bytes)
         return info.payload_bytes
 
     def purge(self, flt: RecordFilter, include_pinned: bool, dry_run: bool) -> Purged:
@@ -144,6 +146,7 @@ class StoreAdmin:
                 chunk_bytes=config.chunk_bytes,
                 map_resizes=storage.map_resizes,
                 regions=self.store.regions.count(now),
+                tier=self.store.tier.stats() if self.store.tier is not None else None,
             )
 
     def flush(self) -> float:
@@ -151,6 +154,8 @@ class StoreAdmin:
         start = time.perf_counter()
         self.store.maintenance.persist_access()
         self.state.storage.sync()
+        if self.store.tier is not None:
+            self.store.tier.flush()  # what was queued for the tier is there (or dropped)
         return time.perf_counter() - start
 
     def compact(self) -> Compaction:

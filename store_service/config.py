@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from store_service.tier.config import TierConfig, add_tier_args, tier_from_args
 from tandem_wire.server_flags import (
     AuthFlags,
     EnvDefaults,
@@ -81,6 +82,7 @@ class StoreConfig:
     metrics_listen: str = ""  # Prometheus /metrics on HOST:PORT; "" = off
     log_format: str = "text"  # or "json" (tandem_wire/logs.py)
     log_level: str = "info"
+    tier: TierConfig | None = None  # the shared tier (docs/scale-out.md); None = none
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -193,9 +195,11 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
         help="HOST:PORT serving StoreAdmin (then not served on --listen)",
     )
     add_metrics_arg(parser, ENV)
+    add_tier_args(parser, ENV)
     args = parser.parse_args(argv)
     try:
         return StoreConfig(
+            tier=tier_from_args(args),
             data_dir=Path(args.data_dir),
             listen=args.listen,
             capacity_bytes=args.capacity_bytes,

@@ -120,7 +120,12 @@ def serve(config: StoreConfig) -> None:
             access = Access(Authenticator(Path(config.auth_file)), ROLES)
         except AuthFileError as exc:
             raise OSError(str(exc)) from None
-    store = CheckpointStore(config)
+    if config.tier is not None:
+        from store_service.tier.tiered_store import TieredStore  # valkey only with --tier
+
+        store: CheckpointStore = TieredStore(config)
+    else:
+        store = CheckpointStore(config)
     split = bool(config.admin_listen)
     servers = [
         create_server(

@@ -41,6 +41,7 @@ from store_service.region_socket import RegionSocket, default_address
 from store_service.regions import RegionLimits, Regions
 from store_service.state import StoreState
 from store_service.storage import now_ms
+from store_service.tier import SharedTier
 from store_service.wire import LookupQuery, LookupResult, PutResult
 from tandem_wire.checksum import crc32
 
@@ -56,6 +57,8 @@ def copy_piece(offset: int, view: memoryview) -> tuple[int, bytes]:
 
 class CheckpointStore:
     """One data directory's records, opened (and recovered) on construction."""
+
+    tier: SharedTier | None = None  # the shared tier (tier/tiered_store.py sets one)
 
     def __init__(self, config: StoreConfig) -> None:
         self.state = StoreState(config)
@@ -215,6 +218,18 @@ class CheckpointStore:
             st.counters.hits += 1
             st.counters.gets += 1
             st.index.touch(ikey, now_ms())
+        return self.decode_header(ikey, raw)
+
+    def local_record(self, ikey: bytes) -> StoredRecord:
+        """The stored header under ikey, without counting a hit or touching it.
+
+        Raises:
+            NotFound: none (or only a quarantined one). Corrupt: it is damaged.
+        """
+        st = self.state
+        raw, _ = st.storage.read(lambda txn: tables.read_header(txn, st.storage.db, ikey))
+        if raw is None:
+            raise NotFound("no such record")
         return self.decode_header(ikey, raw)
 
     def decode_header(self, ikey: bytes, raw: bytes, table: str = "headers") -> StoredRecord:

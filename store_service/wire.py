@@ -241,9 +241,36 @@ class StoreStats:
     map_resizes: int
     auth_failures: int = 0  # calls refused UNAUTHENTICATED (with --auth-file)
     regions: int = 0  # shared-memory regions registered now
+    tier: TierStats | None = None  # with --tier
 
     def to_pb(self) -> store_pb2.StatsResponse:
-        return store_pb2.StatsResponse(**vars(self))
+        fields = {**vars(self), "tier": self.tier.to_pb() if self.tier is not None else None}
+        return store_pb2.StatsResponse(**fields)
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """What one store did with the shared tier since it started (store.proto's TierStats)."""
+
+    up: bool
+    durability: str
+    hits: int
+    misses: int
+    read_bytes: int
+    read_seconds: float
+    written: int
+    written_bytes: int
+    write_seconds: float
+    queue_depth: int
+    queued_bytes: int
+    dropped: int
+    errors: int
+    damaged: int
+    quota_refusals: int
+    deleted: int
+
+    def to_pb(self) -> store_pb2.TierStats:
+        return store_pb2.TierStats(**vars(self))
 
 
 @dataclass(frozen=True)
