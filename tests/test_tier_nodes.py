@@ -1,0 +1,195 @@
+"""Two nodes on one Valkey cluster, each a store (its own LMDB file) and an engine on it,
+behind one gateway: a prefix computed on one node is a hit on the other, and a whole node
+lost under 8 seeded streams (store and engine SIGKILLed together, its disk gone) loses
+none of them: each resumes on the other node from the tier's checkpoints.
+
+TANDEM_NODE_KILLS sets the rounds (`make soak` raises it), TANDEM_SOAK_SEED the moments.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from store_service.tier.local_cluster import LocalCluster
+from tandem_client import EngineClient
+from tests.servers import GatewayProcess, ServiceProcess, free_port, start_engine, start_store_on
+from tests.test_gateway_failover import STREAMS, TOKENS, Stream, _run_grpc, _run_sse
+from tests.tier_stack import start_cluster, tier_args
+
+KILLS = int(os.environ.get("TANDEM_NODE_KILLS", "1"))
+SEED = int(os.environ.get("TANDEM_SOAK_SEED", "11"))
+
+
+@dataclass
+class Node:
+    """A machine's worth of Tandem: a store on a fixed port and an engine on it."""
+
+    root: Path
+    cluster: LocalCluster
+    engine_data_dir: Path
+    store_port: int = 0
+    engine_port: int = 0
+    store: ServiceProcess | None = None
+    engine: ServiceProcess | None = None
+
+    def start(self) -> Node:
+        self.store_port = self.store_port or free_port()
+        self.store = start_store_on(self.root / "store", self.store_port, *tier_args(self.cluster))
+        engine = (
+            start_engine(
+                self.engine_data_dir,
+                "--store",
+                f"127.0.0.1:{self.store_port}",
+                "--grace",
+                "0.3",
+                log_dir=self.root,
+                timeout=180,
+                env={"OPENBLAS_NUM_THREADS": "1"},
+            )
+            if not self.engine_port
+            else self._engine_on_port()
+        )
+        self.engine = engine
+        self.engine_port = int(engine.address.rsplit(":", 1)[1])
+        return self
+
+    def _engine_on_port(self) -> ServiceProcess:
+        assert self.engine is not None
+        return self.engine.start_on(self.engine_port, timeout=180)
+
+    def lose(self) -> None:
+        """Power gone: both processes SIGKILLed, and the node comes back with a new disk."""
+        assert self.engine is not None and self.store is not None
+        self.engine.kill()
+        self.store.kill()
+        shutil.rmtree(self.root / "store")
+
+    def stop(self) -> None:
+        for proc in (self.engine, self.store):
+            if proc is not None and proc.proc is not None and proc.proc.poll() is None:
+                proc.stop()
+
+
+@pytest.fixture(scope="module")
+def nodes(
+    tmp_path_factory: pytest.TempPathFactory, engine_data_dir: Path
+) -> Iterator[tuple[GatewayProcess, list[Node]]]:
+    root = tmp_path_factory.mktemp("nodes")
+    cluster = start_cluster(root / "valkey", primaries=3, replicas=0)
+    started: list[Node] = []
+    gateway = None
+    try:
+        for name in "ab":
+            started.append(Node(root / name, cluster, engine_data_dir).start())
+        gateway = GatewayProcess(
+            [n.engine.address for n in started if n.engine is not None],
+            root / "gateway.log",
+            "--checkpoint-interval",
+            "8",
+            "--poll-interval",
+            "0.2",
+            "--failover-wait",
+            "60",
+        )
+        gateway.wait_engines(len(started))
+        yield gateway, started
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for node in started:
+            node.stop()
+        cluster.stop()
+
+
+def _engine(node: Node) -> EngineClient:
+    assert node.engine is not None
+    return EngineClient(node.engine.address)
+
+
+def test_a_prefix_computed_on_one_node_is_a_hit_on_the_other(
+    nodes: tuple[GatewayProcess, list[Node]],
+) -> None:
+    a, b = nodes[1]
+    prompt = [(i * 389) % 2000 + 3 for i in range(1024)]
+    with _engine(a) as engine:
+        reference = engine.generate(prompt, max_tokens=4, ignore_eos=True, namespace="x")
+        assert engine.flush().durable  # its store's Flush: the write-behind queue drained
+    with _engine(b) as engine:
+        got = engine.generate(prompt, max_tokens=4, ignore_eos=True, namespace="x")
+        stats = engine.stats().checkpoints
+    assert got.token_ids == reference.token_ids
+    assert got.usage is not None and got.usage.cached_prompt_tokens == len(prompt) - 1
+    assert stats.prefix_hits_store == 1
+
+
+def _resumes(node: Node) -> int:
+    with _engine(node) as engine:
+        return engine.stats().checkpoints.resumes
+
+
+def test_a_lost_node_loses_no_stream(nodes: tuple[GatewayProcess, list[Node]]) -> None:
+    gateway, pair = nodes
+    expected = {}
+    with _engine(pair[0]) as engine:
+        for i in range(STREAMS):
+            s = Stream(i, True)
+            g = engine.generate(
+                s.prompt,
+                max_tokens=TOKENS,
+                seed=s.seed,
+                ignore_eos=True,
+                temperature=0.9,
+                top_p=0.95,
+            )
+            expected[i] = (g.token_ids, g.text)
+    rng = random.Random(SEED)
+    for round_ in range(KILLS):
+        streams = [Stream(i, grpc=i % 2 == 0) for i in range(STREAMS)]
+        progress = [0]
+        threads = [
+            threading.Thread(
+                target=_run_grpc if s.grpc else _run_sse,
+                args=(gateway.grpc if s.grpc else gateway.http, s, progress),
+            )
+            for s in streams
+        ]
+        for t in threads:
+            t.start()
+        # Lost once every stream is past its first checkpoints, at a seeded moment after.
+        at = rng.randint(STREAMS * 20, STREAMS * TOKENS * 7 // 10)
+        deadline = time.monotonic() + 120
+        while progress[0] < at and time.monotonic() < deadline:
+            time.sleep(0.01)
+        loads = []
+        for node in pair:
+            with _engine(node) as engine:
+                loads.append(engine.stats().running)
+        victim = pair[max(range(len(pair)), key=lambda i: loads[i])]
+        survivor = pair[1 - pair.index(victim)]
+        before = _resumes(survivor)
+        victim.lose()
+        for t in threads:
+            t.join(300)
+        moved = sum(s.failovers > 0 for s in streams)
+        problems = [
+            f"round {round_} stream {s.index}: {s.error or 'tokens differ'}"
+            for s in streams
+            if s.error
+            or s.text != expected[s.index][1]
+            or (s.grpc and s.tokens != expected[s.index][0])
+        ]
+        assert not problems, problems
+        assert moved >= 1
+        # Resumed from the tier's checkpoints (the victim's disk is gone), not regenerated.
+        assert _resumes(survivor) - before >= moved, (moved, before)
+        victim.start()
+        gateway.wait_engines(len(pair))
