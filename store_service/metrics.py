@@ -35,6 +35,26 @@ COUNTERS = {
     "orphans_collected": "Chunks of unfinished writes collected.",
     "map_resizes": "LMDB map growths.",
 }
+# The shared tier's (with --tier), as tandem:store_tier_*.
+TIER_GAUGES = {
+    "up": "1 while the tier's cluster answers.",
+    "queue_depth": "Records waiting to be written behind.",
+    "queued_bytes": "Bytes waiting to be written behind.",
+}
+TIER_COUNTERS = {
+    "hits": "Local misses answered from the tier.",
+    "misses": "Local misses the tier could not answer either.",
+    "read_bytes": "Bytes brought from the tier.",
+    "read_seconds": "Seconds spent bringing records from the tier.",
+    "written": "Records written to the tier.",
+    "written_bytes": "Bytes written to the tier.",
+    "write_seconds": "Seconds spent writing to the tier.",
+    "dropped": "Prefix records not queued for the tier (the queue was full).",
+    "errors": "Calls the tier's cluster did not answer, or did not replicate.",
+    "damaged": "Records found damaged in the tier (a miss, never served).",
+    "quota_refusals": "Writes refused over a namespace's tier quota.",
+    "deleted": "Records deleted from the tier.",
+}
 
 
 SECONDS_BUCKETS = (
@@ -113,3 +133,12 @@ class StoreCollector(Collector):
             "Calls refused UNAUTHENTICATED.",
             value=self.auth_failures(),
         )
+        if stats.tier is not None:
+            tier = stats.tier
+            for name, documentation in TIER_GAUGES.items():
+                value = float(getattr(tier, name))
+                yield GaugeMetricFamily(f"tandem:store_tier_{name}", documentation, value)
+            for name, documentation in TIER_COUNTERS.items():
+                yield CounterMetricFamily(
+                    f"tandem:store_tier_{name}", documentation, value=getattr(tier, name)
+                )

@@ -279,6 +279,28 @@ class LocalCluster:
 
         self._wait(ok, timeout, "cluster_state:ok", forming=False)
 
+    def wait_synced(self, timeout: float = 60.0) -> None:
+        """Until there are `primaries` primaries and every live replica has finished its
+        sync (a node started again after a failover comes back as a replica)."""
+
+        def synced() -> bool:
+            primaries = 0
+            for node in self.nodes:
+                if not node.alive():
+                    continue
+                c = self.client(node)
+                try:
+                    info = _replication(c)
+                finally:
+                    c.close()
+                if info.get("role") == "master":
+                    primaries += 1
+                elif info.get("master_link_status") != "up":
+                    return False
+            return primaries == self.primaries
+
+        self._wait(synced, timeout, "every replica synced", forming=False)
+
     def stop(self) -> None:
         for node in self.nodes:
             if node.proc is not None and node.proc.poll() is None:

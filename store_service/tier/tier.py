@@ -22,7 +22,7 @@ from store_service.errors import Corrupt, InvalidRequest, NotFound, Overloaded
 from store_service.put_spec import PutSpec
 from store_service.records import KIND_PREFIX, StoredRecord
 from store_service.store import CheckpointStore
-from store_service.tier.cluster_client import ClusterClient, TierUnavailable
+from store_service.tier.cluster_client import ClusterClient, NotReplicated, TierUnavailable
 from store_service.tier.config import Durability, TierConfig
 from store_service.tier.records import Manifest, TierRecords
 from store_service.tier.write_behind import WriteBehind
@@ -118,6 +118,13 @@ class Tier:
         chunks = list(self.store.read_payload(record, 0, _whole_chunk))
         try:
             written = self.records.write(record, chunks, self.replicas)
+        except NotReplicated as exc:
+            # The primaries hold it and answered: the tier is up, a replica is missing.
+            with self._lock:
+                self.counters.errors += 1
+            raise TierUnavailable(
+                f"the shared tier did not replicate the checkpoint: {exc}"
+            ) from exc
         except TierUnavailable as exc:
             self._count_error()
             self._remember_missed(record)
