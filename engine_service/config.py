@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_service.protocol.kv_codec import KVCodec, Scheme, checked_codec
+from tandem_wire.registry import ValkeyTarget
 from tandem_wire.server_flags import (
     AuthFlags,
     EnvDefaults,
@@ -82,6 +83,13 @@ class EngineConfig:
     spill_batch_records: int = 32  # checkpoint Puts sent in one PutMany (1: one Put each)
     # Prometheus /metrics (front/metrics.py) on HOST:PORT; "" = off.
     metrics_listen: str = ""
+    # The shared tier as a registry (front/announce.py): a valkey:// URL to announce this
+    # engine in, the file holding its password, the address to announce ("": the listen
+    # address as bound), and the heartbeat interval (an announcement lives three of them).
+    announce: str = ""
+    announce_password_file: str = ""
+    announce_address: str = ""
+    announce_interval_s: float = 2.0
     log_format: str = "text"  # or "json" (tandem_wire/logs.py)
     log_level: str = "info"
     log_prompts: bool = False  # the prompt's token ids in each request line (private data)
@@ -141,6 +149,13 @@ class EngineConfig:
             raise ValueError("--turn-tokens must be >= 0")
         if self.num_draft_tokens and not self.draft_model:
             raise ValueError("--num-draft-tokens needs --draft-model")
+        if self.announce:
+            ValkeyTarget.parse(self.announce, "--announce")
+        if self.announce_interval_s <= 0:
+            raise ValueError("--announce-interval-s must be > 0")
+        host, colon, port = self.announce_address.rpartition(":")
+        if self.announce_address and not (colon and host and port.isdigit()):
+            raise ValueError(f"--announce-address wants HOST:PORT, not {self.announce_address!r}")
 
 
 ENV = EnvDefaults("TANDEM_ENGINE_")
@@ -296,6 +311,29 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         help="checkpoint records queued together that leave in one PutMany (1: one Put each)",
     )
     add_metrics_arg(p, ENV)
+    p.add_argument(
+        "--announce",
+        default=ENV("ANNOUNCE", ""),
+        help="valkey://[USER@]HOST:PORT[,HOST:PORT...] of a Valkey cluster to announce this "
+        "engine in, for gateways' --discover (valkeys:// for TLS); default: none",
+    )
+    p.add_argument(
+        "--announce-password-file",
+        default=ENV("ANNOUNCE_PASSWORD_FILE", ""),
+        help="file holding the announce user's password (never on the command line)",
+    )
+    p.add_argument(
+        "--announce-address",
+        default=ENV("ANNOUNCE_ADDRESS", ""),
+        help="HOST:PORT gateways should dial (default: the listen address as bound; a "
+        "wildcard host is announced as this machine's host name)",
+    )
+    p.add_argument(
+        "--announce-interval-s",
+        type=float,
+        default=ENV.real("ANNOUNCE_INTERVAL_S", 2.0),
+        help="seconds between heartbeats; an announcement expires after three",
+    )
     add_off_switch(p, ENV, "warmup", "skip running the batch shapes once before serving")
     add_off_switch(
         p, ENV, "compiled_decode", "build each decode step's graph in Python, not compiled"
@@ -348,6 +386,10 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             kv_value_bits=a.kv_value_bits,
             draft_model=a.draft_model,
             num_draft_tokens=a.num_draft_tokens,
+            announce=a.announce,
+            announce_password_file=a.announce_password_file,
+            announce_address=a.announce_address,
+            announce_interval_s=a.announce_interval_s,
             **config_fields(a, TlsFlags, AuthFlags, LogFlags, MetricsFlags),
         )
     except ValueError as exc:

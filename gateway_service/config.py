@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from tandem_wire.registry import ValkeyTarget
 from tandem_wire.server_flags import (
     AuthFlags,
     EnvDefaults,
@@ -22,6 +23,10 @@ class GatewayConfig:
     engines: list[str] = field(default_factory=list)
     # One engine address a line (# comments); read again when it changes: engines come and go.
     engines_file: str = ""
+    # Engines announced in the shared tier's registry (gateway_service/discovery.py): a
+    # valkey:// URL, and the file holding its user's password.
+    discover: str = ""
+    discover_password_file: str = ""
     http_listen: str = ""  # "" = no HTTP front
     grpc_listen: str = ""  # "" = no gRPC front
     # Streams the gateway proxies checkpoint every N tokens (on engines with a store), so a
@@ -61,8 +66,10 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.http_listen and not self.grpc_listen:
             raise ValueError("give --http-listen, --grpc-listen or both")
-        if not self.engines and not self.engines_file:
-            raise ValueError("give at least one --engine ADDR, or --engines-file")
+        if not self.engines and not self.engines_file and not self.discover:
+            raise ValueError("give at least one --engine ADDR, --engines-file or --discover")
+        if self.discover:
+            ValkeyTarget.parse(self.discover, "--discover")
         if self.checkpoint_interval < 0:
             raise ValueError("--checkpoint-interval must be >= 0 (0: no checkpoints)")
         if self.poll_interval_s <= 0 or self.failover_wait_s < 0 or self.max_failovers < 0:
@@ -93,6 +100,17 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         help="an engine's HOST:PORT (repeat; or TANDEM_GATEWAY_ENGINES=a,b)",
     )
     p.add_argument("--engines-file", default=ENV("ENGINES_FILE", ""))
+    p.add_argument(
+        "--discover",
+        default=ENV("DISCOVER", ""),
+        help="valkey://[USER@]HOST:PORT[,HOST:PORT...] of the Valkey cluster engines announce "
+        "themselves in (their --announce; valkeys:// for TLS)",
+    )
+    p.add_argument(
+        "--discover-password-file",
+        default=ENV("DISCOVER_PASSWORD_FILE", ""),
+        help="file holding the discover user's password (never on the command line)",
+    )
     p.add_argument("--http-listen", default=ENV("HTTP_LISTEN", ""), help="HOST:PORT (:0 = any)")
     p.add_argument("--grpc-listen", default=ENV("GRPC_LISTEN", ""), help="HOST:PORT (:0 = any)")
     p.add_argument(
@@ -135,6 +153,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         return GatewayConfig(
             engines=a.engine if a.engine is not None else env_engines,
             engines_file=a.engines_file,
+            discover=a.discover,
+            discover_password_file=a.discover_password_file,
             http_listen=a.http_listen,
             grpc_listen=a.grpc_listen,
             checkpoint_interval=a.checkpoint_interval,

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from gateway_service.affinity import PrefixAffinity
 from gateway_service.backends import BackendPool
 from gateway_service.config import GatewayConfig, parse_args
+from gateway_service.discovery import Discovery
 from gateway_service.grpc_front import GatewayServicer
 from gateway_service.metrics import GatewayMetrics, PoolCollector
 from gateway_service.openai_app import OpenAIFront
@@ -31,6 +32,7 @@ from tandem_wire.auth import Authenticator, AuthFileError, Role
 from tandem_wire.logs import configure_logging
 from tandem_wire.metrics import serve_metrics
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
+from tandem_wire.registry import ValkeyTarget
 from tandem_wire.service import SERVER_OPTIONS, Access, guarded
 from tandem_wire.tls import bind, check_exposure
 
@@ -73,7 +75,9 @@ def _http_socket(listen: str, send_buffer_bytes: int) -> socket.socket:
     return sock
 
 
-async def serve(config: GatewayConfig, authenticator: Authenticator | None) -> None:
+async def serve(
+    config: GatewayConfig, authenticator: Authenticator | None, discover: ValkeyTarget | None
+) -> None:
     credentials = tls_credentials(config.engine_tls_ca) if config.engine_tls_ca else None
     pool = BackendPool(
         config.engines,
@@ -82,6 +86,7 @@ async def serve(config: GatewayConfig, authenticator: Authenticator | None) -> N
         bearer_token(config.engine_token_file) if config.engine_token_file else "",
         config.poll_interval_s,
         config.engine_window_bytes,
+        Discovery(discover) if discover is not None else None,
     )
     await pool.start()
     settings = RelaySettings(
@@ -158,7 +163,12 @@ def main(argv: list[str] | None = None) -> None:
             authenticator = Authenticator(Path(config.auth_file)) if config.auth_file else None
         except AuthFileError as exc:
             raise OSError(str(exc)) from None
-        asyncio.run(serve(config, authenticator))
+        discover = None
+        if config.discover:  # the password file read now: unreadable, the gateway exits
+            discover = ValkeyTarget.from_flags(
+                config.discover, config.discover_password_file, "--discover"
+            )
+        asyncio.run(serve(config, authenticator, discover))
     except OSError as exc:
         print(f"tandem-gateway: {exc}", file=sys.stderr)
         sys.exit(1)

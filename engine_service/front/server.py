@@ -19,10 +19,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine_service.config import EngineConfig, parse_args
+from engine_service.front.announce import announce_target, start_announcer
 from engine_service.front.core_spawn import CoreProcess, spawn_core
 from tandem_wire.auth import Authenticator, AuthFileError, Role
 from tandem_wire.logs import configure_logging
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
+from tandem_wire.registry import ValkeyTarget
 from tandem_wire.service import SERVER_OPTIONS, Access, guarded
 from tandem_wire.tls import bind, check_exposure
 
@@ -51,7 +53,11 @@ def _access(config: EngineConfig) -> Access | None:
 
 
 async def serve(
-    config: EngineConfig, argv: list[str], access: Access | None, spawned: CoreProcess
+    config: EngineConfig,
+    argv: list[str],
+    access: Access | None,
+    spawned: CoreProcess,
+    registry: ValkeyTarget | None = None,
 ) -> None:
     # Imported here, after the core was spawned: mlx-lm and the tokenizer stack take seconds
     # to import, and the core loads its model meanwhile.
@@ -107,7 +113,10 @@ async def serve(
     host = config.listen.rsplit(":", 1)[0]
     print(f"tandem-engine listening on {host}:{port}", flush=True)
     log.info("serving %s on %s:%d (core pid %d)", loaded.model_id, host, port, ready.pid)
+    announcer = start_announcer(registry, config, f"{host}:{port}", loaded, core)
     await stop.wait()
+    if announcer is not None:
+        await announcer.stop()  # gateways stop sending work here before the drain
 
     # Stop admitting, let in-flight generations finish within the grace period, then the
     # core cancels what is left (their streams end with finish reason CANCELLED) and
@@ -153,8 +162,9 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(config.log_level, config.log_format)
     try:
         access = _access(config)
+        registry = announce_target(config)  # its password file read before the core starts
         spawned = spawn_core(args)  # it loads the model while this process imports the rest
-        asyncio.run(serve(config, args, access, spawned))
+        asyncio.run(serve(config, args, access, spawned, registry))
     except OSError as exc:
         print(f"tandem-engine: {exc}", file=sys.stderr)
         sys.exit(1)
