@@ -95,6 +95,51 @@ def test_tandem_up_with_engines_starts_the_gateway_in_front(
     assert lines[-1] == ("stopped (gateway exit 0, engine exit 0, engine exit 0, store exit 0)")
 
 
+def test_tandem_up_with_nodes_shares_a_valkey_cluster(
+    tmp_path: Path, engine_data_dir: Path, engine: ServiceProcess
+) -> None:
+    """Two nodes (a store and an engine each) on a local Valkey cluster, a gateway in front;
+    the stores log where their tier is, never its password."""
+    result = subprocess.run(
+        [
+            *_up(tmp_path, engine_data_dir),
+            "--nodes",
+            "2",
+            "--gateway-grpc-port",
+            "0",
+            "--gateway-http-port",
+            "0",
+            "--exit-after-demo",
+            "--demo-tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[2].startswith("valkey cluster 127.0.0.1:")
+    assert [line.split(" listening")[0] for line in lines[3:9]] == [
+        "store ",
+        "store ",
+        "engine",
+        "engine",
+        "gateway grpc",
+        "gateway http",
+    ]
+    assert "[length: 8 tokens" in result.stdout
+    assert lines[-1] == (
+        "stopped (gateway exit 0, engine exit 0, engine exit 0, store exit 0, store exit 0)"
+    )
+    password = (tmp_path / "up" / "valkey" / "password").read_text()
+    for node in ("node-1", "node-2"):
+        log = (tmp_path / "up" / node / "store.log").read_text()
+        assert "shared tier: valkey://tandem@127.0.0.1:" in log
+        assert password not in log
+
+
 def _state(pid: int) -> str:
     """A process's state letter (Linux /proc); '' once it is reaped."""
     try:

