@@ -148,29 +148,32 @@ def test_valkey_down_engines_serve_on_and_a_new_gateway_waits_for_it(stack: Stac
         cluster.kill(node)
     late = None
     try:
-        wait_until(lambda: "did not answer" in engine_log.read_text(), what="the engine's warning")
-        with EngineClient(stack.engine.address) as direct:
-            assert direct.generate("Still here", max_tokens=3).usage is not None
-        # The running gateway keeps the engines it last read from the registry.
-        with EngineClient(stack.gateway.grpc) as through:
-            assert through.generate("Still routed", max_tokens=3).usage is not None
-        # A gateway started now starts, and has no engine to send anything to.
-        late = _gateway(stack.root, cluster, "late-gateway", "--failover-wait", "0")
-        assert _engines(late) == {"serving": 0, "total": 0}
-        with EngineClient(late.grpc) as through, pytest.raises(TandemError) as refused:
-            through.generate("Nobody", max_tokens=3)
-        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
-    finally:
-        for node in cluster.nodes:
-            cluster.launch(node)
-    try:
+        try:
+            wait_until(
+                lambda: "did not answer" in engine_log.read_text(), what="the engine's warning"
+            )
+            with EngineClient(stack.engine.address) as direct:
+                assert direct.generate("Still here", max_tokens=3).usage is not None
+            # The running gateway keeps the engines it last read from the registry.
+            with EngineClient(stack.gateway.grpc) as through:
+                assert through.generate("Still routed", max_tokens=3).usage is not None
+            # A gateway started now starts, and has no engine to send anything to.
+            late = _gateway(stack.root, cluster, "late-gateway", "--failover-wait", "0")
+            assert _engines(late) == {"serving": 0, "total": 0}
+            with EngineClient(late.grpc) as through, pytest.raises(TandemError) as refused:
+                through.generate("Nobody", max_tokens=3)
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        finally:
+            for node in cluster.nodes:
+                cluster.launch(node)
         cluster.wait_healthy()
         late.wait_engines(1)  # the engine announced itself again; the gateway read it
         with EngineClient(late.grpc) as through:
             assert through.generate("Back", max_tokens=3).usage is not None
         wait_until(lambda: "answers again" in engine_log.read_text(), what="the engine's notice")
     finally:
-        late.stop()
+        if late is not None:
+            late.stop()
 
 
 def test_a_graceful_stop_withdraws_and_a_kill_expires(stack: Stack, engine_data_dir: Path) -> None:
