@@ -242,10 +242,7 @@ class Registry:
             if self.target.tls:
                 options.update(ssl=True, ssl_cert_reqs=ssl.CERT_REQUIRED)
             self._cluster = ValkeyCluster(
-                startup_nodes=[
-                    ClusterNode(host, port)  # type: ignore[no-untyped-call]
-                    for host, port in self.target.seeds
-                ],
+                startup_nodes=[ClusterNode(host, port) for host, port in self.target.seeds],
                 require_full_coverage=False,
                 cluster_error_retry_attempts=1,
                 **options,

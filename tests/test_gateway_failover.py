@@ -22,7 +22,8 @@ from tandem_client import EngineClient
 from tests.servers import GatewayProcess, InProcessStore, ServiceProcess, free_port, start_engine
 from tests.test_metrics import scrape
 
-KILLS = int(os.environ.get("TANDEM_GATEWAY_KILLS", "2"))
+# One in the suite: tests/test_tier_nodes.py loses a whole node under the same streams.
+KILLS = int(os.environ.get("TANDEM_GATEWAY_KILLS", "1"))
 SEED = int(os.environ.get("TANDEM_SOAK_SEED", "7"))  # the kill moments (`make soak` varies it)
 METRICS_PORT = free_port()
 ENGINES = 2  # one killed, the other takes its streams over

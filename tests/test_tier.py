@@ -279,7 +279,7 @@ def test_acknowledged_checkpoints_survive_a_primary_killed_under_four_writers(
             writers = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
             for t in writers:
                 t.start()
-            wait_until(lambda: len(acknowledged) >= 20, what="acknowledged Puts")
+            wait_until(lambda: len(acknowledged) >= 8, what="acknowledged Puts")
             victim = cluster.nodes[1]
             cluster.kill(victim)
             wait_until(lambda: len(cluster.primary_nodes()) == cluster.primaries, what="a failover")
@@ -289,7 +289,7 @@ def test_acknowledged_checkpoints_survive_a_primary_killed_under_four_writers(
             cluster.launch(victim)
             cluster.wait_synced()
             settled = len(acknowledged)
-            wait_until(lambda: len(acknowledged) >= settled + 20, what="Puts after the failover")
+            wait_until(lambda: len(acknowledged) >= settled + 8, what="Puts after the failover")
             stop.set()
             for t in writers:
                 t.join(60)

@@ -129,6 +129,8 @@ def test_a_prefix_computed_on_one_node_is_a_hit_on_the_other(
     assert got.token_ids == reference.token_ids
     assert got.usage is not None and got.usage.cached_prompt_tokens == len(prompt) - 1
     assert stats.prefix_hits_store == 1
+    # From the tier into node B's LMDB, then to its engine through the same-host region.
+    assert stats.shared_memory_reads >= 1
 
 
 def _resumes(node: Node) -> int:

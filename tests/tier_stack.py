@@ -14,7 +14,8 @@ from tests.servers import ServiceProcess, start_store
 
 
 def start_cluster(root: Path, primaries: int = 3, replicas: int = 1) -> LocalCluster:
-    cluster = LocalCluster(root, secrets.token_hex(16), primaries, replicas)
+    # A primary is failed over 1 s after it stops answering (tandem up's clusters: 2 s).
+    cluster = LocalCluster(root, secrets.token_hex(16), primaries, replicas, node_timeout_ms=1000)
     return cluster.start()
 
 
