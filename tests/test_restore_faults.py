@@ -15,8 +15,9 @@ from tandem_client import EngineClient, StoreClient
 from tandem_client.regions import DEFAULT_OFFSET, SHM_DIR
 from tests.servers import ServiceProcess, child_pids, start_engine, start_store
 
-# Long enough that the store's copy (~32 MB of float32 KV) takes many milliseconds.
-PROMPT = [(i * 7919) % 2000 + 3 for i in range(7000)]
+# Long enough that the store's copy (~16 MB of float32 KV, two progressive parts) takes many
+# milliseconds.
+PROMPT = [(i * 7919) % 2000 + 3 for i in range(3500)]
 REQUEST = dict(max_tokens=8, ignore_eos=True)
 
 
