@@ -18,8 +18,8 @@ its key expires, whatever the clocks say. The index's scores are the announcers'
 they only let readers skip, and writers prune, entries long past (`SKEW_MARGIN_MS`), so hosts
 whose clocks disagree by less than that never hide a live engine.
 
-The URL form and password file here are the store's `--tier` ones
-(store_service/tier/config.py); the store could parse its URL with `ValkeyTarget` later.
+The URL form and password file are the store's `--tier` ones too (store_service/tier/config.py
+parses its URL with `ValkeyTarget`).
 valkey-py is imported only when a registry first connects: a server without these flags
 never loads it.
 """

@@ -63,28 +63,27 @@ def test_tandem_up_streams_a_demo_and_stops_cleanly(
     assert lines[-1] == "stopped (engine exit 0, store exit 0)"
 
 
-def test_tandem_up_with_engines_starts_the_gateway_in_front(
-    tmp_path: Path, engine_data_dir: Path, engine: ServiceProcess
-) -> None:
+def _up_fronted(
+    tmp_path: Path, engine_data_dir: Path, *flags: str
+) -> subprocess.CompletedProcess[str]:
+    """`tandem up` with a gateway in front (free ports), through its 8-token demo."""
     result = subprocess.run(
-        [
-            *_up(tmp_path, engine_data_dir),
-            "--engines",
-            "2",
-            "--gateway-grpc-port",
-            "0",
-            "--gateway-http-port",
-            "0",
-            "--exit-after-demo",
-            "--demo-tokens",
-            "8",
-        ],
+        [*_up(tmp_path, engine_data_dir), *flags]
+        + ["--gateway-grpc-port", "0", "--gateway-http-port", "0"]
+        + ["--exit-after-demo", "--demo-tokens", "8"],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_tandem_up_with_engines_starts_the_gateway_in_front(
+    tmp_path: Path, engine_data_dir: Path, engine: ServiceProcess
+) -> None:
+    result = _up_fronted(tmp_path, engine_data_dir, "--engines", "2")
     lines = result.stdout.splitlines()
     assert lines[1].startswith("store  listening on 127.0.0.1:")
     assert lines[2].startswith("engine listening on 127.0.0.1:")
@@ -100,25 +99,7 @@ def test_tandem_up_with_nodes_shares_a_valkey_cluster(
 ) -> None:
     """Two nodes (a store and an engine each) on a local Valkey cluster, a gateway in front;
     the stores log where their tier is, never its password."""
-    result = subprocess.run(
-        [
-            *_up(tmp_path, engine_data_dir),
-            "--nodes",
-            "2",
-            "--gateway-grpc-port",
-            "0",
-            "--gateway-http-port",
-            "0",
-            "--exit-after-demo",
-            "--demo-tokens",
-            "8",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr
+    result = _up_fronted(tmp_path, engine_data_dir, "--nodes", "2")
     lines = result.stdout.splitlines()
     assert lines[2].startswith("valkey cluster 127.0.0.1:")
     assert [line.split(" listening")[0] for line in lines[3:9]] == [

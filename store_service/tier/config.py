@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from tandem_wire.registry import ValkeyTarget
 from tandem_wire.server_flags import EnvDefaults
 
 
@@ -44,34 +45,18 @@ class TierConfig:
 
     @classmethod
     def from_url(cls, url: str, password_file: str = "", **fields: object) -> TierConfig:
-        """`valkey://host:port[,host:port...]` (or `valkeys://` for TLS), optionally with
-        `user@` before the hosts; the password comes from password_file.
+        """`valkey://[USER@]HOST:PORT[,HOST:PORT...]` (`valkeys://` for TLS), the password
+        from password_file: the registry's URL form (tandem_wire/registry.py).
 
         Raises:
             ValueError: a malformed URL, or a password file that cannot be read.
         """
-        scheme, sep, rest = url.partition("://")
-        if not sep or scheme not in ("valkey", "valkeys"):
-            raise ValueError(f"--tier wants valkey://host:port[,host:port...], not {url!r}")
-        user, at, hosts = rest.rpartition("@")
-        if not at:
-            user, hosts = "", rest
-        if ":" in user:
-            raise ValueError("--tier takes no password in its URL: use --tier-password-file")
-        seeds = []
-        for part in hosts.strip("/").split(","):
-            host, colon, port = part.rpartition(":")
-            if not colon or not host or not port.isdigit():
-                raise ValueError(f"--tier: {part!r} is not host:port")
-            seeds.append((host.strip("[]"), int(port)))
-        password = ""
-        if password_file:
-            try:
-                password = Path(password_file).read_text().strip()
-            except OSError as exc:
-                raise ValueError(f"--tier-password-file: {exc.strerror}") from exc
-        tls = scheme == "valkeys"
-        return cls(seeds=tuple(seeds), tls=tls, user=user, password=password, **fields)  # type: ignore[arg-type]
+        try:
+            target = ValkeyTarget.from_flags(url, password_file, "--tier")
+        except OSError as exc:
+            raise ValueError(str(exc)) from exc
+        seeds, tls, user, password = target.seeds, target.tls, target.user, target.password
+        return cls(seeds=seeds, tls=tls, user=user, password=password, **fields)  # type: ignore[arg-type]
 
     def describe(self) -> str:
         """For logs: where and how, never the password."""
