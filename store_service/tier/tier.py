@@ -126,13 +126,12 @@ class Tier:
                 f"the shared tier did not replicate the checkpoint: {exc}"
             ) from exc
         except TierUnavailable as exc:
-            self._count_error()
+            self._count_error(exc)
             self._remember_missed(record)
             if through:
                 raise TierUnavailable(
                     f"the shared tier did not take the checkpoint: {exc}"
                 ) from exc
-            log.warning("the shared tier did not take a record: %s", exc)
             raise
         self._mark_up()
         with self._lock:
@@ -167,8 +166,8 @@ class Tier:
         except Corrupt as exc:
             self._count_damaged(exc)
             return False
-        except TierUnavailable:
-            self._count_error()
+        except TierUnavailable as exc:
+            self._count_error(exc)
             return False
         self._mark_up()
         header = manifest.record.header if manifest is not None else None
@@ -197,8 +196,8 @@ class Tier:
         except Corrupt as exc:
             self._count_damaged(exc)
             return False
-        except TierUnavailable:
-            self._count_error()
+        except TierUnavailable as exc:
+            self._count_error(exc)
             return False
         with self._lock:
             self.counters.misses += 1
@@ -214,8 +213,8 @@ class Tier:
         except (Corrupt, InvalidRequest) as exc:  # a chunk missing, damaged or mis-sized
             self._count_damaged(exc)
             return False
-        except TierUnavailable:
-            self._count_error()
+        except TierUnavailable as exc:
+            self._count_error(exc)
             return False
         self._mark_up()
         with self._lock:
@@ -229,11 +228,13 @@ class Tier:
             self.counters.damaged += 1
         log.error("a record in the shared tier is damaged, not served: %s", exc)
 
-    def _count_error(self) -> None:
+    def _count_error(self, exc: Exception) -> None:
         with self._lock:
             self.counters.errors += 1
-            self.up = False
+            was_up, self.up = self.up, False
             self._retry_at = time.monotonic() + RETRY_S
+        if was_up:  # once an outage, not once a call
+            log.warning("the shared tier stopped answering (local only until it does): %s", exc)
 
     def _remember_missed(self, record: StoredRecord) -> None:
         with self._lock:
