@@ -25,7 +25,8 @@ from engine_service.sampling.constraints import Grammars, mask_words
 
 
 def test_a_compile_past_its_budget_is_refused_and_remembered() -> None:
-    budget = CompileBudget(timeout_s=0.5, workers=1)
+    # 1 s: a thread that waited past half of it for the CPU would count as "busy" instead.
+    budget = CompileBudget(timeout_s=1.0, workers=1)
     release = threading.Event()
     ran: list[str] = []
 
@@ -35,7 +36,7 @@ def test_a_compile_past_its_budget_is_refused_and_remembered() -> None:
         return "grammar"
 
     try:
-        with pytest.raises(InvalidRequest, match="did not compile within 0.5 s"):
+        with pytest.raises(InvalidRequest, match="did not compile within 1 s"):
             budget.run("digest-a", "constraint (lark)", slow)
         release.set()
         # The same constraint again: refused at once, without taking a compile thread.
@@ -58,7 +59,7 @@ def test_a_compile_waiting_behind_others_is_overloaded_not_blamed() -> None:
         release.wait(30)
 
     try:
-        hogging = threading.Thread(target=lambda: _refused(budget, "hog", hog))
+        hogging = threading.Thread(target=lambda: _holds_the_pool(budget, "hog", hog))
         hogging.start()
         assert busy.wait(30)
         with pytest.raises(Overloaded, match="busy compiling other constraints"):
@@ -67,14 +68,17 @@ def test_a_compile_waiting_behind_others_is_overloaded_not_blamed() -> None:
         hogging.join(30)
         # Not remembered: once the pool is free it compiles.
         assert budget.run("digest-c", "constraint (regex)", lambda: "ok") == "ok"
-        assert budget.refused_busy == 1
+        assert budget.refused_busy >= 1  # the hog's own verdict may be "busy" too (below)
     finally:
         release.set()
         budget.close()
 
 
-def _refused(budget: CompileBudget, digest: str, compile_it: object) -> None:
-    with pytest.raises(InvalidRequest):
+def _holds_the_pool(budget: CompileBudget, digest: str, compile_it: object) -> None:
+    """Runs compile_it through the budget, which refuses it either way: too complex if its
+    thread got the CPU at once, busy if it started late on a loaded machine (the verdict
+    splits the 0.2 s between waiting and running). Either way it holds the pool's worker."""
+    with pytest.raises((InvalidRequest, Overloaded)):
         budget.run(digest, "constraint (lark)", compile_it)  # type: ignore[arg-type]
 
 
