@@ -37,10 +37,11 @@ $(NODE_STAMP): clients/node/package.json clients/node/package-lock.json
 
 # Two workers (pytest-xdist), a test file to each at a time (its module fixtures' servers
 # stay in one worker): most of the suite waits on the servers it starts, so two workers on
-# CI's two cores take ~2/3 of the serial time.
+# CI's two cores take ~2/3 of the serial time. Files start longest first (tests/file_costs.py)
+# so that the run does not end on one worker finishing a long file alone.
 TEST_WORKERS ?= 2
 test: $(PB_STAMP) $(NODE_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The fault-injection suites at length: many store and engine SIGKILLs (tests/test_faults.py;
 # the engine's at seeded random moments, some between a checkpoint's capture and its Put),

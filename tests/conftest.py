@@ -19,6 +19,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # Before anything imports mlx: the engine's BLAS, so in-test references compute alike.
 import engine_service  # noqa: F401, I001, E402
 from tandem_client import Checkpoint, EngineClient, StoreClient, Tensor
+from tests.file_costs import heaviest_first
 from tests.servers import (
     InProcessStore,
     ServiceProcess,
@@ -153,3 +154,7 @@ def draft_stack(tmp_path: Path, engine_data_dir: Path) -> Iterator[dict[str, Any
     finally:
         procs["engine"].stop()
         procs["store"].stop()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    heaviest_first(items)  # the longest files start first (tests/file_costs.py)
