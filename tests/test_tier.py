@@ -335,3 +335,15 @@ def test_a_namespace_over_its_tier_quota_is_refused_there_only(
         assert samples[("tandem:store_tier_deleted_total", ())] == 1.0
     finally:
         store.stop()
+
+
+def test_a_record_written_again_leaves_no_chunks_behind(tmp_path: Path, cluster) -> None:  # noqa: ANN001
+    with two_nodes(tmp_path, cluster) as (a, b), StoreClient(a.address) as node_a:
+        for _ in range(3):
+            node_a.put(make_checkpoint(b"again", {"k": 2 * MiB}, kind="generation", namespace="t"))
+        last = make_checkpoint(b"again", {"k": 2 * MiB}, kind="generation", namespace="t")
+        node_a.put(last)
+        chunks = _keys_with_prefix(cluster, f"tandem:c:{_ikey(b'again').hex()}:".encode())
+        assert len(chunks) == 2  # the last record's two 1 MiB chunks only
+        with StoreClient(b.address) as node_b:
+            assert _same_payload(node_b.get(b"again", "t"), last)
