@@ -126,8 +126,14 @@ def test_the_announcement_carries_model_and_load(stack: Stack) -> None:
         reader.start()
         try:
             assert started.wait(30)
-            busy = wait_until(
-                lambda: (a := _announced(stack).get(address)) and a.load >= 1 and a,
+            # A heartbeat after `first` (one before it may still count an earlier test's
+            # stream, and a slow machine may not have beaten again yet).
+            wait_until(
+                lambda: (
+                    (a := _announced(stack).get(address))
+                    and a.updated_ms > first.updated_ms
+                    and a.load >= 1
+                ),
                 what="a heartbeat with the generation's load",
             )
         finally:
@@ -135,11 +141,10 @@ def test_the_announcement_carries_model_and_load(stack: Stack) -> None:
                 engine.cancel("long-one")
             reader.join(30)
         assert ended == [None]
-        idle = wait_until(
-            lambda: (a := _announced(stack).get(address)) and a.load == 0 and a,
+        wait_until(
+            lambda: (a := _announced(stack).get(address)) and a.load == 0,
             what="a heartbeat without load",
         )
-    assert first.updated_ms < busy.updated_ms < idle.updated_ms
 
 
 def test_valkey_down_engines_serve_on_and_a_new_gateway_waits_for_it(stack: Stack) -> None:
