@@ -21,6 +21,7 @@ from tandem_wire.server_flags import (
     add_metrics_arg,
     add_off_switch,
     add_tls_args,
+    add_valkey_args,
     config_fields,
 )
 
@@ -311,16 +312,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         help="checkpoint records queued together that leave in one PutMany (1: one Put each)",
     )
     add_metrics_arg(p, ENV)
-    p.add_argument(
-        "--announce",
-        default=ENV("ANNOUNCE", ""),
-        help="valkey://[USER@]HOST:PORT[,HOST:PORT...] of a Valkey cluster to announce this "
-        "engine in, for gateways' --discover (valkeys:// for TLS); default: none",
-    )
-    p.add_argument(
-        "--announce-password-file",
-        default=ENV("ANNOUNCE_PASSWORD_FILE", ""),
-        help="file holding the announce user's password (never on the command line)",
+    add_valkey_args(
+        p, ENV, "announce", "a Valkey cluster to announce this engine in, for gateways' --discover"
     )
     p.add_argument(
         "--announce-address",

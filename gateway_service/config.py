@@ -14,6 +14,7 @@ from tandem_wire.server_flags import (
     add_auth_args,
     add_log_args,
     add_metrics_arg,
+    add_valkey_args,
     config_fields,
 )
 
@@ -100,16 +101,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         help="an engine's HOST:PORT (repeat; or TANDEM_GATEWAY_ENGINES=a,b)",
     )
     p.add_argument("--engines-file", default=ENV("ENGINES_FILE", ""))
-    p.add_argument(
-        "--discover",
-        default=ENV("DISCOVER", ""),
-        help="valkey://[USER@]HOST:PORT[,HOST:PORT...] of the Valkey cluster engines announce "
-        "themselves in (their --announce; valkeys:// for TLS)",
-    )
-    p.add_argument(
-        "--discover-password-file",
-        default=ENV("DISCOVER_PASSWORD_FILE", ""),
-        help="file holding the discover user's password (never on the command line)",
+    add_valkey_args(
+        p, ENV, "discover", "the Valkey cluster engines announce themselves in with --announce"
     )
     p.add_argument("--http-listen", default=ENV("HTTP_LISTEN", ""), help="HOST:PORT (:0 = any)")
     p.add_argument("--grpc-listen", default=ENV("GRPC_LISTEN", ""), help="HOST:PORT (:0 = any)")

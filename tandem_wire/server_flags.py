@@ -141,6 +141,30 @@ def add_metrics_arg(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
     p.add_argument("--metrics-listen", default=env("METRICS_LISTEN", ""), help=METRICS_LISTEN_HELP)
 
 
+def add_valkey_args(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup,
+    env: EnvDefaults,
+    name: str,
+    what: str,
+) -> None:
+    """--NAME valkey://... and --NAME-password-file (env NAME, NAME_PASSWORD_FILE): a Valkey
+    cluster the server talks to for `what` (the tier, the registry). The password is read
+    from a file so it is never in argv or a log; tandem_wire.registry.ValkeyTarget parses
+    both."""
+    env_name = name.upper().replace("-", "_")
+    p.add_argument(
+        "--" + name,
+        default=env(env_name, ""),
+        help=f"valkey://[USER@]HOST:PORT[,HOST:PORT...] of {what} (valkeys:// for TLS); "
+        "default: none",
+    )
+    p.add_argument(
+        f"--{name}-password-file",
+        default=env(env_name + "_PASSWORD_FILE", ""),
+        help=f"file holding the {name} user's password (never on the command line)",
+    )
+
+
 def add_grace_arg(p: argparse.ArgumentParser, env: EnvDefaults, help: str | None = None) -> None:
     """--grace SECONDS (env GRACE, default 10): how long SIGTERM waits; dest `grace`."""
     p.add_argument("--grace", type=float, default=env.real("GRACE", 10), help=help)

@@ -156,6 +156,27 @@ def expected(
         return out
 
 
+def start_streams(gateway: GatewayProcess, at: int) -> tuple[list[Stream], list[threading.Thread]]:
+    """STREAMS streams through the gateway, even ones over gRPC and odd ones over SSE, each
+    on its own thread; returns once they have produced `at` tokens together (or after 120 s,
+    when the threads' own errors tell what went wrong)."""
+    streams = [Stream(i, grpc=i % 2 == 0) for i in range(STREAMS)]
+    progress = [0]
+    threads = [
+        threading.Thread(
+            target=_run_grpc if s.grpc else _run_sse,
+            args=(gateway.grpc if s.grpc else gateway.http, s, progress),
+        )
+        for s in streams
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while progress[0] < at and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return streams, threads
+
+
 def _busiest(engines: list[ServiceProcess]) -> int:
     running = []
     for e in engines:
@@ -183,20 +204,7 @@ def _round(
 ) -> None:
     """8 streams through the gateway; after `at` tokens the busiest engine is stopped by
     `stop`, then started again on its port."""
-    streams = [Stream(i, grpc=i % 2 == 0) for i in range(STREAMS)]
-    progress = [0]
-    threads = [
-        threading.Thread(
-            target=_run_grpc if s.grpc else _run_sse,
-            args=(gateway.grpc if s.grpc else gateway.http, s, progress),
-        )
-        for s in streams
-    ]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 120
-    while progress[0] < at and time.monotonic() < deadline:
-        time.sleep(0.01)
+    streams, threads = start_streams(gateway, at)
     victim = engines[_busiest(engines)]
     port = int(victim.address.rsplit(":", 1)[1])
     stop(victim)

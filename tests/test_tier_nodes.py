@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +20,7 @@ import pytest
 from store_service.tier.local_cluster import LocalCluster
 from tandem_client import EngineClient
 from tests.servers import GatewayProcess, ServiceProcess, free_port, start_engine, start_store_on
-from tests.test_gateway_failover import STREAMS, TOKENS, Stream, _run_grpc, _run_sse
+from tests.test_gateway_failover import STREAMS, TOKENS, Stream, start_streams
 from tests.tier_stack import start_cluster, tier_args
 
 KILLS = int(os.environ.get("TANDEM_NODE_KILLS", "1"))
@@ -155,22 +153,9 @@ def test_a_lost_node_loses_no_stream(nodes: tuple[GatewayProcess, list[Node]]) -
             expected[i] = (g.token_ids, g.text)
     rng = random.Random(SEED)
     for round_ in range(KILLS):
-        streams = [Stream(i, grpc=i % 2 == 0) for i in range(STREAMS)]
-        progress = [0]
-        threads = [
-            threading.Thread(
-                target=_run_grpc if s.grpc else _run_sse,
-                args=(gateway.grpc if s.grpc else gateway.http, s, progress),
-            )
-            for s in streams
-        ]
-        for t in threads:
-            t.start()
         # Lost once every stream is past its first checkpoints, at a seeded moment after.
         at = rng.randint(STREAMS * 20, STREAMS * TOKENS * 7 // 10)
-        deadline = time.monotonic() + 120
-        while progress[0] < at and time.monotonic() < deadline:
-            time.sleep(0.01)
+        streams, threads = start_streams(gateway, at)
         loads = []
         for node in pair:
             with _engine(node) as engine:

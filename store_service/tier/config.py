@@ -9,7 +9,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from tandem_wire.registry import ValkeyTarget
-from tandem_wire.server_flags import EnvDefaults
+from tandem_wire.server_flags import EnvDefaults, add_valkey_args
 
 
 class Durability(StrEnum):
@@ -67,17 +67,7 @@ class TierConfig:
 
 def add_tier_args(parser: argparse.ArgumentParser, env: EnvDefaults) -> None:
     group = parser.add_argument_group("shared tier (docs/scale-out.md)")
-    group.add_argument(
-        "--tier",
-        default=env("TIER", ""),
-        help="valkey://[USER@]HOST:PORT[,HOST:PORT...] of a Valkey cluster sharing records "
-        "between nodes (valkeys:// for TLS); default: none",
-    )
-    group.add_argument(
-        "--tier-password-file",
-        default=env("TIER_PASSWORD_FILE", ""),
-        help="file holding the tier user's password (never on the command line)",
-    )
+    add_valkey_args(group, env, "tier", "a Valkey cluster sharing records between nodes")
     group.add_argument("--tier-ca", default=env("TIER_CA", ""), help="PEM CA of the tier's TLS")
     group.add_argument(
         "--tier-durability",
