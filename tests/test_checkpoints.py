@@ -43,7 +43,22 @@ class Stack:
 
 @pytest.fixture
 def stack(tmp_path: Path, engine_data_dir: Path, engine: ServiceProcess) -> Iterator[Stack]:
+    """A stack of the test's own: for tests that damage the store's files."""
     s = Stack(tmp_path, engine_data_dir)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def shared(
+    tmp_path_factory: pytest.TempPathFactory, engine_data_dir: Path, engine: ServiceProcess
+) -> Iterator[Stack]:
+    """One stack for the tests that leave its files whole: each keeps to its own prompts,
+    request ids or namespace, and a test that kills a process leaves a new one in its place
+    (an engine start is seconds of CPU on two cores)."""
+    s = Stack(tmp_path_factory.mktemp("checkpoints"), engine_data_dir)
     try:
         yield s
     finally:
@@ -57,8 +72,8 @@ def _wait_for(predicate, timeout: float = 30.0) -> None:  # noqa: ANN001
         time.sleep(0.05)
 
 
-def test_shared_prefix_is_reused_and_survives_an_engine_restart(stack: Stack) -> None:
-    with EngineClient(stack.engine.address) as engine:
+def test_shared_prefix_is_reused_and_survives_an_engine_restart(shared: Stack) -> None:
+    with EngineClient(shared.engine.address) as engine:
         cold = engine.generate(PROMPT, max_tokens=12, ignore_eos=True, namespace="cold")
         assert cold.usage is not None
         assert cold.usage.cached_prompt_tokens == 0
@@ -76,9 +91,9 @@ def test_shared_prefix_is_reused_and_survives_an_engine_restart(stack: Stack) ->
         stats = engine.stats().checkpoints
         assert stats.prefix_hits_local >= 1
     # A fresh engine has an empty memory: the prefix comes from the store.
-    stack.engine.stop()
-    stack.engine = stack.start_engine()
-    with EngineClient(stack.engine.address) as engine:
+    shared.engine.stop()
+    shared.engine = shared.start_engine()
+    with EngineClient(shared.engine.address) as engine:
         warm = engine.generate(PROMPT, max_tokens=12, ignore_eos=True)
         assert warm.usage is not None
         # The same prompt again: all of it but the one token that must be fed.
@@ -88,13 +103,13 @@ def test_shared_prefix_is_reused_and_survives_an_engine_restart(stack: Stack) ->
         assert stats.prefix_hits_store == 1 and stats.restored_bytes > 0
 
 
-def test_a_flush_after_the_first_token_covers_the_prompts_prefix(stack: Stack) -> None:
+def test_a_flush_after_the_first_token_covers_the_prompts_prefix(shared: Stack) -> None:
     """The prefix is saved just after the first token leaves; a Flush asked once that token
     has arrived still waits for it, so another engine finds it in the store."""
-    other = stack.start_engine()
+    other = shared.start_engine()
     try:
         prompts = [[(i * 31 + k) % 2000 + 3 for i in range(300)] for k in range(3)]
-        with EngineClient(stack.engine.address) as engine, EngineClient(other.address) as peer:
+        with EngineClient(shared.engine.address) as engine, EngineClient(other.address) as peer:
             for prompt in prompts:
                 first = engine.generate(prompt, max_tokens=1, ignore_eos=True)
                 assert engine.flush().durable
@@ -111,7 +126,7 @@ LONG_RUN = 400
 
 
 def _interrupted_then_resumed(
-    stack: Stack, options: dict[str, Any], kill_at: int
+    stack: Stack, options: dict[str, Any], kill_at: int, namespace: str
 ) -> tuple[list[int], list[int]]:
     """Streams a checkpointed generation, SIGKILLs the engine once a checkpoint past kill_at
     is in the store, resumes on a fresh engine; returns (received + resumed, uninterrupted)."""
@@ -119,7 +134,12 @@ def _interrupted_then_resumed(
     # client's flow-control window, is killed before it finishes (a finished generation has
     # nothing to resume: this raced at 64 tokens on a loaded machine).
     request = dict(
-        max_tokens=LONG_RUN, ignore_eos=True, checkpoint_interval=8, request_id="job-1", **options
+        max_tokens=LONG_RUN,
+        ignore_eos=True,
+        checkpoint_interval=8,
+        request_id="job-1",
+        namespace=namespace,
+        **options,
     )
     received: list[int] = []
     store = StoreClient(f"127.0.0.1:{stack.port}")
@@ -132,13 +152,14 @@ def _interrupted_then_resumed(
     # Segments carry the generation's state; wait until one covers most of what was read.
     _wait_for(
         lambda: any(
-            r.token_count >= len(PROMPT) + kill_at - 16 for r in store.list_all(kind="object")
+            r.token_count >= len(PROMPT) + kill_at - 16
+            for r in store.list_all(kind="object", namespace=namespace)
         )
     )
     # Plain KV caches checkpoint as an append-only chain: a tensor-less manifest under the
     # generation key, and segments holding only what each checkpoint added.
-    (manifest,) = store.list_all(kind="generation")
-    segments = store.list_all(kind="object")
+    (manifest,) = store.list_all(kind="generation", namespace=namespace)
+    segments = store.list_all(kind="object", namespace=namespace)
     assert manifest.payload_bytes == 0 and len(segments) >= 2
     assert min(s.payload_bytes for s in segments) < max(s.payload_bytes for s in segments) / 4
     stack.engine.kill()
@@ -159,16 +180,17 @@ def _interrupted_then_resumed(
     "options", [{}, {"temperature": 0.9, "top_p": 0.95, "seed": 77}], ids=["greedy", "seeded"]
 )
 def test_resume_after_sigkill_equals_the_uninterrupted_run(
-    stack: Stack, options: dict[str, Any]
+    shared: Stack, options: dict[str, Any], request: pytest.FixtureRequest
 ) -> None:
-    combined, full = _interrupted_then_resumed(stack, options, kill_at=37)
+    namespace = "resume-" + request.node.callspec.id  # its own generation and segments
+    combined, full = _interrupted_then_resumed(shared, options, kill_at=37, namespace=namespace)
     assert len(full) == LONG_RUN
     assert combined == full
 
 
-def test_store_down_does_not_stop_generation_and_flush_reports_durability(stack: Stack) -> None:
-    stack.store.kill()
-    with EngineClient(stack.engine.address) as engine:
+def test_store_down_does_not_stop_generation_and_flush_reports_durability(shared: Stack) -> None:
+    shared.store.kill()
+    with EngineClient(shared.engine.address) as engine:
         got = engine.generate(
             PROMPT, max_tokens=40, ignore_eos=True, checkpoint_interval=4, request_id="while-down"
         )
@@ -177,7 +199,7 @@ def test_store_down_does_not_stop_generation_and_flush_reports_durability(stack:
         stats = engine.stats().checkpoints
         assert not stats.store_up
         assert not engine.flush().durable
-        stack.restart_store()
+        shared.restart_store()
 
         def checkpoints_flow_again() -> bool:
             engine.generate(PROMPT[:90], max_tokens=24, ignore_eos=True, checkpoint_interval=4)
@@ -192,21 +214,23 @@ def test_store_down_does_not_stop_generation_and_flush_reports_durability(stack:
         assert (flushed.failed, flushed.missing) == (0, 0)
 
 
-def test_checkpoint_of_another_model_is_refused(stack: Stack) -> None:
-    request = dict(max_tokens=64, ignore_eos=True, checkpoint_interval=8, request_id="moved")
-    with EngineClient(stack.engine.address) as engine:
+def test_checkpoint_of_another_model_is_refused(shared: Stack) -> None:
+    request = dict(
+        max_tokens=64, ignore_eos=True, checkpoint_interval=8, request_id="moved", namespace="moved"
+    )
+    with EngineClient(shared.engine.address) as engine:
         stream = engine.stream_request(engine.request(PROMPT, **request))
         for i, _ in enumerate(stream):
             if i >= 20:
                 break
         stream.close()  # a disconnect keeps the checkpoint for a resume
-        store = StoreClient(f"127.0.0.1:{stack.port}")
-        _wait_for(lambda: bool(store.list_all(kind="generation")))
+        store = StoreClient(f"127.0.0.1:{shared.port}")
+        _wait_for(lambda: bool(store.list_all(kind="generation", namespace="moved")))
         # Every checkpoint rewrites the chain's manifest: let the row go and the spill queue
         # drain before tampering with it, or a later manifest would undo the change.
         _wait_for(lambda: engine.stats().running == 0)
         engine.flush()
-        (record,) = store.list_all(kind="generation")
+        (record,) = store.list_all(kind="generation", namespace="moved")
         ckpt = store.get(record.key, record.namespace)
         ckpt.model_id = "some-other-model@sha256:0000/float32"
         store.put(ckpt)
@@ -261,11 +285,14 @@ def test_damage_in_a_late_part_of_a_progressive_restore_falls_back_to_prefill(
     assert stats.shared_memory_reads == 1  # it did go through the region
 
 
-def test_resume_of_an_ended_generation_says_how_it_ended(stack: Stack) -> None:
+def test_resume_of_an_ended_generation_says_how_it_ended(shared: Stack) -> None:
     """A generation that finished (or was cancelled) leaves a tombstone: a resume answers
     FAILED_PRECONDITION with how it ended and its token count, never NOT_FOUND nor tokens."""
-    with EngineClient(stack.engine.address) as engine:
-        request = dict(max_tokens=40, ignore_eos=True, checkpoint_interval=8, request_id="done")
+    with EngineClient(shared.engine.address) as engine:
+        ended_in = dict(namespace="ended")
+        request = dict(
+            max_tokens=40, ignore_eos=True, checkpoint_interval=8, request_id="done", **ended_in
+        )
         done = engine.generate(PROMPT[:80], **request)
         assert len(done.token_ids) == 40
         engine.flush()  # the tombstone is queued on the spill thread like any checkpoint
@@ -274,7 +301,9 @@ def test_resume_of_an_ended_generation_says_how_it_ended(stack: Stack) -> None:
         assert ended.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "this generation finished; 40 tokens" in str(ended.value)
 
-        request = dict(max_tokens=400, ignore_eos=True, checkpoint_interval=8, request_id="cut")
+        request = dict(
+            max_tokens=400, ignore_eos=True, checkpoint_interval=8, request_id="cut", **ended_in
+        )
         stream = engine.stream_request(engine.request(PROMPT[:80], **request))
         chunks = []
         for i, chunk in enumerate(stream):
@@ -289,22 +318,23 @@ def test_resume_of_an_ended_generation_says_how_it_ended(stack: Stack) -> None:
         assert "this generation was cancelled;" in str(cancelled.value)
 
         # Tombstones are not generations in flight, and carry no cache.
-        with StoreClient(f"127.0.0.1:{stack.port}") as store:
-            assert store.list_all(kind="generation") == []
-            tombstones = [r for r in store.list_all(kind="object") if r.payload_bytes == 0]
+        with StoreClient(f"127.0.0.1:{shared.port}") as store:
+            assert store.list_all(kind="generation", **ended_in) == []
+            objects = store.list_all(kind="object", **ended_in)
+            tombstones = [r for r in objects if r.payload_bytes == 0]
             assert len(tombstones) == 2
 
 
-def test_a_same_host_restore_equals_a_streamed_one(stack: Stack) -> None:
+def test_a_same_host_restore_equals_a_streamed_one(shared: Stack) -> None:
     """Through the shared-memory region or over gRPC, a store hit restores the same cache:
     the same tokens and the same logprobs."""
     request = dict(max_tokens=12, ignore_eos=True, logprobs=3)
-    with EngineClient(stack.engine.address) as engine:
+    with EngineClient(shared.engine.address) as engine:
         engine.generate(PROMPT, **request)  # saves the prompt's prefix
         assert engine.flush().durable
     results = {}
     for name, extra in (("region", ()), ("streamed", ("--store-region-bytes", "0"))):
-        fresh = stack.start_engine(*extra)  # an empty local tier: the hit is the store's
+        fresh = shared.start_engine(*extra)  # an empty local tier: the hit is the store's
         try:
             with EngineClient(fresh.address) as engine:
                 got = engine.generate(PROMPT, **request)
