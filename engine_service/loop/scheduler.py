@@ -12,7 +12,6 @@ import collections
 import dataclasses
 import logging
 import queue
-import threading
 import time
 
 import mlx.core as mx
@@ -20,11 +19,12 @@ from mlx_lm.generate import BatchGenerator
 
 from engine_service.checkpoints.manager import CheckpointManager, starting_point
 from engine_service.core.capability_probe import ProbeFailed, kv_refusal, prepare_to_serve
-from engine_service.core.plans import Plan, PrefixPlan
+from engine_service.core.plans import PrefixPlan
 from engine_service.errors import Corrupt, EngineError, InvalidRequest, ModelFailed
-from engine_service.loop.admissions import Admissions, gather_burst
-from engine_service.loop.commands import Cancel, Command, Park, Restored, Stop, Submit, Unpark
+from engine_service.loop.admissions import gather_burst
+from engine_service.loop.commands import Cancel, Park, Restored, Submit, Unpark
 from engine_service.loop.compiled_decode import CompiledDecode
+from engine_service.loop.inbox import SchedulerInbox
 from engine_service.loop.jobs import Job, StartingPoint
 from engine_service.loop.limits import Limits
 from engine_service.loop.new_rows import NewRows
@@ -35,7 +35,6 @@ from engine_service.loop.step_checkpoints import StepCheckpoints
 from engine_service.loop.warmup import WarmUpFailed, warm_up
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.mlx_compat import batch_cache_bytes, running_batch
-from engine_service.protocol.engine_stats import EngineStats
 from engine_service.protocol.events import (
     Deliver,
     Event,
@@ -45,7 +44,6 @@ from engine_service.protocol.events import (
     Started,
     Token,
 )
-from engine_service.protocol.requests import GenerationRequest
 from engine_service.sampling.constraints import Grammars
 from engine_service.sampling.masks import BatchMasks
 from engine_service.sampling.samplers import requested_logprobs
@@ -64,7 +62,9 @@ def deliver_directly(outbox: list[tuple[Sink, list[Event]]]) -> None:
         sink(events)
 
 
-class Scheduler:
+class Scheduler(SchedulerInbox):
+    """The engine thread's half: admits, steps the batch, ends rows, delivers events."""
+
     def __init__(
         self,
         loaded: LoadedModel,
@@ -103,16 +103,9 @@ class Scheduler:
             if draft is not None
             else None
         )
-        self.limits = limits
+        super().__init__(limits, StepCheckpoints(checkpoints) if checkpoints else None)
         self.deliver = deliver
         self._outbox: list[tuple[Sink, list[Event]]] = []
-        self._step_checkpoints = StepCheckpoints(checkpoints) if checkpoints else None
-        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards admission counters and stats
-        self._stats = EngineStats()
-        self._admissions = Admissions(
-            limits.max_running, limits.max_queued, self._stats, self._lock
-        )
         self._waiting: collections.deque[Job] = collections.deque()
         self._rows: dict[int, Job] = {}
         self._by_id: dict[str, Job] = {}
@@ -121,10 +114,6 @@ class Scheduler:
             self, self._preemption, checkpoints, self._waiting, self._by_id, self._inbox.put
         )
         self._bg: BatchGenerator  # made on the engine thread: MLX streams are per thread
-        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
-        self._warm = False
-        self._ready = threading.Event()
-        self._start_failure: ProbeFailed | WarmUpFailed | None = None
 
     def _new_batch_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -133,63 +122,6 @@ class Scheduler:
             prefill_batch_size=min(self.limits.prefill_batch_size, self.limits.max_running),
             prefill_step_size=self.limits.prefill_step_size,
         )
-
-    # -- called from other threads -----------------------------------------------------------
-
-    def start(self, warm: bool = False) -> None:
-        """Starts the loop: probes what the model can do (core/capability_probe.py) and, with warm,
-        runs its batch shapes once (loop/warmup.py), returning when that is done. Raises
-        ProbeFailed or WarmUpFailed when the model cannot serve."""
-        self._warm = warm
-        self._thread.start()
-        self._ready.wait()
-        if self._start_failure is not None:
-            raise self._start_failure
-
-    def submit(self, request: GenerationRequest, sink: Sink, plan: Plan = None) -> None:
-        """Admits a request or raises Overloaded / AlreadyExists / Unavailable."""
-        self._admissions.enter(request)
-        self._inbox.put(Submit(Job(request, sink, plan)))
-
-    def cancel(self, request_id: str, keep_checkpoint: bool = False, stopped: bool = False) -> bool:
-        """Asks the loop to stop a request; False if it is not known (already finished).
-
-        keep_checkpoint: leave its generation checkpoint in the store, for a client that went
-        away and may resume; otherwise it is deleted. stopped: a stop string ended it.
-        """
-        known = self._admissions.knows(request_id)
-        if known:
-            self._inbox.put(Cancel(request_id, keep_checkpoint, stopped))
-        return known
-
-    def park(self, request_id: str) -> None:
-        """Its client stopped reading: the row is to give its slot up (loop/preemption.py)."""
-        self._inbox.put(Park(request_id))
-
-    def unpark(self, request_id: str) -> None:
-        """Its client reads again: a parked row goes back to the waiting queue."""
-        self._inbox.put(Unpark(request_id))
-
-    def stop_accepting(self) -> None:
-        self._admissions.stop()
-
-    def pending(self) -> int:
-        return self._admissions.pending
-
-    def shutdown(self) -> None:
-        """Cancels whatever is left and stops the loop."""
-        self.stop_accepting()
-        self._inbox.put(Stop())
-        self._thread.join(30)
-
-    def queued_saves(self, timeout: float = 60.0) -> bool:
-        """Waits until the prefixes of every delivered first token are queued for the store."""
-        saves = self._step_checkpoints
-        return saves is None or saves.queued_saves(timeout)
-
-    def stats(self) -> EngineStats:
-        with self._lock:
-            return self._stats.snapshot(time.monotonic())
 
     # -- what the speculative lane uses (LaneHost) -------------------------------------------
 
