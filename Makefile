@@ -35,11 +35,12 @@ $(NODE_STAMP): clients/node/package.json clients/node/package-lock.json
 	cd clients/node && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-# Two workers (pytest-xdist), a test file to each at a time (its module fixtures' servers
-# stay in one worker): most of the suite waits on the servers it starts, so two workers on
-# CI's two cores take ~2/3 of the serial time. Files start longest first (tests/file_costs.py)
-# so that the run does not end on one worker finishing a long file alone.
-TEST_WORKERS ?= 2
+# Three workers (pytest-xdist), a test file to each at a time (its module fixtures' servers
+# stay in one worker): most of the suite waits on the servers it starts. With two workers
+# on CI's two cores a fifth of the CPU stood idle (990 CPU-s in a 610 s run, 2026-12-03);
+# a third worker fills those waits. Files start longest first (tests/file_costs.py) so that
+# the run does not end on one worker finishing a long file alone.
+TEST_WORKERS ?= 3
 test: $(PB_STAMP) $(NODE_STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
