@@ -35,12 +35,13 @@ $(NODE_STAMP): clients/node/package.json clients/node/package-lock.json
 	cd clients/node && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-# Three workers (pytest-xdist), a test file to each at a time (its module fixtures' servers
-# stay in one worker): most of the suite waits on the servers it starts. With two workers
-# on CI's two cores a fifth of the CPU stood idle (990 CPU-s in a 610 s run, 2026-12-03);
-# a third worker fills those waits. Files start longest first (tests/file_costs.py) so that
-# the run does not end on one worker finishing a long file alone.
-TEST_WORKERS ?= 3
+# Two workers (pytest-xdist), a test file to each at a time (its module fixtures' servers
+# stay in one worker): most of the suite waits on the servers it starts, so two workers on
+# CI's two cores take ~2/3 of the serial time. A third worker did not shorten the run on two
+# cores (10:04 against 9:24-10:08, 2026-12-03): what it fills of the waits it loses to
+# contention. Files start longest first (tests/file_costs.py) so that the run does not end
+# on one worker finishing a long file alone.
+TEST_WORKERS ?= 2
 test: $(PB_STAMP) $(NODE_STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 

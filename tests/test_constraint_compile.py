@@ -10,6 +10,7 @@ fast this machine compiles; the matchers are llguidance's own on the tiny model.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -75,10 +76,11 @@ def test_a_compile_waiting_behind_others_is_overloaded_not_blamed() -> None:
 
 
 def _holds_the_pool(budget: CompileBudget, digest: str, compile_it: object) -> None:
-    """Runs compile_it through the budget, which refuses it either way: too complex if its
-    thread got the CPU at once, busy if it started late on a loaded machine (the verdict
-    splits the 0.2 s between waiting and running). Either way it holds the pool's worker."""
-    with pytest.raises((InvalidRequest, Overloaded)):
+    """Runs compile_it through the budget, holding the pool's one worker until it returns.
+    Its own verdict is not what the test is about, and depends on when this thread gets the
+    CPU: too complex if it started at once, busy if it started late, or the result itself if
+    the thread woke only after the release (a loaded machine: seen under three workers)."""
+    with contextlib.suppress(InvalidRequest, Overloaded):
         budget.run(digest, "constraint (lark)", compile_it)  # type: ignore[arg-type]
 
 
