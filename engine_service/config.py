@@ -162,6 +162,20 @@ class EngineConfig:
 ENV = EnvDefaults("TANDEM_ENGINE_")
 
 
+def names_a_directory(spec: str) -> bool:
+    """A --model that can only be a local directory: it starts with /, ./, ../ or ~, or has
+    more slashes than a hub id (OWNER/NAME)."""
+    return spec.startswith(("/", "./", "../", "~")) or spec in (".", "..") or spec.count("/") > 1
+
+
+def missing_model_directory(spec: str) -> str:
+    """What is wrong with a --model naming a local directory that is not there ("" if
+    nothing): said in one line at start-up, never a hub lookup of a path."""
+    if names_a_directory(spec) and not Path(spec).expanduser().is_dir():
+        return f"no model directory at {spec}"
+    return ""
+
+
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p = argparse.ArgumentParser(
         prog="tandem-engine", description="Serve an mlx-lm model over gRPC."
@@ -339,6 +353,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     )
     a = p.parse_args(argv)
     try:
+        for flag, spec in (("--model", a.model), ("--draft-model", a.draft_model)):
+            if missing_model_directory(spec):
+                raise ValueError(f"{flag}: {missing_model_directory(spec)}")
         return EngineConfig(
             model=a.model,
             listen=a.listen,

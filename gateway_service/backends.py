@@ -63,6 +63,9 @@ class EngineFacts:
     name: str
     context_length: int
     has_store: bool
+    # Unix time this gateway first read it (OpenAI's `created`: engines do not say when
+    # their model was made).
+    seen_at: int = 0
 
     def serves(self, model: str) -> bool:
         return not model or model in (self.name, self.model_id)
@@ -270,7 +273,11 @@ class BackendPool:
                     engine_pb2.ModelInfoRequest(), timeout=CALL_TIMEOUT_S, metadata=self._metadata
                 )
                 backend.facts = EngineFacts(
-                    info.model_id, info.name, info.context_length, info.has_store
+                    info.model_id,
+                    info.name,
+                    info.context_length,
+                    info.has_store,
+                    int(time.time()),
                 )
             if up:
                 await self._read_load(backend)

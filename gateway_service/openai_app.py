@@ -78,7 +78,7 @@ class OpenAIFront:
             {
                 "id": f.name,
                 "object": "model",
-                "created": 0,
+                "created": f.seen_at,
                 "owned_by": "tandem",
                 "tandem": {"model_id": f.model_id, "context_length": f.context_length},
             }

@@ -118,7 +118,7 @@ class Relay:
         sent, failovers, arrival, first_at = 0, 0, time.monotonic(), 0.0
         lost_at = 0.0  # when the last engine was lost (the failover gap's start)
         self.requests_total += 1
-        outcome = "error"
+        outcome = ""  # how it ended, once it did: the finish reason or the status
         engines: list[str] = []
         try:
             while True:
@@ -217,7 +217,9 @@ class Relay:
                 checkpointed = backend.has_store and bool(self._interval(req, backend))
                 attempt = _Attempt(resume=checkpointed or req.resume, tokens_held=held + sent)
         except (GeneratorExit, asyncio.CancelledError):
-            outcome = "client_gone"
+            # Also raised after the last message, when the HTTP layer closes the generator:
+            # only a stream that had not ended is the client's going away.
+            outcome = outcome or "client_gone"
             raise
         except grpc.aio.AioRpcError as exc:
             outcome = exc.code().name
@@ -228,8 +230,8 @@ class Relay:
         finally:
             log_request(
                 req.request_id,
-                req.namespace,
-                outcome,
+                req.namespace or "default",  # as the engine names it
+                outcome or "error",
                 held + sent,
                 failovers,
                 engines,

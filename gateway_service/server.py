@@ -101,7 +101,7 @@ async def serve(
         registry.register(PoolCollector(pool, relay))
         port = serve_metrics(config.metrics_listen, registry)
         log.info("metrics on %s:%d/metrics", config.metrics_listen.rsplit(":", 1)[0], port)
-    grpc_server = None
+    grpc_server, health_servicer, health_task = None, None, None
     # The handlers before the banners: a SIGTERM sent as soon as they are printed stops cleanly.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -116,8 +116,7 @@ async def serve(
         engine_pb2_grpc.add_EngineServicer_to_server(GatewayServicer(pool, relay), registrar)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registrar)
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        health_task = asyncio.create_task(_publish_health(pool, health_servicer))
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server
         )
@@ -147,10 +146,25 @@ async def serve(
     if http_server is not None and http_task is not None:
         http_server.should_exit = True
         await asyncio.wait({http_task}, timeout=5.0)
+    if health_task is not None and health_servicer is not None:
+        health_task.cancel()
+        await health_servicer.enter_graceful_shutdown()  # open Watch streams see NOT_SERVING
     if grpc_server is not None:
         await grpc_server.stop(2.0)
     await pool.close()
     log.info("stopped")
+
+
+async def _publish_health(pool: BackendPool, servicer: health.aio.HealthServicer) -> None:
+    """The gateway's gRPC health follows its engines: SERVING while one of them serves,
+    NOT_SERVING while none does (a readiness probe then stops sending it traffic)."""
+    serving = health_pb2.HealthCheckResponse
+    while True:
+        changed = pool.changed  # taken before reading: a change meanwhile is not missed
+        status = serving.SERVING if pool.healthy() else serving.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await servicer.set(name, status)
+        await changed.wait()
 
 
 def main(argv: list[str] | None = None) -> None:

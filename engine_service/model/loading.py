@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as cache_lib
 from mlx_lm.utils import load
 
+from engine_service.config import missing_model_directory
 from engine_service.kv import attention_routing
 from engine_service.model import upstream_fixes
 from engine_service.model.default_model import DEFAULT_MODEL, ensure_model, is_embedded
@@ -69,9 +70,11 @@ def resolve(spec: str, data_dir: Path) -> tuple[str, Path]:
     spec = spec or DEFAULT_MODEL
     if is_embedded(spec):
         return spec, ensure_model(spec, data_dir / "models")
-    path = Path(spec)
+    path = Path(spec).expanduser()
     if path.exists():
         return path.resolve().name, path
+    if missing_model_directory(spec):  # a path, not a hub id: never asked of the hub
+        raise FileNotFoundError(missing_model_directory(spec))
     return spec, download(spec)
 
 
