@@ -62,12 +62,21 @@ class LmdbStorage:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         # LMDB allows several processes; two stores on one directory would each trust an
         # in-memory index the other invalidates, so the directory is ours alone.
-        self._dir_lock = open(self.data_dir / "store.lock", "w")  # noqa: SIM115 - held open
+        # The lock file holds the owner's pid, so that a refusal names the process to stop (a
+        # store left running by an earlier `tandem up`); a dead owner's flock is released by
+        # the kernel, so the lock is never stale.
+        self._dir_lock = open(self.data_dir / "store.lock", "a+")  # noqa: SIM115 - held open
         try:
             fcntl.flock(self._dir_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
+            self._dir_lock.seek(0)
+            owner = self._dir_lock.read().strip()
             self._dir_lock.close()
-            raise StorageError(f"another store has {self.data_dir} open") from exc
+            stop = f" (pid {owner}): stop it first, e.g. kill {owner}" if owner.isdigit() else ""
+            raise StorageError(f"another store has {self.data_dir} open{stop}") from exc
+        self._dir_lock.truncate(0)
+        self._dir_lock.write(str(os.getpid()))
+        self._dir_lock.flush()
         self._lock = SharedExclusiveLock()
         self._map_size = max(initial_map_size, MIN_MAP_SIZE)
         shutil.rmtree(self._compact_dir, ignore_errors=True)  # an interrupted compaction

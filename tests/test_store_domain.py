@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import time
 import zlib
 from collections.abc import Iterable, Iterator
@@ -389,7 +391,9 @@ def test_restart_keeps_records_leases_and_recency_and_collects_orphans(tmp_path:
         order = [info.key for info in store.state.index.eviction_order(now_ms())]
         assert order == [b"b", b"a"]  # c is pinned
         assert payload(store, b"b") != b""
-        with pytest.raises(StorageError, match="another store"):
+        # The refusal names the owner (here this process) and how to stop it.
+        owner = re.escape(f"another store has {data_dir} open (pid {os.getpid()}): stop it first")
+        with pytest.raises(StorageError, match=owner):
             open_store(data_dir)
     finally:
         store.close()
