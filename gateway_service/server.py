@@ -29,6 +29,7 @@ from gateway_service.openai_app import OpenAIFront
 from gateway_service.relay import Relay, RelaySettings
 from tandem_client.credentials import bearer_token, tls_credentials
 from tandem_wire.auth import Authenticator, AuthFileError, Role
+from tandem_wire.lifetime import follow_supervisor
 from tandem_wire.logs import configure_logging
 from tandem_wire.metrics import serve_metrics
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
@@ -170,6 +171,7 @@ async def _publish_health(pool: BackendPool, servicer: health.aio.HealthServicer
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging(config.log_level, config.log_format)
+    follow_supervisor()  # started by `tandem up`: ends with it
     try:
         listens = [x for x in (config.http_listen, config.grpc_listen) if x]
         check_exposure("tandem-gateway", listens, bool(config.auth_file), config.insecure_no_auth)

@@ -21,6 +21,7 @@ from store_service.fair_share import BulkCallLimit, BulkLimits
 from store_service.servicer import StoreAdminServicer, StoreServicer, store_handler
 from store_service.store import CheckpointStore
 from tandem_wire.auth import Authenticator, AuthFileError, Role
+from tandem_wire.lifetime import follow_supervisor
 from tandem_wire.logs import configure_logging
 from tandem_wire.pb import store_pb2, store_pb2_grpc
 from tandem_wire.service import SERVER_OPTIONS, Access, guarded
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(salvage.main(argv))
     config = parse_args(argv)
     configure_logging(config.log_level, config.log_format)
+    follow_supervisor()  # started by `tandem up`: ends with it
     try:
         serve(config)
     except (StorageError, OSError) as exc:

@@ -29,7 +29,7 @@ SECONDS = {
     "test_model_zoo_more.py": 27,
     "test_cli.py": 27,
     "test_gateway_failover.py": 26,
-    "test_cli_up.py": 25,
+    "test_cli_up.py": 60,
     "test_prefix_reuse_recurrent.py": 24,
     "test_engine_core.py": 24,
     "test_speculative_batch.py": 23,

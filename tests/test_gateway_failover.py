@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
@@ -156,7 +157,12 @@ def expected(
         return out
 
 
-def start_streams(gateway: GatewayProcess, at: int) -> tuple[list[Stream], list[threading.Thread]]:
+class GatewayFronts(Protocol):
+    grpc: str  # HOST:PORT
+    http: str  # http://HOST:PORT
+
+
+def start_streams(gateway: GatewayFronts, at: int) -> tuple[list[Stream], list[threading.Thread]]:
     """STREAMS streams through the gateway, even ones over gRPC and odd ones over SSE, each
     on its own thread; returns once they have produced `at` tokens together (or after 120 s,
     when the threads' own errors tell what went wrong)."""

@@ -15,8 +15,6 @@ the closed pipe and stops.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import logging
 import os
 import signal
@@ -67,6 +65,7 @@ from engine_service.protocol.flush import FlushResult
 from engine_service.protocol.requests import DraftSupport
 from engine_service.sampling.constraint_compiler import CompileBudget
 from engine_service.sampling.constraints import Grammars
+from tandem_wire.lifetime import die_with_parent
 from tandem_wire.logs import configure_logging
 
 log = logging.getLogger("tandem.engine.core")
@@ -295,18 +294,10 @@ def _serve(
             return -1.0
 
 
-PR_SET_PDEATHSIG = 1
-
-
 def _die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel SIGKILLs this process when the front dies (no other platform has
-    it: there the parent pipe's EOF stops the core)."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # it died before the line above
-        os._exit(1)
+    """Linux: the kernel SIGKILLs this process when the front dies (elsewhere the parent
+    pipe's EOF stops the core: no polling thread)."""
+    die_with_parent(parent_pid, signal.SIGKILL, poll=False)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,6 +22,7 @@ from engine_service.config import EngineConfig, parse_args
 from engine_service.front.announce import announce_target, start_announcer
 from engine_service.front.core_spawn import CoreProcess, spawn_core
 from tandem_wire.auth import Authenticator, AuthFileError, Role
+from tandem_wire.lifetime import follow_supervisor
 from tandem_wire.logs import configure_logging
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
 from tandem_wire.registry import ValkeyTarget
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     config = parse_args(args)
     configure_logging(config.log_level, config.log_format)
+    follow_supervisor()  # started by `tandem up`: ends with it
     try:
         access = _access(config)
         registry = announce_target(config)  # its password file read before the core starts
