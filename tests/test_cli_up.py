@@ -20,7 +20,14 @@ from types import SimpleNamespace
 
 from tandem_client import EngineClient
 from tests.servers import ROOT, ServiceProcess, child_pids
-from tests.test_gateway_failover import SAMPLING, SEED, STREAMS, TOKENS, Stream, start_streams
+from tests.test_gateway_failover import (
+    SEED,
+    STREAMS,
+    TOKENS,
+    start_streams,
+    stream_problems,
+    uninterrupted_runs,
+)
 
 
 def _up(tmp_path: Path, engine_data_dir: Path) -> list[str]:
@@ -158,14 +165,7 @@ def test_an_engine_killed_under_streams_comes_back_and_nothing_else_stops(
     up.until("serving;")
     assert store_line and len(set(engines)) == 3
     before = _servers(up.proc.pid)
-    with EngineClient(grpc_front) as client:
-        expected = {}
-        for i in range(STREAMS):
-            s = Stream(i, True)
-            g = client.generate(
-                s.prompt, max_tokens=TOKENS, seed=s.seed, ignore_eos=True, **SAMPLING
-            )
-            expected[i] = (g.token_ids, g.text)
+    expected = uninterrupted_runs(grpc_front)
     at = random.Random(SEED).randint(STREAMS * 20, STREAMS * TOKENS * 7 // 10)
     streams, threads = start_streams(SimpleNamespace(grpc=grpc_front, http=http_front), at)
     running = []
@@ -177,13 +177,7 @@ def test_an_engine_killed_under_streams_comes_back_and_nothing_else_stops(
     os.kill(victim_pid, signal.SIGKILL)
     for t in threads:
         t.join(300)
-    problems = [
-        f"stream {s.index}: {s.error or 'tokens differ'}"
-        for s in streams
-        if s.error
-        or s.text != expected[s.index][1]
-        or (s.grpc and s.tokens != expected[s.index][0])
-    ]
+    problems = stream_problems(streams, expected)
     assert not problems, problems
     said = up.until("engine")
     assert f"on {victim} exited (status -9); restarting in 1 s" in said

@@ -146,7 +146,12 @@ def expected(
     cluster: tuple[GatewayProcess, list[ServiceProcess]],
 ) -> dict[int, tuple[list[int], str]]:
     """Each stream's uninterrupted run (tokens, text), straight from an engine."""
-    with EngineClient(cluster[1][0].address) as client:
+    return uninterrupted_runs(cluster[1][0].address)
+
+
+def uninterrupted_runs(address: str) -> dict[int, tuple[list[int], str]]:
+    """Each stream's (tokens, text) when nothing fails, from the engine or gateway there."""
+    with EngineClient(address) as client:
         out = {}
         for i in range(STREAMS):
             s = Stream(i, True)
@@ -155,6 +160,19 @@ def expected(
             )
             out[i] = (g.token_ids, g.text)
         return out
+
+
+def stream_problems(
+    streams: list[Stream], expected: dict[int, tuple[list[int], str]], label: str = ""
+) -> list[str]:
+    """The streams that failed or differ from their uninterrupted runs (SSE ones by text)."""
+    return [
+        f"{label}stream {s.index}: {s.error or 'tokens differ'}"
+        for s in streams
+        if s.error
+        or s.text != expected[s.index][1]
+        or (s.grpc and s.tokens != expected[s.index][0])
+    ]
 
 
 class GatewayFronts(Protocol):

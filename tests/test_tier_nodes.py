@@ -20,7 +20,7 @@ import pytest
 from store_service.tier.local_cluster import LocalCluster
 from tandem_client import EngineClient
 from tests.servers import GatewayProcess, ServiceProcess, free_port, start_engine, start_store_on
-from tests.test_gateway_failover import STREAMS, TOKENS, Stream, start_streams
+from tests.test_gateway_failover import STREAMS, TOKENS, Stream, start_streams, stream_problems
 from tests.tier_stack import start_cluster, tier_args
 
 KILLS = int(os.environ.get("TANDEM_NODE_KILLS", "1"))
@@ -167,13 +167,7 @@ def test_a_lost_node_loses_no_stream(nodes: tuple[GatewayProcess, list[Node]]) -
         for t in threads:
             t.join(300)
         moved = sum(s.failovers > 0 for s in streams)
-        problems = [
-            f"round {round_} stream {s.index}: {s.error or 'tokens differ'}"
-            for s in streams
-            if s.error
-            or s.text != expected[s.index][1]
-            or (s.grpc and s.tokens != expected[s.index][0])
-        ]
+        problems = stream_problems(streams, expected, f"round {round_} ")
         assert not problems, problems
         assert moved >= 1
         # Resumed from the tier's checkpoints (the victim's disk is gone), not regenerated.
