@@ -43,6 +43,9 @@ $(NODE_STAMP): clients/node/package.json clients/node/package-lock.json
 # on one worker finishing a long file alone.
 TEST_WORKERS ?= 2
 test: $(PB_STAMP) $(NODE_STAMP)
+	@# Bytecode for our own modules once: the suite starts hundreds of Python processes, and
+	@# where PYTHONDONTWRITEBYTECODE is set (CI images) each would compile them again.
+	$(PY) -m compileall -q -j 0 engine_service store_service gateway_service tandem_wire clients/python/tandem_client tests
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The fault-injection suites at length: many store and engine SIGKILLs (tests/test_faults.py;

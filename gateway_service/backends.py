@@ -35,6 +35,9 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 64 << 20),
+    # A backend made again for an engine back on its address connects afresh, never through
+    # the old channel's connection in backoff (gRPC shares them per process by default).
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 

@@ -100,3 +100,22 @@ def test_idempotent_calls_retry_while_the_server_starts(tmp_path: Path) -> None:
         starter.join()
         for proc in started:
             proc.stop()
+
+
+def test_a_new_client_of_a_server_restarted_on_its_address_is_served(tmp_path: Path) -> None:
+    """An older client's connection to the server's previous life, still open and in
+    reconnect backoff, is not the new client's: its first call is served."""
+    listen = f"127.0.0.1:{free_port()}"
+    first = InProcessStore(tmp_path / "first", listen=listen)
+    with StoreClient(listen, timeout=30) as older:
+        older.put(make_checkpoint(b"before", {"kv_int8": 64}))
+        first.stop()
+        with pytest.raises(Unavailable):
+            older.put(make_checkpoint(b"lost", {"kv_int8": 64}))  # refused: now in backoff
+        second = InProcessStore(tmp_path / "second", listen=listen)
+        try:
+            with StoreClient(listen, timeout=30) as newer:
+                newer.put(make_checkpoint(b"after", {"kv_int8": 64}))  # not retried by gRPC
+                assert {r.key for r in newer.list_all()} == {b"after"}
+        finally:
+            second.stop()

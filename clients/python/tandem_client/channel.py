@@ -46,8 +46,20 @@ SERVICE_CONFIG = json.dumps(
 )
 
 
+# Each channel keeps its own connections. gRPC's default pool shares them between all the
+# channels of a process to one address, with their reconnect backoff: a client made after
+# a server restarted on the same address (tandem up, a test) inherited the old connection's
+# "Connection refused" and failed its first call while the server was serving.
+OWN_CONNECTIONS = ("grpc.use_local_subchannel_pool", 1)
+
+
 def channel_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
-    return [("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG), *extra]
+    return [
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", SERVICE_CONFIG),
+        OWN_CONNECTIONS,
+        *extra,
+    ]
 
 
 def _open(
