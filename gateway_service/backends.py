@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway_service.discovery import Discovery
+from gateway_service.discovery import EngineSource
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("tandem.gateway")
@@ -127,10 +127,10 @@ class BackendPool:
         token: str = "",
         poll_interval_s: float = 0.5,
         window_bytes: int = 0,
-        discovery: Discovery | None = None,
+        sources: Iterable[EngineSource] = (),
     ) -> None:
         self._static = list(dict.fromkeys(addresses))
-        self._discovery = discovery  # engines announced in the registry (--discover)
+        self._sources = list(sources)  # the registry (--discover), DNS names (--engines-dns)
         self._engines_file = Path(engines_file) if engines_file else None
         self._file_stamp: tuple[float, int] | None = None
         self._credentials = credentials
@@ -142,24 +142,24 @@ class BackendPool:
         self.changed = asyncio.Event()  # set on every health change (failover waits on it)
 
     async def start(self) -> None:
-        if self._discovery is not None:
-            await self._discovery.refresh()
+        for source in self._sources:
+            await source.refresh()
         self._sync(self._wanted())
         await asyncio.gather(*(self._poll(b) for b in self.backends.values()))
         for backend in self.backends.values():
             self._tasks[backend.address] = asyncio.create_task(self._watch(backend))
         if self._engines_file is not None:
             self._tasks[""] = asyncio.create_task(self._watch_file())
-        if self._discovery is not None:
-            self._tasks[" discovery"] = asyncio.create_task(self._watch_discovery())
+        if self._sources:
+            self._tasks[" discovery"] = asyncio.create_task(self._watch_sources())
 
     async def close(self) -> None:
         for task in self._tasks.values():
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         await asyncio.gather(*(b.close() for b in self.backends.values()))
-        if self._discovery is not None:
-            self._discovery.close()
+        for source in self._sources:
+            source.close()
 
     def healthy(self, model: str = "") -> list[Backend]:
         return [b for b in self.backends.values() if b.serves(model)]
@@ -213,8 +213,8 @@ class BackendPool:
                 address = line.split("#", 1)[0].strip()
                 if address and address not in wanted:
                     wanted.append(address)
-        if self._discovery is not None:
-            wanted += [a for a in self._discovery.addresses() if a not in wanted]
+        for source in self._sources:
+            wanted += [a for a in source.addresses() if a not in wanted]
         return wanted
 
     def _sync(self, wanted: list[str]) -> None:
@@ -248,11 +248,11 @@ class BackendPool:
             if stamp != self._file_stamp:
                 self._sync(self._wanted())
 
-    async def _watch_discovery(self) -> None:
-        assert self._discovery is not None
+    async def _watch_sources(self) -> None:
         while True:
             await asyncio.sleep(self.poll_interval_s)
-            if await self._discovery.refresh():
+            changed = [await source.refresh() for source in self._sources]
+            if any(changed):
                 self._sync(self._wanted())
 
     # -- health and load --------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from gateway_service.discovery import dns_name
 from tandem_wire.registry import ValkeyTarget
 from tandem_wire.server_flags import (
     AuthFlags,
@@ -28,6 +29,8 @@ class GatewayConfig:
     # valkey:// URL, and the file holding its user's password.
     discover: str = ""
     discover_password_file: str = ""
+    # DNS names whose A/AAAA records are engines (HOST:PORT; a Kubernetes headless Service).
+    engines_dns: list[str] = field(default_factory=list)
     http_listen: str = ""  # "" = no HTTP front
     grpc_listen: str = ""  # "" = no gRPC front
     # Streams the gateway proxies checkpoint every N tokens (on engines with a store), so a
@@ -67,8 +70,12 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.http_listen and not self.grpc_listen:
             raise ValueError("give --http-listen, --grpc-listen or both")
-        if not self.engines and not self.engines_file and not self.discover:
-            raise ValueError("give at least one --engine ADDR, --engines-file or --discover")
+        if not (self.engines or self.engines_file or self.discover or self.engines_dns):
+            raise ValueError(
+                "give at least one --engine ADDR, --engines-file, --engines-dns or --discover"
+            )
+        for name in self.engines_dns:
+            dns_name(name)
         if self.discover:
             ValkeyTarget.parse(self.discover, "--discover")
         if self.checkpoint_interval < 0:
@@ -101,6 +108,15 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         help="an engine's HOST:PORT (repeat; or TANDEM_GATEWAY_ENGINES=a,b)",
     )
     p.add_argument("--engines-file", default=ENV("ENGINES_FILE", ""))
+    env_dns = [e for e in ENV("ENGINES_DNS", "").split(",") if e.strip()]
+    p.add_argument(
+        "--engines-dns",
+        action="append",
+        default=None,
+        metavar="HOST:PORT",
+        help="engines at every A/AAAA record of HOST, read every poll interval (repeat; "
+        "a Kubernetes headless Service's name)",
+    )
     add_valkey_args(
         p, ENV, "discover", "the Valkey cluster engines announce themselves in with --announce"
     )
@@ -148,6 +164,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             engines_file=a.engines_file,
             discover=a.discover,
             discover_password_file=a.discover_password_file,
+            engines_dns=a.engines_dns if a.engines_dns is not None else env_dns,
             http_listen=a.http_listen,
             grpc_listen=a.grpc_listen,
             checkpoint_interval=a.checkpoint_interval,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -97,11 +98,17 @@ class OpenAIFront:
             caller = self._caller(request)
             body = await read_json(request, self.max_body_bytes)
             req, model, (stream, include_usage) = _build(body, chat)
+            req.request_id = req.request_id or f"gw-{uuid.uuid4().hex}"  # told in each chunk
             messages = self.relay.generate(req, caller, model)
             first = await _first(messages)  # errors before any token: an HTTP status
         except ApiError as exc:
             return _error(exc)
-        shaper = Shaper(chat=chat, model=model or self._served_name())
+        shaper = Shaper(
+            chat=chat,
+            model=model or self._served_name(),
+            request_id=req.request_id,
+            tokens_held=req.tokens_held,
+        )
         if stream:
             events = self._events(shaper, first, messages, include_usage)
             return StreamingResponse(

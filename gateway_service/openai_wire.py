@@ -281,6 +281,10 @@ class Shaper:
     model: str
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    # Streamed chunks say which request they belong to and how many tokens the client holds
+    # after each, so a client whose gateway died can resume through another (docs/gateway.md).
+    request_id: str = ""
+    tokens_held: int = 0
     text: str = ""
     logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)
     finish: str | None = None
@@ -292,6 +296,7 @@ class Shaper:
 
     def add(self, message: engine_pb2.GenerateResponse) -> None:
         self.text += message.text
+        self.tokens_held += len(message.token_ids)
         self.logprobs.extend(message.logprobs)
         if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
             self.finish = FINISH.get(message.finish_reason, "stop")
@@ -325,7 +330,8 @@ class Shaper:
                 "logprobs": self._completion_logprobs(message.logprobs),
             }
             kind = "text_completion"
-        return self._envelope(kind, [choice])
+        resume = {"request_id": self.request_id, "tokens_held": self.tokens_held}
+        return self._envelope(kind, [choice], tandem=resume)
 
     def usage_chunk(self) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway_service.affinity import PrefixAffinity, prompt_chain
+from gateway_service.affinity import affinity_key, rendezvous_rank
 from gateway_service.backends import Backend, BackendPool
 from gateway_service.metrics import GatewayMetrics
 from tandem_wire.pb import engine_pb2
@@ -90,12 +90,10 @@ class Relay:
     def __init__(
         self,
         pool: BackendPool,
-        affinity: PrefixAffinity,
         settings: RelaySettings,
         metrics: GatewayMetrics | None = None,
     ) -> None:
         self.pool = pool
-        self.affinity = affinity
         self.settings = settings
         self.metrics = metrics
         self.requests_total = 0
@@ -112,7 +110,7 @@ class Relay:
         # What the client held before this call: the engine skips that many tokens, resume
         # or not, so every later attempt skips them and what this stream sent.
         held = req.tokens_held
-        chain = prompt_chain(req, caller.scope)
+        affinity = affinity_key(req, caller.scope)
         attempt = _Attempt(resume=req.resume, tokens_held=req.tokens_held)
         key = (caller.scope, req.request_id)
         sent, failovers, arrival, first_at = 0, 0, time.monotonic(), 0.0
@@ -122,7 +120,7 @@ class Relay:
         engines: list[str] = []
         try:
             while True:
-                backend = await self._choose(model, chain, attempt.full)
+                backend = await self._choose(model, affinity, attempt.full)
                 engines.append(backend.address)
                 running = self.running[key] = _Running(backend)
                 backend.streams += 1
@@ -263,9 +261,10 @@ class Relay:
         out.tokens_held = attempt.tokens_held
         return out
 
-    async def _choose(self, model: str, chain: list[bytes], full: set[str]) -> Backend:
-        """The engine for the next attempt: the prefix's engine unless it is busier than the
-        least loaded by more than the slack; waits for one when none is healthy."""
+    async def _choose(self, model: str, affinity: bytes | None, full: set[str]) -> Backend:
+        """The engine for the next attempt: the first of the prefix's ranking (the same in
+        every gateway) that is no busier than the least loaded plus the slack; waits for one
+        when none is healthy."""
         deadline = time.monotonic() + self.settings.failover_wait_s
         while True:
             candidates = [b for b in self.pool.healthy(model) if b.address not in full]
@@ -279,15 +278,11 @@ class Relay:
             await self.pool.wait_for_change(min(left, self.pool.poll_interval_s))
         least = min(candidates, key=lambda b: (b.load, b.routed))
         by_address = {b.address: b for b in candidates}
-        for address in self.affinity.preferred(chain):
-            preferred = by_address.get(address)
-            if (
-                preferred is not None
-                and preferred.load <= least.load + self.settings.affinity_slack
-            ):
-                least = preferred
+        for address in rendezvous_rank(affinity, list(by_address)):
+            ranked = by_address[address]
+            if ranked.load <= least.load + self.settings.affinity_slack:
+                least = ranked  # the first of the ranking within the slack (least is)
                 break
-        self.affinity.served(chain, least.address)
         least.routed += 1
         return least
 

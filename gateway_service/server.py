@@ -19,16 +19,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from gateway_service.affinity import PrefixAffinity
 from gateway_service.backends import BackendPool
 from gateway_service.config import GatewayConfig, parse_args
-from gateway_service.discovery import Discovery
+from gateway_service.discovery import Discovery, DnsEngines, EngineSource
 from gateway_service.grpc_front import GatewayServicer
 from gateway_service.metrics import GatewayMetrics, PoolCollector
 from gateway_service.openai_app import OpenAIFront
 from gateway_service.relay import Relay, RelaySettings
 from tandem_client.credentials import bearer_token, tls_credentials
 from tandem_wire.auth import Authenticator, AuthFileError, Role
+from tandem_wire.health import HealthServicer
 from tandem_wire.lifetime import follow_supervisor
 from tandem_wire.logs import configure_logging
 from tandem_wire.metrics import serve_metrics
@@ -80,6 +80,11 @@ async def serve(
     config: GatewayConfig, authenticator: Authenticator | None, discover: ValkeyTarget | None
 ) -> None:
     credentials = tls_credentials(config.engine_tls_ca) if config.engine_tls_ca else None
+    sources: list[EngineSource] = []
+    if discover is not None:
+        sources.append(Discovery(discover))
+    if config.engines_dns:
+        sources.append(DnsEngines(config.engines_dns))
     pool = BackendPool(
         config.engines,
         config.engines_file,
@@ -87,7 +92,7 @@ async def serve(
         bearer_token(config.engine_token_file) if config.engine_token_file else "",
         config.poll_interval_s,
         config.engine_window_bytes,
-        Discovery(discover) if discover is not None else None,
+        sources,
     )
     await pool.start()
     settings = RelaySettings(
@@ -97,7 +102,7 @@ async def serve(
         config.affinity_slack,
     )
     registry = CollectorRegistry()
-    relay = Relay(pool, PrefixAffinity(), settings, GatewayMetrics(registry))
+    relay = Relay(pool, settings, GatewayMetrics(registry))
     if config.metrics_listen:
         registry.register(PoolCollector(pool, relay))
         port = serve_metrics(config.metrics_listen, registry)
@@ -115,7 +120,7 @@ async def serve(
         grpc_server = grpc.aio.server(options=SERVER_OPTIONS)
         registrar = guarded(grpc_server, access)
         engine_pb2_grpc.add_EngineServicer_to_server(GatewayServicer(pool, relay), registrar)
-        health_servicer = health.aio.HealthServicer()
+        health_servicer = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registrar)
         health_task = asyncio.create_task(_publish_health(pool, health_servicer))
         reflection.enable_server_reflection(
@@ -149,14 +154,14 @@ async def serve(
         await asyncio.wait({http_task}, timeout=5.0)
     if health_task is not None and health_servicer is not None:
         health_task.cancel()
-        await health_servicer.enter_graceful_shutdown()  # open Watch streams see NOT_SERVING
+        await health_servicer.shut_down()  # open Watch streams see NOT_SERVING, then end
     if grpc_server is not None:
         await grpc_server.stop(2.0)
     await pool.close()
     log.info("stopped")
 
 
-async def _publish_health(pool: BackendPool, servicer: health.aio.HealthServicer) -> None:
+async def _publish_health(pool: BackendPool, servicer: HealthServicer) -> None:
     """The gateway's gRPC health follows its engines: SERVING while one of them serves,
     NOT_SERVING while none does (a readiness probe then stops sending it traffic)."""
     serving = health_pb2.HealthCheckResponse

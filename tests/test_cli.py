@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tandem_client import EngineClient
-from tests.servers import ROOT, ServiceProcess, store_and_engine
+from tests.servers import ROOT, ServiceProcess, free_port, store_and_engine
 
 LONG_SYSTEM = "You are a careful assistant. " * 20  # makes the prompt long enough to cache
 
@@ -78,6 +78,14 @@ def test_generate_text_and_json(services: dict[str, str]) -> None:
     assert json.loads(q8.stdout)["token_ids"] == plain["token_ids"]
     no_draft = tandem(services, "generate", "hi", "--num-draft-tokens", "2")
     assert no_draft.returncode == 1 and "--draft-model" in _one_error_line(no_draft)
+    # Several addresses: the first is down, the stream goes through the next.
+    dead = f"127.0.0.1:{free_port()}"
+    moved = tandem(
+        {**services, "TANDEM_ENGINE": f"{dead},{services['TANDEM_ENGINE']}"},
+        *("generate", "Hello world", "--max-tokens", "8", "--json"),
+    )
+    assert moved.returncode == 0, moved.stderr
+    assert json.loads(moved.stdout)["token_ids"] == plain["token_ids"]
 
 
 def test_generate_with_constraints(services: dict[str, str], tmp_path: Path) -> None:

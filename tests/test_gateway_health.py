@@ -9,7 +9,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -21,6 +21,7 @@ from tests.servers import GatewayProcess, ServiceProcess, free_port, wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+NAME = "tandem.v1.Engine"  # what both the engine and the gateway serve
 
 
 @pytest.fixture(scope="module")
@@ -109,16 +110,29 @@ def test_a_watch_open_at_shutdown_ends_cleanly(
     pair: tuple[GatewayProcess, ServiceProcess, Path],
 ) -> None:
     gateway, _, log = pair
-    with grpc.insecure_channel(gateway.grpc) as channel:
-        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
-        assert next(watch).status == SERVING
-        assert gateway.stop() == 0
-        # The open Watch saw NOT_SERVING before the server went (or simply ended).
-        statuses = []
-        try:
-            statuses = [reply.status for reply in watch]
-        except grpc.RpcError as exc:
-            assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-        assert SERVING not in statuses
+    _watch_through_a_stop(gateway.grpc, gateway.stop)
     logged = log.read_text()
     assert "Traceback" not in logged and '"level": "error"' not in logged
+
+
+def test_an_engine_s_watch_open_at_shutdown_ends_cleanly(
+    pair: tuple[GatewayProcess, ServiceProcess, Path],
+) -> None:
+    _, engine, _ = pair
+    _watch_through_a_stop(engine.address, lambda: engine.terminate(60))
+    logged = engine.log_path.read_text()
+    assert "Traceback" not in logged and " ERROR " not in logged
+
+
+def _watch_through_a_stop(address: str, stop: Callable[[], int]) -> None:
+    """Watches of both services stay open while `stop` stops the server gracefully: each
+    sees NOT_SERVING last, then ends OK."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        watches = [stub.Watch(health_pb2.HealthCheckRequest(service=s)) for s in ("", NAME)]
+        for watch in watches:
+            assert next(watch).status == SERVING
+        assert stop() == 0
+        for watch in watches:
+            assert [reply.status for reply in watch] == [NOT_SERVING]
+            assert watch.code() == grpc.StatusCode.OK

@@ -22,6 +22,7 @@ from engine_service.config import EngineConfig, parse_args
 from engine_service.front.announce import announce_target, start_announcer
 from engine_service.front.core_spawn import CoreProcess, spawn_core
 from tandem_wire.auth import Authenticator, AuthFileError, Role
+from tandem_wire.health import HealthServicer
 from tandem_wire.lifetime import follow_supervisor
 from tandem_wire.logs import configure_logging
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
@@ -68,7 +69,7 @@ async def serve(
     from engine_service.model.loaded import without_weights
     from engine_service.protocol.requests import DraftSupport
 
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
 
     async def set_serving(up: bool) -> None:
         serving = health_pb2.HealthCheckResponse
@@ -124,7 +125,7 @@ async def serve(
     # flushes the checkpoints already queued (a prefix, a generation's last snapshot).
     log.info("draining: %d requests in flight (grace %.0fs)", core.pending, config.grace_s)
     core.stop_accepting()
-    await health_servicer.enter_graceful_shutdown()
+    await health_servicer.shut_down()  # open Watch streams see NOT_SERVING, then end
     deadline = time.monotonic() + config.grace_s
     while core.pending and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from tandem_client.bulk import (
 from tandem_client.channel import AsyncGrpcClient
 from tandem_client.engine_client import Generation, GenerationChunk, Prompt, generate_request
 from tandem_client.errors import from_rpc_error
+from tandem_client.failover import FAILOVER_WAIT_S, Move, StreamAttempts, split_addresses
 from tandem_client.records import (
     Checkpoint,
     LookupResult,
@@ -30,31 +32,61 @@ from tandem_wire.pb import engine_pb2, engine_pb2_grpc, store_pb2, store_pb2_grp
 
 
 class AsyncEngineClient(AsyncGrpcClient):
-    """asyncio client of `tandem.v1.Engine`."""
+    """asyncio client of `tandem.v1.Engine`: an engine, or gateways in front of engines.
+
+    address: one HOST:PORT, or several ("a,b" or a list) of one service: a stream whose
+    server dies goes on through the next, as EngineClient's (tandem_client/failover.py).
+    The other calls go to the address the last stream used.
+    """
 
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str],
         *,
         timeout: float | None = 300.0,
         credentials: grpc.ChannelCredentials | None = None,
         token: str = "",
+        failover_wait_s: float = FAILOVER_WAIT_S,
     ) -> None:
-        super().__init__(address, timeout, credentials, token=token)
+        self.addresses = split_addresses(address)
+        self.failover_wait_s = failover_wait_s
+        super().__init__(self.addresses[0], timeout, credentials, token=token)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
 
     def request(self, prompt: Prompt, **options: Any) -> engine_pb2.GenerateRequest:
         return generate_request(prompt, **options)
 
     async def stream(self, prompt: Prompt, **options: Any) -> AsyncIterator[GenerationChunk]:
-        call = self._stub.Generate(self.request(prompt, **options), timeout=self.timeout)
-        try:
-            async for message in call:
-                yield GenerationChunk.from_pb(message)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
-        finally:
-            call.cancel()
+        request = self.request(prompt, **options)
+        if len(self.addresses) == 1:
+            call = self._stub.Generate(request, timeout=self.timeout)
+            try:
+                async for message in call:
+                    yield GenerationChunk.from_pb(message)
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from None
+            finally:
+                call.cancel()
+            return
+        attempts = StreamAttempts(request, len(self.addresses), self.failover_wait_s)
+        while True:
+            call = self._stub.Generate(attempts.request(), timeout=self.timeout)
+            try:
+                async for message in call:
+                    attempts.received(len(message.token_ids))
+                    yield GenerationChunk.from_pb(message)
+                return
+            except grpc.RpcError as exc:
+                step = attempts.after(exc.code())
+                if step.move is Move.GIVE_UP:
+                    raise from_rpc_error(exc) from None
+            finally:
+                call.cancel()
+            if step.move is Move.NEXT_ADDRESS:
+                at = (self.addresses.index(self.address) + 1) % len(self.addresses)
+                await self._reconnect(self.addresses[at])
+                self._stub = engine_pb2_grpc.EngineStub(self._channel)
+            await asyncio.sleep(step.pause_s)
 
     async def generate(self, prompt: Prompt, **options: Any) -> Generation:
         chunks = [c async for c in self.stream(prompt, **options)]

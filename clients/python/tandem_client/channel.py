@@ -95,7 +95,14 @@ class GrpcClient:
     ) -> None:
         self.address = address
         self.timeout = timeout
+        self._connection = (credentials, options, token)
         self._channel = _open(grpc, address, credentials, options, token)
+
+    def _reconnect(self, address: str) -> None:
+        """A channel to another address of the same service, with the same credentials."""
+        self._channel.close()
+        self.address = address
+        self._channel = _open(grpc, address, *self._connection)
 
     def close(self) -> None:
         self._channel.close()
@@ -135,7 +142,14 @@ class AsyncGrpcClient:
     ) -> None:
         self.address = address
         self.timeout = timeout
+        self._connection = (credentials, options, token)
         self._channel = _open(grpc.aio, address, credentials, options, token)
+
+    async def _reconnect(self, address: str) -> None:
+        """A channel to another address of the same service, with the same credentials."""
+        await self._channel.close()
+        self.address = address
+        self._channel = _open(grpc.aio, address, *self._connection)
 
     async def close(self) -> None:
         await self._channel.close()

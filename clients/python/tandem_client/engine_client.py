@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Iterator, Sequence
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
 
 from tandem_client.channel import GrpcClient
-from tandem_client.errors import from_rpc_error
+from tandem_client.errors import Unavailable, from_rpc_error
+from tandem_client.failover import FAILOVER_WAIT_S, Move, StreamAttempts, split_addresses
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
 
 T = TypeVar("T")
@@ -242,17 +244,25 @@ def generate_request(
 
 
 class EngineClient(GrpcClient):
-    """Synchronous client of `tandem.v1.Engine`."""
+    """Synchronous client of `tandem.v1.Engine`: an engine, or gateways in front of engines.
+
+    address: one HOST:PORT, or several ("a,b" or a list) of one service, tried in order: a
+    stream whose server dies goes on through the next with the request id and the tokens
+    already given (tandem_client/failover.py), and other calls move on as well.
+    """
 
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str],
         *,
         timeout: float | None = 300.0,
         credentials: grpc.ChannelCredentials | None = None,
         token: str = "",
+        failover_wait_s: float = FAILOVER_WAIT_S,
     ) -> None:
-        super().__init__(address, timeout, credentials, token=token)
+        self.addresses = split_addresses(address)
+        self.failover_wait_s = failover_wait_s
+        super().__init__(self.addresses[0], timeout, credentials, token=token)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
 
     def request(self, prompt: Prompt, **options: Any) -> engine_pb2.GenerateRequest:
@@ -268,6 +278,13 @@ class EngineClient(GrpcClient):
     def stream_request(
         self, request: engine_pb2.GenerateRequest, timeout: float | None = None
     ) -> Generator[GenerationChunk, None, None]:
+        if len(self.addresses) > 1:
+            return self._stream_with_failover(request, timeout)
+        return self._stream_once(request, timeout)
+
+    def _stream_once(
+        self, request: engine_pb2.GenerateRequest, timeout: float | None
+    ) -> Generator[GenerationChunk, None, None]:
         call = self._stub.Generate(request, timeout=timeout or self.timeout)
         try:
             for message in call:
@@ -276,6 +293,41 @@ class EngineClient(GrpcClient):
             raise from_rpc_error(exc) from None
         finally:
             call.cancel()  # no-op once finished; frees the engine's row if we stop early
+
+    def _stream_with_failover(
+        self, request: engine_pb2.GenerateRequest, timeout: float | None
+    ) -> Generator[GenerationChunk, None, None]:
+        attempts = StreamAttempts(request, len(self.addresses), self.failover_wait_s)
+        while True:
+            call = self._stub.Generate(attempts.request(), timeout=timeout or self.timeout)
+            try:
+                for message in call:
+                    attempts.received(len(message.token_ids))
+                    yield GenerationChunk.from_pb(message)
+                return
+            except grpc.RpcError as exc:
+                step = attempts.after(exc.code())
+                if step.move is Move.GIVE_UP:
+                    raise from_rpc_error(exc) from None
+            finally:
+                call.cancel()
+            if step.move is Move.NEXT_ADDRESS:
+                self._next_address()
+            time.sleep(step.pause_s)
+
+    def _next_address(self) -> None:
+        at = (self.addresses.index(self.address) + 1) % len(self.addresses)
+        self._reconnect(self.addresses[at])
+        self._stub = engine_pb2_grpc.EngineStub(self._channel)
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """fn, moving to the next address while the current one is UNAVAILABLE."""
+        for _ in self.addresses[1:]:
+            try:
+                return super()._call(fn)
+            except Unavailable:
+                self._next_address()
+        return super()._call(fn)
 
     def generate(
         self, prompt: str | Sequence[int] | Sequence[dict[str, str]], **options: Any

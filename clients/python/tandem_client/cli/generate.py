@@ -13,7 +13,11 @@ from tandem_client.engine_client import EngineClient, GenerationChunk
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", help="engine address (env TANDEM_ENGINE)")
+    p.add_argument(
+        "--engine",
+        help="engine or gateway address; several, comma-separated, for a stream to go on "
+        "through the next when one dies (env TANDEM_ENGINE)",
+    )
     add_connection_args(p)
     p.add_argument("--max-tokens", type=int, help="(default: the engine's --default-max-tokens)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
