@@ -29,6 +29,7 @@ SECONDS = {
     "test_model_zoo_more.py": 27,
     "test_cli.py": 27,
     "test_gateway_failover.py": 26,
+    "test_gateway_pair.py": 25,
     "test_cli_up.py": 60,
     "test_prefix_reuse_recurrent.py": 24,
     "test_engine_core.py": 24,
@@ -49,6 +50,7 @@ SECONDS = {
     "test_store_regions.py": 12,
     "test_node_client.py": 12,
     "test_engine_turns.py": 12,
+    "test_gateway_health.py": 19,
 }
 
 

@@ -127,7 +127,6 @@ class Supervisor:
     def __init__(self, console: Console) -> None:
         self.console = console
         self.services: list[Service] = []
-        self.stopped: list[tuple[Service, int]] = []  # stop_all's exit statuses
         self.restarts = 0
 
     def start(self, service: Service) -> Service:

@@ -73,10 +73,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             time.sleep(0.2)
         return 0
     finally:
-        _stop_all(supervisor, front, signals["count"] > 0)
+        stopped = _stop_all(supervisor, front, signals["count"] > 0)
         if cluster is not None:
             cluster.stop()
-        codes = ", ".join(f"{s.name.split()[0]} exit {c}" for s, c in supervisor.stopped)
+        codes = ", ".join(f"{s.name.split()[0]} exit {c}" for s, c in stopped)
         console.say(f"stopped ({codes})")
 
 
@@ -172,10 +172,10 @@ def _relative(path: Path) -> str:
         return str(path)
 
 
-def _stop_all(supervisor: Supervisor, front: str, asked: bool) -> None:
+def _stop_all(supervisor: Supervisor, front: str, asked: bool) -> list[tuple[Service, int]]:
     """SIGTERM each in turn (gateway, engines, store): each drains its in-flight work. When
     asked to stop (not a failed start), it says what drains, and a second signal kills what
-    is left at once (cmd_up's handler)."""
+    is left at once (cmd_up's handler). Returns each one's exit status."""
     console = supervisor.console
     if asked and front:
         try:
@@ -188,7 +188,7 @@ def _stop_all(supervisor: Supervisor, front: str, asked: bool) -> None:
             f"draining ({busy}; each service has its --grace, 10 s by default); "
             "Ctrl-C again stops at once"
         )
-    supervisor.stopped = supervisor.stop_all()
+    return supervisor.stop_all()
 
 
 def _start_tier(data_dir: Path, console: Console) -> Any:
