@@ -139,7 +139,7 @@ def _run_openai(bases: list[str], s: Stream, progress: list[int]) -> None:
                 held = (chunk.model_extra or {}).get("tandem", {}).get("tokens_held", held)
             return
         except (openai.APIConnectionError, httpx2.TransportError):
-            at, resume = (at + 1) % len(bases), True  # the gateway is gone: the next one
+            at, resume = (at + 1) % len(bases), held > 0  # the gateway is gone: the next one
         except openai.ConflictError:
             time.sleep(0.2)  # the engine still ends the dead gateway's row
         except openai.NotFoundError:
