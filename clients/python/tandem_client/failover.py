@@ -72,6 +72,7 @@ class StreamAttempts:
         self._resume = request.resume
         self._moved = False  # a move happened: resuming is this client's doing
         self._unavailable = 0  # attempts in a row that found no server
+        self._conflicts = 0  # attempts in a row that found the row still running
         self._progress_at = time.monotonic()
 
     @property
@@ -88,7 +89,7 @@ class StreamAttempts:
 
     def received(self, tokens: int) -> None:
         self._received += tokens
-        self._unavailable = 0
+        self._unavailable = self._conflicts = 0
         self._progress_at = time.monotonic()
 
     def after(self, code: grpc.StatusCode) -> Step:
@@ -104,7 +105,8 @@ class StreamAttempts:
             pause = _PAUSES_S[min(rounds, len(_PAUSES_S)) - 1] if rounds else 0.0
             return Step(Move.NEXT_ADDRESS, pause)
         if code == grpc.StatusCode.ALREADY_EXISTS and self._moved:
-            return Step(Move.SAME_ADDRESS, _PAUSES_S[1])
+            self._conflicts += 1  # the old row ends within moments: look again soon
+            return Step(Move.SAME_ADDRESS, min(0.025 * 2**self._conflicts, 1.0))
         resume_refused = code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
         if resume_refused and self._moved and self._resume and not self._first.resume:
             self._resume = False  # generate again; the engine skips the tokens held
