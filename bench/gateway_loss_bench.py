@@ -14,8 +14,6 @@ same stream. The killed gateway is started again (new ports) for the next round.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import tempfile
 import threading
@@ -25,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
 
-from bench.node_loss_bench import STREAMS, Timed, gaps, stream  # noqa: E402
+from bench.node_loss_bench import STREAMS, Timed, gaps, report, stream  # noqa: E402
 from tests.servers import GatewayProcess, start_engine, start_store  # noqa: E402
 
 GATEWAY_FLAGS = ["--checkpoint-interval", "8", "--poll-interval", "0.2"]
@@ -79,19 +77,8 @@ def main() -> None:
         for e in engines:
             e.stop()
         store.stop()
-    across = [a for a, _ in results]
-    usual = [u for _, u in results]
-    ratios = [a / u for a, u in results if u > 0]
-    print(
-        f"gateway loss under {STREAMS} streams x {args.tokens} tokens, {args.rounds} rounds, "
-        f"{len(results)} streams: time to the next token across the loss median "
-        f"{statistics.median(across) * 1e3:.0f} ms (min {min(across) * 1e3:.0f}, max "
-        f"{max(across) * 1e3:.0f}); the same streams' inter-token gap median "
-        f"{statistics.median(usual) * 1e3:.1f} ms; ratio median {statistics.median(ratios):.0f}x "
-        f"({min(ratios):.0f}-{max(ratios):.0f})"
-    )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"across_s": across, "usual_s": usual}))
+    title = f"gateway loss under {STREAMS} streams x {args.tokens} tokens, {args.rounds} rounds"
+    report(title, results, args.json)
 
 
 if __name__ == "__main__":

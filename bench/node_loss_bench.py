@@ -127,19 +127,27 @@ def main() -> None:
         for node in nodes:
             node.stop()
         cluster.stop()
+    report(
+        f"node loss under {STREAMS} streams x {args.tokens} tokens, {args.rounds} rounds",
+        results,
+        args.json,
+    )
+
+
+def report(title: str, results: list[tuple[float, float]], json_path: str | None) -> None:
+    """The gaps across the loss beside the usual ones, printed (and written as JSON)."""
     across = [a for a, _ in results]
     usual = [u for _, u in results]
     ratios = [a / u for a, u in results if u > 0]
     print(
-        f"node loss under {STREAMS} streams x {args.tokens} tokens, {args.rounds} rounds, "
-        f"{len(results)} streams moved: time to the next token across the loss median "
+        f"{title}, {len(results)} streams: time to the next token across the loss median "
         f"{statistics.median(across) * 1e3:.0f} ms (min {min(across) * 1e3:.0f}, max "
         f"{max(across) * 1e3:.0f}); the same streams' inter-token gap median "
         f"{statistics.median(usual) * 1e3:.1f} ms; ratio median {statistics.median(ratios):.0f}x "
         f"({min(ratios):.0f}-{max(ratios):.0f})"
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"across_s": across, "usual_s": usual}))
+    if json_path:
+        Path(json_path).write_text(json.dumps({"across_s": across, "usual_s": usual}))
 
 
 if __name__ == "__main__":
