@@ -130,7 +130,8 @@ def _run_openai(bases: list[str], s: Stream, progress: list[int]) -> None:
                 seed=s.seed,
                 stream=True,
                 extra_body={"tandem": {**tandem, "tokens_held": held}},
-                **SAMPLING,
+                temperature=SAMPLING["temperature"],
+                top_p=SAMPLING["top_p"],
             )
             for chunk in stream:
                 if chunk.choices:
