@@ -6,6 +6,7 @@ TANDEM_GATEWAY_KILLS sets the number of kills (`make soak` raises it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -93,9 +94,13 @@ def cluster(
         store.stop()
 
 
-def _run_grpc(address: str, s: Stream, progress: list[int]) -> None:
+def _run_grpc(address: str | EngineClient, s: Stream, progress: list[int]) -> None:
+    """One stream, through a client of its own or one shared with other threads."""
     try:
-        with EngineClient(address) as client:
+        with contextlib.ExitStack() as owned:
+            client = address
+            if isinstance(client, str):
+                client = owned.enter_context(EngineClient(client))
             for chunk in client.stream(
                 s.prompt, max_tokens=TOKENS, seed=s.seed, ignore_eos=True, **SAMPLING
             ):

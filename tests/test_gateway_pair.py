@@ -156,11 +156,13 @@ def test_a_killed_gateway_s_streams_complete_through_the_other(fleet: Fleet) -> 
     relayed_before = fleet.second_log.read_text().count("request_id=")
     streams = [Stream(i, grpc=i % 2 == 0) for i in range(STREAMS)]
     progress = [0]
-    grpc_addresses = f"{first.grpc},{second.grpc}"  # EngineClient moves on by itself
+    # One EngineClient for the 4 gRPC streams, as threads of a service share one: each
+    # moves on by itself, without closing the others' calls.
+    shared = EngineClient(f"{first.grpc},{second.grpc}")
     threads = [
         threading.Thread(
             target=_run_grpc if s.grpc else _run_openai,
-            args=(grpc_addresses if s.grpc else [first.http, second.http], s, progress),
+            args=(shared if s.grpc else [first.http, second.http], s, progress),
         )
         for s in streams
     ]
@@ -176,6 +178,7 @@ def test_a_killed_gateway_s_streams_complete_through_the_other(fleet: Fleet) -> 
     first.proc.wait(30)
     for t in threads:
         t.join(300)
+    shared.close()
     assert not stream_problems(streams, expected), stream_problems(streams, expected)
     assert all(not t.is_alive() for t in threads)
     moved = fleet.second_log.read_text().count("request_id=") - relayed_before

@@ -51,7 +51,19 @@ class AsyncEngineClient(AsyncGrpcClient):
         self.addresses = split_addresses(address)
         self.failover_wait_s = failover_wait_s
         super().__init__(self.addresses[0], timeout, credentials, token=token)
-        self._stub = engine_pb2_grpc.EngineStub(self._channel)
+        self._stubs: dict[int, engine_pb2_grpc.EngineStub] = {}
+        self._preferred = 0  # where calls start: the address the last move went to
+
+    @property
+    def _stub(self) -> engine_pb2_grpc.EngineStub:
+        return self._stub_at(self._preferred)
+
+    def _stub_at(self, at: int) -> engine_pb2_grpc.EngineStub:
+        stub = self._stubs.get(at)
+        if stub is None:
+            channel = self._channel_to(self.addresses[at])
+            stub = self._stubs.setdefault(at, engine_pb2_grpc.EngineStub(channel))
+        return stub
 
     def request(self, prompt: Prompt, **options: Any) -> engine_pb2.GenerateRequest:
         return generate_request(prompt, **options)
@@ -69,8 +81,9 @@ class AsyncEngineClient(AsyncGrpcClient):
                 call.cancel()
             return
         attempts = StreamAttempts(request, len(self.addresses), self.failover_wait_s)
+        at = self._preferred
         while True:
-            call = self._stub.Generate(attempts.request(), timeout=self.timeout)
+            call = self._stub_at(at).Generate(attempts.request(), timeout=self.timeout)
             try:
                 async for message in call:
                     attempts.received(len(message.token_ids))
@@ -83,9 +96,7 @@ class AsyncEngineClient(AsyncGrpcClient):
             finally:
                 call.cancel()
             if step.move is Move.NEXT_ADDRESS:
-                at = (self.addresses.index(self.address) + 1) % len(self.addresses)
-                await self._reconnect(self.addresses[at])
-                self._stub = engine_pb2_grpc.EngineStub(self._channel)
+                at = self._preferred = (at + 1) % len(self.addresses)
             await asyncio.sleep(step.pause_s)
 
     async def generate(self, prompt: Prompt, **options: Any) -> Generation:

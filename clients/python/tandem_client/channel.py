@@ -97,15 +97,22 @@ class GrpcClient:
         self.timeout = timeout
         self._connection = (credentials, options, token)
         self._channel = _open(grpc, address, credentials, options, token)
+        self._others: dict[str, Any] = {}  # channels to other addresses of the same service
 
-    def _reconnect(self, address: str) -> None:
-        """A channel to another address of the same service, with the same credentials."""
-        self._channel.close()
-        self.address = address
-        self._channel = _open(grpc, address, *self._connection)
+    def _channel_to(self, address: str) -> Any:
+        """The channel to this address of the same service (made once, with the same
+        credentials; closed with the client, as calls of other threads may be using it)."""
+        if address == self.address:
+            return self._channel
+        channel = self._others.get(address)
+        if channel is None:
+            channel = self._others.setdefault(address, _open(grpc, address, *self._connection))
+        return channel
 
     def close(self) -> None:
         self._channel.close()
+        for channel in self._others.values():
+            channel.close()
 
     def __enter__(self: C) -> C:
         return self
@@ -144,15 +151,21 @@ class AsyncGrpcClient:
         self.timeout = timeout
         self._connection = (credentials, options, token)
         self._channel = _open(grpc.aio, address, credentials, options, token)
+        self._others: dict[str, Any] = {}  # channels to other addresses of the same service
 
-    async def _reconnect(self, address: str) -> None:
-        """A channel to another address of the same service, with the same credentials."""
-        await self._channel.close()
-        self.address = address
-        self._channel = _open(grpc.aio, address, *self._connection)
+    def _channel_to(self, address: str) -> Any:
+        """GrpcClient._channel_to's twin."""
+        if address == self.address:
+            return self._channel
+        channel = self._others.get(address)
+        if channel is None:
+            channel = self._others.setdefault(address, _open(grpc.aio, address, *self._connection))
+        return channel
 
     async def close(self) -> None:
         await self._channel.close()
+        for channel in self._others.values():
+            await channel.close()
 
     async def __aenter__(self: A) -> A:
         return self

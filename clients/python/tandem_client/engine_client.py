@@ -263,7 +263,26 @@ class EngineClient(GrpcClient):
         self.addresses = split_addresses(address)
         self.failover_wait_s = failover_wait_s
         super().__init__(self.addresses[0], timeout, credentials, token=token)
-        self._stub = engine_pb2_grpc.EngineStub(self._channel)
+        self._stubs: dict[int, engine_pb2_grpc.EngineStub] = {}
+        # Where calls start: the address the last move went to. Each stream keeps its own
+        # position, so threads sharing the client never close each other's calls.
+        self._preferred = 0
+
+    @property
+    def _stub(self) -> engine_pb2_grpc.EngineStub:
+        return self._stub_at(self._preferred)
+
+    def _stub_at(self, at: int) -> engine_pb2_grpc.EngineStub:
+        stub = self._stubs.get(at)
+        if stub is None:
+            channel = self._channel_to(self.addresses[at])
+            stub = self._stubs.setdefault(at, engine_pb2_grpc.EngineStub(channel))
+        return stub
+
+    def _moved_from(self, at: int) -> int:
+        """The next address after `at`, which later calls now start from."""
+        self._preferred = (at + 1) % len(self.addresses)
+        return self._preferred
 
     def request(self, prompt: Prompt, **options: Any) -> engine_pb2.GenerateRequest:
         """A GenerateRequest from text, token ids or chat messages (dicts of role/content)."""
@@ -298,8 +317,9 @@ class EngineClient(GrpcClient):
         self, request: engine_pb2.GenerateRequest, timeout: float | None
     ) -> Generator[GenerationChunk, None, None]:
         attempts = StreamAttempts(request, len(self.addresses), self.failover_wait_s)
+        at = self._preferred
         while True:
-            call = self._stub.Generate(attempts.request(), timeout=timeout or self.timeout)
+            call = self._stub_at(at).Generate(attempts.request(), timeout=timeout or self.timeout)
             try:
                 for message in call:
                     attempts.received(len(message.token_ids))
@@ -312,21 +332,19 @@ class EngineClient(GrpcClient):
             finally:
                 call.cancel()
             if step.move is Move.NEXT_ADDRESS:
-                self._next_address()
+                at = self._moved_from(at)
             time.sleep(step.pause_s)
 
-    def _next_address(self) -> None:
-        at = (self.addresses.index(self.address) + 1) % len(self.addresses)
-        self._reconnect(self.addresses[at])
-        self._stub = engine_pb2_grpc.EngineStub(self._channel)
-
     def _call(self, fn: Callable[[], T]) -> T:
-        """fn, moving to the next address while the current one is UNAVAILABLE."""
+        """fn (reading `self._stub`), moving to the next address while the one it used is
+        UNAVAILABLE."""
         for _ in self.addresses[1:]:
+            at = self._preferred
             try:
                 return super()._call(fn)
             except Unavailable:
-                self._next_address()
+                if self._preferred == at:  # no other call moved on meanwhile
+                    self._moved_from(at)
         return super()._call(fn)
 
     def generate(
