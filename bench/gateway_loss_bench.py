@@ -13,7 +13,6 @@ same stream. The killed gateway is started again (new ports) for the next round.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import threading
@@ -23,18 +22,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
 
-from bench.node_loss_bench import STREAMS, Timed, gaps, report, stream  # noqa: E402
+from bench.node_loss_bench import STREAMS, Timed, gaps, loss_args, report, stream  # noqa: E402
 from tests.servers import GatewayProcess, start_engine, start_store  # noqa: E402
 
 GATEWAY_FLAGS = ["--checkpoint-interval", "8", "--poll-interval", "0.2"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=96)
-    parser.add_argument("--json")
-    args = parser.parse_args()
+    args = loss_args()
     root = Path(tempfile.mkdtemp(prefix="gateway-loss-"))
     data_dir = root / "engine-data"
     store = start_store(root / "store")

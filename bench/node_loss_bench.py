@@ -69,12 +69,17 @@ def gaps(s: Timed, lost_at: float) -> tuple[float, float]:
     return (max(across) if across else 0.0), statistics.median(others)
 
 
-def main() -> None:
+def loss_args() -> argparse.Namespace:
+    """--rounds, --tokens and --json, as both loss benches take them."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--json")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = loss_args()
     root = Path(tempfile.mkdtemp(prefix="node-loss-"))
     data_dir = root / "engine-data"
     start_engine(data_dir).stop()  # builds the embedded model once

@@ -19,7 +19,13 @@ from tandem_client.bulk import (
 from tandem_client.channel import AsyncGrpcClient
 from tandem_client.engine_client import Generation, GenerationChunk, Prompt, generate_request
 from tandem_client.errors import from_rpc_error
-from tandem_client.failover import FAILOVER_WAIT_S, Move, StreamAttempts, split_addresses
+from tandem_client.failover import (
+    FAILOVER_WAIT_S,
+    AddressedStubs,
+    Move,
+    StreamAttempts,
+    split_addresses,
+)
 from tandem_client.records import (
     Checkpoint,
     LookupResult,
@@ -28,10 +34,10 @@ from tandem_client.records import (
     kind_to_pb,
     lookup_request,
 )
-from tandem_wire.pb import engine_pb2, engine_pb2_grpc, store_pb2, store_pb2_grpc
+from tandem_wire.pb import engine_pb2, store_pb2, store_pb2_grpc
 
 
-class AsyncEngineClient(AsyncGrpcClient):
+class AsyncEngineClient(AsyncGrpcClient, AddressedStubs):
     """asyncio client of `tandem.v1.Engine`: an engine, or gateways in front of engines.
 
     address: one HOST:PORT, or several ("a,b" or a list) of one service: a stream whose
@@ -51,19 +57,7 @@ class AsyncEngineClient(AsyncGrpcClient):
         self.addresses = split_addresses(address)
         self.failover_wait_s = failover_wait_s
         super().__init__(self.addresses[0], timeout, credentials, token=token)
-        self._stubs: dict[int, engine_pb2_grpc.EngineStub] = {}
-        self._preferred = 0  # where calls start: the address the last move went to
-
-    @property
-    def _stub(self) -> engine_pb2_grpc.EngineStub:
-        return self._stub_at(self._preferred)
-
-    def _stub_at(self, at: int) -> engine_pb2_grpc.EngineStub:
-        stub = self._stubs.get(at)
-        if stub is None:
-            channel = self._channel_to(self.addresses[at])
-            stub = self._stubs.setdefault(at, engine_pb2_grpc.EngineStub(channel))
-        return stub
+        self._init_stubs()
 
     def request(self, prompt: Prompt, **options: Any) -> engine_pb2.GenerateRequest:
         return generate_request(prompt, **options)
@@ -96,7 +90,7 @@ class AsyncEngineClient(AsyncGrpcClient):
             finally:
                 call.cancel()
             if step.move is Move.NEXT_ADDRESS:
-                at = self._preferred = (at + 1) % len(self.addresses)
+                at = self._moved_from(at)
             await asyncio.sleep(step.pause_s)
 
     async def generate(self, prompt: Prompt, **options: Any) -> Generation:

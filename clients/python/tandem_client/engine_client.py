@@ -12,8 +12,14 @@ import grpc
 
 from tandem_client.channel import GrpcClient
 from tandem_client.errors import Unavailable, from_rpc_error
-from tandem_client.failover import FAILOVER_WAIT_S, Move, StreamAttempts, split_addresses
-from tandem_wire.pb import engine_pb2, engine_pb2_grpc
+from tandem_client.failover import (
+    FAILOVER_WAIT_S,
+    AddressedStubs,
+    Move,
+    StreamAttempts,
+    split_addresses,
+)
+from tandem_wire.pb import engine_pb2
 
 T = TypeVar("T")
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
@@ -243,7 +249,7 @@ def generate_request(
     return req
 
 
-class EngineClient(GrpcClient):
+class EngineClient(GrpcClient, AddressedStubs):
     """Synchronous client of `tandem.v1.Engine`: an engine, or gateways in front of engines.
 
     address: one HOST:PORT, or several ("a,b" or a list) of one service, tried in order: a
@@ -263,26 +269,7 @@ class EngineClient(GrpcClient):
         self.addresses = split_addresses(address)
         self.failover_wait_s = failover_wait_s
         super().__init__(self.addresses[0], timeout, credentials, token=token)
-        self._stubs: dict[int, engine_pb2_grpc.EngineStub] = {}
-        # Where calls start: the address the last move went to. Each stream keeps its own
-        # position, so threads sharing the client never close each other's calls.
-        self._preferred = 0
-
-    @property
-    def _stub(self) -> engine_pb2_grpc.EngineStub:
-        return self._stub_at(self._preferred)
-
-    def _stub_at(self, at: int) -> engine_pb2_grpc.EngineStub:
-        stub = self._stubs.get(at)
-        if stub is None:
-            channel = self._channel_to(self.addresses[at])
-            stub = self._stubs.setdefault(at, engine_pb2_grpc.EngineStub(channel))
-        return stub
-
-    def _moved_from(self, at: int) -> int:
-        """The next address after `at`, which later calls now start from."""
-        self._preferred = (at + 1) % len(self.addresses)
-        return self._preferred
+        self._init_stubs()
 
     def request(self, prompt: Prompt, **options: Any) -> engine_pb2.GenerateRequest:
         """A GenerateRequest from text, token ids or chat messages (dicts of role/content)."""

@@ -26,10 +26,11 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
-from tandem_wire.pb import engine_pb2
+from tandem_wire.pb import engine_pb2, engine_pb2_grpc
 
 FAILOVER_WAIT_S = 15.0  # without a token or a move that worked, the stream gives up
 _PAUSES_S = (0.1, 0.2, 0.5, 1.0, 2.0)  # between rounds over every address, growing
@@ -112,3 +113,35 @@ class StreamAttempts:
             self._resume = False  # generate again; the engine skips the tokens held
             return Step(Move.SAME_ADDRESS)
         return Step(Move.GIVE_UP)
+
+
+class AddressedStubs:
+    """The Engine stubs of a client of several addresses (EngineClient, AsyncEngineClient):
+    one per address, made on first use over the client's channel to it, and where calls
+    start (the address the last move went to). Each stream keeps its own position, so
+    threads sharing the client never close each other's calls."""
+
+    addresses: list[str]
+
+    def _init_stubs(self) -> None:
+        self._stubs: dict[int, engine_pb2_grpc.EngineStub] = {}
+        self._preferred = 0
+
+    def _channel_to(self, address: str) -> Any:  # the client's (GrpcClient, AsyncGrpcClient)
+        raise NotImplementedError
+
+    @property
+    def _stub(self) -> engine_pb2_grpc.EngineStub:
+        return self._stub_at(self._preferred)
+
+    def _stub_at(self, at: int) -> engine_pb2_grpc.EngineStub:
+        stub = self._stubs.get(at)
+        if stub is None:
+            channel = self._channel_to(self.addresses[at])
+            stub = self._stubs.setdefault(at, engine_pb2_grpc.EngineStub(channel))
+        return stub
+
+    def _moved_from(self, at: int) -> int:
+        """The next address after `at`, which later calls now start from."""
+        self._preferred = (at + 1) % len(self.addresses)
+        return self._preferred
