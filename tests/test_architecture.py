@@ -250,6 +250,7 @@ FRONT_MAY_IMPORT = (
     "engine_service.errors",
     "engine_service.config",
     "engine_service.blas",
+    "engine_service.transformers_import",
     "engine_service.model.loaded",
 )
 # The core's rooms never reach back into the front.

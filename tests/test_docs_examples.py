@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from engine_service.model.default_model import ensure_model
+from engine_service.transformers_import import cache_dir
 from tests.servers import ROOT, GatewayProcess, InProcessStore, ServiceProcess, start_engine
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -131,6 +132,8 @@ def test_a_shell_block_runs(
         # warm-up (a second or two each on two cores; test_engine_core.py runs one with it).
         "TANDEM_ENGINE_WARMUP": "0",
         "OPENBLAS_NUM_THREADS": "1",  # as every engine the suite starts (conftest.py)
+        # HOME is the test's own: transformers' table stays where the suite keeps it.
+        "TANDEM_CACHE_DIR": str(cache_dir()),
     }
     for command in _commands(block):
         words = shlex.split(command, comments=True)

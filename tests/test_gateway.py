@@ -52,8 +52,9 @@ def cluster(
 
 
 @pytest.fixture(scope="module")
-def sdk(cluster: tuple[GatewayProcess, list[ServiceProcess]]) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster[0].http + "/v1", api_key="unused", max_retries=0)
+def sdk(cluster: tuple[GatewayProcess, list[ServiceProcess]]) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=cluster[0].http + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
 
 
 def _engine_stats(engines: list[ServiceProcess]) -> list[Any]:

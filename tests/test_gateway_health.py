@@ -71,6 +71,7 @@ def test_http_requests_are_logged_with_their_finish_and_namespace(
     ]
     # OpenAI's `created`: when this gateway first saw the model (a Unix time, not 0).
     (model,) = sdk.models.list().data
+    sdk.close()
     assert 1_700_000_000 < model.created <= time.time()
 
 

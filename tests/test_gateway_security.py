@@ -66,11 +66,13 @@ def test_callers_need_a_valid_token(secured: tuple[GatewayProcess, ServiceProces
         with pytest.raises(TandemError) as refused:
             anonymous.generate("hi", max_tokens=2)
     assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
-    sdk = openai.OpenAI(base_url=gateway.http + "/v1", api_key="wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
-        sdk.completions.create(model="tandem-tiny", prompt="hi", max_tokens=2)
-    acme = openai.OpenAI(base_url=gateway.http + "/v1", api_key=TOKENS["acme"], max_retries=0)
-    reply = acme.completions.create(model="tandem-tiny", prompt="hi", max_tokens=3, seed=1)
+    with openai.OpenAI(base_url=gateway.http + "/v1", api_key="wrong", max_retries=0) as sdk:
+        with pytest.raises(openai.AuthenticationError):
+            sdk.completions.create(model="tandem-tiny", prompt="hi", max_tokens=2)
+    with openai.OpenAI(
+        base_url=gateway.http + "/v1", api_key=TOKENS["acme"], max_retries=0
+    ) as acme:
+        reply = acme.completions.create(model="tandem-tiny", prompt="hi", max_tokens=3, seed=1)
     assert reply.usage is not None and reply.usage.completion_tokens == 3
 
 
@@ -78,8 +80,10 @@ def test_the_engine_decides_tenancy_from_the_forwarded_token(
     secured: tuple[GatewayProcess, ServiceProcess, Path],
 ) -> None:
     gateway = secured[0]
-    acme = openai.OpenAI(base_url=gateway.http + "/v1", api_key=TOKENS["acme"], max_retries=0)
-    with pytest.raises(openai.PermissionDeniedError):
+    with (
+        openai.OpenAI(base_url=gateway.http + "/v1", api_key=TOKENS["acme"], max_retries=0) as acme,
+        pytest.raises(openai.PermissionDeniedError),
+    ):
         acme.completions.create(
             model="tandem-tiny",
             prompt="hi",
