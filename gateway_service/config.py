@@ -64,6 +64,9 @@ class GatewayConfig:
     # net.ipv4.tcp_wmem's maximum, 4 MiB by default): bytes of events a client that stopped
     # reading holds in the gateway's kernel before the relay stops reading its engine.
     http_send_buffer_bytes: int = 64 << 10
+    # Browser origins allowed to call the HTTP API (CORS; "*" for any). None: no CORS headers,
+    # so browsers refuse cross-origin calls.
+    cors_origins: list[str] = field(default_factory=list)
     log_format: str = "text"  # or "json" (tandem_wire/logs.py)
     log_level: str = "info"
 
@@ -90,6 +93,9 @@ class GatewayConfig:
             raise ValueError("--engine-window-bytes must be 0 (gRPC's default) or >= 1024")
         if self.http_send_buffer_bytes and self.http_send_buffer_bytes < 4096:
             raise ValueError("--http-send-buffer-bytes must be 0 (the kernel's) or >= 4096")
+        for origin in self.cors_origins:
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                raise ValueError(f"--cors-origin {origin!r}: an origin is http(s)://host[:port]")
 
 
 ENV = EnvDefaults("TANDEM_GATEWAY_")
@@ -156,6 +162,15 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         default=ENV.integer("HTTP_SEND_BUFFER_BYTES", 64 << 10),
         help="kernel send buffer of each HTTP connection (0: the kernel's autotuning)",
     )
+    env_origins = [o for o in ENV("CORS_ORIGINS", "").split(",") if o.strip()]
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=None,
+        metavar="ORIGIN",
+        help="a browser origin allowed to call the HTTP API, e.g. https://app.example "
+        "(repeat; * for any; or TANDEM_GATEWAY_CORS_ORIGINS=a,b); default: none",
+    )
     add_log_args(p, ENV)
     a = p.parse_args(argv)
     try:
@@ -177,6 +192,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             max_body_bytes=a.max_body_bytes,
             engine_window_bytes=a.engine_window_bytes,
             http_send_buffer_bytes=a.http_send_buffer_bytes,
+            cors_origins=a.cors_origin if a.cors_origin is not None else env_origins,
             **config_fields(a, AuthFlags, LogFlags, MetricsFlags),
         )
     except ValueError as exc:

@@ -46,6 +46,26 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     raise exc
 
 
+async def on_any_engine(
+    pool: BackendPool,
+    caller: Caller,
+    call: Callable[[Backend, tuple[tuple[str, str], ...]], Awaitable[T]],
+) -> T:
+    """A unary call on the least loaded healthy engine, the next one where it is UNAVAILABLE
+    or silent; the engine's own refusal (AioRpcError) as it came, or GatewayError
+    UNAVAILABLE when no engine answers."""
+    for backend in sorted(pool.healthy(), key=lambda b: b.load):
+        try:
+            return await asyncio.wait_for(call(backend, caller.metadata), UNARY_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            pool.mark_down(backend, exc.code().name)
+        except TimeoutError:
+            pool.mark_down(backend, "no answer")
+    raise GatewayError(grpc.StatusCode.UNAVAILABLE, "no engine is serving")
+
+
 class GatewayServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, pool: BackendPool, relay: Relay) -> None:
         self.pool = pool
@@ -114,17 +134,11 @@ class GatewayServicer(engine_pb2_grpc.EngineServicer):
         call: Callable[[Backend, tuple[tuple[str, str], ...]], Awaitable[T]],
     ) -> T:
         caller = caller_of(context.invocation_metadata())
-        for backend in sorted(self.pool.healthy(), key=lambda b: b.load):
-            try:
-                return await asyncio.wait_for(call(backend, caller.metadata), UNARY_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    await abort_for(context, exc)
-                self.pool.mark_down(backend, exc.code().name)
-            except TimeoutError:
-                self.pool.mark_down(backend, "no answer")
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine is serving")
-        raise AssertionError("unreachable")
+        try:
+            return await on_any_engine(self.pool, caller, call)
+        except (grpc.aio.AioRpcError, GatewayError) as exc:
+            await abort_for(context, exc)
+            raise AssertionError("unreachable") from None
 
     async def _every(
         self,

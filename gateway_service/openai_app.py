@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP front (Starlette): /v1/completions, /v1/chat/completions
-(server-sent events or one JSON object), /v1/models, /health.
+(server-sent events or one JSON object), /v1/models and /v1/models/{id}, /tokenize and
+/detokenize (vLLM's shapes), /health; CORS only for the origins `--cors-origin` names.
 
 A request's first engine message is awaited before the response starts, so an error before
 any token gets its HTTP status; one after that ends the event stream with an error event. A
@@ -17,17 +18,21 @@ from typing import Any
 
 import grpc
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway_service.backends import BackendPool
-from gateway_service.grpc_front import caller_of
+from gateway_service.grpc_front import caller_of, on_any_engine
 from gateway_service.openai_body import read_json
+from gateway_service.openai_chunks import Shaper
+from gateway_service.openai_fields import Endpoint, check_fields
 from gateway_service.openai_formats import apply_constraint
 from gateway_service.openai_wire import (
     ApiError,
-    Shaper,
+    add_messages,
     chat_request,
     completion_request,
     streaming,
@@ -50,18 +55,34 @@ class OpenAIFront:
         relay: Relay,
         authenticator: Authenticator | None,
         max_body_bytes: int = 8 << 20,
+        cors_origins: list[str] | None = None,
     ) -> None:
         self.pool = pool
         self.relay = relay
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
+        # Starlette's CORS: preflights answered for the named origins only; without any, no
+        # CORS headers at all, so browsers keep cross-origin pages out.
+        cors = [
+            Middleware(
+                CORSMiddleware,
+                allow_origins=cors_origins or [],
+                allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "content-type"],
+                max_age=600,
+            )
+        ]
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
             ],
+            middleware=cors if cors_origins else [],
             exception_handlers={404: _not_found, 405: _not_allowed},
         )
 
@@ -75,7 +96,23 @@ class OpenAIFront:
             self._caller(request)
         except ApiError as exc:
             return _error(exc)
-        data = [
+        return JSONResponse({"object": "list", "data": self._model_objects()})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: `client.models.retrieve`."""
+        try:
+            self._caller(request)
+        except ApiError as exc:
+            return _error(exc)
+        wanted = request.path_params["model_id"]
+        for model in self._model_objects():
+            if model["id"] == wanted:
+                return JSONResponse(model)
+        message = f"the model '{wanted}' does not exist"
+        return _error(ApiError(404, message, "invalid_request_error", "model", "model_not_found"))
+
+    def _model_objects(self) -> list[dict[str, Any]]:
+        return [
             {
                 "id": f.name,
                 "object": "model",
@@ -85,7 +122,53 @@ class OpenAIFront:
             }
             for f in self.pool.models()
         ]
-        return JSONResponse({"object": "list", "data": data})
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's shape: {"prompt": text} or {"messages": [...]}, "add_special_tokens"
+        (default true) -> {"tokens", "count", "max_model_len"}."""
+        try:
+            caller = self._caller(request)
+            body = await read_json(request, self.max_body_bytes)
+            _only(body, {"model", "prompt", "messages", "add_special_tokens"})
+            req = engine_pb2.TokenizeRequest(add_special_tokens=_bool(body, "add_special_tokens"))
+            if isinstance(body.get("prompt"), str) and "messages" not in body:
+                req.text = body["prompt"]
+            elif "prompt" not in body:
+                add_messages(body.get("messages"), req.messages)
+            else:
+                raise ApiError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
+            reply = await self._unary(caller, lambda b, md: b.stub.Tokenize(req, metadata=md))
+        except ApiError as exc:
+            return _error(exc)
+        models = self.pool.models()
+        tokens = list(reply.token_ids)
+        limit = models[0].context_length if models else 0
+        return JSONResponse({"count": len(tokens), "max_model_len": limit, "tokens": tokens})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's shape: {"tokens": [ids]} -> {"prompt": text}."""
+        try:
+            caller = self._caller(request)
+            body = await read_json(request, self.max_body_bytes)
+            _only(body, {"model", "tokens"})
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(
+                type(t) is int and 0 <= t < 2**31 for t in tokens
+            ):
+                raise ApiError(400, "'tokens' must be a list of token ids", param="tokens")
+            req = engine_pb2.DetokenizeRequest(token_ids=tokens)
+            reply = await self._unary(caller, lambda b, md: b.stub.Detokenize(req, metadata=md))
+        except ApiError as exc:
+            return _error(exc)
+        return JSONResponse({"prompt": reply.text})
+
+    async def _unary(self, caller: Caller, call: Any) -> Any:
+        try:
+            return await on_any_engine(self.pool, caller, call)
+        except grpc.aio.AioRpcError as exc:
+            raise ApiError.from_grpc(exc.code(), exc.details() or exc.code().name) from None
+        except GatewayError as exc:
+            raise ApiError.from_grpc(exc.code, str(exc)) from None
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
@@ -97,6 +180,7 @@ class OpenAIFront:
         try:
             caller = self._caller(request)
             body = await read_json(request, self.max_body_bytes)
+            check_fields(body, Endpoint.CHAT if chat else Endpoint.COMPLETIONS)
             req, model, (stream, include_usage) = _build(body, chat)
             req.request_id = req.request_id or f"gw-{uuid.uuid4().hex}"  # told in each chunk
             messages = self.relay.generate(req, caller, model)
@@ -129,12 +213,12 @@ class OpenAIFront:
         messages: AsyncGenerator[engine_pb2.GenerateResponse, None],
         include_usage: bool,
     ) -> AsyncIterator[str]:
-        message, opening = first, True
+        message = first
         try:
             while True:
                 shaper.add(message)
-                yield _sse(shaper.chunk(message, opening))
-                opening = False
+                for chunk in shaper.chunks(message):
+                    yield _sse(chunk)
                 if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
                     break
                 message = await _next(messages)
@@ -230,6 +314,19 @@ async def _until_disconnected(request: Request, work: Any) -> None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             raise asyncio.CancelledError
+
+
+def _only(body: dict[str, Any], fields: set[str]) -> None:
+    for name in body:
+        if name not in fields:
+            raise ApiError(400, f"unknown field '{name}'", param=name)
+
+
+def _bool(body: dict[str, Any], name: str, default: bool = True) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be true or false", param=name)
+    return value
 
 
 def _sse(payload: dict[str, Any]) -> str:

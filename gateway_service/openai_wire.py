@@ -1,17 +1,14 @@
 """OpenAI's request and response shapes, translated to and from the Tandem engine API.
 
 `completion_request` / `chat_request` turn a JSON body into a GenerateRequest (or raise
-ApiError 400 naming the field); `Shaper` turns the engine's messages into OpenAI's chunks and
-final objects; `error_body` is OpenAI's error shape. Tandem's own options ride in the body's
-`tandem` object (docs/gateway.md).
+ApiError 400 naming the field; which fields exist at all is openai_fields.py's); `ApiError`
+is OpenAI's error shape; openai_chunks.py shapes the answers. Tandem's own options ride in
+the body's `tandem` object (docs/gateway.md).
 """
 
 from __future__ import annotations
 
 import secrets
-import time
-import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -19,11 +16,6 @@ import grpc
 from gateway_service.relay import message_too_large
 from tandem_wire.pb import engine_pb2
 
-FINISH = {
-    engine_pb2.FINISH_REASON_LENGTH: "length",
-    engine_pb2.FINISH_REASON_STOP: "stop",
-    engine_pb2.FINISH_REASON_CANCELLED: "stop",
-}
 # gRPC status -> (HTTP status, OpenAI error type).
 HTTP_OF = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -60,8 +52,6 @@ TANDEM_OPTIONS = {
     "lark",
     "gbnf",
 }
-# Accepted only at their neutral values (what OpenAI's defaults mean).
-NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "best_of": 1}
 
 
 class ApiError(Exception):
@@ -139,11 +129,6 @@ def _string(body: dict[str, Any], name: str) -> str | None:
 
 
 def _common(body: dict[str, Any], req: engine_pb2.GenerateRequest) -> None:
-    for name, neutral in NEUTRAL.items():
-        if body.get(name, neutral) not in (neutral, None):
-            raise ApiError(400, f"'{name}' = {body[name]!r} is not supported", param=name)
-    if body.get("logit_bias"):
-        raise ApiError(400, "'logit_bias' is not supported", param="logit_bias")
     s = req.sampling
     temperature = _number(body, "temperature", float, 0, 2)
     s.temperature = 1.0 if temperature is None else temperature  # OpenAI's default
@@ -163,6 +148,10 @@ def _common(body: dict[str, Any], req: engine_pb2.GenerateRequest) -> None:
     ):
         raise ApiError(400, "'stop' must be a string or a list of non-empty strings", param="stop")
     s.stop.extend(stop or [])
+    for name in ("presence_penalty", "frequency_penalty"):
+        setattr(s, name, _number(body, name, float, -2, 2) or 0.0)
+    for token, bias in _logit_bias(body.get("logit_bias")).items():
+        s.logit_bias[token] = bias
     extra = body.get("tandem") or {}
     if not isinstance(extra, dict) or set(extra) - TANDEM_OPTIONS:
         unknown = sorted(set(extra) - TANDEM_OPTIONS) if isinstance(extra, dict) else extra
@@ -190,6 +179,23 @@ def _common(body: dict[str, Any], req: engine_pb2.GenerateRequest) -> None:
     s.min_p = _number(extra, "min_p", float, 0, 1) or 0.0
     s.repetition_penalty = _number(extra, "repetition_penalty", float, 0) or 0.0
     s.ignore_eos = _flag(extra, "ignore_eos")
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (as JSON object keys) -> bias, clamped to [-100, 100]
+    as OpenAI does; the engine checks the ids against the vocabulary."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError(400, "'logit_bias' must map token ids to numbers", param="logit_bias")
+    out = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) <= INT32_MAX):
+            raise ApiError(400, f"'logit_bias' key {key!r} is not a token id", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise ApiError(400, f"'logit_bias' value for {key} is not a number", param="logit_bias")
+        out[int(key)] = min(100.0, max(-100.0, float(bias)))
+    return out
 
 
 def _max_tokens(body: dict[str, Any], req: engine_pb2.GenerateRequest, *names: str) -> None:
@@ -229,18 +235,22 @@ def completion_request(body: dict[str, Any]) -> engine_pb2.GenerateRequest:
 
 def chat_request(body: dict[str, Any]) -> engine_pb2.GenerateRequest:
     req = engine_pb2.GenerateRequest()
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] needs a 'role'", param="messages")
-        req.messages.add(role=m["role"], content=_content(m.get("content"), i))
+    add_messages(body.get("messages"), req.messages)
     _common(body, req)
     _max_tokens(body, req, "max_completion_tokens", "max_tokens")
     if _flag(body, "logprobs"):
         req.sampling.logprobs = _number(body, "top_logprobs", int, 0, 20) or 0
     return req
+
+
+def add_messages(messages: Any, into: Any) -> None:
+    """A body's `messages` (text content only) added to a repeated ChatMessage field."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] needs a 'role'", param="messages")
+        into.add(role=m["role"], content=_content(m.get("content"), i))
 
 
 def streaming(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -271,126 +281,3 @@ def _content(content: Any, i: int) -> str:
     raise ApiError(
         400, f"messages[{i}].content must be a string or a list of parts", param="messages"
     )
-
-
-@dataclass
-class Shaper:
-    """One response's OpenAI objects, built as the engine's messages arrive."""
-
-    chat: bool
-    model: str
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    created: int = field(default_factory=lambda: int(time.time()))
-    # Streamed chunks say which request they belong to and how many tokens the client holds
-    # after each, so a client whose gateway died can resume through another (docs/gateway.md).
-    request_id: str = ""
-    tokens_held: int = 0
-    text: str = ""
-    logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)
-    finish: str | None = None
-    usage: dict[str, Any] | None = None
-
-    @property
-    def object_id(self) -> str:
-        return ("chatcmpl-" if self.chat else "cmpl-") + self.id
-
-    def add(self, message: engine_pb2.GenerateResponse) -> None:
-        self.text += message.text
-        self.tokens_held += len(message.token_ids)
-        self.logprobs.extend(message.logprobs)
-        if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
-            self.finish = FINISH.get(message.finish_reason, "stop")
-            u = message.usage
-            self.usage = {
-                "prompt_tokens": u.prompt_tokens,
-                "completion_tokens": u.generated_tokens,
-                "total_tokens": u.prompt_tokens + u.generated_tokens,
-                "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
-                "failovers": u.failovers,
-            }
-
-    def chunk(self, message: engine_pb2.GenerateResponse, first: bool) -> dict[str, Any]:
-        finish = FINISH.get(message.finish_reason) if message.finish_reason else None
-        if self.chat:
-            delta: dict[str, Any] = {"content": message.text}
-            if first:
-                delta["role"] = "assistant"
-            choice: dict[str, Any] = {
-                "index": 0,
-                "delta": delta,
-                "finish_reason": finish,
-                "logprobs": self._chat_logprobs(message.logprobs),
-            }
-            kind = "chat.completion.chunk"
-        else:
-            choice = {
-                "index": 0,
-                "text": message.text,
-                "finish_reason": finish,
-                "logprobs": self._completion_logprobs(message.logprobs),
-            }
-            kind = "text_completion"
-        resume = {"request_id": self.request_id, "tokens_held": self.tokens_held}
-        return self._envelope(kind, [choice], tandem=resume)
-
-    def usage_chunk(self) -> dict[str, Any]:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(kind, [], usage=self.usage)
-
-    def final(self) -> dict[str, Any]:
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": self.text},
-                "finish_reason": self.finish,
-                "logprobs": self._chat_logprobs(self.logprobs),
-            }
-            kind = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": self.text,
-                "finish_reason": self.finish,
-                "logprobs": self._completion_logprobs(self.logprobs),
-            }
-            kind = "text_completion"
-        return self._envelope(kind, [choice], usage=self.usage)
-
-    def _envelope(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {
-            "id": self.object_id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            **extra,
-        }
-
-    def _chat_logprobs(self, lps: Any) -> dict[str, Any] | None:
-        if not lps:
-            return None
-        content = []
-        for lp in lps:
-            token = lp.text
-            content.append(
-                {
-                    "token": token,
-                    "logprob": lp.logprob,
-                    "bytes": list(token.encode()),
-                    "top_logprobs": [
-                        {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
-                        for t in lp.top
-                    ],
-                }
-            )
-        return {"content": content}
-
-    def _completion_logprobs(self, lps: Any) -> dict[str, Any] | None:
-        if not lps:
-            return None
-        return {
-            "tokens": [lp.text for lp in lps],
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{t.text: t.logprob for t in lp.top} for lp in lps],
-            "text_offset": [],
-        }

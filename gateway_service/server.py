@@ -135,7 +135,7 @@ async def serve(
     http_server, http_task = None, None
     if config.http_listen:
         sock = _http_socket(config.http_listen, config.http_send_buffer_bytes)
-        front = OpenAIFront(pool, relay, authenticator, config.max_body_bytes)
+        front = OpenAIFront(pool, relay, authenticator, config.max_body_bytes, config.cors_origins)
         http_server = _HttpServer(
             uvicorn.Config(front.app, log_level="warning", lifespan="off", access_log=False)
         )

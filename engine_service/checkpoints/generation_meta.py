@@ -94,6 +94,9 @@ def options_digest(options: SamplingOptions) -> bytes:
     }
     if options.constraint is not None:  # absent from unconstrained keys: they stay as they were
         fields["constraint"] = options.constraint.digest()
+    for name in ("presence_penalty", "frequency_penalty", "logit_bias"):  # likewise, when set
+        if getattr(options, name):
+            fields[name] = getattr(options, name)
     return hashlib.blake2b(
         json.dumps(fields, sort_keys=True, default=list).encode(), digest_size=16
     ).digest()

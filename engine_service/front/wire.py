@@ -29,6 +29,7 @@ from tandem_wire.pb import engine_pb2
 
 MAX_STOPS = 16
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
 
 
 _FINISH = {
@@ -71,6 +72,14 @@ def sampling_from_pb(p: engine_pb2.SamplingParams, vocab: int) -> SamplingOption
         raise InvalidRequest(f"repetition_penalty must be >= 0, got {p.repetition_penalty}")
     if p.repetition_context_size < 0:
         raise InvalidRequest("repetition_context_size must be >= 0")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(p, name)):
+            raise InvalidRequest(f"{name} must be finite")
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
+    _check_ids(list(p.logit_bias), vocab, "logit_bias")
+    if not all(math.isfinite(bias) for bias in p.logit_bias.values()):
+        raise InvalidRequest("logit_bias values must be finite")
     logprobs = p.logprobs if p.HasField("logprobs") else -1  # -1: unset, internally
     if p.HasField("logprobs") and not 0 <= logprobs <= MAX_LOGPROBS:
         raise InvalidRequest(f"logprobs must be in 0..{MAX_LOGPROBS} (or unset), got {logprobs}")
@@ -84,6 +93,9 @@ def sampling_from_pb(p: engine_pb2.SamplingParams, vocab: int) -> SamplingOption
         min_p=p.min_p,
         repetition_penalty=p.repetition_penalty,
         repetition_context_size=p.repetition_context_size or 20,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
         seed=p.seed,
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),

@@ -14,7 +14,10 @@ class SamplingOptions:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 0.0
-    repetition_context_size: int = 20
+    repetition_context_size: int = 20  # for all three penalties
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), by token id
     seed: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()

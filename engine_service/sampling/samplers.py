@@ -72,11 +72,17 @@ def make_sampler(options: SamplingOptions, start_step: int = 0) -> Sampler | Non
 
 
 def make_processors(options: SamplingOptions) -> list[Callable[[mx.array, mx.array], mx.array]]:
-    if options.repetition_penalty in (0.0, 1.0):
-        return []
+    """mlx-lm's processors for the request's logit bias and penalties (none when all off)."""
+    context = options.repetition_context_size or 20
+    repetition = options.repetition_penalty
     return make_logits_processors(
-        repetition_penalty=options.repetition_penalty,
-        repetition_context_size=options.repetition_context_size or 20,
+        logit_bias=dict(options.logit_bias) or None,
+        repetition_penalty=None if repetition in (0.0, 1.0) else repetition,
+        repetition_context_size=context,
+        presence_penalty=options.presence_penalty or None,
+        presence_context_size=context,
+        frequency_penalty=options.frequency_penalty or None,
+        frequency_context_size=context,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -140,8 +140,14 @@ def sampling_pb(
     stop_token_ids: Sequence[int] = (),
     logprobs: int | None = None,
     ignore_eos: bool = False,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
 ) -> engine_pb2.SamplingParams:
     params = engine_pb2.SamplingParams(
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        logit_bias=dict(logit_bias or {}),
         temperature=temperature,
         top_k=top_k,
         min_p=min_p,

@@ -1,0 +1,158 @@
+"""The engine's messages as OpenAI's response objects: streamed chunks in the order OpenAI
+sends them, and the final object of a request that does not stream.
+
+A chat stream is: a chunk with the role alone (`{"role": "assistant", "content": ""}`), the
+content chunks, a chunk with an empty delta and the finish reason, the usage chunk (no
+choices) when asked for, then `[DONE]`. A completion stream has no role chunk; its last
+chunk holds empty text and the finish reason. SDKs and OpenAI's own clients parse the
+stream in that shape (llama.cpp's server tests check it).
+
+Every chunk also carries `tandem: {request_id, tokens_held}`: what a client whose gateway
+died sends another one to resume (docs/gateway.md). A message whose tokens have no text
+yet still gets its chunk, so `tokens_held` never lags the text the client holds.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem_wire.pb import engine_pb2
+
+FINISH = {
+    engine_pb2.FINISH_REASON_LENGTH: "length",
+    engine_pb2.FINISH_REASON_STOP: "stop",
+    engine_pb2.FINISH_REASON_CANCELLED: "stop",
+}
+
+
+@dataclass
+class Shaper:
+    """One response's OpenAI objects, built as the engine's messages arrive."""
+
+    chat: bool
+    model: str
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    request_id: str = ""
+    tokens_held: int = 0
+    text: str = ""
+    logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+    opened: bool = False
+    offset: int = 0  # characters of completion text before the next token (text_offset)
+
+    @property
+    def object_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.id
+
+    @property
+    def kind(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def add(self, message: engine_pb2.GenerateResponse) -> None:
+        self.text += message.text
+        self.tokens_held += len(message.token_ids)
+        self.logprobs.extend(message.logprobs)
+        if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+            self.finish = FINISH.get(message.finish_reason, "stop")
+            u = message.usage
+            self.usage = {
+                "prompt_tokens": u.prompt_tokens,
+                "completion_tokens": u.generated_tokens,
+                "total_tokens": u.prompt_tokens + u.generated_tokens,
+                "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+                "failovers": u.failovers,
+            }
+
+    def chunks(self, message: engine_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        """The chunks for one engine message, after `add(message)`."""
+        out = []
+        if self.chat and not self.opened:
+            out.append(self._chunk({"delta": {"role": "assistant", "content": ""}}))
+        self.opened = True
+        if message.text or message.token_ids:
+            if self.chat:
+                logprobs = _chat_logprobs(message.logprobs)
+                out.append(self._chunk({"delta": {"content": message.text}, "logprobs": logprobs}))
+            else:
+                logprobs = self._completion_logprobs(message.logprobs)
+                out.append(self._chunk({"text": message.text, "logprobs": logprobs}))
+        if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+            last: dict[str, Any] = {"delta": {}} if self.chat else {"text": ""}
+            out.append(self._chunk({**last, "finish_reason": self.finish}))
+        return out
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return self._envelope(self.kind, [], usage=self.usage)
+
+    def final(self) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": self.text},
+                "finish_reason": self.finish,
+                "logprobs": _chat_logprobs(self.logprobs),
+            }
+            kind = "chat.completion"
+        else:
+            self.offset = 0
+            choice = {
+                "index": 0,
+                "text": self.text,
+                "finish_reason": self.finish,
+                "logprobs": self._completion_logprobs(self.logprobs),
+            }
+            kind = "text_completion"
+        return self._envelope(kind, [choice], usage=self.usage)
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        whole = {"index": 0, "logprobs": None, "finish_reason": None, **choice}
+        resume = {"request_id": self.request_id, "tokens_held": self.tokens_held}
+        return self._envelope(self.kind, [whole], tandem=resume)
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self.object_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+    def _completion_logprobs(self, lps: Any) -> dict[str, Any] | None:
+        if not lps:
+            return None
+        offsets = []
+        for lp in lps:  # where each token's text starts in the completion's text
+            offsets.append(self.offset)
+            self.offset += len(lp.text)
+        return {
+            "tokens": [lp.text for lp in lps],
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{t.text: t.logprob for t in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+
+def _chat_logprobs(lps: Any) -> dict[str, Any] | None:
+    if not lps:
+        return None
+    content = []
+    for lp in lps:
+        top = [
+            {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())} for t in lp.top
+        ]
+        content.append(
+            {
+                "token": lp.text,
+                "logprob": lp.logprob,
+                "bytes": list(lp.text.encode()),
+                "top_logprobs": top,
+            }
+        )
+    return {"content": content}
