@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -27,7 +27,14 @@ from starlette.routing import Route
 from gateway_service.backends import BackendPool
 from gateway_service.grpc_front import caller_of, on_any_engine
 from gateway_service.openai_body import read_json
-from gateway_service.openai_chunks import Shaper
+from gateway_service.openai_choices import (
+    MAX_CHOICES,
+    Choice,
+    close,
+    combined_usage,
+    interleaved,
+    open_choices,
+)
 from gateway_service.openai_fields import Endpoint, check_fields
 from gateway_service.openai_formats import apply_constraint
 from gateway_service.openai_wire import (
@@ -182,53 +189,41 @@ class OpenAIFront:
             body = await read_json(request, self.max_body_bytes)
             check_fields(body, Endpoint.CHAT if chat else Endpoint.COMPLETIONS)
             req, model, (stream, include_usage) = _build(body, chat)
+            n = _choices(body, req)
             req.request_id = req.request_id or f"gw-{uuid.uuid4().hex}"  # told in each chunk
-            messages = self.relay.generate(req, caller, model)
-            first = await _first(messages)  # errors before any token: an HTTP status
+            served = model or self._served_name()
+            choices = await open_choices(self.relay, req, n, caller, model, chat)
         except ApiError as exc:
             return _error(exc)
-        shaper = Shaper(
-            chat=chat,
-            model=model or self._served_name(),
-            request_id=req.request_id,
-            tokens_held=req.tokens_held,
-        )
+        for choice in choices:
+            choice.shaper.model = served
         if stream:
-            events = self._events(shaper, first, messages, include_usage)
+            events = self._events(choices, include_usage)
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
         try:
-            await _until_disconnected(request, _collect(shaper, first, messages))
+            await _until_disconnected(request, _collect(choices))
         except ApiError as exc:
             return _error(exc)
         except asyncio.CancelledError:
             return Response(status_code=499)
-        return JSONResponse(shaper.final())
+        whole = [c.shaper.final_choice() for c in choices]
+        return JSONResponse(choices[0].shaper.final(whole, combined_usage(choices)))
 
-    async def _events(
-        self,
-        shaper: Shaper,
-        first: engine_pb2.GenerateResponse,
-        messages: AsyncGenerator[engine_pb2.GenerateResponse, None],
-        include_usage: bool,
-    ) -> AsyncIterator[str]:
-        message = first
+    async def _events(self, choices: list[Choice], include_usage: bool) -> AsyncIterator[str]:
         try:
-            while True:
-                shaper.add(message)
-                for chunk in shaper.chunks(message):
+            async for choice, message in interleaved(choices):
+                choice.shaper.add(message)
+                for chunk in choice.shaper.chunks(message):
                     yield _sse(chunk)
-                if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
-                    break
-                message = await _next(messages)
             if include_usage:
-                yield _sse(shaper.usage_chunk())
+                yield _sse(choices[0].shaper.usage_chunk(combined_usage(choices)))
             yield "data: [DONE]\n\n"
         except ApiError as exc:  # after the status line: the error travels as an event
             yield _sse(exc.body())
         finally:
-            await messages.aclose()  # the client left: the engine's call is cancelled
+            await close(choices)  # the client left: the engines' calls are cancelled
 
     def _caller(self, request: Request) -> Caller:
         header = request.headers.get("authorization")
@@ -263,43 +258,23 @@ def _build(
         raise ApiError(400, f"the body holds a value no field takes: {exc}"[:300]) from None
 
 
-async def _next(
-    messages: AsyncGenerator[engine_pb2.GenerateResponse, None],
-) -> engine_pb2.GenerateResponse:
-    try:
-        return await messages.__anext__()
-    except StopAsyncIteration:
-        raise ApiError(502, "the engine's stream ended early", "api_error") from None
-    except grpc.aio.AioRpcError as exc:
-        raise ApiError.from_grpc(exc.code(), exc.details() or exc.code().name) from None
-    except GatewayError as exc:
-        raise ApiError.from_grpc(exc.code, str(exc)) from None
+async def _collect(choices: list[Choice]) -> None:
+    async for choice, message in interleaved(choices):
+        choice.shaper.add(message)
 
 
-async def _first(
-    messages: AsyncGenerator[engine_pb2.GenerateResponse, None],
-) -> engine_pb2.GenerateResponse:
-    try:
-        return await _next(messages)
-    except BaseException:
-        await messages.aclose()
-        raise
-
-
-async def _collect(
-    shaper: Shaper,
-    first: engine_pb2.GenerateResponse,
-    messages: AsyncGenerator[engine_pb2.GenerateResponse, None],
-) -> None:
-    message = first
-    try:
-        while True:
-            shaper.add(message)
-            if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
-                return
-            message = await _next(messages)
-    finally:
-        await messages.aclose()
+def _choices(body: dict[str, Any], req: engine_pb2.GenerateRequest) -> int:
+    """OpenAI's `n`: 1..MAX_CHOICES; a resume names one generation, so it takes n = 1."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"'n' must be an integer in 1..{MAX_CHOICES}", param="n")
+    if n > 1 and req.resume:
+        raise ApiError(
+            400, "a resume continues one choice: resume each by its request id", param="n"
+        )
+    return n
 
 
 async def _until_disconnected(request: Request, work: Any) -> None:

@@ -42,6 +42,7 @@ class Shaper:
     logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)
     finish: str | None = None
     usage: dict[str, Any] | None = None
+    index: int = 0  # which choice (n > 1: gateway_service/openai_choices.py)
     opened: bool = False
     offset: int = 0  # characters of completion text before the next token (text_offset)
 
@@ -86,31 +87,34 @@ class Shaper:
             out.append(self._chunk({**last, "finish_reason": self.finish}))
         return out
 
-    def usage_chunk(self) -> dict[str, Any]:
-        return self._envelope(self.kind, [], usage=self.usage)
+    def usage_chunk(self, usage: dict[str, Any] | None) -> dict[str, Any]:
+        return self._envelope(self.kind, [], usage=usage)
 
-    def final(self) -> dict[str, Any]:
+    def final(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        """The whole response of a request that did not stream, from each choice's
+        `final_choice()`."""
+        return self._envelope(
+            "chat.completion" if self.chat else "text_completion", choices, usage=usage
+        )
+
+    def final_choice(self) -> dict[str, Any]:
         if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
+            return {
+                "index": self.index,
                 "message": {"role": "assistant", "content": self.text},
                 "finish_reason": self.finish,
                 "logprobs": _chat_logprobs(self.logprobs),
             }
-            kind = "chat.completion"
-        else:
-            self.offset = 0
-            choice = {
-                "index": 0,
-                "text": self.text,
-                "finish_reason": self.finish,
-                "logprobs": self._completion_logprobs(self.logprobs),
-            }
-            kind = "text_completion"
-        return self._envelope(kind, [choice], usage=self.usage)
+        self.offset = 0
+        return {
+            "index": self.index,
+            "text": self.text,
+            "finish_reason": self.finish,
+            "logprobs": self._completion_logprobs(self.logprobs),
+        }
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        whole = {"index": 0, "logprobs": None, "finish_reason": None, **choice}
+        whole = {"index": self.index, "logprobs": None, "finish_reason": None, **choice}
         resume = {"request_id": self.request_id, "tokens_held": self.tokens_held}
         return self._envelope(self.kind, [whole], tandem=resume)
 

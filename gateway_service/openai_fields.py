@@ -26,6 +26,7 @@ class Endpoint(Enum):
 # are llama.cpp's server's extensions, mapped onto the same constraints (openai_formats.py).
 _BOTH = {
     "model",
+    "n",
     "temperature",
     "top_p",
     "seed",
@@ -70,7 +71,6 @@ class Refused:
 
 
 REFUSED = {
-    "n": Refused("only one choice per request (n = 1)", (None, 1)),
     "best_of": Refused("only one candidate per request (best_of = 1)", (None, 1)),
     "echo": Refused("the prompt is not echoed", (None, False)),
     "suffix": Refused("insertion (a suffix) is not supported", (None, "")),

@@ -21,7 +21,7 @@ from openai.types.chat import completion_create_params as chat_params
 from gateway_service.openai_fields import HONOURED, IGNORED, REFUSED, Endpoint, check_fields
 from gateway_service.openai_wire import ApiError
 from tandem_client import EngineClient
-from tests.servers import GatewayProcess, ServiceProcess
+from tests.servers import GatewayProcess, ServiceProcess, start_engine, start_store
 
 ORIGIN = "https://app.example"
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]
@@ -48,7 +48,6 @@ def test_every_field_the_sdk_sends_is_placed(endpoint: Endpoint, params: Any) ->
 
 def test_each_refused_field_is_named_and_its_neutral_value_accepted() -> None:
     non_neutral: dict[str, Any] = {
-        "n": 2,
         "best_of": 3,
         "echo": True,
         "suffix": "end",
@@ -304,3 +303,69 @@ def test_the_cors_flag_takes_origins_only(tmp_path: Path) -> None:
     assert config.cors_origins == ["*"]
     with pytest.raises(SystemExit):
         parse_args(["--engine", "e:1", "--http-listen", ":0", "--cors-origin", "app.example"])
+
+
+@pytest.fixture(scope="module")
+def stored(
+    tmp_path_factory: pytest.TempPathFactory, engine_data_dir: Path
+) -> Iterator[tuple[GatewayProcess, ServiceProcess]]:
+    """A gateway on an engine with a store (its prefixes are cached and reused)."""
+    root = tmp_path_factory.mktemp("choices")
+    store = start_store(root / "store")
+    engine = start_engine(engine_data_dir, "--store", store.address, log_dir=root)
+    gateway = GatewayProcess([engine.address], root / "gateway.log")
+    try:
+        gateway.wait_engines(1)
+        yield gateway, engine
+    finally:
+        gateway.stop()
+        engine.stop()
+        store.stop()
+
+
+def test_n_choices_prefill_once_and_stream_with_their_index(
+    stored: tuple[GatewayProcess, ServiceProcess],
+) -> None:
+    gateway, engine = stored
+    prompt = "Once upon a time, in a land of many engines, " * 8
+    common: dict[str, Any] = dict(
+        model="tandem-tiny", prompt=prompt, max_tokens=10, seed=21, temperature=1.0
+    )
+    extra = {"tandem": {"ignore_eos": True}}
+    with (
+        openai.OpenAI(base_url=gateway.http + "/v1", api_key="x", max_retries=0) as sdk,
+        EngineClient(engine.address) as direct,
+    ):
+        hits = direct.stats().checkpoints.prefix_hits_local
+        three = sdk.completions.create(**common, n=3, extra_body=extra)
+        assert direct.stats().checkpoints.prefix_hits_local == hits + 2  # one prefill
+        assert [c.index for c in three.choices] == [0, 1, 2]
+        texts = [c.text for c in three.choices]
+        assert len(set(texts)) > 1  # each choice its own seed
+        assert three.usage is not None and three.usage.completion_tokens == 30
+        one = sdk.completions.create(**common, extra_body=extra)
+        assert one.choices[0].text == texts[0]  # choice 0 is the request itself
+
+        streamed: dict[int, str] = {0: "", 1: "", 2: ""}
+        finishes: dict[int, str | None] = {}
+        chunks = sdk.completions.create(
+            **common, n=3, stream=True, stream_options={"include_usage": True}, extra_body=extra
+        )
+        for chunk in chunks:
+            for choice in chunk.choices:
+                streamed[choice.index] += choice.text
+                if choice.finish_reason:
+                    finishes[choice.index] = choice.finish_reason
+            if chunk.usage is not None:
+                assert chunk.usage.completion_tokens == 30
+        assert [streamed[i] for i in range(3)] == texts  # the same seeds, the same text
+        assert finishes == {0: "length", 1: "length", 2: "length"}
+
+        chat = sdk.chat.completions.create(
+            model="tandem-tiny", messages=CHAT, max_tokens=4, n=2, seed=3, extra_body=extra
+        )
+        assert [c.index for c in chat.choices] == [0, 1]
+        for bad in (0, 17, True):
+            with pytest.raises(openai.BadRequestError) as refused:
+                sdk.completions.create(**{**common, "n": bad})
+            assert refused.value.param == "n"

@@ -7,17 +7,32 @@ get), which the MLX thread never does. The MLX thread later materializes the pla
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine_service.checkpoints.attachments import DRAFT_SCHEMA
 from engine_service.checkpoints.manager import CheckpointManager
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE
 from engine_service.core.plans import Plan
 from engine_service.protocol.requests import DraftSupport, GenerationRequest
 
+# How long a prefix lookup waits for the prefixes whose first token is out to be kept: at
+# most the rest of one step, which a new request waits anyway to join the batch.
+SAVES_WAIT_S = 2.0
+
 
 class Planner:
-    def __init__(self, checkpoints: CheckpointManager | None, drafts: DraftSupport) -> None:
+    def __init__(
+        self,
+        checkpoints: CheckpointManager | None,
+        drafts: DraftSupport,
+        saves_settled: Callable[[float], bool] = lambda timeout: True,
+    ) -> None:
         self.checkpoints = checkpoints
         self.drafts = drafts
+        # The scheduler's queued_saves: a prompt's prefix is kept just after its first token
+        # leaves (loop/step_checkpoints.py), so a request for the same prompt that arrives in
+        # between (the gateway's other choices of `n`, a retry) waits for it, not prefills.
+        self.saves_settled = saves_settled
 
     def needed(self, req: GenerationRequest) -> bool:
         """Whether planning may find anything (else it is skipped: no thread hop)."""
@@ -41,5 +56,6 @@ class Planner:
             )
             return gens.load(key, req.namespace, req.prompt, req.layout, companions)
         if len(req.prompt) > BLOCK_SIZE:
+            self.saves_settled(SAVES_WAIT_S)
             return ckpt.prefixes.find(req.prompt, req.namespace, req.layout)
         return None

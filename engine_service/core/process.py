@@ -270,7 +270,8 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
     )
     scheduler.start(warm=config.warmup)
     drafts = DraftSupport(draft.model_id if draft else "", config.num_draft_tokens)
-    service = CoreService(scheduler, Planner(checkpoints, drafts), checkpoints, outbox)
+    planner = Planner(checkpoints, drafts, scheduler.queued_saves)
+    service = CoreService(scheduler, planner, checkpoints, outbox)
     outbox.send(Ready(loaded.facts(), checkpoints.has_store, drafts.model_id, os.getpid()))
     return service
 
