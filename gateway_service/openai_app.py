@@ -169,6 +169,24 @@ class OpenAIFront:
             return _error(exc)
         return JSONResponse({"prompt": reply.text})
 
+    async def _echo(
+        self, body: dict[str, Any], req: engine_pb2.GenerateRequest, caller: Caller
+    ) -> str:
+        """A completion's `echo`: its prompt as text (token ids detokenized by an engine)."""
+        echo = body.get("echo")
+        if echo is None or echo is False:
+            return ""
+        if echo is not True:
+            raise ApiError(400, "'echo' must be true or false", param="echo")
+        if req.sampling.HasField("logprobs"):
+            message = "'echo' with 'logprobs' would need the prompt's logprobs: not supported"
+            raise ApiError(400, message, param="echo")
+        if req.text:
+            return req.text
+        ids = engine_pb2.DetokenizeRequest(token_ids=req.token_ids)
+        reply = await self._unary(caller, lambda b, md: b.stub.Detokenize(ids, metadata=md))
+        return str(reply.text)
+
     async def _unary(self, caller: Caller, call: Any) -> Any:
         try:
             return await on_any_engine(self.pool, caller, call)
@@ -192,7 +210,8 @@ class OpenAIFront:
             n = _choices(body, req)
             req.request_id = req.request_id or f"gw-{uuid.uuid4().hex}"  # told in each chunk
             served = model or self._served_name()
-            choices = await open_choices(self.relay, req, n, caller, model, chat)
+            echo = "" if chat else await self._echo(body, req, caller)
+            choices = await open_choices(self.relay, req, n, caller, model, chat, echo)
         except ApiError as exc:
             return _error(exc)
         for choice in choices:

@@ -54,7 +54,13 @@ def choice_request(req: engine_pb2.GenerateRequest, index: int) -> engine_pb2.Ge
 
 
 async def open_choices(
-    relay: Relay, req: engine_pb2.GenerateRequest, n: int, caller: Caller, model: str, chat: bool
+    relay: Relay,
+    req: engine_pb2.GenerateRequest,
+    n: int,
+    caller: Caller,
+    model: str,
+    chat: bool,
+    echo: str = "",
 ) -> list[Choice]:
     """The n choices, each with its first message in hand (an error before any token is an
     ApiError, so the response has not started); choice 0 first, then the rest together."""
@@ -69,6 +75,7 @@ async def open_choices(
             request_id=request.request_id,
             tokens_held=request.tokens_held,
             index=index,
+            echo=echo,
         )
         try:
             return Choice(index, messages, await next_message(messages), shaper)

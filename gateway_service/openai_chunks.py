@@ -43,8 +43,12 @@ class Shaper:
     finish: str | None = None
     usage: dict[str, Any] | None = None
     index: int = 0  # which choice (n > 1: gateway_service/openai_choices.py)
+    echo: str = ""  # a completion's prompt, given back before its text (`echo`)
     opened: bool = False
     offset: int = 0  # characters of completion text before the next token (text_offset)
+
+    def __post_init__(self) -> None:
+        self.offset = len(self.echo)
 
     @property
     def object_id(self) -> str:
@@ -74,6 +78,8 @@ class Shaper:
         out = []
         if self.chat and not self.opened:
             out.append(self._chunk({"delta": {"role": "assistant", "content": ""}}))
+        elif self.echo and not self.opened:
+            out.append(self._chunk({"text": self.echo}))
         self.opened = True
         if message.text or message.token_ids:
             if self.chat:
@@ -105,10 +111,10 @@ class Shaper:
                 "finish_reason": self.finish,
                 "logprobs": _chat_logprobs(self.logprobs),
             }
-        self.offset = 0
+        self.offset = len(self.echo)
         return {
             "index": self.index,
-            "text": self.text,
+            "text": self.echo + self.text,
             "finish_reason": self.finish,
             "logprobs": self._completion_logprobs(self.logprobs),
         }

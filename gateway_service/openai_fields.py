@@ -44,7 +44,7 @@ _BOTH = {
     "tandem",
 }
 HONOURED = {
-    Endpoint.COMPLETIONS: _BOTH | {"prompt"},
+    Endpoint.COMPLETIONS: _BOTH | {"prompt", "echo"},
     Endpoint.CHAT: _BOTH | {"messages", "max_completion_tokens", "top_logprobs"},
 }
 
@@ -72,7 +72,7 @@ class Refused:
 
 REFUSED = {
     "best_of": Refused("only one candidate per request (best_of = 1)", (None, 1)),
-    "echo": Refused("the prompt is not echoed", (None, False)),
+    "echo": Refused("echo is a completions field", (None, False)),
     "suffix": Refused("insertion (a suffix) is not supported", (None, "")),
     "tools": Refused("tool calling is not supported yet", (None, [])),
     "functions": Refused("function calling is not supported yet", (None, [])),

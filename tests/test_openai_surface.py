@@ -369,3 +369,30 @@ def test_n_choices_prefill_once_and_stream_with_their_index(
             with pytest.raises(openai.BadRequestError) as refused:
                 sdk.completions.create(**{**common, "n": bad})
             assert refused.value.param == "n"
+
+
+def test_echo_gives_the_prompt_back_first(
+    gateways: tuple[GatewayProcess, ...], engine: ServiceProcess
+) -> None:
+    common: dict[str, Any] = dict(model="tandem-tiny", max_tokens=6, seed=8)
+    extra = {"tandem": {"ignore_eos": True}}
+    with (
+        openai.OpenAI(base_url=gateways[1].http + "/v1", api_key="x", max_retries=0) as sdk,
+        EngineClient(engine.address) as direct,
+    ):
+        plain = sdk.completions.create(prompt="Hello there", **common, extra_body=extra)
+        echoed = sdk.completions.create(prompt="Hello there", echo=True, **common, extra_body=extra)
+        assert echoed.choices[0].text == "Hello there" + plain.choices[0].text
+        chunks = list(
+            sdk.completions.create(
+                prompt="Hello there", echo=True, stream=True, **common, extra_body=extra
+            )
+        )
+        assert chunks[0].choices[0].text == "Hello there"
+        assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+        ids = direct.tokenize("Hello there", add_special_tokens=False)
+        by_ids = sdk.completions.create(prompt=ids, echo=True, **common, extra_body=extra)
+        assert by_ids.choices[0].text.startswith(direct.detokenize(ids))
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.completions.create(prompt="Hi", echo=True, logprobs=1, **common)
+        assert refused.value.param == "echo"
