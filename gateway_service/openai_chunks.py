@@ -39,6 +39,7 @@ class Shaper:
     request_id: str = ""
     tokens_held: int = 0
     text: str = ""
+    reasoning: str = ""  # a reasoning model's thinking: `reasoning_content`
     logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)
     finish: str | None = None
     usage: dict[str, Any] | None = None
@@ -60,6 +61,7 @@ class Shaper:
 
     def add(self, message: engine_pb2.GenerateResponse) -> None:
         self.text += message.text
+        self.reasoning += message.reasoning_text
         self.tokens_held += len(message.token_ids)
         self.logprobs.extend(message.logprobs)
         if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
@@ -81,10 +83,15 @@ class Shaper:
         elif self.echo and not self.opened:
             out.append(self._chunk({"text": self.echo}))
         self.opened = True
-        if message.text or message.token_ids:
+        if message.text or message.token_ids or message.reasoning_text:
             if self.chat:
                 logprobs = _chat_logprobs(message.logprobs)
-                out.append(self._chunk({"delta": {"content": message.text}, "logprobs": logprobs}))
+                delta = {"content": message.text}
+                if message.reasoning_text:  # DeepSeek's and vLLM's name for it
+                    delta = {"reasoning_content": message.reasoning_text}
+                    if message.text:
+                        delta["content"] = message.text
+                out.append(self._chunk({"delta": delta, "logprobs": logprobs}))
             else:
                 logprobs = self._completion_logprobs(message.logprobs)
                 out.append(self._chunk({"text": message.text, "logprobs": logprobs}))
@@ -105,9 +112,12 @@ class Shaper:
 
     def final_choice(self) -> dict[str, Any]:
         if self.chat:
+            message = {"role": "assistant", "content": self.text}
+            if self.reasoning:
+                message["reasoning_content"] = self.reasoning
             return {
                 "index": self.index,
-                "message": {"role": "assistant", "content": self.text},
+                "message": message,
                 "finish_reason": self.finish,
                 "logprobs": _chat_logprobs(self.logprobs),
             }

@@ -24,6 +24,7 @@ from engine_service.errors import (
     error_named,
 )
 from engine_service.front.metrics import RequestMetrics
+from engine_service.front.reasoning import ReasoningSplit
 from engine_service.front.text import TextStream
 from engine_service.protocol.events import Event, Finished, PrefixMissReason, Started, Token
 from engine_service.protocol.requests import GenerationRequest
@@ -63,6 +64,7 @@ class Usage:
 class ResponseChunk:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    reasoning_text: str = ""  # a reasoning model's thinking (front/reasoning.py)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: ResponseFinish | None = None
     matched_stop: str = ""
@@ -72,7 +74,7 @@ class ResponseChunk:
 
     @property
     def empty(self) -> bool:
-        return not (self.token_ids or self.text)
+        return not (self.token_ids or self.text or self.reasoning_text)
 
 
 @dataclass(frozen=True)
@@ -135,11 +137,13 @@ class ResponseBuilder:
         tokenizer: Any,
         arrival: float,
         metrics: RequestMetrics | None = None,
+        reasoning: ReasoningSplit | None = None,
     ) -> None:
         self.req = req
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.text = TextStream(tokenizer, req.sampling.stop, req.prompt)
+        self.reasoning = reasoning
         self.usage = Usage(prompt_tokens=len(req.prompt))
         self.arrival = arrival
         self.first_token_at = self.last_token_at = 0.0
@@ -167,7 +171,16 @@ class ResponseBuilder:
             return  # ends the generation; its text is not part of the output
         delta = self.text.add(event.token_id)
         if send:
-            chunk.text += delta
+            self._put(chunk, delta)
+
+    def _put(self, chunk: ResponseChunk, text: str, final: bool = False) -> None:
+        if self.reasoning is None:
+            chunk.text += text
+            return
+        parts = [self.reasoning.add(text)] + ([self.reasoning.finish()] if final else [])
+        for part in parts:
+            chunk.reasoning_text += part.reasoning
+            chunk.text += part.content
 
     def finish(
         self, chunk: ResponseChunk, reason: ResponseFinish, stop_token: int | None = None
@@ -185,7 +198,7 @@ class ResponseBuilder:
         if self.text.stopped_by:
             chunk.matched_stop = self.text.stopped_by
         elif reason in ("length", "stop"):
-            chunk.text += self.text.finish()
+            self._put(chunk, self.text.finish(), final=True)
         if stop_token is not None:
             chunk.matched_stop = self.tokenizer.decode([stop_token])
         u = self.usage
@@ -220,6 +233,7 @@ async def respond(
     replay: list[int],
     stop_row: Callable[[], None],
     metrics: RequestMetrics | None = None,
+    reasoning: ReasoningSplit | None = None,
 ) -> AsyncIterator[ResponseChunk]:
     """The chunks of one generation: replayed tokens first (resume), then the engine's.
 
@@ -228,7 +242,7 @@ async def respond(
     when the engine core exited under it, and the engine's error (ModelFailed, Corrupt...)
     when the row failed there.
     """
-    out = ResponseBuilder(req, tokenizer, arrival, metrics)
+    out = ResponseBuilder(req, tokenizer, arrival, metrics, reasoning)
     if replay:
         out.usage.cached_prompt_tokens = len(req.prompt)
         chunk = ResponseChunk()

@@ -25,6 +25,7 @@ from engine_service.front import wire
 from engine_service.front.core_link import CoreLink
 from engine_service.front.metrics import RequestMetrics
 from engine_service.front.policy import RequestPolicy
+from engine_service.front.reasoning import reasoning_split
 from engine_service.front.response_stream import Backpressure, RequestStream, ResponseChunk, respond
 from engine_service.protocol.requests import GenerationRequest, scoped_id
 from tandem_wire.auth import AuthError, current, namespace_for
@@ -110,6 +111,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     accepted.replay,
                     self._stopper(req),
                     self.metrics,
+                    reasoning_split(self.loaded.tokenizer, req.prompt, bool(request.messages)),
                 )
                 async for chunk in chunks:
                     last = chunk

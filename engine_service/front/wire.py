@@ -294,6 +294,7 @@ def response_to_pb(chunk: ResponseChunk) -> engine_pb2.GenerateResponse:
     message = engine_pb2.GenerateResponse(
         token_ids=chunk.token_ids,
         text=chunk.text,
+        reasoning_text=chunk.reasoning_text,
         logprobs=[
             engine_pb2.TokenLogprob(
                 token_id=lp.token_id,

@@ -67,6 +67,7 @@ class GenerationChunk:
     request_id: str = ""
     error: str = ""
     matched_stop: str = ""
+    reasoning_text: str = ""  # a reasoning model's thinking (chat requests)
 
     @classmethod
     def from_pb(cls, m: engine_pb2.GenerateResponse) -> GenerationChunk:
@@ -102,6 +103,7 @@ class GenerationChunk:
             request_id=m.request_id,
             error=m.error,
             matched_stop=m.matched_stop,
+            reasoning_text=m.reasoning_text,
         )
 
 
@@ -114,6 +116,7 @@ class Generation:
     finish_reason: str
     usage: Usage | None
     chunks: list[GenerationChunk]
+    reasoning_text: str = ""
 
     @classmethod
     def collect(cls, chunks: Iterator[GenerationChunk]) -> Generation:
@@ -125,6 +128,7 @@ class Generation:
             last.finish_reason,
             last.usage,
             got,
+            "".join(c.reasoning_text for c in got),
         )
 
 
