@@ -51,6 +51,8 @@ SECONDS = {
     "test_node_client.py": 12,
     "test_engine_turns.py": 12,
     "test_gateway_health.py": 19,
+    "test_openai_surface.py": 14,
+    "test_sampling_penalties.py": 11,
 }
 
 

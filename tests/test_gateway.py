@@ -169,8 +169,8 @@ def test_errors_come_back_in_openai_shape(
     with pytest.raises(openai.BadRequestError) as bad:
         sdk.completions.create(model="tandem-tiny", prompt="x", max_tokens=4, temperature=7)
     assert bad.value.body is not None and "temperature" in str(bad.value.body)
-    with pytest.raises(openai.BadRequestError):
-        sdk.chat.completions.create(model="tandem-tiny", messages=SDK_CHAT, n=2)
+    with pytest.raises(openai.BadRequestError):  # n is 1..16 (test_openai_surface.py)
+        sdk.chat.completions.create(model="tandem-tiny", messages=SDK_CHAT, n=17)
     with pytest.raises(openai.BadRequestError) as refused:  # the engine's refusal, mapped
         sdk.completions.create(model="tandem-tiny", prompt=[10_000_000], max_tokens=4)
     assert "unknown token id" in str(refused.value)
