@@ -45,13 +45,16 @@ SCANNER = "create_import_structure_from_path"
 _FORMAT = 1
 
 
-def cache_dir() -> Path:
-    """Where the kept scan lives: $TANDEM_CACHE_DIR, else the user's cache folder."""
+def cache_dir() -> Path | None:
+    """Where the kept scan lives: $TANDEM_CACHE_DIR, else the user's cache folder; None when
+    there is no home to put it in (never a folder relative to wherever the process runs)."""
     explicit = os.environ.get("TANDEM_CACHE_DIR")
     if explicit:
         return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tandem"
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # unset, or relative (which XDG says to ignore)
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tandem" if os.path.isabs(base) else None
 
 
 def _fingerprint(root: str, version: str) -> str:
@@ -103,8 +106,11 @@ class KeptScan:
         return result
 
     def _file(self) -> Path:
+        folder = cache_dir()
+        if folder is None:
+            raise OSError("no cache folder")
         name = hashlib.blake2b(self.models_root.encode(), digest_size=8).hexdigest()
-        return cache_dir() / f"transformers-import-{name}.marshal"
+        return folder / f"transformers-import-{name}.marshal"
 
     def _load(self) -> None:
         self.loaded_from_disk = True

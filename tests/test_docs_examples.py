@@ -133,7 +133,7 @@ def test_a_shell_block_runs(
         "TANDEM_ENGINE_WARMUP": "0",
         "OPENBLAS_NUM_THREADS": "1",  # as every engine the suite starts (conftest.py)
         # HOME is the test's own: transformers' table stays where the suite keeps it.
-        "TANDEM_CACHE_DIR": str(cache_dir()),
+        "TANDEM_CACHE_DIR": str(cache_dir() or tmp_path / "cache"),
     }
     for command in _commands(block):
         words = shlex.split(command, comments=True)

@@ -110,7 +110,9 @@ def test_a_damaged_or_unwritable_cache_costs_only_the_scan(
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
     tree = Folders(tmp_path / "models")
     want = tree.scanner()(tree.root)
-    (kept_file,) = cache_dir().glob("*.marshal")
+    folder = cache_dir()
+    assert folder is not None
+    (kept_file,) = folder.glob("*.marshal")
     kept_file.write_bytes(kept_file.read_bytes()[:100])  # cut short
     tree.read.clear()
     assert tree.scanner()(tree.root) == want and len(tree.read) == 4
@@ -122,6 +124,16 @@ def test_a_damaged_or_unwritable_cache_costs_only_the_scan(
     scanner = tree.scanner()
     assert scanner(tree.root) == want and len(tree.read) == 4
     assert not scanner.kept_on_disk
+
+    monkeypatch.delenv("TANDEM_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # ignored, as XDG says
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "tandem"
+    monkeypatch.setenv("HOME", "relative-home")  # no home: never a folder under the cwd
+    assert cache_dir() is None
+    tree.read.clear()
+    scanner = tree.scanner()
+    assert scanner(tree.root) == want and len(tree.read) == 4 and not scanner.kept_on_disk
 
 
 def test_transformers_still_scans_its_model_folders_twice() -> None:
