@@ -35,10 +35,10 @@ from gateway_service.openai_choices import (
     interleaved,
     open_choices,
 )
+from gateway_service.openai_errors import ApiError
 from gateway_service.openai_fields import Endpoint, check_fields
 from gateway_service.openai_formats import apply_constraint
 from gateway_service.openai_wire import (
-    ApiError,
     add_messages,
     chat_request,
     completion_request,

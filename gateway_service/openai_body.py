@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from gateway_service.openai_wire import ApiError
+from gateway_service.openai_errors import ApiError
 
 # Far deeper than any legitimate body (a JSON schema rarely passes 20 levels), far below
 # Python's recursion limit, so walking the body later can never raise RecursionError.

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from gateway_service.openai_chunks import Shaper
-from gateway_service.openai_wire import ApiError
+from gateway_service.openai_errors import ApiError
 from gateway_service.relay import Caller, GatewayError, Relay
 from tandem_wire.pb import engine_pb2
 

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway_service.openai_tools import ToolCalls
 from tandem_wire.pb import engine_pb2
 
 FINISH = {
@@ -40,6 +41,7 @@ class Shaper:
     tokens_held: int = 0
     text: str = ""
     reasoning: str = ""  # a reasoning model's thinking: `reasoning_content`
+    tool_calls: ToolCalls = field(default_factory=ToolCalls)
     logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)
     finish: str | None = None
     usage: dict[str, Any] | None = None
@@ -47,6 +49,7 @@ class Shaper:
     echo: str = ""  # a completion's prompt, given back before its text (`echo`)
     opened: bool = False
     offset: int = 0  # characters of completion text before the next token (text_offset)
+    _tool_deltas: list[dict[str, Any]] = field(default_factory=list)  # the last message's
 
     def __post_init__(self) -> None:
         self.offset = len(self.echo)
@@ -64,8 +67,11 @@ class Shaper:
         self.reasoning += message.reasoning_text
         self.tokens_held += len(message.token_ids)
         self.logprobs.extend(message.logprobs)
+        self._tool_deltas = self.tool_calls.add(message.tool_calls)
         if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
             self.finish = FINISH.get(message.finish_reason, "stop")
+            if self.finish == "stop" and self.tool_calls:
+                self.finish = "tool_calls"  # OpenAI's name for an answer that made calls
             u = message.usage
             self.usage = {
                 "prompt_tokens": u.prompt_tokens,
@@ -83,14 +89,16 @@ class Shaper:
         elif self.echo and not self.opened:
             out.append(self._chunk({"text": self.echo}))
         self.opened = True
-        if message.text or message.token_ids or message.reasoning_text:
+        if message.text or message.token_ids or message.reasoning_text or self._tool_deltas:
             if self.chat:
                 logprobs = _chat_logprobs(message.logprobs)
-                delta = {"content": message.text}
+                delta: dict[str, Any] = {"content": message.text}
+                if message.reasoning_text or self._tool_deltas:
+                    delta = {"content": message.text} if message.text else {}
                 if message.reasoning_text:  # DeepSeek's and vLLM's name for it
-                    delta = {"reasoning_content": message.reasoning_text}
-                    if message.text:
-                        delta["content"] = message.text
+                    delta["reasoning_content"] = message.reasoning_text
+                if self._tool_deltas:
+                    delta["tool_calls"] = self._tool_deltas
                 out.append(self._chunk({"delta": delta, "logprobs": logprobs}))
             else:
                 logprobs = self._completion_logprobs(message.logprobs)
@@ -112,9 +120,12 @@ class Shaper:
 
     def final_choice(self) -> dict[str, Any]:
         if self.chat:
-            message = {"role": "assistant", "content": self.text}
+            message: dict[str, Any] = {"role": "assistant", "content": self.text}
             if self.reasoning:
                 message["reasoning_content"] = self.reasoning
+            if self.tool_calls:
+                message["tool_calls"] = self.tool_calls.whole()
+                message["content"] = self.text or None  # as OpenAI sends a call alone
             return {
                 "index": self.index,
                 "message": message,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from gateway_service.openai_wire import ApiError
+from gateway_service.openai_errors import ApiError
 
 
 class Endpoint(Enum):
@@ -45,7 +45,15 @@ _BOTH = {
 }
 HONOURED = {
     Endpoint.COMPLETIONS: _BOTH | {"prompt", "echo"},
-    Endpoint.CHAT: _BOTH | {"messages", "max_completion_tokens", "top_logprobs"},
+    Endpoint.CHAT: _BOTH
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    },
 }
 
 # Accepted and ignored by design: none of them changes a token of the output.
@@ -74,11 +82,13 @@ REFUSED = {
     "best_of": Refused("only one candidate per request (best_of = 1)", (None, 1)),
     "echo": Refused("echo is a completions field", (None, False)),
     "suffix": Refused("insertion (a suffix) is not supported", (None, "")),
-    "tools": Refused("tool calling is not supported yet", (None, [])),
-    "functions": Refused("function calling is not supported yet", (None, [])),
-    "tool_choice": Refused("tool calling is not supported yet", (None, "none", "auto")),
-    "function_call": Refused("function calling is not supported yet", (None, "none", "auto")),
-    "parallel_tool_calls": Refused("tool calling is not supported yet", (None, True, False)),
+    "tools": Refused("tools are a chat field", (None, [])),
+    "tool_choice": Refused("tools are a chat field", (None, "none", "auto")),
+    "parallel_tool_calls": Refused("tools are a chat field", (None, True, False)),
+    "functions": Refused("the deprecated `functions` API: send `tools`", (None, [])),
+    "function_call": Refused(
+        "the deprecated `functions` API: send `tool_choice`", (None, "none", "auto")
+    ),
     "modalities": Refused("text is the only modality", (None, ["text"])),
     "audio": Refused("audio output is not supported"),
     "reasoning_effort": Refused("reasoning effort cannot be set for these models"),

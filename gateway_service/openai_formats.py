@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway_service.openai_wire import ApiError
+from gateway_service.openai_errors import ApiError
 from tandem_wire.pb import engine_pb2
 
 # `"tandem": {...}` keys naming a constraint, one at most (the API has no place for them).

@@ -1,8 +1,8 @@
 """OpenAI's request and response shapes, translated to and from the Tandem engine API.
 
 `completion_request` / `chat_request` turn a JSON body into a GenerateRequest (or raise
-ApiError 400 naming the field; which fields exist at all is openai_fields.py's); `ApiError`
-is OpenAI's error shape; openai_chunks.py shapes the answers. Tandem's own options ride in
+ApiError 400 naming the field; which fields exist at all is openai_fields.py's; tools are
+openai_tools.py's); openai_chunks.py shapes the answers. Tandem's own options ride in
 the body's `tandem` object (docs/gateway.md).
 """
 
@@ -11,26 +11,10 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-import grpc
-
-from gateway_service.relay import message_too_large
+from gateway_service.openai_errors import ApiError
+from gateway_service.openai_tools import add_call_fields, add_tools
 from tandem_wire.pb import engine_pb2
 
-# gRPC status -> (HTTP status, OpenAI error type).
-HTTP_OF = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-    grpc.StatusCode.DATA_LOSS: (502, "api_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-}
 TANDEM_OPTIONS = {
     "namespace",
     "request_id",
@@ -52,36 +36,6 @@ TANDEM_OPTIONS = {
     "lark",
     "gbnf",
 }
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.param, self.code = status, kind, param, code
-
-    @classmethod
-    def from_grpc(cls, code: grpc.StatusCode, message: str) -> ApiError:
-        status, kind = HTTP_OF.get(code, (500, "api_error"))
-        if message_too_large(code, message):  # not a rate limit: a retry fails the same way
-            status, kind = 413, "invalid_request_error"
-        return cls(status, message, kind, code=code.name.lower())
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": str(self),
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
 
 
 # The proto fields' ranges: a value beyond them cannot be set on the message (ValueError).
@@ -236,6 +190,7 @@ def completion_request(body: dict[str, Any]) -> engine_pb2.GenerateRequest:
 def chat_request(body: dict[str, Any]) -> engine_pb2.GenerateRequest:
     req = engine_pb2.GenerateRequest()
     add_messages(body.get("messages"), req.messages)
+    add_tools(body, req)
     _common(body, req)
     _max_tokens(body, req, "max_completion_tokens", "max_tokens")
     if _flag(body, "logprobs"):
@@ -244,13 +199,14 @@ def chat_request(body: dict[str, Any]) -> engine_pb2.GenerateRequest:
 
 
 def add_messages(messages: Any, into: Any) -> None:
-    """A body's `messages` (text content only) added to a repeated ChatMessage field."""
+    """A body's `messages` (text content, tool calls and answers) added to a repeated
+    ChatMessage field."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] needs a 'role'", param="messages")
-        into.add(role=m["role"], content=_content(m.get("content"), i))
+        add_call_fields(m, i, into.add(role=m["role"], content=_content(m.get("content"), i)))
 
 
 def streaming(body: dict[str, Any]) -> tuple[bool, bool]:

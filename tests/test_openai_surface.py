@@ -18,8 +18,8 @@ from openai.types import completion_create_params as completion_params
 from openai.types.chat import ChatCompletionMessageParam
 from openai.types.chat import completion_create_params as chat_params
 
+from gateway_service.openai_errors import ApiError
 from gateway_service.openai_fields import HONOURED, IGNORED, REFUSED, Endpoint, check_fields
-from gateway_service.openai_wire import ApiError
 from tandem_client import EngineClient
 from tests.servers import GatewayProcess, ServiceProcess, start_engine, start_store
 
@@ -65,11 +65,13 @@ def test_each_refused_field_is_named_and_its_neutral_value_accepted() -> None:
     }
     assert set(non_neutral) == set(REFUSED)
     for name, value in non_neutral.items():
+        # Refused where it is not honoured: tools on completions, echo on chat.
+        where = Endpoint.COMPLETIONS if name in HONOURED[Endpoint.CHAT] else Endpoint.CHAT
         with pytest.raises(ApiError) as refused:
-            check_fields({"model": "m", name: value}, Endpoint.CHAT)
+            check_fields({"model": "m", name: value}, where)
         assert refused.value.status == 400 and refused.value.param == name, name
         for neutral in REFUSED[name].neutral:
-            check_fields({"model": "m", name: neutral}, Endpoint.CHAT)
+            check_fields({"model": "m", name: neutral}, where)
     for name in IGNORED:
         check_fields({"model": "m", name: "anything"}, Endpoint.CHAT)
     with pytest.raises(ApiError) as unknown:
@@ -239,8 +241,14 @@ def test_fields_that_were_silently_ignored_are_refused_by_name(
     gateways: tuple[GatewayProcess, ...],
 ) -> None:
     with openai.OpenAI(base_url=gateways[1].http + "/v1", api_key="x", max_retries=0) as sdk:
+        # Tools reach the engine, which refuses them for a model with no tool-call format.
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        with pytest.raises(openai.BadRequestError) as no_format:
+            sdk.chat.completions.create(
+                model="tandem-tiny", messages=CHAT, max_tokens=2, extra_body={"tools": tools}
+            )
+        assert "no tool-call format" in str(no_format.value)
         for extra in (
-            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
             {"reasoning_effort": "high"},
             {"modalities": ["audio"]},
             {"not_a_field": 1},

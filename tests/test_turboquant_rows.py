@@ -28,7 +28,8 @@ from engine_service.protocol.kv_codec import (
     layout_accepts,
     request_layout,
 )
-from gateway_service.openai_wire import ApiError, completion_request
+from gateway_service.openai_errors import ApiError
+from gateway_service.openai_wire import completion_request
 from tandem_client import EngineClient, StoreClient
 from tandem_client.engine_client import generate_request
 from tandem_client.errors import TandemError

@@ -42,7 +42,7 @@ class ReasoningSplit:
             rest = rest[at + len(marker) :]
             self.reasoning = not self.reasoning
         marker = self.end if self.reasoning else self.start
-        keep = _open_prefix(rest, marker)
+        keep = open_prefix(rest, marker)
         self._held = rest[len(rest) - keep :] if keep else ""
         self._put(out, rest[: len(rest) - keep])
         return out
@@ -71,7 +71,7 @@ def reasoning_split(tokenizer: Any, prompt: Sequence[int], chat: bool) -> Reason
     return ReasoningSplit(start, end, reasoning=opened > closed)
 
 
-def _open_prefix(text: str, marker: str) -> int:
+def open_prefix(text: str, marker: str) -> int:
     """Length of the longest tail of text that is a proper prefix of marker."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):

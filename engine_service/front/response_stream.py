@@ -26,6 +26,7 @@ from engine_service.errors import (
 from engine_service.front.metrics import RequestMetrics
 from engine_service.front.reasoning import ReasoningSplit
 from engine_service.front.text import TextStream
+from engine_service.front.tool_calls import ToolCallDelta, ToolCallSplit
 from engine_service.protocol.events import Event, Finished, PrefixMissReason, Started, Token
 from engine_service.protocol.requests import GenerationRequest
 
@@ -65,6 +66,7 @@ class ResponseChunk:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     reasoning_text: str = ""  # a reasoning model's thinking (front/reasoning.py)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # front/tool_calls.py
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: ResponseFinish | None = None
     matched_stop: str = ""
@@ -74,7 +76,7 @@ class ResponseChunk:
 
     @property
     def empty(self) -> bool:
-        return not (self.token_ids or self.text or self.reasoning_text)
+        return not (self.token_ids or self.text or self.reasoning_text or self.tool_calls)
 
 
 @dataclass(frozen=True)
@@ -138,12 +140,14 @@ class ResponseBuilder:
         arrival: float,
         metrics: RequestMetrics | None = None,
         reasoning: ReasoningSplit | None = None,
+        tools: ToolCallSplit | None = None,
     ) -> None:
         self.req = req
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.text = TextStream(tokenizer, req.sampling.stop, req.prompt)
         self.reasoning = reasoning
+        self.tools = tools
         self.usage = Usage(prompt_tokens=len(req.prompt))
         self.arrival = arrival
         self.first_token_at = self.last_token_at = 0.0
@@ -169,18 +173,25 @@ class ResponseBuilder:
                 chunk.logprobs.append(self._logprob(event))
         if event.token_id in self.req.stop_ids:
             return  # ends the generation; its text is not part of the output
-        delta = self.text.add(event.token_id)
-        if send:
-            self._put(chunk, delta)
+        # The splits see every piece, sent or held by the client, so their state is the
+        # same on an engine that resumes the generation; what the client holds is dropped.
+        self._put(chunk if send else ResponseChunk(), self.text.add(event.token_id))
 
     def _put(self, chunk: ResponseChunk, text: str, final: bool = False) -> None:
         if self.reasoning is None:
-            chunk.text += text
+            content = text
+        else:
+            parts = [self.reasoning.add(text)] + ([self.reasoning.finish()] if final else [])
+            content = ""
+            for part in parts:
+                chunk.reasoning_text += part.reasoning
+                content += part.content
+        if self.tools is None:
+            chunk.text += content
             return
-        parts = [self.reasoning.add(text)] + ([self.reasoning.finish()] if final else [])
-        for part in parts:
-            chunk.reasoning_text += part.reasoning
-            chunk.text += part.content
+        for split in [self.tools.add(content)] + ([self.tools.finish()] if final else []):
+            chunk.text += split.content
+            chunk.tool_calls.extend(split.calls)
 
     def finish(
         self, chunk: ResponseChunk, reason: ResponseFinish, stop_token: int | None = None
@@ -197,6 +208,7 @@ class ResponseBuilder:
         chunk.request_id = self.req.shown_id
         if self.text.stopped_by:
             chunk.matched_stop = self.text.stopped_by
+            self._put(chunk, "", final=True)  # what the splits still hold
         elif reason in ("length", "stop"):
             self._put(chunk, self.text.finish(), final=True)
         if stop_token is not None:
@@ -234,6 +246,7 @@ async def respond(
     stop_row: Callable[[], None],
     metrics: RequestMetrics | None = None,
     reasoning: ReasoningSplit | None = None,
+    tools: ToolCallSplit | None = None,
 ) -> AsyncIterator[ResponseChunk]:
     """The chunks of one generation: replayed tokens first (resume), then the engine's.
 
@@ -242,7 +255,7 @@ async def respond(
     when the engine core exited under it, and the engine's error (ModelFailed, Corrupt...)
     when the row failed there.
     """
-    out = ResponseBuilder(req, tokenizer, arrival, metrics, reasoning)
+    out = ResponseBuilder(req, tokenizer, arrival, metrics, reasoning, tools)
     if replay:
         out.usage.cached_prompt_tokens = len(req.prompt)
         chunk = ResponseChunk()

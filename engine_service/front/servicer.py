@@ -27,6 +27,8 @@ from engine_service.front.metrics import RequestMetrics
 from engine_service.front.policy import RequestPolicy
 from engine_service.front.reasoning import reasoning_split
 from engine_service.front.response_stream import Backpressure, RequestStream, ResponseChunk, respond
+from engine_service.front.tool_calls import tool_call_split
+from engine_service.front.tool_wire import tool_use_from_pb
 from engine_service.protocol.requests import GenerationRequest, scoped_id
 from tandem_wire.auth import AuthError, current, namespace_for
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc
@@ -112,6 +114,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     self._stopper(req),
                     self.metrics,
                     reasoning_split(self.loaded.tokenizer, req.prompt, bool(request.messages)),
+                    tool_call_split(tool_use_from_pb(request), self.loaded.tokenizer, req.shown_id),
                 )
                 async for chunk in chunks:
                     last = chunk

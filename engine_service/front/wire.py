@@ -1,7 +1,8 @@
 """Every conversion between the engine's protobuf messages and its domain types.
 
 Requests in (validated: InvalidRequest / Precondition name what is wrong), responses, stats,
-model info and flush results out. No other engine module imports `engine_pb2`.
+model info and flush results out. No other engine module imports `engine_pb2` but
+front/tools.py, which reads a request's tools.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from engine_service.config import MAX_DRAFT
 from engine_service.errors import InvalidRequest, Precondition
 from engine_service.front.policy import RequestPolicy
 from engine_service.front.response_stream import ResponseChunk
+from engine_service.front.tool_wire import chat_messages, tool_use_from_pb, tools_from_pb
+from engine_service.front.tools import check_format, tool_constraint, tool_format
 from engine_service.model.loaded import LoadedModel
 from engine_service.protocol.checkpoint_stats import CheckpointStats
 from engine_service.protocol.constraint import Constraint, ConstraintKind, check_constraint
@@ -195,13 +198,17 @@ def prompt_from_pb(
     if request.messages:
         if not tokenizer.has_chat_template:
             raise Precondition("this model has no chat template; send text or token_ids")
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        if any(not m["role"] for m in messages):
-            raise InvalidRequest("every chat message needs a role")
+        tools = None
+        if request.tools:
+            if tool_format(tokenizer) is None:
+                raise Precondition("this model's chat template has no tool-call format")
+            tools = [tool.for_template() for tool in tools_from_pb(request.tools)]
         rendered = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
+            chat_messages(request.messages), tools=tools, add_generation_prompt=True, tokenize=True
         )
         return list(rendered["input_ids"] if isinstance(rendered, dict) else rendered)
+    if request.tools:
+        raise InvalidRequest("tools need a chat request (messages)")
     if request.text:
         add_special = getattr(request, "add_special_tokens", True)
         return list(tokenizer.encode(request.text, add_special_tokens=add_special))
@@ -235,6 +242,15 @@ def request_from_pb(
         raise InvalidRequest(problem)
     sampling = sampling_from_pb(request.sampling, loaded.vocab_size)
     constraint = constraint_from_pb(request, policy)
+    use = tool_use_from_pb(request)
+    if use is not None:
+        forced = tool_constraint(use, check_format(use, loaded.tokenizer), loaded.tokenizer)
+        if forced is not None and constraint is not None:
+            raise InvalidRequest(
+                "a forced tool call is a grammar of its own: drop the constraint "
+                "(response_format), or use tool_choice auto"
+            )
+        constraint = constraint or forced
     if constraint is not None:
         sampling = dataclasses.replace(sampling, constraint=constraint)
     kv = kv_codec_from_pb(request, loaded, policy.default_kv)
@@ -310,6 +326,10 @@ def response_to_pb(chunk: ResponseChunk) -> engine_pb2.GenerateResponse:
         matched_stop=chunk.matched_stop,
         error=chunk.error,
         request_id=chunk.request_id,
+        tool_calls=[
+            engine_pb2.ToolCallDelta(index=c.index, id=c.id, name=c.name, arguments=c.arguments)
+            for c in chunk.tool_calls
+        ],
     )
     if chunk.finish_reason is not None:
         message.finish_reason = _FINISH[chunk.finish_reason]

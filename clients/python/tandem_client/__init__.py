@@ -20,6 +20,7 @@ from tandem_client.store_client import (
     StoreClient,
     Tensor,
 )
+from tandem_client.tools import ToolCall
 
 __all__ = [
     "AlreadyExists",
@@ -30,6 +31,7 @@ __all__ = [
     "EngineClient",
     "Generation",
     "GenerationChunk",
+    "ToolCall",
     "FailedPrecondition",
     "InvalidArgument",
     "LookupResult",

@@ -19,6 +19,7 @@ from tandem_client.failover import (
     StreamAttempts,
     split_addresses,
 )
+from tandem_client.tools import ToolCall, chat_message, merge_tool_calls, put_tools
 from tandem_wire.pb import engine_pb2
 
 T = TypeVar("T")
@@ -68,6 +69,8 @@ class GenerationChunk:
     error: str = ""
     matched_stop: str = ""
     reasoning_text: str = ""  # a reasoning model's thinking (chat requests)
+    # With tools: pieces of the calls (index; id and name first, then arguments in pieces).
+    tool_calls: list[engine_pb2.ToolCallDelta] = field(default_factory=list)
 
     @classmethod
     def from_pb(cls, m: engine_pb2.GenerateResponse) -> GenerationChunk:
@@ -104,6 +107,7 @@ class GenerationChunk:
             error=m.error,
             matched_stop=m.matched_stop,
             reasoning_text=m.reasoning_text,
+            tool_calls=list(m.tool_calls),
         )
 
 
@@ -117,6 +121,7 @@ class Generation:
     usage: Usage | None
     chunks: list[GenerationChunk]
     reasoning_text: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)  # whole, merged from the pieces
 
     @classmethod
     def collect(cls, chunks: Iterator[GenerationChunk]) -> Generation:
@@ -129,6 +134,7 @@ class Generation:
             last.usage,
             got,
             "".join(c.reasoning_text for c in got),
+            merge_tool_calls(d for c in got for d in c.tool_calls),
         )
 
 
@@ -190,6 +196,9 @@ def generate_request(
     gbnf: str | None = None,
     choice: Sequence[str] | None = None,
     json_object: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
     **sampling: Any,
 ) -> engine_pb2.GenerateRequest:
     """A GenerateRequest from text, token ids or chat messages (dicts of role/content).
@@ -201,6 +210,7 @@ def generate_request(
     tokens per round (needs --draft-model).
     Structured output, one at most: json_schema (a dict or its JSON text), regex, lark,
     gbnf, choice (the output is one of these strings) or json_object.
+    Tools (chat messages only): see tandem_client/tools.py's put_tools.
     """
     req = engine_pb2.GenerateRequest(
         request_id=request_id,
@@ -247,13 +257,12 @@ def generate_request(
         else:
             text = json.dumps(value) if isinstance(value, dict) else value
             setattr(req.constraint, kind, text)
+    put_tools(req, tools, tool_choice, parallel_tool_calls)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):
         messages: Any = prompt
-        req.messages.extend(
-            engine_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages
-        )
+        req.messages.extend(chat_message(m) for m in messages)
     else:
         req.token_ids.extend(prompt)  # type: ignore[arg-type]
     return req
@@ -352,14 +361,19 @@ class EngineClient(GrpcClient, AddressedStubs):
     def tokenize(
         self,
         text: str = "",
-        messages: Sequence[dict[str, str]] = (),
+        messages: Sequence[Mapping[str, Any]] = (),
         add_special_tokens: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         req = engine_pb2.TokenizeRequest(
             text=text,
             add_special_tokens=add_special_tokens,
-            messages=[engine_pb2.ChatMessage(**m) for m in messages],
+            messages=[chat_message(m) for m in messages],
         )
+        if tools:
+            with_tools = engine_pb2.GenerateRequest()
+            put_tools(with_tools, tools, None, None)
+            req.tools.extend(with_tools.tools)
         r: engine_pb2.TokenizeResponse = self._call(lambda: self._stub.Tokenize(req))
         return list(r.token_ids)
 
