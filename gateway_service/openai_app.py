@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP front (Starlette): /v1/completions, /v1/chat/completions
-(server-sent events or one JSON object), /v1/models and /v1/models/{id}, /tokenize and
+"""The OpenAI-compatible HTTP front (Starlette): /v1/completions, /v1/chat/completions and
+/v1/responses (server-sent events or one JSON object), /v1/models and /v1/models/{id}, /tokenize and
 /detokenize (vLLM's shapes), /health; CORS only for the origins `--cors-origin` names.
 
 A request's first engine message is awaited before the response starts, so an error before
@@ -38,6 +38,8 @@ from gateway_service.openai_choices import (
 from gateway_service.openai_errors import ApiError
 from gateway_service.openai_fields import Endpoint, check_fields
 from gateway_service.openai_formats import apply_constraint
+from gateway_service.openai_response_events import ResponseShaper
+from gateway_service.openai_responses import chat_body, check_response_fields, response_echo
 from gateway_service.openai_wire import (
     add_messages,
     chat_request,
@@ -86,6 +88,7 @@ class OpenAIFront:
                 Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/responses", self.responses, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
             ],
@@ -230,6 +233,46 @@ class OpenAIFront:
         whole = [c.shaper.final_choice() for c in choices]
         return JSONResponse(choices[0].shaper.final(whole, combined_usage(choices)))
 
+    async def responses(self, request: Request) -> Response:
+        """POST /v1/responses, stateless (gateway_service/openai_responses.py)."""
+        try:
+            caller = self._caller(request)
+            body = await read_json(request, self.max_body_bytes)
+            check_response_fields(body)
+            req, model, (stream, _) = _build(chat_body(body), chat=True)
+            req.request_id = req.request_id or f"gw-{uuid.uuid4().hex}"
+            (choice,) = await open_choices(self.relay, req, 1, caller, model, chat=True)
+        except ApiError as exc:
+            return _error(exc)
+        shaper = ResponseShaper(model or self._served_name(), response_echo(body))
+        if stream:
+            return StreamingResponse(
+                self._response_events(choice, shaper),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        try:
+            await _until_disconnected(request, _collect_response(choice, shaper))
+        except ApiError as exc:
+            return _error(exc)
+        except asyncio.CancelledError:
+            return Response(status_code=499)
+        return JSONResponse(shaper.response())
+
+    async def _response_events(self, choice: Choice, shaper: ResponseShaper) -> AsyncIterator[str]:
+        try:
+            for event in shaper.opening():
+                yield _event(event)
+            async for _, message in interleaved([choice]):
+                for event in shaper.add(message):
+                    yield _event(event)
+        except ApiError as exc:  # after the status line: the error travels as an event
+            yield _event(
+                {"type": "error", "sequence_number": shaper.sequence, **exc.body()["error"]}
+            )
+        finally:
+            await close([choice])
+
     async def _events(self, choices: list[Choice], include_usage: bool) -> AsyncIterator[str]:
         try:
             async for choice, message in interleaved(choices):
@@ -277,6 +320,11 @@ def _build(
         raise ApiError(400, f"the body holds a value no field takes: {exc}"[:300]) from None
 
 
+async def _collect_response(choice: Choice, shaper: ResponseShaper) -> None:
+    async for _, message in interleaved([choice]):
+        shaper.add(message)
+
+
 async def _collect(choices: list[Choice]) -> None:
     async for choice, message in interleaved(choices):
         choice.shaper.add(message)
@@ -321,6 +369,11 @@ def _bool(body: dict[str, Any], name: str, default: bool = True) -> bool:
     if not isinstance(value, bool):
         raise ApiError(400, f"'{name}' must be true or false", param=name)
     return value
+
+
+def _event(payload: dict[str, Any]) -> str:
+    """A Responses API event: named, as OpenAI sends them."""
+    return f"event: {payload['type']}\n" + _sse(payload)
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -101,15 +101,25 @@ REFUSED = {
 def check_fields(body: dict[str, Any], endpoint: Endpoint) -> None:
     """ApiError 400 naming the first field that is neither honoured, ignored by design, nor
     at a neutral value; or `stream_options` without `stream`, as OpenAI answers."""
-    honoured = HONOURED[endpoint]
+    refuse_unplaced(body, HONOURED[endpoint], IGNORED, REFUSED, endpoint.value)
+
+
+def refuse_unplaced(
+    body: dict[str, Any],
+    honoured: set[str],
+    ignored: dict[str, str],
+    refused: dict[str, Refused],
+    route: str,
+) -> None:
+    """check_fields for one route's lists (the Responses API has its own)."""
     for name, value in body.items():
-        if name in honoured or name in IGNORED:
+        if name in honoured or name in ignored:
             continue
-        refused = REFUSED.get(name)
-        if refused is None:
-            raise ApiError(400, f"unknown field '{name}' for {endpoint.value}", param=name)
-        if not any(_same(value, neutral) for neutral in refused.neutral):
-            raise ApiError(400, f"'{name}': {refused.why}", param=name)
+        refusal = refused.get(name)
+        if refusal is None:
+            raise ApiError(400, f"unknown field '{name}' for {route}", param=name)
+        if not any(_same(value, neutral) for neutral in refusal.neutral):
+            raise ApiError(400, f"'{name}': {refusal.why}", param=name)
     if body.get("stream_options") is not None and body.get("stream") is not True:
         raise ApiError(
             400, "'stream_options' is only allowed when 'stream' is true", param="stream_options"

@@ -4,8 +4,8 @@ engine's call pieces (ToolCallDelta) into OpenAI's `tool_calls`, streamed and wh
 
 The engine renders the tools through the model's chat template, parses its calls and, for
 `tool_choice` "required" or a named function, enforces one with a grammar
-(engine_service/front/tools.py). The Responses API (openai_responses.py) uses the same
-helpers with its flat tool shape.
+(engine_service/front/tools.py). The Responses API (openai_responses.py) comes here as a
+chat request.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ MODES = {
 }
 
 
-def add_tools(body: dict[str, Any], req: engine_pb2.GenerateRequest, flat: bool = False) -> None:
-    """tools (chat: {"type": "function", "function": {...}}; flat, the Responses API's:
-    {"type": "function", "name": ...}), tool_choice and parallel_tool_calls."""
+def add_tools(body: dict[str, Any], req: engine_pb2.GenerateRequest) -> None:
+    """tools ({"type": "function", "function": {...}}), tool_choice and
+    parallel_tool_calls."""
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ApiError(400, "'tools' must be a list", param="tools")
     for i, tool in enumerate(tools or []):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise ApiError(400, f"tools[{i}]: only function tools are supported", param="tools")
-        function = tool if flat else tool.get("function")
+        function = tool.get("function")
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise ApiError(400, f"tools[{i}] needs a function name", param="tools")
         description = function.get("description") or ""
@@ -48,7 +48,7 @@ def add_tools(body: dict[str, Any], req: engine_pb2.GenerateRequest, flat: bool 
             description=description,
             parameters_json=json.dumps(parameters) if parameters is not None else "",
         )
-    _tool_choice(body.get("tool_choice"), req, flat)
+    _tool_choice(body.get("tool_choice"), req)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None:
         if not isinstance(parallel, bool):
@@ -57,25 +57,20 @@ def add_tools(body: dict[str, Any], req: engine_pb2.GenerateRequest, flat: bool 
             req.parallel_tool_calls = parallel
 
 
-def _tool_choice(choice: Any, req: engine_pb2.GenerateRequest, flat: bool) -> None:
+def _tool_choice(choice: Any, req: engine_pb2.GenerateRequest) -> None:
     if choice is None:
         return
     if isinstance(choice, str) and choice in MODES:
         if req.tools or choice != "none":
             req.tool_choice.mode = MODES[choice]
         return
-    named = choice.get("name") if flat and isinstance(choice, dict) else None
-    if not flat and isinstance(choice, dict) and isinstance(choice.get("function"), dict):
-        named = choice["function"].get("name")
+    function = choice.get("function") if isinstance(choice, dict) else None
+    named = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not named:
         raise ApiError(
             400,
-            "'tool_choice' must be auto, none, required or a function "
-            + (
-                '{"type": "function", "name": ...}'
-                if flat
-                else '{"type": "function", "function": {"name": ...}}'
-            ),
+            "'tool_choice' must be auto, none, required or "
+            '{"type": "function", "function": {"name": ...}}',
             param="tool_choice",
         )
     req.tool_choice.mode = engine_pb2.ToolChoice.MODE_FUNCTION

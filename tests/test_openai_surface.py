@@ -17,7 +17,9 @@ import pytest
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import ChatCompletionMessageParam
 from openai.types.chat import completion_create_params as chat_params
+from openai.types.responses import response_create_params as responses_params
 
+from gateway_service import openai_responses as responses
 from gateway_service.openai_errors import ApiError
 from gateway_service.openai_fields import HONOURED, IGNORED, REFUSED, Endpoint, check_fields
 from tandem_client import EngineClient
@@ -44,6 +46,24 @@ def test_every_field_the_sdk_sends_is_placed(endpoint: Endpoint, params: Any) ->
     as ignored by design (gateway_service/openai_fields.py and docs/gateway.md)."""
     placed = HONOURED[endpoint] | set(IGNORED) | set(REFUSED)
     assert _sdk_fields(params) - placed == set()
+
+
+def test_every_responses_field_the_sdk_sends_is_placed() -> None:
+    fields: set[str] = set()
+    for kind in (
+        responses_params.ResponseCreateParamsStreaming,
+        responses_params.ResponseCreateParamsNonStreaming,
+    ):
+        for klass in kind.__mro__:
+            fields |= set(getattr(klass, "__annotations__", {}))
+    placed = responses.HONOURED | set(responses.IGNORED) | set(responses.REFUSED)
+    assert fields - placed == set()
+    for name, refused in responses.REFUSED.items():
+        for neutral in refused.neutral:
+            responses.check_response_fields({"input": "x", name: neutral})
+        with pytest.raises(ApiError) as named:
+            responses.check_response_fields({"input": "x", name: "not neutral"})
+        assert named.value.param == name
 
 
 def test_each_refused_field_is_named_and_its_neutral_value_accepted() -> None:

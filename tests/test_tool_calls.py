@@ -1,7 +1,8 @@
-"""Tool calling (issue 36): the split that cuts calls out of an answer, in-process; then a tiny
-model whose template takes tools (tests/tool_model.py) through real engines and a gateway,
-spoken to with the engine's gRPC client, the `openai` SDK (sync, async, streaming) and
-LangChain; and a forced call SIGKILLed mid-arguments and resumed on another engine."""
+"""Tool calling and the Responses API (issue 36): the split that cuts calls out of an answer,
+in-process; then a tiny model whose template takes tools (tests/tool_model.py) through real
+engines and a gateway, spoken to with the engine's gRPC client, the `openai` SDK (sync, async,
+streaming, chat.completions and responses) and LangChain; and a forced call SIGKILLed
+mid-arguments and resumed on another engine."""
 
 from __future__ import annotations
 
@@ -314,6 +315,102 @@ def test_langchain_bind_tools_round_trip(
     with EngineClient(engines[1].address) as client:
         want = len(client.tokenize(messages=rendered, tools=[TOOLS[0]]))
     assert final.response_metadata["token_usage"]["prompt_tokens"] == want
+
+
+def test_responses_text_stream_and_a_tool_call(
+    cluster: tuple[list[ServiceProcess], GatewayProcess],
+) -> None:
+    """/v1/responses through the SDK's responses.create: text, its event stream, a forced
+    call, and the call's output sent back as the next turn's input."""
+    engines, gateway = cluster
+    flat: Any = [{"type": "function", **t["function"]} for t in TOOLS]
+    with (
+        openai.OpenAI(base_url=gateway.http + "/v1", api_key="x", max_retries=0) as sdk,
+        EngineClient(engines[1].address) as client,
+    ):
+        text = sdk.responses.create(
+            model=MODEL, input="Hello", instructions="Be brief.", max_output_tokens=6
+        )
+        want = client.generate(
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+            max_tokens=6,
+            temperature=0,  # the default below is 1.0 with a seed; compare greedy instead
+        )
+        assert text.status in ("completed", "incomplete")
+        assert text.usage and want.usage and text.usage.input_tokens == want.usage.prompt_tokens
+        greedy = sdk.responses.create(
+            model=MODEL,
+            input=[
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": "Hello"},
+            ],
+            max_output_tokens=6,
+            temperature=0,
+        )
+        assert greedy.output_text == want.text
+        # Streamed: the SDK's typed events, the text deltas joined equal to the whole.
+        events = list(
+            sdk.responses.create(
+                model=MODEL,
+                input="Hello",
+                instructions="Be brief.",
+                max_output_tokens=6,
+                temperature=0,
+                stream=True,
+            )
+        )
+        kinds = [e.type for e in events]
+        assert kinds[:2] == ["response.created", "response.in_progress"]
+        assert kinds[-1] in ("response.completed", "response.incomplete")
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert deltas == want.text
+        # A forced call, parsed; then its output as input to the next turn.
+        called = sdk.responses.create(
+            model=MODEL,
+            input="What is the weather in Paris?",
+            tools=flat,
+            tool_choice={"type": "function", "name": "get_weather"},
+            parallel_tool_calls=False,
+            max_output_tokens=160,
+        )
+        (call,) = [o for o in called.output if o.type == "function_call"]
+        _valid(call.name, call.arguments)
+        streamed = sdk.responses.create(
+            model=MODEL,
+            input="What is the weather in Paris?",
+            tools=flat,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_output_tokens=160,
+            stream=True,
+        )
+        arguments = ""
+        for event in streamed:
+            if event.type == "response.function_call_arguments.delta":
+                arguments += event.delta
+            if event.type == "response.output_item.done" and event.item.type == "function_call":
+                assert event.item.arguments == arguments
+        _valid("get_weather" if "city" in arguments else "get_time", arguments)
+        history: list[Any] = [
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"},
+        ]
+        answer = sdk.responses.create(model=MODEL, input=history, max_output_tokens=4)
+        assert [o.type for o in answer.output] == ["message"]
+        for bad in (
+            {"previous_response_id": "resp_1"},
+            {"include": ["reasoning.encrypted_content"]},
+        ):
+            with pytest.raises(openai.BadRequestError) as refused:
+                sdk.responses.create(model=MODEL, input="x", **bad)
+            assert refused.value.param == next(iter(bad))
 
 
 def _serving(engines: list[ServiceProcess]) -> ServiceProcess:
