@@ -40,6 +40,7 @@ from gateway_service.openai_fields import Endpoint, check_fields
 from gateway_service.openai_formats import apply_constraint
 from gateway_service.openai_response_events import ResponseShaper
 from gateway_service.openai_responses import chat_body, check_response_fields, response_echo
+from gateway_service.openai_tools import add_tools
 from gateway_service.openai_wire import (
     add_messages,
     chat_request,
@@ -134,17 +135,20 @@ class OpenAIFront:
         ]
 
     async def tokenize(self, request: Request) -> Response:
-        """vLLM's shape: {"prompt": text} or {"messages": [...]}, "add_special_tokens"
-        (default true) -> {"tokens", "count", "max_model_len"}."""
+        """vLLM's shape: {"prompt": text} or {"messages": [...], "tools": [...]},
+        "add_special_tokens" (default true) -> {"tokens", "count", "max_model_len"}."""
         try:
             caller = self._caller(request)
             body = await read_json(request, self.max_body_bytes)
-            _only(body, {"model", "prompt", "messages", "add_special_tokens"})
+            _only(body, {"model", "prompt", "messages", "add_special_tokens", "tools"})
             req = engine_pb2.TokenizeRequest(add_special_tokens=_bool(body, "add_special_tokens"))
             if isinstance(body.get("prompt"), str) and "messages" not in body:
                 req.text = body["prompt"]
             elif "prompt" not in body:
                 add_messages(body.get("messages"), req.messages)
+                with_tools = engine_pb2.GenerateRequest()
+                add_tools({"tools": body.get("tools")}, with_tools)  # as the chat renders them
+                req.tools.extend(with_tools.tools)
             else:
                 raise ApiError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
             reply = await self._unary(caller, lambda b, md: b.stub.Tokenize(req, metadata=md))

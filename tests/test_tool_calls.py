@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -225,6 +226,14 @@ def test_the_openai_sdk_forced_auto_and_streamed(
         (call,) = choice.message.tool_calls or []
         assert call.type == "function" and call.function.name == "get_weather"
         _valid(call.function.name, call.function.arguments)
+        # /tokenize renders the tools as the chat did.
+        counted = urllib.request.Request(
+            gateway.http + "/tokenize",
+            data=json.dumps({"messages": CHAT, "tools": TOOLS}).encode(),
+            method="POST",
+        )
+        with urllib.request.urlopen(counted, timeout=30) as answer:
+            assert reply.usage and json.load(answer)["count"] == reply.usage.prompt_tokens
         # The same request streamed: OpenAI's delta shape, and the same call once joined.
         stream = sdk.chat.completions.create(
             **base, tool_choice=named, parallel_tool_calls=False, stream=True

@@ -40,13 +40,18 @@ TOOLS_TEMPLATE = (
 
 
 def build_tool_model(out: Path) -> Path:
+    """The embedded model's shape (random weights) with the tool format added."""
     build_model_dir({**CONFIGS["tandem-tiny"], "vocab_size": VOCAB_SIZE + 3}, out)
+    add_tool_format(out)
+    return out
+
+
+def add_tool_format(out: Path) -> None:
+    """The tool tokens and template added to a model directory build_model_dir wrote (its
+    vocabulary must reach WHOLE_CALL: benchmark shapes' do)."""
     tokenizer = json.loads((out / "tokenizer.json").read_text())
-    for token_id, content in (
-        (OPEN, "<tool_call>"),
-        (CLOSE, "</tool_call>"),
-        (WHOLE_CALL, CALL_TEXT),
-    ):
+    added = (OPEN, "<tool_call>"), (CLOSE, "</tool_call>"), (WHOLE_CALL, CALL_TEXT)
+    for token_id, content in added:
         tokenizer["added_tokens"].append(
             {
                 "id": token_id,
@@ -62,4 +67,3 @@ def build_tool_model(out: Path) -> Path:
     config = json.loads((out / "tokenizer_config.json").read_text())
     config["chat_template"] = TOOLS_TEMPLATE
     (out / "tokenizer_config.json").write_text(json.dumps(config))
-    return out
