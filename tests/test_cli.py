@@ -76,6 +76,24 @@ def test_generate_text_and_json(services: dict[str, str]) -> None:
     )
     assert q8.returncode == 0, q8.stderr
     assert json.loads(q8.stdout)["token_ids"] == plain["token_ids"]
+    # Penalties and a bias, as the client sends them.
+    biased = tandem(
+        services,
+        *("generate", "Hello world", "--max-tokens", "4", "--json", "--logit-bias", "7=100"),
+        *("--presence-penalty", "0.5", "--frequency-penalty", "0.5"),
+    )
+    assert biased.returncode == 0, biased.stderr
+    with EngineClient(services["TANDEM_ENGINE"]) as engine:
+        want = engine.generate(
+            "Hello world",
+            max_tokens=4,
+            logit_bias={7: 100.0},
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+        )
+    assert json.loads(biased.stdout)["token_ids"] == want.token_ids
+    bad_bias = tandem(services, "generate", "hi", "--logit-bias", "seven")
+    assert bad_bias.returncode == 2 and "TOKEN_ID=BIAS" in bad_bias.stderr
     no_draft = tandem(services, "generate", "hi", "--num-draft-tokens", "2")
     assert no_draft.returncode == 1 and "--draft-model" in _one_error_line(no_draft)
     # Several addresses: the first is down, the stream goes through the next.

@@ -25,6 +25,16 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--min-p", type=float, default=0.0, help="0: off")
     p.add_argument("--repetition-penalty", type=float, default=0.0, help="0 or 1: off")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2 (OpenAI's)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2 (OpenAI's)")
+    p.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        type=_bias,
+        help="add BIAS to token ID's logit (repeatable)",
+    )
     p.add_argument("--seed", type=int, default=0, help="same seed, same tokens")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--namespace", default="", help="(default: the principal's first)")
@@ -42,6 +52,16 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want TOKEN_ID=BIAS, e.g. 7=-100") from None
+
+
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = dict(
         max_tokens=args.max_tokens,
@@ -49,6 +69,9 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         top_k=args.top_k,
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=dict(args.logit_bias),
         seed=args.seed,
         stop=args.stop,
         namespace=args.namespace,
