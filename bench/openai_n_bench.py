@@ -11,6 +11,7 @@ spread), and how many whole prompts the engine prefilled (its Stats' prefix miss
 feeds only the prompt's last token).
 
     python bench/openai_n_bench.py [--pairs 7] [--prompt-tokens 1024] [--tokens 32]
+        [--model tandem-tiny|SHAPE]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
 
+from bench.shapes import model_spec  # noqa: E402
 from tandem_client import EngineClient  # noqa: E402
 from tests.servers import GatewayProcess, start_engine, start_store  # noqa: E402
 
@@ -56,10 +58,12 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=7)
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--model", default="tandem-tiny", help="the embedded default or a SHAPE")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="openai-n-"))
     store = start_store(root / "store")
-    engine = start_engine(root / "data", "--store", store.address, log_dir=root)
+    model = model_spec(args.model, root)
+    engine = start_engine(root / "data", "--model", model, "--store", store.address, log_dir=root)
     gateway = GatewayProcess([engine.address], root / "gateway.log")
     gateway.wait_engines(1)
     client = EngineClient(engine.address)
@@ -69,8 +73,7 @@ def main() -> None:
             (pair * 7919 + i * 31 + (side == "n") * 13) % 1800 + 5
             for i in range(args.prompt_tokens)
         ]
-        return {
-            "model": "tandem-tiny",
+        return {  # no "model": the one the engine serves
             "prompt": ids,
             "max_tokens": args.tokens,
             "seed": abs(pair),

@@ -52,6 +52,7 @@ SECONDS = {
     "test_engine_turns.py": 12,
     "test_gateway_health.py": 19,
     "test_openai_surface.py": 14,
+    "test_tool_calls.py": 16,
     "test_sampling_penalties.py": 11,
 }
 
