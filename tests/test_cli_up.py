@@ -190,7 +190,7 @@ def test_an_engine_killed_under_streams_comes_back_and_nothing_else_stops(
     assert all(_state(pid) not in ("Z", "") for pid in others)
     up.proc.send_signal(signal.SIGINT)
     assert up.proc.wait(120) == 0
-    assert up.rest()[-1] == (
+    assert up.rest()[-1] == (  # gateway, two engines, store
         "stopped (gateway exit 0, engine exit 0, engine exit 0, store exit 0)"
     )
 
