@@ -259,31 +259,41 @@ def test_the_openai_sdk_forced_auto_and_streamed(
                 sdk.chat.completions.create(**{**base, **bad})
 
 
-def test_the_async_sdk_and_n_choices_of_a_forced_call(
+def test_the_async_sdk_n_choices_of_a_forced_call_whole_and_streamed(
     cluster: tuple[list[ServiceProcess], GatewayProcess],
 ) -> None:
     _, gateway = cluster
 
-    async def run() -> Any:
+    async def run() -> tuple[Any, dict[int, str]]:
         async with openai.AsyncOpenAI(
             base_url=gateway.http + "/v1", api_key="x", max_retries=0
         ) as sdk:
-            return await sdk.chat.completions.create(
+            request: Any = dict(
                 model=MODEL,
                 messages=CHAT,
                 tools=TOOLS,
                 tool_choice="required",
                 parallel_tool_calls=False,
                 n=3,
+                seed=9,
                 temperature=1.0,
                 max_tokens=160,
             )
+            whole = await sdk.chat.completions.create(**request)
+            streamed: dict[int, str] = {}  # each choice's arguments, joined
+            async for chunk in await sdk.chat.completions.create(**request, stream=True):
+                for choice in chunk.choices:
+                    for d in choice.delta.tool_calls or []:
+                        piece = d.function.arguments if d.function else None
+                        streamed[choice.index] = streamed.get(choice.index, "") + (piece or "")
+            return whole, streamed
 
-    reply = asyncio.run(run())
+    reply, streamed = asyncio.run(run())
     assert sorted(c.index for c in reply.choices) == [0, 1, 2]
     for choice in reply.choices:
         (call,) = choice.message.tool_calls or []
         _valid(call.function.name, call.function.arguments)
+        assert streamed[choice.index] == call.function.arguments  # the same seeds, streamed
 
 
 def test_langchain_bind_tools_round_trip(
