@@ -4,7 +4,6 @@ opens the reasoning, through a real engine and gateway."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from engine_service.front.reasoning import ReasoningSplit
 from engine_service.model.default_model import CHAT_TEMPLATE, VOCAB_SIZE, build_model_dir
 from tandem_client import EngineClient
+from tests.model_edits import add_tokens, set_chat_template
 from tests.servers import GatewayProcess, ServiceProcess, start_engine
 
 THINK, UNTHINK = VOCAB_SIZE, VOCAB_SIZE + 1  # the two token ids the thinking model adds
@@ -49,26 +49,12 @@ def _thinking_model(root: Path) -> Path:
     template that opens the reasoning (as Qwen3's does with thinking on)."""
     out = root / "tandem-tiny-think"
     build_model_dir({**_tiny_config(), "vocab_size": VOCAB_SIZE + 2}, out)
-    tokenizer = json.loads((out / "tokenizer.json").read_text())
-    for token_id, content in ((THINK, "<think>"), (UNTHINK, "</think>")):
-        tokenizer["added_tokens"].append(
-            {
-                "id": token_id,
-                "content": content,
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "special": False,
-            }
-        )
-    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE.replace(
+    add_tokens(out, {THINK: "<think>", UNTHINK: "</think>"})
+    template = CHAT_TEMPLATE.replace(
         "'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'"
     )
-    assert config["chat_template"] != CHAT_TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    assert template != CHAT_TEMPLATE
+    set_chat_template(out, template)
     return out
 
 

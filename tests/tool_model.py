@@ -6,10 +6,10 @@ token whose text is a whole call, so that a test can make the model answer with 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from engine_service.model.default_model import CONFIGS, VOCAB_SIZE, build_model_dir
+from tests.model_edits import add_tokens, set_chat_template
 
 OPEN, CLOSE, WHOLE_CALL = VOCAB_SIZE, VOCAB_SIZE + 1, VOCAB_SIZE + 2
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -49,21 +49,5 @@ def build_tool_model(out: Path) -> Path:
 def add_tool_format(out: Path) -> None:
     """The tool tokens and template added to a model directory build_model_dir wrote (its
     vocabulary must reach WHOLE_CALL: benchmark shapes' do)."""
-    tokenizer = json.loads((out / "tokenizer.json").read_text())
-    added = (OPEN, "<tool_call>"), (CLOSE, "</tool_call>"), (WHOLE_CALL, CALL_TEXT)
-    for token_id, content in added:
-        tokenizer["added_tokens"].append(
-            {
-                "id": token_id,
-                "content": content,
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "special": False,
-            }
-        )
-    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    config["chat_template"] = TOOLS_TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    add_tokens(out, {OPEN: "<tool_call>", CLOSE: "</tool_call>", WHOLE_CALL: CALL_TEXT})
+    set_chat_template(out, TOOLS_TEMPLATE)
