@@ -50,7 +50,10 @@ class GatewayConfig:
     insecure_no_auth: bool = False
     # The gateway's own calls to engines (Stats needs `admin` on an engine with auth).
     engine_token_file: str = ""
-    engine_tls_ca: str = ""
+    engine_tls_ca: str = ""  # the CA of the engines' (and the store's) certificates
+    # The store where /v1/responses keeps conversations (previous_response_id); "" = none,
+    # and previous_response_id is refused (gateway_service/conversations.py).
+    store: str = ""
     metrics_listen: str = ""  # Prometheus /metrics on HOST:PORT; "" = off
     # An HTTP body past this is refused 413 while it is read. Twice the engine's 4 MiB gRPC
     # message limit: JSON spells a request out longer than protobuf (token ids, escapes).
@@ -162,6 +165,13 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         default=ENV.integer("HTTP_SEND_BUFFER_BYTES", 64 << 10),
         help="kernel send buffer of each HTTP connection (0: the kernel's autotuning)",
     )
+    p.add_argument(
+        "--store",
+        default=ENV("STORE", ""),
+        metavar="HOST:PORT",
+        help="a store to keep /v1/responses conversations in, for previous_response_id "
+        "(env TANDEM_GATEWAY_STORE); default: none (previous_response_id refused)",
+    )
     env_origins = [o for o in ENV("CORS_ORIGINS", "").split(",") if o.strip()]
     p.add_argument(
         "--cors-origin",
@@ -193,6 +203,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             engine_window_bytes=a.engine_window_bytes,
             http_send_buffer_bytes=a.http_send_buffer_bytes,
             cors_origins=a.cors_origin if a.cors_origin is not None else env_origins,
+            store=a.store,
             **config_fields(a, AuthFlags, LogFlags, MetricsFlags),
         )
     except ValueError as exc:

@@ -10,7 +10,6 @@ client that disconnects cancels its generation on the engine.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -25,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway_service.backends import BackendPool
+from gateway_service.conversations import Conversations
 from gateway_service.grpc_front import caller_of, on_any_engine
 from gateway_service.openai_body import read_json
 from gateway_service.openai_choices import (
@@ -37,25 +37,22 @@ from gateway_service.openai_choices import (
 )
 from gateway_service.openai_errors import ApiError
 from gateway_service.openai_fields import Endpoint, check_fields
-from gateway_service.openai_formats import apply_constraint
-from gateway_service.openai_response_events import ResponseShaper
-from gateway_service.openai_responses import chat_body, check_response_fields, response_echo
+from gateway_service.openai_http import (
+    build_request,
+    error_response,
+    sse,
+    until_disconnected,
+)
+from gateway_service.openai_responses_route import ResponsesRoute
 from gateway_service.openai_tools import add_tools
 from gateway_service.openai_wire import (
     add_messages,
-    chat_request,
-    completion_request,
-    streaming,
 )
 from gateway_service.relay import Caller, GatewayError, Relay
 from tandem_wire.auth import Authenticator, AuthError
 from tandem_wire.pb import engine_pb2
 
 log = logging.getLogger("tandem.gateway")
-DISCONNECT_POLL_S = 0.25
-# What the standard library raises on a value no field can take (protobuf's range and UTF-8
-# checks, int() of a float): a 400 at the one boundary, should a check above miss one.
-MALFORMED = (ValueError, TypeError, OverflowError, UnicodeError, RecursionError)
 
 
 class OpenAIFront:
@@ -66,8 +63,10 @@ class OpenAIFront:
         authenticator: Authenticator | None,
         max_body_bytes: int = 8 << 20,
         cors_origins: list[str] | None = None,
+        conversations: Conversations | None = None,
     ) -> None:
         self.pool = pool
+        self.responses_route = ResponsesRoute(relay, conversations)
         self.relay = relay
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
@@ -106,7 +105,7 @@ class OpenAIFront:
         try:
             self._caller(request)
         except ApiError as exc:
-            return _error(exc)
+            return error_response(exc)
         return JSONResponse({"object": "list", "data": self._model_objects()})
 
     async def model(self, request: Request) -> Response:
@@ -114,13 +113,15 @@ class OpenAIFront:
         try:
             self._caller(request)
         except ApiError as exc:
-            return _error(exc)
+            return error_response(exc)
         wanted = request.path_params["model_id"]
         for model in self._model_objects():
             if model["id"] == wanted:
                 return JSONResponse(model)
         message = f"the model '{wanted}' does not exist"
-        return _error(ApiError(404, message, "invalid_request_error", "model", "model_not_found"))
+        return error_response(
+            ApiError(404, message, "invalid_request_error", "model", "model_not_found")
+        )
 
     def _model_objects(self) -> list[dict[str, Any]]:
         return [
@@ -153,7 +154,7 @@ class OpenAIFront:
                 raise ApiError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
             reply = await self._unary(caller, lambda b, md: b.stub.Tokenize(req, metadata=md))
         except ApiError as exc:
-            return _error(exc)
+            return error_response(exc)
         models = self.pool.models()
         tokens = list(reply.token_ids)
         limit = models[0].context_length if models else 0
@@ -173,7 +174,7 @@ class OpenAIFront:
             req = engine_pb2.DetokenizeRequest(token_ids=tokens)
             reply = await self._unary(caller, lambda b, md: b.stub.Detokenize(req, metadata=md))
         except ApiError as exc:
-            return _error(exc)
+            return error_response(exc)
         return JSONResponse({"prompt": reply.text})
 
     async def _echo(
@@ -213,14 +214,14 @@ class OpenAIFront:
             caller = self._caller(request)
             body = await read_json(request, self.max_body_bytes)
             check_fields(body, Endpoint.CHAT if chat else Endpoint.COMPLETIONS)
-            req, model, (stream, include_usage) = _build(body, chat)
+            req, model, (stream, include_usage) = build_request(body, chat)
             n = _choices(body, req)
             req.request_id = req.request_id or f"gw-{uuid.uuid4().hex}"  # told in each chunk
             served = model or self._served_name()
             echo = "" if chat else await self._echo(body, req, caller)
             choices = await open_choices(self.relay, req, n, caller, model, chat, echo)
         except ApiError as exc:
-            return _error(exc)
+            return error_response(exc)
         for choice in choices:
             choice.shaper.model = served
         if stream:
@@ -229,65 +230,34 @@ class OpenAIFront:
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
         try:
-            await _until_disconnected(request, _collect(choices))
+            await until_disconnected(request, _collect(choices))
         except ApiError as exc:
-            return _error(exc)
+            return error_response(exc)
         except asyncio.CancelledError:
             return Response(status_code=499)
         whole = [c.shaper.final_choice() for c in choices]
         return JSONResponse(choices[0].shaper.final(whole, combined_usage(choices)))
 
     async def responses(self, request: Request) -> Response:
-        """POST /v1/responses, stateless (gateway_service/openai_responses.py)."""
+        """POST /v1/responses (openai_responses_route.py)."""
         try:
             caller = self._caller(request)
             body = await read_json(request, self.max_body_bytes)
-            check_response_fields(body)
-            req, model, (stream, _) = _build(chat_body(body), chat=True)
-            req.request_id = req.request_id or f"gw-{uuid.uuid4().hex}"
-            (choice,) = await open_choices(self.relay, req, 1, caller, model, chat=True)
         except ApiError as exc:
-            return _error(exc)
-        shaper = ResponseShaper(model or self._served_name(), response_echo(body))
-        if stream:
-            return StreamingResponse(
-                self._response_events(choice, shaper),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-        try:
-            await _until_disconnected(request, _collect_response(choice, shaper))
-        except ApiError as exc:
-            return _error(exc)
-        except asyncio.CancelledError:
-            return Response(status_code=499)
-        return JSONResponse(shaper.response())
-
-    async def _response_events(self, choice: Choice, shaper: ResponseShaper) -> AsyncIterator[str]:
-        try:
-            for event in shaper.opening():
-                yield _event(event)
-            async for _, message in interleaved([choice]):
-                for event in shaper.add(message):
-                    yield _event(event)
-        except ApiError as exc:  # after the status line: the error travels as an event
-            yield _event(
-                {"type": "error", "sequence_number": shaper.sequence, **exc.body()["error"]}
-            )
-        finally:
-            await close([choice])
+            return error_response(exc)
+        return await self.responses_route.answer(request, caller, body, self._served_name())
 
     async def _events(self, choices: list[Choice], include_usage: bool) -> AsyncIterator[str]:
         try:
             async for choice, message in interleaved(choices):
                 choice.shaper.add(message)
                 for chunk in choice.shaper.chunks(message):
-                    yield _sse(chunk)
+                    yield sse(chunk)
             if include_usage:
-                yield _sse(choices[0].shaper.usage_chunk(combined_usage(choices)))
+                yield sse(choices[0].shaper.usage_chunk(combined_usage(choices)))
             yield "data: [DONE]\n\n"
         except ApiError as exc:  # after the status line: the error travels as an event
-            yield _sse(exc.body())
+            yield sse(exc.body())
         finally:
             await close(choices)  # the client left: the engines' calls are cancelled
 
@@ -306,27 +276,6 @@ class OpenAIFront:
     def _served_name(self) -> str:
         models = self.pool.models()
         return models[0].name if models else ""
-
-
-def _build(
-    body: dict[str, Any], chat: bool
-) -> tuple[engine_pb2.GenerateRequest, str, tuple[bool, bool]]:
-    """The engine's request, the model asked for, (stream, include_usage); ApiError 400 for
-    anything the body holds that the request cannot."""
-    try:
-        req = chat_request(body) if chat else completion_request(body)
-        apply_constraint(body, req)
-        model = body.get("model") or ""
-        if not isinstance(model, str):
-            raise ApiError(400, "'model' must be a string", param="model")
-        return req, model, streaming(body)
-    except MALFORMED as exc:
-        raise ApiError(400, f"the body holds a value no field takes: {exc}"[:300]) from None
-
-
-async def _collect_response(choice: Choice, shaper: ResponseShaper) -> None:
-    async for _, message in interleaved([choice]):
-        shaper.add(message)
 
 
 async def _collect(choices: list[Choice]) -> None:
@@ -348,20 +297,6 @@ def _choices(body: dict[str, Any], req: engine_pb2.GenerateRequest) -> int:
     return n
 
 
-async def _until_disconnected(request: Request, work: Any) -> None:
-    """Runs work; cancels it when the client disconnects first (raises CancelledError)."""
-    task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if done:
-            task.result()  # raises what the work raised
-            return
-        if await request.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise asyncio.CancelledError
-
-
 def _only(body: dict[str, Any], fields: set[str]) -> None:
     for name in body:
         if name not in fields:
@@ -375,22 +310,9 @@ def _bool(body: dict[str, Any], name: str, default: bool = True) -> bool:
     return value
 
 
-def _event(payload: dict[str, Any]) -> str:
-    """A Responses API event: named, as OpenAI sends them."""
-    return f"event: {payload['type']}\n" + _sse(payload)
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
-
-
 async def _not_found(request: Request, exc: Exception) -> Response:
-    return _error(ApiError(404, f"no route {request.url.path}", "not_found_error"))
+    return error_response(ApiError(404, f"no route {request.url.path}", "not_found_error"))
 
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:
-    return _error(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+    return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))

@@ -142,6 +142,22 @@ class ResponseShaper:
             **self.echo,
         }
 
+    def assistant_message(self) -> dict[str, Any]:
+        """The answer as a chat history message (conversations.py): its text and calls."""
+        text = "".join(i.text for i in self.items if i.kind is ItemKind.MESSAGE)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        calls = [i for i in self.items if i.kind is ItemKind.FUNCTION_CALL]
+        if calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.call_id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.text},
+                }
+                for c in calls
+            ]
+        return message
+
     def _open(
         self, kind: ItemKind, out: list[dict[str, Any]], call_id: str = "", name: str = ""
     ) -> Item:

@@ -1,11 +1,13 @@
-"""OpenAI's Responses API (`POST /v1/responses`), stateless: a request's `input` and
-`instructions` become a chat request (openai_wire.chat_request: the same messages, tools and
-constraints), and the engine's messages become a Response object or the Responses event
-stream (openai_response_events.py).
+"""OpenAI's Responses API (`POST /v1/responses`): a request's `input` and `instructions`
+become a chat request (openai_wire.chat_request: the same messages, tools and constraints),
+and the engine's messages become a Response object or the Responses event stream
+(openai_response_events.py).
 
-Stateless means the caller sends the history: `input` holds messages, the model's
-`function_call` items and the caller's `function_call_output` items. `previous_response_id`
-and `conversation` need state the gateway does not keep, and are refused by name.
+`input` holds messages, the model's `function_call` items and the caller's
+`function_call_output` items. A gateway started with `--store` also keeps each response's
+history (conversations.py), so `previous_response_id` continues it; without one,
+`previous_response_id` is refused by name and the caller sends the history. `conversation`
+(OpenAI's stored conversation objects) is refused either way.
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ IGNORED = {
     "prompt_cache_retention": "a caching hint: prefixes are kept by the store's own policy",
     "prompt_cache_options": "a caching hint: prefixes are kept by the store's own policy",
 }
-STATELESS = "conversation state is not kept: send the history in `input`"
+STATELESS = "this gateway keeps no conversations (no --store): send the history in `input`"
 REFUSED = {
     "previous_response_id": Refused(STATELESS),
-    "conversation": Refused(STATELESS),
+    "conversation": Refused("conversation objects are not kept: send the history in `input`"),
     "background": Refused("background responses are not supported", (None, False)),
     "background_options": Refused("background responses are not supported"),
     "include": Refused("no extra output can be included", (None, [])),
@@ -62,13 +64,30 @@ REFUSED = {
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
 
-def check_response_fields(body: dict[str, Any]) -> None:
-    refuse_unplaced(body, HONOURED, IGNORED, REFUSED, "/v1/responses")
+KEPT = {"previous_response_id", "store"}  # honoured when the gateway keeps conversations
 
 
-def chat_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The chat completions body this request means (its fields already checked)."""
-    chat: dict[str, Any] = {"messages": _messages(body)}
+def check_response_fields(body: dict[str, Any], keeps_conversations: bool) -> None:
+    if not keeps_conversations:
+        refuse_unplaced(body, HONOURED, IGNORED, REFUSED, "/v1/responses")
+        return
+    ignored = {k: v for k, v in IGNORED.items() if k not in KEPT}
+    refused = {k: v for k, v in REFUSED.items() if k not in KEPT}
+    refuse_unplaced(body, HONOURED | KEPT, ignored, refused, "/v1/responses")
+    for name, kind in (("previous_response_id", str), ("store", bool)):
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise ApiError(400, f"'{name}' must be a {kind.__name__}", param=name)
+
+
+def chat_body(
+    body: dict[str, Any], history: list[dict[str, Any]] | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The chat completions body this request means (its fields already checked), and the
+    conversation it continues: `history` (a previous response's), then this request's
+    input. Instructions come first and are not part of the conversation (as OpenAI's: a
+    later turn sends its own)."""
+    turn = [*(history or []), *_input_messages(body)]
+    chat: dict[str, Any] = {"messages": [*_instructions(body), *turn]}
     for name in ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "tandem"):
         if body.get(name) is not None:
             chat[name] = body[name]
@@ -89,19 +108,23 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     fmt = _text_format(body.get("text"))
     if fmt is not None:
         chat["response_format"] = fmt
-    return chat
+    return chat, turn
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def _instructions(body: dict[str, Any]) -> list[dict[str, Any]]:
     instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise ApiError(400, "'instructions' must be a string", param="instructions")
-        out.append({"role": "system", "content": instructions})
+    if instructions is None:
+        return []
+    if not isinstance(instructions, str):
+        raise ApiError(400, "'instructions' must be a string", param="instructions")
+    return [{"role": "system", "content": instructions}]
+
+
+def _input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
     given = body.get("input")
     if isinstance(given, str):
-        return [*out, {"role": "user", "content": given}]
+        return [{"role": "user", "content": given}]
     if not isinstance(given, list) or not given:
         raise ApiError(400, "'input' must be a string or a non-empty list of items", param="input")
     for i, item in enumerate(given):
@@ -199,7 +222,7 @@ def response_echo(body: dict[str, Any]) -> dict[str, Any]:
         "max_output_tokens": body.get("max_output_tokens"),
         "temperature": body.get("temperature", 1.0),
         "top_p": body.get("top_p", 1.0),
-        "previous_response_id": None,
+        "previous_response_id": body.get("previous_response_id"),
     }
     for name in ("tools", "tool_choice", "parallel_tool_calls", "text"):
         if body.get(name) is not None:

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway_service.backends import BackendPool
 from gateway_service.config import GatewayConfig, parse_args
+from gateway_service.conversations import Conversations
 from gateway_service.discovery import Discovery, DnsEngines, EngineSource
 from gateway_service.grpc_front import GatewayServicer
 from gateway_service.metrics import GatewayMetrics, PoolCollector
@@ -135,7 +136,15 @@ async def serve(
     http_server, http_task = None, None
     if config.http_listen:
         sock = _http_socket(config.http_listen, config.http_send_buffer_bytes)
-        front = OpenAIFront(pool, relay, authenticator, config.max_body_bytes, config.cors_origins)
+        conversations = Conversations(config.store, credentials) if config.store else None
+        front = OpenAIFront(
+            pool,
+            relay,
+            authenticator,
+            config.max_body_bytes,
+            config.cors_origins,
+            conversations,
+        )
         http_server = _HttpServer(
             uvicorn.Config(front.app, log_level="warning", lifespan="off", access_log=False)
         )

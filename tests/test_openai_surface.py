@@ -60,10 +60,16 @@ def test_every_responses_field_the_sdk_sends_is_placed() -> None:
     assert fields - placed == set()
     for name, refused in responses.REFUSED.items():
         for neutral in refused.neutral:
-            responses.check_response_fields({"input": "x", name: neutral})
+            responses.check_response_fields({"input": "x", name: neutral}, False)
         with pytest.raises(ApiError) as named:
-            responses.check_response_fields({"input": "x", name: "not neutral"})
+            responses.check_response_fields({"input": "x", name: "not neutral"}, False)
         assert named.value.param == name
+    # A gateway with --store keeps conversations: previous_response_id and store honoured.
+    kept = {"input": "x", "previous_response_id": "resp_1", "store": True}
+    responses.check_response_fields(kept, True)
+    with pytest.raises(ApiError) as stateless:
+        responses.check_response_fields(kept, False)
+    assert stateless.value.param == "previous_response_id"
 
 
 def test_each_refused_field_is_named_and_its_neutral_value_accepted() -> None:

@@ -154,6 +154,8 @@ def cluster(
         gateway = GatewayProcess(
             [e.address for e in engines],
             root / "gateway.log",
+            "--store",  # /v1/responses keeps conversations there
+            store.address,
             "--checkpoint-interval",
             "4",
             "--poll-interval",
@@ -423,13 +425,86 @@ def test_responses_text_stream_and_a_tool_call(
         ]
         answer = sdk.responses.create(model=MODEL, input=history, max_output_tokens=4)
         assert [o.type for o in answer.output] == ["message"]
-        for bad in (
-            {"previous_response_id": "resp_1"},
-            {"include": ["reasoning.encrypted_content"]},
-        ):
+        for bad in ({"conversation": "conv_1"}, {"include": ["reasoning.encrypted_content"]}):
             with pytest.raises(openai.BadRequestError) as refused:
                 sdk.responses.create(model=MODEL, input="x", **bad)
             assert refused.value.param == next(iter(bad))
+
+
+def test_previous_response_id_continues_a_kept_conversation(
+    cluster: tuple[list[ServiceProcess], GatewayProcess],
+) -> None:
+    """With --store the gateway keeps each response's history: a next turn by
+    previous_response_id is the same prompt as the whole history sent again, and its KV comes
+    from the prefix cache; store=false keeps nothing, another namespace finds nothing."""
+    _, gateway = cluster
+    flat: Any = [{"type": "function", **t["function"]} for t in TOOLS]
+    asked = "What is the weather in Paris?"
+    with openai.OpenAI(base_url=gateway.http + "/v1", api_key="x", max_retries=0) as sdk:
+        first = sdk.responses.create(
+            model=MODEL,
+            input=asked,
+            instructions="Use the tools.",
+            tools=flat,
+            tool_choice={"type": "function", "name": "get_weather"},
+            parallel_tool_calls=False,
+            max_output_tokens=160,
+        )
+        assert (first.model_extra or {})["store"] is True  # kept (not an SDK field)
+        (call,) = [o for o in first.output if o.type == "function_call"]
+        answer: Any = [{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}]
+        chained = sdk.responses.create(
+            model=MODEL,
+            previous_response_id=first.id,
+            input=answer,
+            instructions="Use the tools.",
+            tools=flat,
+            max_output_tokens=4,
+            temperature=0,
+        )
+        whole: Any = [
+            {"role": "user", "content": asked},
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            *answer,
+        ]
+        sent_again = sdk.responses.create(
+            model=MODEL,
+            input=whole,
+            instructions="Use the tools.",
+            tools=flat,
+            max_output_tokens=4,
+            temperature=0,
+            store=False,
+        )
+        assert chained.previous_response_id == first.id
+        assert chained.usage and sent_again.usage
+        assert chained.usage.input_tokens == sent_again.usage.input_tokens
+        assert chained.output_text == sent_again.output_text
+        assert chained.usage.input_tokens_details.cached_tokens > 0  # the first turn's KV
+        # A turn further: the chain's history grows by each answer.
+        third = sdk.responses.create(  # tools and instructions are sent each turn
+            model=MODEL,
+            previous_response_id=chained.id,
+            input="Thanks.",
+            instructions="Use the tools.",
+            tools=flat,
+            max_output_tokens=2,
+        )
+        assert third.usage and third.usage.input_tokens > chained.usage.input_tokens
+        for missing, extra in (
+            (sent_again.id, {}),  # store=false: not kept
+            (first.id, {"tandem": {"namespace": "elsewhere"}}),  # kept in another namespace
+        ):
+            with pytest.raises(openai.BadRequestError) as refused:
+                sdk.responses.create(
+                    model=MODEL, previous_response_id=missing, input="x", extra_body=extra
+                )
+            assert refused.value.code == "previous_response_not_found"
 
 
 def _serving(engines: list[ServiceProcess]) -> ServiceProcess:
