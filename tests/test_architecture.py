@@ -5,6 +5,7 @@ client package or mlx, the gateway without mlx or the engine, no private names a
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -35,6 +36,7 @@ PB_ALLOWED = {
 }
 
 
+@functools.cache  # parsed once for every test here (none changes a tree)
 def _modules() -> dict[str, ast.Module]:
     found = {}
     for package, folder in PACKAGES.items():

@@ -112,6 +112,9 @@ def test_other_layouts_parse_whole_and_what_does_not_parse_stays_content() -> No
     # Not a call: the text is the answer's, markers and all.
     content, calls = _fed(_split(json_body=False), ["a <tool_call>not json</tool_call> b"])
     assert (content, calls) == ("a <tool_call>not json</tool_call> b", [])
+    # A name with a malformed escape is not streamed; mlx-lm's parser refuses it whole.
+    content, calls = _fed(_split(), ['<tool_call>{"name": "\\x", "arguments": {}}</tool_call>'])
+    assert calls == [] and content.startswith("<tool_call>")
     # A marker split across pieces, and one that never completes.
     content, calls = _fed(_split(), ["x <tool_", "call>", '{"name": "f", "arguments": {}}'])
     assert content == "x " and _whole(calls)[0][1:] == ("f", "{}")

@@ -98,10 +98,6 @@ class ToolCallSplit:
             self._close(out, self._call, closed=False)
         return out
 
-    @property
-    def made_calls(self) -> bool:
-        return self.calls_made > 0
-
     def _content(self, out: ToolSplit, text: str) -> None:
         """Text outside calls; after a call, whitespace waits for text to go with (the
         newlines between and after calls are layout, not content)."""
@@ -118,8 +114,11 @@ class ToolCallSplit:
             match = NAME_THEN_ARGUMENTS.match(body)
             if match is None:
                 return
+            try:
+                name = json.loads(match.group(1))
+            except ValueError:  # a malformed escape: left to the parser, whole, at the end
+                return
             self._arguments_at = match.end()
-            name = json.loads(match.group(1))
             out.calls.append(ToolCallDelta(self.calls_made, self._id(), name))
         arguments = body[self._arguments_at :].lstrip()
         ready = len(arguments.rstrip(CLOSING))
