@@ -35,7 +35,7 @@ def test_node_client_suite_passes(services: dict[str, str]) -> None:
         env={**os.environ, **services},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert "# pass 4" in result.stdout and "# fail 0" in result.stdout
+    assert "# pass 5" in result.stdout and "# fail 0" in result.stdout
 
 
 def test_node_demo_streams_and_lists(services: dict[str, str]) -> None:

@@ -65,26 +65,50 @@ function connect({ engine, store, credentials, tlsCa, tlsCert, tlsKey, token, to
 }
 
 /**
- * Streams a generation. onChunk(message) is called per streamed message (token_ids, text); resolves
- * with { tokenIds, text, finishReason, usage } once the stream ends, rejects with the gRPC error.
+ * Streams a generation. onChunk(message) is called per streamed message (token_ids, text,
+ * reasoning_text, tool_calls); resolves with { tokenIds, text, reasoningText, toolCalls,
+ * finishReason, usage } once the stream ends (toolCalls: the calls' pieces merged), rejects with
+ * the gRPC error.
  */
 function generate(engine, request, onChunk = () => {}) {
   return new Promise((resolve, reject) => {
     const tokenIds = [];
+    const pieces = [];
     let text = "";
+    let reasoningText = "";
     let last = null;
     const call = engine.Generate(request);
     call.on("data", (message) => {
       tokenIds.push(...message.token_ids);
       text += message.text;
+      reasoningText += message.reasoning_text || "";
+      pieces.push(...(message.tool_calls || []));
       last = message;
       onChunk(message);
     });
     call.on("error", reject);
     call.on("end", () => resolve({
-      tokenIds, text, finishReason: last ? last.finish_reason : "", usage: last ? last.usage : null,
+      tokenIds, text, reasoningText, toolCalls: mergeToolCalls(pieces),
+      finishReason: last ? last.finish_reason : "", usage: last ? last.usage : null,
     }));
   });
+}
+
+/**
+ * Whole tool calls ({ id, name, arguments }, arguments as JSON text) from the pieces a
+ * generation streams (GenerateResponse.tool_calls: a call's first piece has its id and name,
+ * later ones add to its arguments), in index order.
+ */
+function mergeToolCalls(pieces) {
+  const calls = new Map();
+  for (const piece of pieces) {
+    const call = calls.get(piece.index) || { id: "", name: "", arguments: "" };
+    call.id = call.id || piece.id;
+    call.name = call.name || piece.name;
+    call.arguments += piece.arguments;
+    calls.set(piece.index, call);
+  }
+  return [...calls.keys()].sort((a, b) => a - b).map((index) => calls.get(index));
 }
 
 function unary(client, method, request) {
@@ -105,4 +129,4 @@ async function listCheckpoints(admin, filter = {}) {
   return records;
 }
 
-module.exports = { connect, generate, listCheckpoints, unary, grpc };
+module.exports = { connect, generate, listCheckpoints, mergeToolCalls, unary, grpc };

@@ -3,7 +3,7 @@
 
 const test = require("node:test");
 const assert = require("node:assert/strict");
-const { connect, generate, listCheckpoints, unary, grpc } = require("../client");
+const { connect, generate, listCheckpoints, mergeToolCalls, unary, grpc } = require("../client");
 
 const engineAddress = process.env.TANDEM_ENGINE;
 const storeAddress = process.env.TANDEM_STORE;
@@ -20,6 +20,20 @@ test("streams a generation with a finish reason and usage", async () => {
   assert.ok(chunks.length >= 2, "streamed in several messages");
   const info = await unary(engine, "ModelInfo", {});
   assert.match(info.model_id, /^tandem-tiny@sha256:/);
+});
+
+test("tool call pieces merge into whole calls, in index order", () => {
+  const pieces = [
+    { index: 1, id: "call_b", name: "get_time", arguments: "" },
+    { index: 0, id: "call_a", name: "get_weather", arguments: "" },
+    { index: 0, id: "", name: "", arguments: '{"city": ' },
+    { index: 1, id: "", name: "", arguments: '{"zone": "UTC"}' },
+    { index: 0, id: "", name: "", arguments: '"Paris"}' },
+  ];
+  assert.deepEqual(mergeToolCalls(pieces), [
+    { id: "call_a", name: "get_weather", arguments: '{"city": "Paris"}' },
+    { id: "call_b", name: "get_time", arguments: '{"zone": "UTC"}' },
+  ]);
 });
 
 test("seeded sampling is reproducible across calls", async () => {
