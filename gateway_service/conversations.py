@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from gateway_service.openai_errors import ApiError
 from gateway_service.relay import Caller
-from tandem_client.aio import AsyncStoreClient
 from tandem_client.errors import TandemError
-from tandem_client.records import Checkpoint, Tensor
+
+if TYPE_CHECKING:
+    from tandem_client.aio import AsyncStoreClient
 
 SCHEMA = "tandem.responses.conversation.v1"
 MAX_HISTORY_BYTES = 8 << 20  # as the HTTP body a history could have come in
@@ -66,6 +67,8 @@ class Conversations:
             raise ApiError(
                 413, f"the conversation is over {MAX_HISTORY_BYTES} bytes: it cannot be kept"
             )
+        from tandem_client.records import Checkpoint, Tensor  # with the store client, below
+
         record = Checkpoint(
             key=_key(response_id),
             kind="object",
@@ -82,6 +85,9 @@ class Conversations:
             ) from None
 
     def _client(self, caller: Caller) -> AsyncStoreClient:
+        # Imported here: a gateway without --store never loads the store client (nor numpy).
+        from tandem_client.aio import AsyncStoreClient
+
         token = ""
         for key, value in caller.metadata:
             if key == "authorization" and value.lower().startswith("bearer "):

@@ -119,3 +119,17 @@ def test_a_new_client_of_a_server_restarted_on_its_address_is_served(tmp_path: P
                 assert {r.key for r in newer.list_all()} == {b"after"}
         finally:
             second.stop()
+
+
+def test_the_package_names_load_on_first_use() -> None:
+    """tandem_client's names are lazy (PEP 562): each listed one resolves to its module's."""
+    import importlib
+
+    import tandem_client
+
+    assert set(tandem_client.__all__) == set(tandem_client._HOME)
+    for name, home in tandem_client._HOME.items():
+        module = importlib.import_module(f"tandem_client.{home}")
+        assert getattr(tandem_client, name) is getattr(module, name)
+    with pytest.raises(AttributeError):
+        tandem_client.NoSuchName  # noqa: B018
