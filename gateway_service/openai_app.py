@@ -44,7 +44,7 @@ from gateway_service.openai_http import (
     until_disconnected,
 )
 from gateway_service.openai_responses_route import ResponsesRoute
-from gateway_service.openai_tools import add_tools
+from gateway_service.openai_tools import tools_pb
 from gateway_service.openai_wire import (
     add_messages,
 )
@@ -147,9 +147,7 @@ class OpenAIFront:
                 req.text = body["prompt"]
             elif "prompt" not in body:
                 add_messages(body.get("messages"), req.messages)
-                with_tools = engine_pb2.GenerateRequest()
-                add_tools({"tools": body.get("tools")}, with_tools)  # as the chat renders them
-                req.tools.extend(with_tools.tools)
+                req.tools.extend(tools_pb(body.get("tools")))  # as the chat renders them
             else:
                 raise ApiError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
             reply = await self._unary(caller, lambda b, md: b.stub.Tokenize(req, metadata=md))

@@ -86,11 +86,15 @@ class ResponseShaper:
         if message.reasoning_text:
             item = self._open(ItemKind.REASONING, out)
             item.text += message.reasoning_text
-            out.append(self._delta("response.reasoning_text.delta", item, message.reasoning_text))
+            out.append(
+                self._at("response.reasoning_text.delta", item, delta=message.reasoning_text)
+            )
         if message.text:
             item = self._open(ItemKind.MESSAGE, out)
             item.text += message.text
-            out.append(self._delta("response.output_text.delta", item, message.text, logprobs=[]))
+            out.append(
+                self._at("response.output_text.delta", item, delta=message.text, logprobs=[])
+            )
         for d in message.tool_calls:
             call = self.calls.get(d.index)
             if call is None:
@@ -98,7 +102,9 @@ class ResponseShaper:
                 self.calls[d.index] = call
             if d.arguments:
                 call.text += d.arguments
-                out.append(self._delta("response.function_call_arguments.delta", call, d.arguments))
+                out.append(
+                    self._at("response.function_call_arguments.delta", call, delta=d.arguments)
+                )
         if message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
             self._close_open(out)
             self.finished = True
@@ -184,7 +190,7 @@ class ResponseShaper:
             )
         )
         if kind is ItemKind.MESSAGE:
-            out.append(self._part("response.content_part.added", item, _text_part("")))
+            out.append(self._at("response.content_part.added", item, part=_text_part("")))
         return item
 
     def _close_open(self, out: list[dict[str, Any]]) -> None:
@@ -194,7 +200,7 @@ class ResponseShaper:
             item.done = True
             if item.kind is ItemKind.MESSAGE:
                 out.append(self._at("response.output_text.done", item, text=item.text, logprobs=[]))
-                out.append(self._part("response.content_part.done", item, _text_part(item.text)))
+                out.append(self._at("response.content_part.done", item, part=_text_part(item.text)))
             elif item.kind is ItemKind.REASONING:
                 out.append(self._at("response.reasoning_text.done", item, text=item.text))
             else:
@@ -203,12 +209,6 @@ class ResponseShaper:
             out.append(
                 self._event("response.output_item.done", output_index=index, item=item.shape())
             )
-
-    def _delta(self, kind: str, item: Item, delta: str, **extra: Any) -> dict[str, Any]:
-        return self._at(kind, item, delta=delta, **extra)
-
-    def _part(self, kind: str, item: Item, part: dict[str, Any]) -> dict[str, Any]:
-        return self._at(kind, item, part=part)
 
     def _at(self, kind: str, item: Item, **fields: Any) -> dict[str, Any]:
         where: dict[str, Any] = {"item_id": item.id, "output_index": self.items.index(item)}

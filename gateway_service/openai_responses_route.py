@@ -31,15 +31,14 @@ from gateway_service.relay import Caller, Relay
 class Kept:
     """Where a response's conversation goes once it is made (`store` with --store)."""
 
-    conversations: Conversations | None
+    conversations: Conversations
     caller: Caller
     namespace: str
     turn: list[dict[str, Any]]  # the history it continued and its input
 
     async def save(self, shaper: ResponseShaper) -> None:
-        if self.conversations is not None:
-            history = [*self.turn, shaper.assistant_message()]
-            await self.conversations.save(self.caller, self.namespace, shaper.id, history)
+        history = [*self.turn, shaper.assistant_message()]
+        await self.conversations.save(self.caller, self.namespace, shaper.id, history)
 
 
 def _namespace_of(body: dict[str, Any]) -> str:
@@ -69,10 +68,10 @@ class ResponsesRoute:
             (choice,) = await open_choices(self.relay, req, 1, caller, model, chat=True)
         except ApiError as exc:
             return error_response(exc)
-        keep = self.conversations is not None and body.get("store", True) is not False
-        echo = {**response_echo(body), "store": keep}
-        shaper = ResponseShaper(model or served, echo)
-        kept = Kept(self.conversations, caller, req.namespace, turn) if keep else None
+        kept = None
+        if self.conversations is not None and body.get("store", True) is not False:
+            kept = Kept(self.conversations, caller, req.namespace, turn)
+        shaper = ResponseShaper(model or served, {**response_echo(body), "store": kept is not None})
         if stream:
             return StreamingResponse(
                 self._events(choice, shaper, kept),

@@ -28,9 +28,21 @@ MODES = {
 def add_tools(body: dict[str, Any], req: engine_pb2.GenerateRequest) -> None:
     """tools ({"type": "function", "function": {...}}), tool_choice and
     parallel_tool_calls."""
-    tools = body.get("tools")
+    req.tools.extend(tools_pb(body.get("tools")))
+    _tool_choice(body.get("tool_choice"), req)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise ApiError(400, "'parallel_tool_calls' must be true or false", param="tools")
+        if req.tools:
+            req.parallel_tool_calls = parallel
+
+
+def tools_pb(tools: Any) -> list[engine_pb2.Tool]:
+    """A body's `tools` (checked) as the engine's Tool messages."""
     if tools is not None and not isinstance(tools, list):
         raise ApiError(400, "'tools' must be a list", param="tools")
+    out = []
     for i, tool in enumerate(tools or []):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise ApiError(400, f"tools[{i}]: only function tools are supported", param="tools")
@@ -43,18 +55,14 @@ def add_tools(body: dict[str, Any], req: engine_pb2.GenerateRequest) -> None:
             raise ApiError(
                 400, f"tools[{i}]: description is text, parameters an object", param="tools"
             )
-        req.tools.add(
-            name=function["name"],
-            description=description,
-            parameters_json=json.dumps(parameters) if parameters is not None else "",
+        out.append(
+            engine_pb2.Tool(
+                name=function["name"],
+                description=description,
+                parameters_json=json.dumps(parameters) if parameters is not None else "",
+            )
         )
-    _tool_choice(body.get("tool_choice"), req)
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None:
-        if not isinstance(parallel, bool):
-            raise ApiError(400, "'parallel_tool_calls' must be true or false", param="tools")
-        if req.tools:
-            req.parallel_tool_calls = parallel
+    return out
 
 
 def _tool_choice(choice: Any, req: engine_pb2.GenerateRequest) -> None:

@@ -52,6 +52,8 @@ TOOLS: list[Any] = [
         },
     },
 ]
+# The Responses API's shape of the same tools: the function's fields beside "type".
+FLAT_TOOLS: Any = [{"type": "function", **t["function"]} for t in TOOLS]
 CHAT: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
 FORCED: dict[str, Any] = dict(tools=TOOLS, tool_choice="get_weather", max_tokens=160)
 MODEL = "tandem-tiny-tools"
@@ -174,6 +176,10 @@ def cluster(
         store.stop()
 
 
+def _sdk(gateway: GatewayProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.http + "/v1", api_key="x", max_retries=0)
+
+
 def _valid(name: str, arguments: str) -> dict[str, Any]:
     parsed = json.loads(arguments)
     schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[name]
@@ -224,7 +230,7 @@ def test_the_openai_sdk_forced_auto_and_streamed(
     _, gateway = cluster
     named: Any = {"type": "function", "function": {"name": "get_weather"}}
     base: dict[str, Any] = dict(model=MODEL, messages=CHAT, tools=TOOLS, max_tokens=160, seed=5)
-    with openai.OpenAI(base_url=gateway.http + "/v1", api_key="x", max_retries=0) as sdk:
+    with _sdk(gateway) as sdk:
         reply = sdk.chat.completions.create(**base, tool_choice=named, parallel_tool_calls=False)
         choice = reply.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -347,9 +353,8 @@ def test_responses_text_stream_and_a_tool_call(
     """/v1/responses through the SDK's responses.create: text, its event stream, a forced
     call, and the call's output sent back as the next turn's input."""
     engines, gateway = cluster
-    flat: Any = [{"type": "function", **t["function"]} for t in TOOLS]
     with (
-        openai.OpenAI(base_url=gateway.http + "/v1", api_key="x", max_retries=0) as sdk,
+        _sdk(gateway) as sdk,
         EngineClient(engines[1].address) as client,
     ):
         text = sdk.responses.create(
@@ -393,7 +398,7 @@ def test_responses_text_stream_and_a_tool_call(
         called = sdk.responses.create(
             model=MODEL,
             input="What is the weather in Paris?",
-            tools=flat,
+            tools=FLAT_TOOLS,
             tool_choice={"type": "function", "name": "get_weather"},
             parallel_tool_calls=False,
             max_output_tokens=160,
@@ -403,7 +408,7 @@ def test_responses_text_stream_and_a_tool_call(
         streamed = sdk.responses.create(
             model=MODEL,
             input="What is the weather in Paris?",
-            tools=flat,
+            tools=FLAT_TOOLS,
             tool_choice="required",
             parallel_tool_calls=False,
             max_output_tokens=160,
@@ -441,14 +446,13 @@ def test_previous_response_id_continues_a_kept_conversation(
     previous_response_id is the same prompt as the whole history sent again, and its KV comes
     from the prefix cache; store=false keeps nothing, another namespace finds nothing."""
     _, gateway = cluster
-    flat: Any = [{"type": "function", **t["function"]} for t in TOOLS]
     asked = "What is the weather in Paris?"
-    with openai.OpenAI(base_url=gateway.http + "/v1", api_key="x", max_retries=0) as sdk:
+    with _sdk(gateway) as sdk:
         first = sdk.responses.create(
             model=MODEL,
             input=asked,
             instructions="Use the tools.",
-            tools=flat,
+            tools=FLAT_TOOLS,
             tool_choice={"type": "function", "name": "get_weather"},
             parallel_tool_calls=False,
             max_output_tokens=160,
@@ -461,7 +465,7 @@ def test_previous_response_id_continues_a_kept_conversation(
             previous_response_id=first.id,
             input=answer,
             instructions="Use the tools.",
-            tools=flat,
+            tools=FLAT_TOOLS,
             max_output_tokens=4,
             temperature=0,
         )
@@ -479,7 +483,7 @@ def test_previous_response_id_continues_a_kept_conversation(
             model=MODEL,
             input=whole,
             instructions="Use the tools.",
-            tools=flat,
+            tools=FLAT_TOOLS,
             max_output_tokens=4,
             temperature=0,
             store=False,
@@ -495,7 +499,7 @@ def test_previous_response_id_continues_a_kept_conversation(
             previous_response_id=chained.id,
             input="Thanks.",
             instructions="Use the tools.",
-            tools=flat,
+            tools=FLAT_TOOLS,
             max_output_tokens=2,
         )
         assert third.usage and third.usage.input_tokens > chained.usage.input_tokens
@@ -534,7 +538,7 @@ def test_a_forced_call_killed_mid_arguments_resumes_exactly_on_another_engine(
         seed=17,
         max_tokens=160,
     )
-    with openai.OpenAI(base_url=gateway.http + "/v1", api_key="x", max_retries=0) as sdk:
+    with _sdk(gateway) as sdk:
         whole = sdk.chat.completions.create(**body)
         (want,) = whole.choices[0].message.tool_calls or []
         stream = sdk.chat.completions.create(

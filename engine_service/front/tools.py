@@ -84,14 +84,20 @@ def tool_format(tokenizer: Any) -> ToolFormat | None:
     return ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end, parse, json_body)
 
 
-def check_format(use: ToolUse, tokenizer: Any) -> ToolFormat:
-    """The model's format, or FAILED_PRECONDITION: it cannot take these tools."""
+def require_format(tokenizer: Any) -> ToolFormat:
+    """The model's format, or FAILED_PRECONDITION: it cannot take tools at all."""
     fmt = tool_format(tokenizer)
     if fmt is None:
         raise Precondition(
             "this model's chat template has no tool-call format mlx-lm parses (tools need "
             "a model whose template renders them: Qwen2.5/3, Llama 3.1+, Mistral, ...)"
         )
+    return fmt
+
+
+def check_format(use: ToolUse, tokenizer: Any) -> ToolFormat:
+    """The model's format, or FAILED_PRECONDITION: it cannot take these tools."""
+    fmt = require_format(tokenizer)
     if use.mode in (ChoiceMode.REQUIRED, ChoiceMode.FUNCTION) and not fmt.json_body:
         raise Precondition(
             f"a forced tool call is enforced by a grammar written for the JSON call format "

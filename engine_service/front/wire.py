@@ -18,7 +18,7 @@ from engine_service.errors import InvalidRequest, Precondition
 from engine_service.front.policy import RequestPolicy
 from engine_service.front.response_stream import ResponseChunk
 from engine_service.front.tool_wire import chat_messages, tool_use_from_pb, tools_from_pb
-from engine_service.front.tools import check_format, tool_constraint, tool_format
+from engine_service.front.tools import check_format, require_format, tool_constraint
 from engine_service.model.loaded import LoadedModel
 from engine_service.protocol.checkpoint_stats import CheckpointStats
 from engine_service.protocol.constraint import Constraint, ConstraintKind, check_constraint
@@ -200,8 +200,7 @@ def prompt_from_pb(
             raise Precondition("this model has no chat template; send text or token_ids")
         tools = None
         if request.tools:
-            if tool_format(tokenizer) is None:
-                raise Precondition("this model's chat template has no tool-call format")
+            require_format(tokenizer)
             tools = [tool.for_template() for tool in tools_from_pb(request.tools)]
         rendered = tokenizer.apply_chat_template(
             chat_messages(request.messages), tools=tools, add_generation_prompt=True, tokenize=True

@@ -19,7 +19,7 @@ from tandem_client.failover import (
     StreamAttempts,
     split_addresses,
 )
-from tandem_client.tools import ToolCall, chat_message, merge_tool_calls, put_tools
+from tandem_client.tools import ToolCall, chat_message, merge_tool_calls, put_tools, tools_pb
 from tandem_wire.pb import engine_pb2
 
 T = TypeVar("T")
@@ -370,10 +370,7 @@ class EngineClient(GrpcClient, AddressedStubs):
             add_special_tokens=add_special_tokens,
             messages=[chat_message(m) for m in messages],
         )
-        if tools:
-            with_tools = engine_pb2.GenerateRequest()
-            put_tools(with_tools, tools, None, None)
-            req.tools.extend(with_tools.tools)
+        req.tools.extend(tools_pb(tools or ()))
         r: engine_pb2.TokenizeResponse = self._call(lambda: self._stub.Tokenize(req))
         return list(r.token_ids)
 

@@ -54,14 +54,7 @@ def put_tools(
     """tools: OpenAI's shape ({"type": "function", "function": {...}}) or the function alone.
     tool_choice: "auto", "none", "required", a function's name, or OpenAI's
     {"type": "function", "function": {"name": ...}}."""
-    for tool in tools or ():
-        function = tool.get("function", tool)
-        parameters = function.get("parameters")
-        req.tools.add(
-            name=function["name"],
-            description=function.get("description") or "",
-            parameters_json=json.dumps(parameters) if parameters is not None else "",
-        )
+    req.tools.extend(tools_pb(tools or ()))
     if isinstance(tool_choice, Mapping):
         tool_choice = str(tool_choice.get("function", tool_choice)["name"])
     if tool_choice in _MODES:
@@ -71,6 +64,22 @@ def put_tools(
         req.tool_choice.function_name = tool_choice
     if parallel_tool_calls is not None:
         req.parallel_tool_calls = parallel_tool_calls
+
+
+def tools_pb(tools: Sequence[Mapping[str, Any]]) -> list[engine_pb2.Tool]:
+    """Tools in OpenAI's shape ({"type": "function", "function": {...}}) or functions alone."""
+    out = []
+    for tool in tools:
+        function = tool.get("function", tool)
+        parameters = function.get("parameters")
+        out.append(
+            engine_pb2.Tool(
+                name=function["name"],
+                description=function.get("description") or "",
+                parameters_json=json.dumps(parameters) if parameters is not None else "",
+            )
+        )
+    return out
 
 
 def merge_tool_calls(deltas: Iterable[engine_pb2.ToolCallDelta | Any]) -> list[ToolCall]:
