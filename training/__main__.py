@@ -10,6 +10,7 @@ import argparse
 import json
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +19,7 @@ import numpy as np
 
 import engine_service  # noqa: F401 - picks a fast BLAS before mlx is imported
 from engine_service.model.default_model import TRAINED_DIR, TRAINED_MODELS
-from training import corpus
+from training import corpus, ranks
 from training.tokenizer import token_stream, train_tokenizer
 from training.train import Recipe, Report, elapsed_since, environment, save_weights, train
 
@@ -43,18 +44,30 @@ def main(argv: list[str] | None = None) -> int:
         "--streams", type=Path, help="train on the tokenizer and streams --prepare wrote there"
     )
     parser.add_argument("--device", choices=("default", "cpu", "gpu"), default="default")
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        help="data-parallel processes (training/ranks.py); default: 2 on a CPU of 2+ cores",
+    )
     args = parser.parse_args(argv)
+    group = ranks.joined_group()
+    count = args.ranks if args.ranks is not None else ranks.default_ranks(args.device)
+    if group is None and count > 1 and not args.prepare:
+        return _launch(args, count)
     if args.device != "default":
         import mlx.core as mx
 
         mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
     args.out.mkdir(parents=True, exist_ok=True)
+    leader = ranks.is_leader()
+    log = print if leader else (lambda *_: None)
 
     if args.streams is not None:  # prepared elsewhere (--prepare): the same tokens exactly
         data = np.load(args.streams / "streams.npz")
         train_ids, held_ids = data["train"].astype(np.int32), data["held_out"].astype(np.int32)
         digest = str(data["digest"])
-        shutil.copy(args.streams / "tokenizer.json", args.out / "tokenizer.json")
+        if leader:
+            shutil.copy(args.streams / "tokenizer.json", args.out / "tokenizer.json")
     else:
         text = corpus.load()
         digest = text.digest
@@ -63,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer.save(str(args.out / "tokenizer.json"))
         train_ids = np.array(token_stream(tokenizer, text.train), dtype=np.int32)
         held_ids = np.array(token_stream(tokenizer, text.held_out), dtype=np.int32)
-    print(f"{len(train_ids):,} training tokens, {len(held_ids):,} held out")
+    log(f"{len(train_ids):,} training tokens, {len(held_ids):,} held out")
     if args.prepare:
         np.savez_compressed(
             args.out / "streams.npz",
@@ -77,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         recipe = replace(Recipe(), model=name, steps=args.steps)
         start = time.monotonic()
-        model, _, train_loss, held = train(recipe, train_ids, held_ids)
+        model, _, train_loss, held = train(recipe, train_ids, held_ids, log, group)
+        if not leader:
+            continue
         python, mlx_version, device = environment()
         report = Report(
             recipe,
@@ -91,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             python,
             mlx_version,
             device,
+            1 if group is None else group.size(),
         )
         save_weights(model, args.out / f"{name}.safetensors")
         (args.out / f"{name}.json").write_text(report.to_json())
@@ -98,6 +114,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             failures += not _matches(name, report)
     return 1 if failures else 0
+
+
+def _launch(args: argparse.Namespace, count: int) -> int:
+    """Prepares the token streams once, then trains on them in `count` rank processes."""
+    with tempfile.TemporaryDirectory(prefix="tandem-streams-") as scratch:
+        streams = args.streams
+        if streams is None:
+            streams = Path(scratch)
+            main(["--prepare", "--out", str(streams)])
+        argv = ["--out", str(args.out), "--models", args.models, "--steps", str(args.steps)]
+        argv += ["--streams", str(streams), "--device", args.device]
+        print(f"training in {count} ranks (training/ranks.py)")
+        return ranks.launch(count, argv + (["--check"] if args.check else []))
 
 
 def _matches(name: str, report: Report) -> bool:
