@@ -97,7 +97,8 @@ def _cross_entropy_vjp(
 def loss_of(model: Any, batch: mx.array) -> mx.array:
     logits = model(batch[:, :-1])
     losses: Any = _cross_entropy(logits.astype(mx.float32), batch[:, 1:])
-    return losses[0].mean()
+    mean: mx.array = losses[0].mean()
+    return mean
 
 
 def _averaged(grads: Any, loss: mx.array, group: Any) -> tuple[Any, mx.array]:
