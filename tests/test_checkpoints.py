@@ -327,13 +327,23 @@ def test_resume_of_an_ended_generation_says_how_it_ended(shared: Stack) -> None:
 
 def test_a_same_host_restore_equals_a_streamed_one(shared: Stack) -> None:
     """Through the shared-memory region or over gRPC, a store hit restores the same cache:
-    the same tokens and the same logprobs."""
+    the same tokens and the same logprobs. Each hit says how its bytes came, and a hit
+    that could not use the region says why (Usage.prefix_source, Stats by route)."""
     request = dict(max_tokens=12, ignore_eos=True, logprobs=3)
     with EngineClient(shared.engine.address) as engine:
         engine.generate(PROMPT, **request)  # saves the prompt's prefix
         assert engine.flush().durable
+        again = engine.generate(PROMPT, **request)  # the engine's own memory tier
+        assert again.usage is not None and again.usage.prefix_source == "local"
+        assert again.usage.cached_prompt_tokens >= 256
     results = {}
-    for name, extra in (("region", ()), ("streamed", ("--store-region-bytes", "0"))):
+    routes = {
+        "region": ((), "region"),
+        "streamed": (("--store-region-bytes", "0"), "no region"),
+        # 64 KiB: the prefix's ~1 MiB record cannot fit the region at all.
+        "too small": (("--store-region-bytes", str(64 << 10)), "larger than the region"),
+    }
+    for name, (extra, route) in routes.items():
         fresh = shared.start_engine(*extra)  # an empty local tier: the hit is the store's
         try:
             with EngineClient(fresh.address) as engine:
@@ -348,6 +358,8 @@ def test_a_same_host_restore_equals_a_streamed_one(shared: Stack) -> None:
             assert len(logprobs) == 12, name
             results[name] = (got.token_ids, logprobs)
             assert (stats.shared_memory_reads > 0) == (name == "region"), name
+            assert got.usage.prefix_source == f"store: {route}", name
+            assert dict(stats.store_reads_by_route) == {route: 1}, name
         finally:
             fresh.stop()
-    assert results["region"] == results["streamed"]
+    assert results["region"] == results["streamed"] == results["too small"]

@@ -145,6 +145,8 @@ def test_engine_rate_histograms_count_store_transfers(
         assert before[("tandem:restore_rate_gb_per_second_count", ())] == 0
         assert after[("tandem:restore_rate_gb_per_second_count", ())] == 1
         assert after[("tandem:prefix_cache_hits_total", (("tier", "store"),))] == 1
+        # How the hit's bytes came: the test's store is on this host, so its region.
+        assert after[("tandem:store_reads_total", (("route", "region"),))] == 1
         inf = after[("tandem:restore_rate_gb_per_second_bucket", (("le", "+Inf"),))]
         assert inf == 1
     finally:

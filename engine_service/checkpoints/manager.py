@@ -179,12 +179,13 @@ class CheckpointManager:
             job.plan = None  # a whole prefill, as a prompt that was never looked up
         if reason:
             self.counters.miss(reason)
+        source = plan.prefix_source if isinstance(plan, PrefixPlan) and cached else ""
         k = self.snapshots.due(r, cached)
         if k:
             caches = self.snapshots.take(r, caches, cached, k)
-            return StartingPoint(r.prompt[k:], r.prompt[:k], caches, cached, reason)
+            return StartingPoint(r.prompt[k:], r.prompt[:k], caches, cached, reason, source)
         if caches is not None:
-            return StartingPoint(r.prompt[cached:], r.prompt[:cached], caches, cached)
+            return StartingPoint(r.prompt[cached:], r.prompt[:cached], caches, cached, "", source)
         return StartingPoint(r.prompt, [], None, 0, reason)
 
     def add_prefill_time(self, seconds: float) -> None:
@@ -194,6 +195,7 @@ class CheckpointManager:
         stats = self.counters.snapshot()
         if self.store is not None:
             stats.shared_memory_reads = self.store.region_reads
+            stats.reads_by_route = self.store.read_routes
         cost = self.prefixes.cost.snapshot()
         stats.restore_bytes_per_second = cost.restore_bytes_per_second
         stats.prefill_tokens_per_second = cost.prefill_tokens_per_second

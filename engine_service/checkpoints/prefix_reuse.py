@@ -150,13 +150,23 @@ class PrefixReuse:
         if not hit.found or matched <= better_than or (exact and matched != hit.record_tokens):
             return PrefixMiss("no stored prefix")
         if not self.cost.worth_restoring(matched - better_than):
-            return PrefixMiss("cheaper to prefill")  # checkpoints/restore_cost.py
+            predicted = self.cost.predicted(matched - better_than)
+            if predicted is not None:  # each request's choice, with its figures
+                log.info(
+                    "a stored prefix of %d tokens is prefilled: restoring it would take "
+                    "%.1f ms, prefilling %.1f ms (restore_cost.py)",
+                    matched - better_than,
+                    predicted.restore_s * 1e3,
+                    predicted.prefill_s * 1e3,
+                )
+            return PrefixMiss("cheaper to prefill")
         start = time.perf_counter()
         # Same-host: the bytes stay in the region until the MLX thread has made them arrays;
         # they arrive while it does (progressive: pulled as each part is verified).
-        record, hold = self.store.get_held(
+        read = self.store.get_routed(
             hit.key, namespace, size_hint=hit.payload_bytes, progressive=True
         )
+        record, hold = read.checkpoint, read.hold
         try:
             # What the MLX thread could not restore is refused here, as a miss.
             check_restorable(record.metadata, record.tensors, layout)
@@ -172,6 +182,7 @@ class PrefixReuse:
             hold=hold,
             fetch_s=time.perf_counter() - start,
             exact=exact,
+            route=read.route,
         )
 
     def materialize(self, plan: PrefixPlan) -> list[Any] | None:

@@ -25,6 +25,12 @@ PROBE_EVERY = 16
 
 
 @dataclass(frozen=True)
+class Prediction:
+    restore_s: float
+    prefill_s: float
+
+
+@dataclass(frozen=True)
 class CostSnapshot:
     restore_bytes_per_second: float
     prefill_tokens_per_second: float
@@ -55,15 +61,24 @@ class RestoreCost:
             with self._lock:
                 self._prefill_tps = _ema(self._prefill_tps, tokens / seconds)
 
+    def predicted(self, tokens: int) -> Prediction | None:
+        """The two predicted times for `tokens` positions; None until both rates are known."""
+        with self._lock:
+            return self._predicted(tokens)
+
+    def _predicted(self, tokens: int) -> Prediction | None:
+        if not (self._restore_bps and self._prefill_tps and self._bytes_per_token):
+            return None
+        return Prediction(
+            self.fixed_s + tokens * self._bytes_per_token / self._restore_bps,
+            tokens / self._prefill_tps,
+        )
+
     def worth_restoring(self, tokens: int) -> bool:
         """Whether loading `tokens` stored positions beats prefilling them (counted)."""
         with self._lock:
-            known = self._restore_bps and self._prefill_tps and self._bytes_per_token
-            restore = prefill = 0.0
-            if known:
-                restore = self.fixed_s + tokens * self._bytes_per_token / self._restore_bps
-                prefill = tokens / self._prefill_tps
-            choose = not known or restore <= prefill
+            prediction = self._predicted(tokens)
+            choose = prediction is None or prediction.restore_s <= prediction.prefill_s
             if not choose:
                 self._prefill_streak += 1
                 if self._prefill_streak >= PROBE_EVERY:

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine_service.checkpoints.cache_records import CapturedCache
-from engine_service.protocol.events import PrefixMissReason
+from engine_service.protocol.events import PrefixMissReason, PrefixSource
 from tandem_client.records import Attachment, Checkpoint
 from tandem_client.regions import RegionHold
+from tandem_client.same_host import ReadRoute
 
 
 @dataclass
@@ -33,10 +34,24 @@ class PrefixPlan:
     # A record that cannot be trimmed (recurrent state, a wrapped window): it serves exactly
     # the length it holds, never less.
     exact: bool = False
+    route: ReadRoute = "region"  # how a store hit's bytes came
 
     @property
     def source(self) -> Literal["local", "store"]:
         return "local" if self.local is not None else "store"
+
+    @property
+    def prefix_source(self) -> PrefixSource:
+        if self.local is not None:
+            return "local"
+        sources: dict[ReadRoute, PrefixSource] = {
+            "region": "store: region",
+            "no region": "store: no region",
+            "larger than the region": "store: larger than the region",
+            "region busy": "store: region busy",
+            "larger than the span": "store: larger than the span",
+        }
+        return sources[self.route]
 
     @property
     def arriving(self) -> bool:

@@ -187,6 +187,14 @@ class CoreCollector(Collector):
         yield _counter(
             "tandem:restore_failures", "Checkpoints found but not usable.", c.restore_failures
         )
+        reads = CounterMetricFamily(
+            "tandem:store_reads",
+            "Store reads by how their bytes came: the region, or streamed and why.",
+            labels=["route"],
+        )
+        for route, count in sorted(c.reads_by_route.items()):
+            reads.add_metric([route], count)
+        yield reads
         yield _counter("tandem:restored_bytes", "Bytes restored from the store.", c.restored_bytes)
         yield _counter("tandem:restore_seconds", "Time spent restoring.", c.restore_seconds)
         yield _rate(

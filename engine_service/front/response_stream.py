@@ -27,7 +27,14 @@ from engine_service.front.metrics import RequestMetrics
 from engine_service.front.reasoning import ReasoningSplit
 from engine_service.front.text import TextStream
 from engine_service.front.tool_calls import ToolCallDelta, ToolCallSplit
-from engine_service.protocol.events import Event, Finished, PrefixMissReason, Started, Token
+from engine_service.protocol.events import (
+    Event,
+    Finished,
+    PrefixMissReason,
+    PrefixSource,
+    Started,
+    Token,
+)
 from engine_service.protocol.requests import GenerationRequest
 
 ResponseFinish = Literal["length", "stop", "cancelled", "error"]
@@ -59,6 +66,7 @@ class Usage:
     accepted_draft_tokens: int = 0
     constraint_incomplete: bool = False
     prefix_miss_reason: PrefixMissReason = ""  # why no cached prefix was reused
+    prefix_source: PrefixSource = ""  # where the reused prefix came from
 
 
 @dataclass
@@ -273,6 +281,7 @@ async def respond(
             if isinstance(event, Started):
                 out.usage.cached_prompt_tokens = event.cached_prompt_tokens
                 out.usage.prefix_miss_reason = event.prefix_miss_reason
+                out.usage.prefix_source = event.prefix_source
             elif isinstance(event, Token):
                 out.add(chunk, event)
                 if out.text.stopped_by:

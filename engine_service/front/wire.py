@@ -345,6 +345,7 @@ def response_to_pb(chunk: ResponseChunk) -> engine_pb2.GenerateResponse:
                 accepted_draft_tokens=u.accepted_draft_tokens,
                 constraint_incomplete=u.constraint_incomplete,
                 prefix_miss_reason=u.prefix_miss_reason,
+                prefix_source=u.prefix_source,
             )
         )
     return message
@@ -430,6 +431,7 @@ def stats_to_pb(
                 restore_chosen=c.restore_chosen,
                 prefill_chosen=c.prefill_chosen,
                 prefix_misses_by_reason=c.misses_by_reason,
+                store_reads_by_route=c.reads_by_route,
             )
         )
     return reply

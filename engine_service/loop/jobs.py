@@ -9,7 +9,7 @@ from typing import Any, Literal
 from engine_service.checkpoints.attachments import CapturedAttachment
 from engine_service.checkpoints.cache_records import CapturedCache
 from engine_service.core.plans import Plan, ResumePlan
-from engine_service.protocol.events import PrefixMissReason, Sink
+from engine_service.protocol.events import PrefixMissReason, PrefixSource, Sink
 from engine_service.protocol.requests import GenerationRequest
 from engine_service.sampling.constraints import ConstrainedRow
 
@@ -92,3 +92,4 @@ class StartingPoint:
     caches: list[Any] | None  # None: fresh caches
     cached_prompt_tokens: int  # reused (history may hold more: a prefix snapshot's prefill)
     prefix_miss_reason: PrefixMissReason = ""  # why it reused nothing (Started says so)
+    prefix_source: PrefixSource = ""  # where what it reused came from

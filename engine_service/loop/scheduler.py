@@ -280,7 +280,8 @@ class Scheduler(SchedulerInbox):
                 continue
             if fresh:
                 cached, why = start.cached_prompt_tokens, start.prefix_miss_reason
-                self.emit(job, [Started(len(job.request.prompt), cached, why)])
+                started = Started(len(job.request.prompt), cached, why, start.prefix_source)
+                self.emit(job, [started])
         if not rows.jobs:
             return
         rows.insert(self._bg)

@@ -65,6 +65,8 @@ class CheckpointStats:
     checkpoint_rate: RateHistogram = field(default_factory=RateHistogram)
     # Prompts that started with no reused prefix, by why (events.PrefixMissReason).
     misses_by_reason: dict[str, int] = field(default_factory=dict)
+    # Store reads by how their bytes came (tandem_client.same_host.ReadRoute).
+    reads_by_route: dict[str, int] = field(default_factory=dict)
 
 
 class CheckpointCounters:

@@ -33,10 +33,24 @@ PrefixMissReason = Literal[
 ]
 
 
+# Where a reused prefix came from (Usage.prefix_source): the local tier, or the store and
+# how its bytes came (tandem_client.same_host.ReadRoute); "" when none was reused.
+PrefixSource = Literal[
+    "",
+    "local",
+    "store: region",
+    "store: no region",
+    "store: larger than the region",
+    "store: region busy",
+    "store: larger than the span",
+]
+
+
 class Started(msgspec.Struct, frozen=True, tag=True):
     prompt_tokens: int
     cached_prompt_tokens: int
     prefix_miss_reason: PrefixMissReason = ""
+    prefix_source: PrefixSource = ""
 
 
 class Token(msgspec.Struct, frozen=True, tag=True):

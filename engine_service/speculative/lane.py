@@ -98,7 +98,7 @@ class SpeculativeLane:
             return
         self.jobs[r.request_id] = job
         cached, why = start.cached_prompt_tokens, start.prefix_miss_reason
-        self.host.emit(job, [Started(len(r.prompt), cached, why)])
+        self.host.emit(job, [Started(len(r.prompt), cached, why, start.prefix_source)])
 
     def _row(self, job: Job, start: StartingPoint) -> tuple[SpecRow, list[Any], list[Any]]:
         """The row and its solo caches: the target holding all of the history but its last

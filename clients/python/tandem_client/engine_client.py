@@ -45,6 +45,7 @@ class Usage:
     failovers: int = 0  # through a gateway: times the stream moved to another engine
     constraint_incomplete: bool = False  # a constrained output cut short by max_tokens
     prefix_miss_reason: str = ""  # why the prompt reused no cached prefix ("" if it did)
+    prefix_source: str = ""  # where a reused prefix came from ("local", "store: region", ...)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class GenerationChunk:
                 u.failovers,
                 u.constraint_incomplete,
                 u.prefix_miss_reason,
+                u.prefix_source,
             )
         return cls(
             token_ids=list(m.token_ids),

@@ -162,7 +162,7 @@ class RegionReads:
 
     def __init__(self, region: SharedRegion, slots: int = 4) -> None:
         self.region = region
-        usable = region.size // PAGE * PAGE
+        usable = self.usable = region.size // PAGE * PAGE
         # The span a Get of unknown size takes: a slot, as before sizes were known.
         self.default_span = usable // slots // PAGE * PAGE
         if self.default_span <= 0:

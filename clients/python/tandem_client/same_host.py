@@ -5,9 +5,11 @@ store_client.py keeps the calls every client makes; it uses the client's channel
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import grpc
 
@@ -34,9 +36,48 @@ from tandem_client.regions import (
 from tandem_wire.pb import store_pb2
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # Smaller payloads stream: a region span and a copy are not worth it below this.
 MIN_REGION_PUT_BYTES = 256 << 10
+
+# How a Get's payload came: written by the store into the attached region, or streamed over
+# gRPC because no region is attached, the record is larger than the whole region, every
+# span was lent to other reads, or the record was larger than the span taken (no size was
+# known; the store streams what does not fit).
+ReadRoute = Literal[
+    "region", "no region", "larger than the region", "region busy", "larger than the span"
+]
+
+
+@dataclass(frozen=True)
+class RoutedRead:
+    checkpoint: Checkpoint
+    hold: RegionHold | None  # the payload's span while its bytes are still there
+    route: ReadRoute
+
+
+class ReadRoutes:
+    """Gets counted by route, so a read that could not use the region is never silent."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def count(self, read: RoutedRead) -> RoutedRead:
+        with self._lock:
+            self._counts[read.route] = self._counts.get(read.route, 0) + 1
+        if read.route != "region" and read.route != "no region":  # said once, at attach
+            log.info(
+                "a store read of %d bytes streamed over gRPC: %s",
+                read.checkpoint.payload_bytes,
+                read.route,
+            )
+        return read
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
 
 
 class SameHostReads:
@@ -44,6 +85,7 @@ class SameHostReads:
 
     timeout: float | None
     _reads: RegionReads | None
+    _routes: ReadRoutes
     _renewing: threading.Event
     _store: Any
     _get: Callable[..., Iterator[bytes]]
@@ -176,12 +218,21 @@ class SameHostReads:
     def region_reads(self) -> int:
         return self._reads.reads if self._reads is not None else 0
 
+    @property
+    def read_routes(self) -> dict[str, int]:
+        """Gets by route (ReadRoute): how many came through the region, and why the others
+        streamed."""
+        return self._routes.snapshot()
+
     def _get_through_region(
         self, reads: RegionReads, key: bytes, namespace: str, size_hint: int, progressive: bool
-    ) -> tuple[Checkpoint, RegionHold | None]:
+    ) -> RoutedRead:
         span = reads.acquire(size_hint)
-        if span is None:  # the region is full of other reads
-            return self._get_streamed(key, namespace), None
+        if span is None:
+            route: ReadRoute = (
+                "larger than the region" if size_hint > reads.usable else "region busy"
+            )
+            return RoutedRead(self._get_streamed(key, namespace), None, route)
         read = self._read_progressive if progressive else self._read_placed
         tag = reads.tag
         try:
@@ -204,9 +255,9 @@ class SameHostReads:
             raise
         if hold is None:  # streamed: it did not fit after all
             reads.release(span)
-            return checkpoint, None
+            return RoutedRead(checkpoint, None, "larger than the span")
         reads.reads += 1
-        return checkpoint, hold
+        return RoutedRead(checkpoint, hold, "region")
 
     def _read_placed(
         self, key: bytes, reads: RegionReads, namespace: str, span: Span, tag: Tag

@@ -44,7 +44,7 @@ from tandem_client.records import (
     record_filter,
 )
 from tandem_client.regions import RegionHold, RegionReads
-from tandem_client.same_host import SameHostReads
+from tandem_client.same_host import ReadRoutes, RoutedRead, SameHostReads
 from tandem_wire.pb import store_pb2, store_pb2_grpc
 
 __all__ = [
@@ -87,6 +87,7 @@ class StoreClient(SameHostReads, GrpcClient):
         bound); a store refuses a connection more than --max-bulk-calls-per-connection."""
         self._bulk = threading.BoundedSemaphore(max_bulk_calls) if max_bulk_calls else None
         self._reads: RegionReads | None = None  # same-host mode (attach_region)
+        self._routes = ReadRoutes()
         self._renewing = threading.Event()
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -196,42 +197,46 @@ class StoreClient(SameHostReads, GrpcClient):
     def get(self, key: bytes, namespace: str = "", *, max_chunk_bytes: int = 0) -> Checkpoint:
         """The checkpoint with its tensors' bytes, each tensor's CRC checked end to end (or,
         with a region attached, by the store as it wrote them into the region)."""
-        reads = self._reads
-        with self._bulk_slot():
-            if reads is not None and not max_chunk_bytes:
-                checkpoint, hold = self._retry_unavailable(
-                    lambda: self._call(
-                        lambda: self._get_through_region(reads, key, namespace, 0, False)
-                    )
+        if max_chunk_bytes:
+            with self._bulk_slot():
+                return self._retry_unavailable(
+                    lambda: self._call(lambda: self._get_streamed(key, namespace, max_chunk_bytes))
                 )
-                if hold is not None:  # copied out: the span is free again once this returns
-                    own_tensors(checkpoint)
-                    hold.release()
-                return checkpoint
-            return self._retry_unavailable(
-                lambda: self._call(lambda: self._get_streamed(key, namespace, max_chunk_bytes))
-            )
+        read = self.get_routed(key, namespace)
+        if read.hold is not None:  # copied out: the span is free again once this returns
+            own_tensors(read.checkpoint)
+            read.hold.release()
+        return read.checkpoint
 
     def get_held(
         self, key: bytes, namespace: str = "", *, size_hint: int = 0, progressive: bool = False
     ) -> tuple[Checkpoint, RegionHold | None]:
+        """get_routed() without the route."""
+        read = self.get_routed(key, namespace, size_hint=size_hint, progressive=progressive)
+        return read.checkpoint, read.hold
+
+    def get_routed(
+        self, key: bytes, namespace: str = "", *, size_hint: int = 0, progressive: bool = False
+    ) -> RoutedRead:
         """Like get(), but a payload the store placed in the attached region stays there:
-        the tensors view the region until the returned hold is released (None: the bytes
-        are the checkpoint's own, streamed). size_hint: the payload's size when known
-        (Lookup's payload_bytes), so a span that fits it is taken. progressive: returns
-        once the header is in, while the store still copies; the hold's `arrival` says
-        which bytes may be used (progressive.py)."""
+        the tensors view the region until the read's hold is released (None: the bytes are
+        the checkpoint's own, streamed, and `route` says why). size_hint: the payload's size
+        when known (Lookup's payload_bytes), so a span that fits it is taken. progressive:
+        returns once the header is in, while the store still copies; the hold's `arrival`
+        says which bytes may be used (progressive.py)."""
         reads = self._reads
         with self._bulk_slot():
             if reads is None:
-                return self._retry_unavailable(
+                checkpoint = self._retry_unavailable(
                     lambda: self._call(lambda: self._get_streamed(key, namespace))
-                ), None
-            return self._retry_unavailable(
+                )
+                return self._routes.count(RoutedRead(checkpoint, None, "no region"))
+            read = self._retry_unavailable(
                 lambda: self._call(
                     lambda: self._get_through_region(reads, key, namespace, size_hint, progressive)
                 )
             )
+            return self._routes.count(read)
 
     def _get_streamed(self, key: bytes, namespace: str, max_chunk_bytes: int = 0) -> Checkpoint:
         request = store_pb2.GetRequest(
