@@ -10,7 +10,14 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as cache_lib
 
-from engine_service.checkpoints.cache_records import capture, restore, to_host
+from engine_service.checkpoints.cache_records import (
+    CapturedCache,
+    capture,
+    check_restorable,
+    restore,
+    to_host,
+)
+from engine_service.checkpoints.record_codec import compress
 from engine_service.errors import Precondition
 from engine_service.model.loading import layout_codec, load_model
 from tandem_client import Checkpoint, StoreClient
@@ -20,6 +27,13 @@ TEXT = "The quick brown fox jumps over the lazy dog. " * 12
 
 def _through_store(client: StoreClient, caches: list[Any], tokens: int, key: bytes) -> list[Any]:
     captured = capture(caches, tokens)
+    _put(client, captured, key)
+    got = client.get(key)
+    check_restorable(got.metadata, got.tensors, captured.layout)
+    return restore(got.metadata, got.tensors, captured.layout)
+
+
+def _put(client: StoreClient, captured: CapturedCache, key: bytes) -> None:
     client.put(
         Checkpoint(
             key=key,
@@ -29,8 +43,6 @@ def _through_store(client: StoreClient, caches: list[Any], tokens: int, key: byt
             tensors=to_host(captured),
         )
     )
-    got = client.get(key)
-    return restore(got.metadata, got.tensors, captured.layout)
 
 
 def _next_logits(model, token: mx.array, caches: list[Any]) -> mx.array:  # noqa: ANN001
@@ -113,3 +125,35 @@ def test_a_layout_mismatch_is_refused_naming_the_difference(engine_data_dir: Pat
         restore(captured.meta(), tensors, ["kv:rotating:64:0"] * 4)
     with pytest.raises(Precondition, match="codec"):
         restore({**captured.meta(), "codec": "other.v9"}, tensors, captured.layout)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compressed_records_restore_plain_caches_near_the_exact_ones(
+    dtype: str, engine_data_dir: Path, client: StoreClient, engine
+) -> None:  # noqa: ANN001
+    """A prefix record compressed to 8 or 4 bits (record_codec.py) holds a fraction of the
+    exact record's bytes and restores plain caches whose next logits are near the exact
+    ones (8 bits nearer than 4), never equal to a different answer's."""
+    loaded = load_model("tandem-tiny", engine_data_dir, dtype)
+    ids = mx.array([loaded.tokenizer.encode(TEXT)])
+    caches = loaded.model.make_cache()
+    loaded.model(ids[:, :-1], cache=caches)
+    exact = capture(caches, ids.shape[1] - 1)
+    expected = _next_logits(loaded.model, ids[:, -1:], caches).astype(mx.float32)
+    errors = {}
+    for bits in (8, 4):
+        packed = compress(exact, bits)
+        width = 2 if dtype == "bfloat16" else 4
+        # codes of `bits`, plus a scale and a bias (of the KV's dtype) per group of 64,
+        # against `width` bytes a value
+        assert packed.nbytes <= exact.nbytes * (bits / 8 + 2 * width / 64) / width * 1.01
+        key = f"packed-{dtype}-{bits}".encode()
+        _put(client, packed, key)
+        got_record = client.get(key)
+        check_restorable(got_record.metadata, got_record.tensors, exact.layout)
+        restored = restore(got_record.metadata, got_record.tensors, exact.layout)
+        assert [type(c) for c in restored] == [type(c) for c in caches]
+        got = _next_logits(loaded.model, ids[:, -1:], restored).astype(mx.float32)
+        errors[bits] = float(mx.abs(got - expected).max().item())  # type: ignore[arg-type]
+        assert mx.argmax(got[0, -1]).item() == mx.argmax(expected[0, -1]).item(), bits
+    assert 0 < errors[8] < errors[4] < 1.0, errors

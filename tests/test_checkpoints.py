@@ -363,3 +363,38 @@ def test_a_same_host_restore_equals_a_streamed_one(shared: Stack) -> None:
         finally:
             fresh.stop()
     assert results["region"] == results["streamed"] == results["too small"]
+
+
+def test_a_compressed_prefix_record_serves_only_requests_that_ask_for_it(shared: Stack) -> None:
+    """prefix_record_bits=8 keeps the prompt's prefix in the store as 8-bit KV codes: a
+    fraction of the exact record's bytes, restored by a fresh engine for a request with the
+    same bits, and never for one that asked for the exact prefix."""
+    prompt = [(i * 389) % 1900 + 11 for i in range(320)]
+    where = dict(namespace="packed", max_tokens=4, ignore_eos=True)
+    with EngineClient(shared.engine.address) as engine:
+        engine.generate(prompt, prefix_record_bits=8, **where)
+        assert engine.flush().durable
+        with pytest.raises(TandemError) as refused:
+            engine.generate(prompt, prefix_record_bits=3, **where)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    fresh = shared.start_engine()  # an empty local tier: any hit is the store's
+    try:
+        with EngineClient(fresh.address) as engine:
+            exact = engine.generate(prompt, **where)
+            assert exact.usage is not None and exact.usage.cached_prompt_tokens == 0
+            assert exact.usage.prefix_miss_reason == "no stored prefix"
+            assert engine.flush().durable  # now the exact record is kept too
+        again = shared.start_engine()
+        try:
+            with EngineClient(again.address) as engine:
+                packed = engine.generate(prompt, prefix_record_bits=8, **where)
+            assert packed.usage is not None and packed.usage.cached_prompt_tokens >= 256
+            assert packed.usage.prefix_source == "store: region"
+        finally:
+            again.stop()
+    finally:
+        fresh.stop()
+    with StoreClient(f"127.0.0.1:{shared.port}") as store:
+        sizes = sorted(r.payload_bytes for r in store.list_all(kind="prefix", namespace="packed"))
+    # float32 KV: 1 byte a value plus a float32 scale and bias per 64, against 4 bytes
+    assert len(sizes) == 2 and sizes[0] < 0.3 * sizes[1], sizes

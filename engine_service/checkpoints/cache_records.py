@@ -67,7 +67,7 @@ class CapturedCache:
         }
 
 
-def _dtype_name(a: mx.array) -> str:
+def dtype_name(a: mx.array) -> str:
     return str(a.dtype).removeprefix("mlx.core.")
 
 
@@ -84,7 +84,7 @@ def capture(caches: list[Any], tokens: int, wait: bool = True, prefix: str = "")
     def encode(value: Any, prefix: str) -> Any:
         if isinstance(value, mx.array):
             name = prefix
-            dtype = _dtype_name(value)
+            dtype = dtype_name(value)
             view = WORD_VIEWS.get(dtype)
             stored = value.view(view[0]) if view else value
             # MLX arrays are immutable: holding this reference keeps the snapshot's bytes even
@@ -187,7 +187,14 @@ def check_restorable(
     def visit(node: Any) -> None:
         if not isinstance(node, dict):
             raise Corrupt("checkpoint cache skeleton is malformed")
-        if "t" in node:
+        if "q" in node:  # a compressed array (record_codec.py): its three parts
+            try:
+                parts = _compressed_parts(node)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise Corrupt("checkpoint names a malformed compressed tensor") from exc
+            for part in parts:
+                visit({"t": part})
+        elif "t" in node:
             t = by_name.get(node["t"])
             if t is None:
                 raise Corrupt(f"checkpoint names tensor {node['t']!r} but does not hold it")
@@ -245,6 +252,8 @@ def _rebuild(
     _check_header(meta, expected_layout)
 
     def decode(node: dict[str, Any]) -> Any:
+        if "q" in node:
+            return _expanded(node["q"], array)
         if "t" in node:
             return array(node["t"])
         if "v" in node:
@@ -259,6 +268,28 @@ def _rebuild(
             cache.meta_state = tuple(layer["meta"])
         caches.append(cache)
     return caches
+
+
+def _compressed_parts(node: dict[str, Any]) -> list[str]:
+    q = node["q"]
+    if int(q["bits"]) not in (4, 8) or int(q["group"]) not in (32, 64):
+        raise ValueError("unsupported compression")
+    if str(q["dtype"]) not in ("float32", "float16", "bfloat16"):
+        raise ValueError("unsupported dtype")
+    return [str(q["codes"]), str(q["scales"]), str(q["biases"])]
+
+
+def _expanded(q: dict[str, Any], array: Callable[[str], mx.array]) -> mx.array:
+    """A compressed array (record_codec.py) as plain values again, computed on the device
+    its codes landed on."""
+    value = mx.dequantize(
+        array(str(q["codes"])),
+        array(str(q["scales"])),
+        array(str(q["biases"])),
+        group_size=int(q["group"]),
+        bits=int(q["bits"]),
+    )
+    return value.astype(getattr(mx, str(q["dtype"])))
 
 
 def _tuples(state: Any, cls: str) -> Any:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
@@ -31,6 +32,7 @@ from engine_service.checkpoints.cache_records import (
 from engine_service.checkpoints.device_landing import Landing, as_they_arrive
 from engine_service.checkpoints.host_staging import HostStaging
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE, PrefixCache
+from engine_service.checkpoints.record_codec import compress
 from engine_service.checkpoints.restore_cost import RestoreCost
 from engine_service.checkpoints.spill import Put, SpillQueue
 from engine_service.core.plans import PrefixMiss, PrefixPlan
@@ -49,6 +51,17 @@ ARRIVAL_TIMEOUT_S = 30.0
 # Prefix keys already spilled, remembered up to this many (a miss only costs a Put the store
 # answers with ALREADY_EXISTS).
 SAVED_KEYS = 100_000
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where a kept prefix goes: its key and scope, and whose records it joins."""
+
+    key: bytes
+    scope: bytes
+    namespace: str
+    layout: list[str]
+    record_bits: int  # the store's copy as KV codes of these bits (0: exact)
 
 
 class PrefixReuse:
@@ -75,10 +88,16 @@ class PrefixReuse:
         self.landing = self.staging.landing
         self._saved_keys: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
-    def scope(self, namespace: str, layout: list[str]) -> bytes:
+    def scope(self, namespace: str, layout: list[str], record_bits: int = 0) -> bytes:
+        """Whose records a prompt's blocks may match: this model, this cache layout, this
+        namespace, and compressed records (record_codec.py) only for the same bits."""
+        if record_bits:
+            layout = [*layout, f"record:affine{record_bits}"]
         return scope_digest(self.model_id, layout, namespace)
 
-    def find(self, prompt: list[int], namespace: str, layout: list[str]) -> PrefixPlan | PrefixMiss:
+    def find(
+        self, prompt: list[int], namespace: str, layout: list[str], record_bits: int = 0
+    ) -> PrefixPlan | PrefixMiss:
         """The longest reusable prefix of the prompt, at most all but its last token (one
         token must be fed), or why there is none. The whole prompt is looked up, so a prompt
         seen before restores len - 1 positions (its record is trimmed by one) and feeds one
@@ -87,7 +106,7 @@ class PrefixReuse:
         usable = prompt
         if len(usable) <= BLOCK_SIZE:
             return PrefixMiss("shorter than a block")
-        scope = self.scope(namespace, layout)
+        scope = self.scope(namespace, layout, record_bits)
         chain = block_hashes(usable, BLOCK_SIZE, scope)
         most = len(prompt) - 1
         lengths = [min((i + 1) * BLOCK_SIZE, len(usable), most) for i in range(len(chain))]
@@ -101,7 +120,7 @@ class PrefixReuse:
         if self.store is not None:
             found: PrefixPlan | PrefixMiss
             try:
-                found = self._from_store(usable, namespace, layout, chain, local_len)
+                found = self._from_store(usable, namespace, layout, chain, local_len, scope)
             except (DataLoss, Corrupt, Precondition) as exc:  # quarantined, or not restorable
                 log.warning("prefix checkpoint unusable, prefilling instead: %s", exc)
                 self.counters.add(restore_failures=1)
@@ -137,13 +156,14 @@ class PrefixReuse:
         layout: list[str],
         chain: list[bytes],
         better_than: int,
+        scope: bytes,
     ) -> PrefixPlan | PrefixMiss:
         assert self.store is not None
         hit = self._lookup(chain, len(usable), namespace, layout)
         if hit.found and not hit.trimmable and hit.record_tokens >= len(usable):
             # An exact record of the whole prompt leaves no token to feed: the longest one
             # short of the prompt's last token serves instead.
-            shorter = block_hashes(usable[:-1], BLOCK_SIZE, self.scope(namespace, layout))
+            shorter = block_hashes(usable[:-1], BLOCK_SIZE, scope)
             hit = self._lookup(shorter, len(usable) - 1, namespace, layout)
         matched = min(hit.matched_tokens, len(usable) - 1)  # one token is left to feed
         exact = not hit.trimmable
@@ -224,50 +244,58 @@ class PrefixReuse:
         return caches
 
     def save(
-        self, row_caches: list[Any], prompt: list[int], namespace: str, layout: list[str]
+        self,
+        row_caches: list[Any],
+        prompt: list[int],
+        namespace: str,
+        layout: list[str],
+        record_bits: int = 0,
     ) -> None:
         """Keeps a prompt's caches (MLX thread; row_caches hold prompt + 1 token)."""
         if len(prompt) < self.min_prefix_tokens or not can_trim_prompt_cache(row_caches):
             return  # untrimmable: an exact snapshot was kept during prefill (prefix_snapshots)
-        scope = self.scope(namespace, layout)
+        scope = self.scope(namespace, layout, record_bits)
         key = prefix_key(scope, prompt)
         if key in self.local or key in self._saved_keys:
             return
         trim_prompt_cache(row_caches, 1)
-        self._keep(key, scope, row_caches, prompt, namespace, layout, trimmable=True)
+        where = Destination(key, scope, namespace, layout, record_bits)
+        self._keep(where, row_caches, prompt, trimmable=True)
 
     def save_exact(
-        self, caches: list[Any], tokens: list[int], namespace: str, layout: list[str]
+        self,
+        caches: list[Any],
+        tokens: list[int],
+        namespace: str,
+        layout: list[str],
+        record_bits: int = 0,
     ) -> None:
         """Keeps caches holding exactly `tokens` that cannot be trimmed (MLX thread): they
         serve a prompt that starts with those tokens, at that length only."""
         if len(tokens) < self.min_prefix_tokens:
             return
-        scope = self.scope(namespace, layout)
+        scope = self.scope(namespace, layout, record_bits)
         key = prefix_key(scope, tokens)
         if key not in self.local and key not in self._saved_keys:
-            self._keep(key, scope, caches, tokens, namespace, layout, trimmable=False)
+            where = Destination(key, scope, namespace, layout, record_bits)
+            self._keep(where, caches, tokens, trimmable=False)
 
     def _keep(
-        self,
-        key: bytes,
-        scope: bytes,
-        caches: list[Any],
-        prompt: list[int],
-        namespace: str,
-        layout: list[str],
-        trimmable: bool,
+        self, where: Destination, caches: list[Any], prompt: list[int], trimmable: bool
     ) -> None:
-        """Captures caches holding exactly `prompt` into the local tier and the spill queue."""
+        """Captures caches holding exactly `prompt` into the local tier and the spill queue
+        (the store's copy compressed when the request asked: record_codec.py)."""
+        key, namespace, layout = where.key, where.namespace, where.layout
         captured = capture(caches, len(prompt))
-        chain = block_hashes(prompt, BLOCK_SIZE, scope)
+        chain = block_hashes(prompt, BLOCK_SIZE, where.scope)
         self.local.add(key, captured, chain, len(prompt), exact=not trimmable)
         if self.spill is None:
             return
         self._saved_keys[key] = None
         if len(self._saved_keys) > SAVED_KEYS:
             self._saved_keys.popitem(last=False)
-        tensors, keep = self.staging.tensors(captured)
+        stored = compress(captured, where.record_bits)
+        tensors, keep = self.staging.tensors(stored)
         record = Checkpoint(
             key=key,
             kind="prefix",
@@ -278,13 +306,13 @@ class PrefixReuse:
             trimmable=trimmable,
             block_size=BLOCK_SIZE,
             block_hashes=chain,
-            metadata={**captured.meta(), "tokens": str(len(prompt))},
+            metadata={**stored.meta(), "tokens": str(len(prompt))},
             tensors=tensors,
         )
         self.spill.put(
             Put(
                 record,
-                captured.nbytes,
+                stored.nbytes,
                 if_absent=True,
                 pinned=False,
                 # Not in the store after all: let a later prompt send it again.

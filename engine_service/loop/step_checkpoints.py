@@ -106,7 +106,9 @@ class StepCheckpoints:
                     gens.save(job, gens.capture(job, found[0]), pending[job.uid])
                 row = item.finished_cache or (found[0] if found is not None else None)
                 if row is not None:  # None: the row left the batch meanwhile (parked)
-                    self.checkpoints.prefixes.save(row, r.prompt, r.namespace, r.layout)
+                    self.checkpoints.prefixes.save(
+                        row, r.prompt, r.namespace, r.layout, r.prefix_record_bits
+                    )
         finally:
             if due:
                 self._saving.release()

@@ -38,6 +38,10 @@ def scoped_id(owner: str, request_id: str) -> str:
     return f"{owner}{OWNER_SEPARATOR}{request_id}" if owner else request_id
 
 
+# What GenerateRequest.prefix_record_bits may be (0: an exact record).
+PREFIX_RECORD_BITS = (0, 4, 8)
+
+
 @dataclass
 class GenerationRequest:
     request_id: str  # scoped_id(owner, the client's id)
@@ -54,6 +58,8 @@ class GenerationRequest:
     kv: KVCodec = KVCodec()
     layout: list[str] = field(default_factory=list)  # the model's layout under `kv`
     num_draft: int = 0  # speculative decoding: draft tokens per round (0: off)
+    # The prefix record kept as KV codes of these bits (0: exact; checkpoints/record_codec.py).
+    prefix_record_bits: int = 0
 
     @property
     def shown_id(self) -> str:

@@ -192,6 +192,7 @@ def generate_request(
     kv_scheme: str | None = None,
     kv_value_bits: int = 0,
     num_draft_tokens: int | None = None,
+    prefix_record_bits: int = 0,
     json_schema: str | dict[str, Any] | None = None,
     regex: str | None = None,
     lark: str | None = None,
@@ -210,6 +211,9 @@ def generate_request(
     scheme, or "affine"), 2-4 bits for keys and kv_value_bits (0: kv_bits) for values.
     num_draft_tokens: None = the engine's default, 0 = no speculative decoding, k = k draft
     tokens per round (needs --draft-model).
+    prefix_record_bits: 8 or 4 keeps the prompt's prefix record in the store as KV codes of
+    that many bits (a quarter to a half of the bytes, near the exact prefix, not equal);
+    0 = exact.
     Structured output, one at most: json_schema (a dict or its JSON text), regex, lark,
     gbnf, choice (the output is one of these strings) or json_object.
     Tools (chat messages only): see tandem_client/tools.py's put_tools.
@@ -221,6 +225,7 @@ def generate_request(
         resume=resume,
         tokens_held=tokens_held,
         sampling=sampling_pb(**sampling),
+        prefix_record_bits=prefix_record_bits,
     )
     if max_tokens is not None:
         req.max_tokens = max_tokens

@@ -1,0 +1,73 @@
+"""Compressed prefix records: a prefix's plain KV stored as 8- or 4-bit affine codes (MLX's
+`mx.quantize`, groups along the head dimension) and expanded back to plain KV on the device
+that restores it.
+
+Why: a store hit moves the record's bytes (store copy, region, landing); 8 bits halve a
+bf16 record's bytes and quarter a float32 one's, 4 bits about halve them again. The cost is
+quality: the restored prefix's KV is not the one a prefill computes, so a compressed hit is
+never exact (docs/checkpoints.md gives the measured difference). A request asks for it
+(`GenerateRequest.prefix_record_bits`); its records live under their own scope, so a request
+that did not ask never restores one.
+
+Only plain `KVCache` layers are compressed (keys and values: the bulk of any record);
+quantized, TurboQuant, ring and recurrent layers are stored as they are. In the record's
+skeleton a compressed array is a node {"q": {codes, scales, biases, bits, group, dtype}}
+(cache_records.py expands it on restore).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from engine_service.checkpoints.cache_records import CapturedCache, dtype_name
+from engine_service.checkpoints.device_landing import WORD_VIEWS
+
+COMPRESSED_CLASSES = frozenset({"KVCache"})
+_FLOATS = frozenset({"float32", "float16", "bfloat16"})
+
+
+def group_for(width: int) -> int | None:
+    """The quantization group along a head of `width`: 64, else 32; None: not divisible."""
+    return next((g for g in (64, 32) if width % g == 0), None)
+
+
+def compress(captured: CapturedCache, bits: int) -> CapturedCache:
+    """The capture with its plain KV layers' arrays as `bits`-bit codes (MLX thread; the
+    codes are computed on the device and evaluated before this returns)."""
+    if bits == 0:
+        return captured
+    arrays = dict(captured.arrays)
+    dtypes = dict(captured.dtypes)
+
+    def visit(node: Any) -> Any:
+        if "t" in node:
+            name = node["t"]
+            dtype = dtypes[name]
+            stored = arrays[name]
+            group = group_for(stored.shape[-1]) if stored.ndim else None
+            if dtype not in _FLOATS or group is None:
+                return node
+            value = stored.view(getattr(mx, dtype)) if dtype in WORD_VIEWS else stored
+            codes, scales, biases = mx.quantize(value, group_size=group, bits=bits)
+            del arrays[name], dtypes[name]
+            parts = {}
+            for part, array in (("codes", codes), ("scales", scales), ("biases", biases)):
+                part_name = f"{name}.{part}"
+                part_dtype = dtype_name(array)
+                view = WORD_VIEWS.get(part_dtype)
+                arrays[part_name] = array.view(view[0]) if view else array
+                dtypes[part_name] = part_dtype
+                parts[part] = part_name
+            return {"q": {**parts, "bits": bits, "group": group, "dtype": dtype}}
+        if "l" in node:
+            return {"l": [visit(child) for child in node["l"]]}
+        return node
+
+    skeleton = [
+        {**layer, "state": visit(layer["state"])} if layer["class"] in COMPRESSED_CLASSES else layer
+        for layer in captured.skeleton
+    ]
+    mx.eval(list(arrays.values()))
+    return CapturedCache(arrays, dtypes, skeleton, captured.layout, captured.tokens)
