@@ -29,12 +29,15 @@ sys.path[:0] = [str(ROOT)]
 
 def library_worker(streams: Path, model: str, steps: int) -> None:
     """The plain loop: training/train.py's recipe with mlx's own cross-entropy, one process."""
+    # isort: off
     import engine_service  # noqa: F401  (the fast BLAS must load before mlx)
+
     import mlx.core as mx
     import mlx.nn as nn
     import numpy as np
 
     from training import train as trainer
+    # isort: on
 
     def library_loss(model_: object, batch: mx.array) -> mx.array:
         logits = model_(batch[:, :-1])  # type: ignore[operator]
