@@ -53,16 +53,24 @@ from tandem_wire.pb import engine_pb2, engine_pb2_grpc  # noqa: E402
 from tests.servers import free_port, start_engine, start_store_on  # noqa: E402
 
 
-def _ttft(client: EngineClient, prompt: list[int], namespace: str) -> tuple[float, int]:
+def _ttft(
+    client: EngineClient, prompt: list[int], namespace: str, record_bits: int = 0
+) -> tuple[float, int]:
     start = time.perf_counter()
-    for chunk in client.stream(prompt, max_tokens=1, ignore_eos=True, namespace=namespace):
+    options = dict(max_tokens=1, ignore_eos=True, namespace=namespace)
+    for chunk in client.stream(prompt, prefix_record_bits=record_bits, **options):
         if chunk.usage is not None:
             return time.perf_counter() - start, chunk.usage.cached_prompt_tokens
     raise RuntimeError("no usage")
 
 
 def bench_ttft(
-    address: str, store: StoreClient, lengths: list[int], vocab: int, repeat: int
+    address: str,
+    store: StoreClient,
+    lengths: list[int],
+    vocab: int,
+    repeat: int,
+    record_bits: int = 0,
 ) -> list[dict]:
     rows = []
     with EngineClient(address, timeout=1800) as client:
@@ -71,9 +79,10 @@ def bench_ttft(
             for r in range(repeat):
                 base = random_prompt(n, vocab, seed=n * 100 + r)
                 follow_up = base + random_prompt(16, vocab, seed=r)  # a second turn on the prefix
-                _ttft(client, base, f"bench-{n}-{r}")  # saves the prefix to the store
+                # saves the prefix to the store (compressed with --prefix-record-bits)
+                _ttft(client, base, f"bench-{n}-{r}", record_bits)
                 client.flush()
-                hit, cached = _ttft(client, follow_up, f"bench-{n}-{r}")
+                hit, cached = _ttft(client, follow_up, f"bench-{n}-{r}", record_bits)
                 # Each run saves its own prompt's prefix after its first token: let that
                 # spill finish so the next measurement does not share the machine with it.
                 client.flush()
@@ -257,6 +266,12 @@ def main() -> None:
     parser.add_argument(
         "--skip", default="", help="comma list of ttft,resume,batched,decode,restore,floor,local"
     )
+    parser.add_argument(
+        "--prefix-record-bits",
+        type=int,
+        default=0,
+        help="the TTFT's prefix records compressed to 8 or 4 bits (0: exact)",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     skip = set(args.skip.split(",")) - {""}
@@ -309,6 +324,7 @@ def main() -> None:
                     [int(x) for x in args.prompts.split(",")],
                     vocab,
                     args.repeat,
+                    args.prefix_record_bits,
                 )
                 with EngineClient(stack["engine"].address) as c:
                     print(

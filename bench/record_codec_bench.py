@@ -12,6 +12,10 @@ held-out perplexity, the share of positions whose top-1 token equals the exact p
 and the mean KL divergence from the exact prefix's next-token distribution.
 
     python bench/record_codec_bench.py [--windows 4] [--prompt 1024] [--length 1280]
+    python bench/record_codec_bench.py --model qwen3-0.6b-shape --prompt 8192 --no-quality
+
+A shape (bench/shapes.py) has random weights: its windows are random tokens, and only bytes
+and restore times mean something (--no-quality skips the forced decoding).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +40,8 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from engine_service.checkpoints.cache_records import capture, restore, to_host  # noqa: E402
 from engine_service.checkpoints.record_codec import compress  # noqa: E402
+from engine_service.model.loading import load_model  # noqa: E402
+from bench.shapes import model_spec  # noqa: E402
 from engine_service.model.default_model import TRAINED_DIR, ensure_model  # noqa: E402
 from training import corpus  # noqa: E402
 from training.tokenizer import token_stream  # noqa: E402
@@ -59,12 +66,21 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1280)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--data-dir", type=Path, default=ROOT / ".tandem")
+    parser.add_argument("--model", default="tandem-tiny")
+    parser.add_argument("--no-quality", action="store_true")
     args = parser.parse_args()
-    model = load(str(ensure_model("tandem-tiny", args.data_dir / "models")))[0]
-    from tokenizers import Tokenizer
+    scratch = tempfile.TemporaryDirectory(prefix="tandem-record-bench-")
+    if args.model == "tandem-tiny":
+        model = load(str(ensure_model("tandem-tiny", args.data_dir / "models")))[0]
+        from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(TRAINED_DIR / "tokenizer.json"))
-    stream = np.array(token_stream(tokenizer, corpus.load().held_out), dtype=np.int32)
+        tokenizer = Tokenizer.from_file(str(TRAINED_DIR / "tokenizer.json"))
+        stream = np.array(token_stream(tokenizer, corpus.load().held_out), dtype=np.int32)
+    else:  # random weights: random tokens
+        loaded = load_model(model_spec(args.model, Path(scratch.name)), Path(scratch.name))
+        model = loaded.model
+        rng = np.random.default_rng(0)
+        stream = rng.integers(0, loaded.vocab_size, args.windows * args.length + 1).astype(np.int32)
     starts = np.linspace(0, len(stream) - args.length - 1, args.windows).astype(int)
     nbytes: dict[str, int] = {}
     times: dict[str, list[float]] = {name: [] for name in RECORDS}
@@ -86,12 +102,13 @@ def main() -> None:
                     times[name].append(time.perf_counter() - begin)
         for name, record in records.items():
             nbytes[name] = record.nbytes
-            restored = restore(record.meta(), hosted[name], record.layout)
-            runs[name] += forced_logprobs(model, restored, window[args.prompt - 1 :])
+            if not args.no_quality:
+                restored = restore(record.meta(), hosted[name], record.layout)
+                runs[name] += forced_logprobs(model, restored, window[args.prompt - 1 :])
         targets += [int(t) for t in window[args.prompt :]]
     exact_runs = runs["exact"]
     print(
-        f"tandem-tiny on {mx.default_device()}: {args.windows} windows, prefix {args.prompt} "
+        f"{args.model} on {mx.default_device()}: {args.windows} windows, prefix {args.prompt} "
         f"tokens, {len(targets)} forced positions, restore medians of {args.repeat} rounds"
     )
     print(
@@ -99,11 +116,12 @@ def main() -> None:
         f"{'perplexity':>10} {'top-1 = exact':>13} {'KL':>8}"
     )
     for name, ours in runs.items():
-        nll = -np.mean([lp[t] for lp, t in zip(ours, targets, strict=True)])
-        agree = np.mean(
-            [np.argmax(a) == np.argmax(b) for a, b in zip(ours, exact_runs, strict=True)]
-        )
-        kl = np.mean([np.sum(np.exp(p) * (p - q)) for p, q in zip(exact_runs, ours, strict=True)])
+        nll = agree = kl = float("nan")
+        if not args.no_quality:
+            nll = -np.mean([lp[t] for lp, t in zip(ours, targets, strict=True)])
+            pairs = list(zip(ours, exact_runs, strict=True))
+            agree = np.mean([np.argmax(a) == np.argmax(b) for a, b in pairs])
+            kl = np.mean([np.sum(np.exp(q) * (q - p)) for p, q in pairs])
         restore_s = statistics.median(times[name])
         paired = [a / b for a, b in zip(times[name], times["exact"], strict=True)]
         print(
