@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 
 SECONDS = {
-    "test_checkpoints.py": 48,
+    "test_checkpoints.py": 56,
+    "test_training_ranks.py": 20,
     "test_docs_examples.py": 39,
     "test_engine_backpressure.py": 38,
     "test_tier.py": 38,
