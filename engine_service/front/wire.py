@@ -26,8 +26,8 @@ from engine_service.protocol.engine_stats import EngineStats
 from engine_service.protocol.flush import FlushResult
 from engine_service.protocol.kv_codec import KVCodec, Scheme, checked_codec, request_layout
 from engine_service.protocol.requests import (
-    PREFIX_RECORD_BITS,
     GenerationRequest,
+    checked_record_bits,
     stop_token_ids,
 )
 from engine_service.protocol.sampling_options import SamplingOptions
@@ -281,11 +281,6 @@ def request_from_pb(
     interval = request.checkpoint_interval or (
         policy.default_checkpoint_interval if policy.has_store else 0
     )
-    if request.prefix_record_bits not in PREFIX_RECORD_BITS:
-        raise InvalidRequest(
-            f"prefix_record_bits must be one of {PREFIX_RECORD_BITS}, "
-            f"got {request.prefix_record_bits}"
-        )
     return GenerationRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt=prompt,
@@ -300,7 +295,7 @@ def request_from_pb(
         kv=kv,
         layout=request_layout(loaded.layout, kv),
         num_draft=num_draft,
-        prefix_record_bits=request.prefix_record_bits,
+        prefix_record_bits=checked_record_bits(request.prefix_record_bits),
     )
 
 

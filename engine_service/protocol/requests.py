@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_service.errors import InvalidRequest
 from engine_service.protocol.kv_codec import KVCodec
 from engine_service.protocol.sampling_options import SamplingOptions
 
@@ -40,6 +41,12 @@ def scoped_id(owner: str, request_id: str) -> str:
 
 # What GenerateRequest.prefix_record_bits may be (0: an exact record).
 PREFIX_RECORD_BITS = (0, 4, 8)
+
+
+def checked_record_bits(bits: int) -> int:
+    if bits not in PREFIX_RECORD_BITS:
+        raise InvalidRequest(f"prefix_record_bits must be one of {PREFIX_RECORD_BITS}, got {bits}")
+    return bits
 
 
 @dataclass
