@@ -34,6 +34,8 @@ from engine_service.protocol.kv_codec import layout_accepts
 from tandem_client.records import Tensor
 
 CODEC_VERSION = "tandem.cache.v1"
+# What a compressed array (checkpoints/record_codec.py) may have been before compression.
+COMPRESSIBLE_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 
 # Cache classes of our own a checkpoint may name, beside mlx-lm's (looked up by name there).
 OWN_CLASSES: dict[str, Any] = {"TurboQuantRow": TurboQuantRow, "PackedRingRow": PackedRingRow}
@@ -274,7 +276,7 @@ def _compressed_parts(node: dict[str, Any]) -> list[str]:
     q = node["q"]
     if int(q["bits"]) not in (4, 8) or int(q["group"]) not in (32, 64):
         raise ValueError("unsupported compression")
-    if str(q["dtype"]) not in ("float32", "float16", "bfloat16"):
+    if str(q["dtype"]) not in COMPRESSIBLE_DTYPES:
         raise ValueError("unsupported dtype")
     return [str(q["codes"]), str(q["scales"]), str(q["biases"])]
 

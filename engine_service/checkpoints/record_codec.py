@@ -21,11 +21,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine_service.checkpoints.cache_records import CapturedCache, dtype_name
+from engine_service.checkpoints.cache_records import (
+    COMPRESSIBLE_DTYPES,
+    CapturedCache,
+    dtype_name,
+)
 from engine_service.checkpoints.device_landing import WORD_VIEWS
 
 COMPRESSED_CLASSES = frozenset({"KVCache"})
-_FLOATS = frozenset({"float32", "float16", "bfloat16"})
 
 
 def group_for(width: int) -> int | None:
@@ -47,7 +50,7 @@ def compress(captured: CapturedCache, bits: int) -> CapturedCache:
             dtype = dtypes[name]
             stored = arrays[name]
             group = group_for(stored.shape[-1]) if stored.ndim else None
-            if dtype not in _FLOATS or group is None:
+            if dtype not in COMPRESSIBLE_DTYPES or group is None:
                 return node
             value = stored.view(getattr(mx, dtype)) if dtype in WORD_VIEWS else stored
             codes, scales, biases = mx.quantize(value, group_size=group, bits=bits)

@@ -25,11 +25,7 @@ from engine_service.protocol.constraint import Constraint, ConstraintKind, check
 from engine_service.protocol.engine_stats import EngineStats
 from engine_service.protocol.flush import FlushResult
 from engine_service.protocol.kv_codec import KVCodec, Scheme, checked_codec, request_layout
-from engine_service.protocol.requests import (
-    GenerationRequest,
-    checked_record_bits,
-    stop_token_ids,
-)
+from engine_service.protocol.requests import GenerationRequest, checked_record_bits, stop_token_ids
 from engine_service.protocol.sampling_options import SamplingOptions
 from tandem_wire.limits import MAX_REQUEST_ID_CHARS, namespace_problem
 from tandem_wire.pb import engine_pb2
