@@ -373,8 +373,20 @@ def kill_after_checkpoint(
         time.sleep(0.05)
     engine_proc.kill()
     engine.close()
-    (record,) = store.list_all(kind="generation")  # read once nothing replaces it
-    return received, store.get(record.key, record.namespace)
+    import grpc
+
+    from tandem_client.errors import TandemError
+
+    # A Put the engine had in flight may still commit after the kill and replace the record
+    # mid-read (ABORTED, the store's answer to that): read again until one read is whole.
+    deadline = time.monotonic() + 30
+    while True:
+        (record,) = store.list_all(kind="generation")
+        try:
+            return received, store.get(record.key, record.namespace)
+        except TandemError as exc:
+            if exc.code != grpc.StatusCode.ABORTED or time.monotonic() > deadline:
+                raise
 
 
 def resume_equals_uninterrupted(
