@@ -31,6 +31,7 @@ from engine_service.errors import (
     Precondition,
     Unavailable,
 )
+from engine_service.loop.admissions import gather_burst
 from engine_service.loop.limits import Limits
 from engine_service.loop.scheduler import Scheduler
 from engine_service.model.loaded import LoadedModel
@@ -224,6 +225,33 @@ class FakeSink:
 def _put(key: bytes, nbytes: int, **kw: object) -> Put:
     record = Checkpoint(key=key, tensors=[Tensor("t", "uint8", (nbytes,), bytes(nbytes))])
     return Put(record, nbytes, **kw)  # type: ignore[arg-type]
+
+
+def test_a_burst_is_gathered_from_its_arrival_not_from_its_planning() -> None:
+    """The admission window runs from the newest arrival's reaching the engine: a request
+    planned for longer than a window (a store read) is admitted without waiting again, one
+    that just arrived waits for the rest of its burst."""
+    drains: list[int] = []
+
+    def drain() -> bool:
+        drains.append(1)
+        return True
+
+    def gather(arrived_ago_s: float) -> None:
+        arrival = time.monotonic() - arrived_ago_s
+        assert gather_burst(
+            window_s=0.002,
+            windows=25,
+            has_room=lambda: True,
+            waiting=lambda: 1,
+            drain=drain,
+            newest_arrival=lambda: arrival,
+        )
+
+    gather(arrived_ago_s=10.0)  # planned for ten seconds: its window is long over
+    assert drains == []
+    gather(arrived_ago_s=0.0)  # just arrived: one window for the rest of its burst
+    assert drains == [1]
 
 
 def test_spill_queue_is_bounded_and_flush_is_a_barrier() -> None:

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -160,19 +161,20 @@ class CoreService:
             self._running.pop(stream, None)
 
     def _submit(self, command: Submit) -> None:
+        arrived = time.monotonic()
         constrained = command.request.sampling.constraint is not None
         if not constrained and not self.planner.needed(command.request):
-            self._admit(command, None)
+            self._admit(command, None, arrived)
             return
         with self._lock:
             self._planning.add(command.stream)
         if constrained or (self.checkpoints is not None and self.checkpoints.has_store):
             # The store may be waited on; a grammar is compiled here, never on the loop.
-            self._pool.submit(self._plan_and_admit, command)
+            self._pool.submit(self._plan_and_admit, command, arrived)
         else:
-            self._plan_and_admit(command)  # the local tier only: microseconds, no hop
+            self._plan_and_admit(command, arrived)  # the local tier only: microseconds, no hop
 
-    def _plan_and_admit(self, command: Submit) -> None:
+    def _plan_and_admit(self, command: Submit, arrived: float) -> None:
         req = command.request
         try:
             if req.sampling.constraint is not None:
@@ -187,9 +189,9 @@ class CoreService:
                 self._dropped.discard(command.stream)
             self._refuse(command.call, exc)
             return
-        self._admit(command, plan)
+        self._admit(command, plan, arrived)
 
-    def _admit(self, command: Submit, plan: Plan) -> None:
+    def _admit(self, command: Submit, plan: Plan, arrived: float) -> None:
         req = command.request
         replay = plan.replay if isinstance(plan, ResumePlan) else []
         with self._lock:
@@ -202,7 +204,7 @@ class CoreService:
                 self.outbox.send(Accepted(command.call, replay, submitted=False))
                 return
             try:
-                self.scheduler.submit(req, StreamSink(command.stream), plan)
+                self.scheduler.submit(req, StreamSink(command.stream), plan, arrived)
             except Exception as exc:  # noqa: BLE001 - refused (EngineError) or a bug (logged)
                 _release(plan)
                 self._refuse(command.call, exc)

@@ -70,20 +70,26 @@ def gather_burst(
     has_room: Callable[[], bool],
     waiting: Callable[[], int],
     drain: Callable[[], bool],
+    newest_arrival: Callable[[], float],
 ) -> bool:
     """Waits for the rest of a burst of arrivals so it is prefilled in few batches, not one
     request per decode step; False when `drain` (the inbox) says to stop meanwhile.
 
     At most `windows` admission windows (one, or more while arrivals keep coming to an idle
-    engine), and only while the batch has room. Sleeping also hands the GIL to the threads
-    still planning or receiving the burst: with the MLX thread holding it ~90% of the time
-    they would feed it one request a step.
+    engine), and only while the batch has room. A window runs from the newest arrival's
+    reaching the engine (`newest_arrival`, time.monotonic): a request that waited its window
+    out while it was planned (a store read of milliseconds) is admitted at once. Sleeping also
+    hands the GIL to the threads still planning or receiving the burst: with the MLX thread
+    holding it ~90% of the time they would feed it one request a step.
     """
     for _ in range(windows):
         if not window_s or not has_room():
             return True
+        rest = newest_arrival() + window_s - time.monotonic()
+        if rest <= 0:
+            return True  # nothing arrived within a window: the burst is over
         before = waiting()
-        time.sleep(window_s)
+        time.sleep(rest)
         if not drain():
             return False
         if waiting() == before:

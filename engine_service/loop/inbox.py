@@ -56,10 +56,16 @@ class SchedulerInbox:
         if self._start_failure is not None:
             raise self._start_failure
 
-    def submit(self, request: GenerationRequest, sink: Sink, plan: Plan = None) -> None:
-        """Admits a request or raises Overloaded / AlreadyExists / Unavailable."""
+    def submit(
+        self, request: GenerationRequest, sink: Sink, plan: Plan = None, arrived_at: float = 0.0
+    ) -> None:
+        """Admits a request or raises Overloaded / AlreadyExists / Unavailable. arrived_at:
+        when it reached the engine (time.monotonic), before it was planned; 0: now."""
         self._admissions.enter(request)
-        self._inbox.put(Submit(Job(request, sink, plan)))
+        job = Job(request, sink, plan)
+        if arrived_at:
+            job.arrived_at = arrived_at
+        self._inbox.put(Submit(job))
 
     def cancel(self, request_id: str, keep_checkpoint: bool = False, stopped: bool = False) -> bool:
         """Asks the loop to stop a request; False if it is not known (already finished).

@@ -61,6 +61,9 @@ class Job:
     last_checkpoint_at: int = 0  # len(tokens) at the last generation snapshot
     chain: ChainCursor = field(default_factory=ChainCursor)
     admitted_at: float = 0.0
+    # When the core received it (time.monotonic): a burst is gathered from arrivals, so a
+    # request that spent its window being planned (a store read) is not held for it again.
+    arrived_at: float = field(default_factory=time.monotonic)
     recompute: bool = False  # starts again from its tokens alone (its batch step failed)
     turn_start: int = 0  # len(tokens) when it last got its slot (loop/turns.py)
     # How it ended, for the tombstone a resume reads (checkpoints/generations.forget).

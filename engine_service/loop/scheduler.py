@@ -55,6 +55,8 @@ KV_BYTES_EVERY = 16  # steps between readings of the batch's KV bytes (Stats.kv_
 
 # An idle engine receiving a burst gathers it for at most this many admission windows.
 GATHER_WINDOWS = 25
+# How long the loop stays idle before MLX's cached buffers go back (mx.clear_cache).
+IDLE_RELEASE_S = 1.0
 
 
 def deliver_directly(outbox: list[tuple[Sink, list[Event]]]) -> None:
@@ -163,15 +165,20 @@ class Scheduler(SchedulerInbox):
             self._ready.set()
             return
         self._ready.set()
-        was_idle = True
+        idle_since: float | None = 0.0  # None: the buffers went back since the last work
         while True:
             idle = not self._rows and not self._waiting and not self._speculating()
-            if idle and not was_idle:
-                # Nothing runs: the buffers MLX cached for the batch go back to the device
-                # (a GPU may be shared; the next burst allocates what it needs again).
-                mx.clear_cache()
+            if not idle:
+                idle_since = 0.0
+            elif idle_since == 0.0:
+                idle_since = time.monotonic()
                 self._stats.kv_cache_bytes = 0
-            was_idle = idle
+            elif idle_since is not None and time.monotonic() - idle_since >= IDLE_RELEASE_S:
+                # Nothing has run for a while: the buffers MLX cached for the batch go back to
+                # the device (a GPU may be shared). Not at once: a client's next turn, a
+                # moment later, would fault all of its pages in again (~5 ms at 4k tokens).
+                mx.clear_cache()
+                idle_since = None
             waiting_before = len(self._waiting)
             if not self._drain_inbox(block=idle):
                 break
@@ -199,6 +206,7 @@ class Scheduler(SchedulerInbox):
             lambda: self._running() + len(self._waiting) < self.limits.max_running,
             lambda: len(self._waiting),
             lambda: self._drain_inbox(block=False),
+            lambda: max(job.arrived_at for job in self._waiting),
         )
 
     def _flush_outbox(self) -> None:
