@@ -110,6 +110,9 @@ class EngineConfig:
     # Speculative decoding: a draft model (same tokenizer) and the default draft length.
     draft_model: str = ""
     num_draft_tokens: int = 0
+    # Batch-invariant rows (model/deterministic.py); rows: the decode matmul block (0: default).
+    deterministic: bool = False
+    deterministic_rows: int = 0
 
     @property
     def kv_codec(self) -> KVCodec:
@@ -150,6 +153,13 @@ class EngineConfig:
             raise ValueError("--turn-tokens must be >= 0")
         if self.num_draft_tokens and not self.draft_model:
             raise ValueError("--num-draft-tokens needs --draft-model")
+        if self.deterministic and (self.draft_model or self.kv_codec.quantized):
+            raise ValueError(
+                "--deterministic runs plain KV without a draft model (speculative verify "
+                "steps and KV codecs are not batch-invariant)"
+            )
+        if self.deterministic_rows < 0:
+            raise ValueError("--deterministic-rows must be >= 0")
         if self.announce:
             ValkeyTarget.parse(self.announce, "--announce")
         if self.announce_interval_s <= 0:
@@ -351,6 +361,18 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         default=ENV.integer("COMPILED_DECODE_MAX_BATCH", 8),
         help="largest batch whose decode step runs compiled (larger ones build it in Python)",
     )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=ENV.flag("DETERMINISTIC"),
+        help="a row's tokens do not depend on the rest of its batch (docs/determinism.md)",
+    )
+    p.add_argument(
+        "--deterministic-rows",
+        type=int,
+        default=ENV.integer("DETERMINISTIC_ROWS", 0),
+        help="rows per decode matmul block in deterministic mode (0: 128 on a GPU, 1 on CPU)",
+    )
     a = p.parse_args(argv)
     try:
         for flag, spec in (("--model", a.model), ("--draft-model", a.draft_model)):
@@ -366,7 +388,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             max_queued=a.max_queued,
             max_context=a.max_context,
             prefill_step_size=a.prefill_step_size,
-            prefill_batch_size=min(8, a.max_running),
+            # Deterministic: each prompt prefilled alone, at chunk boundaries from its start.
+            prefill_batch_size=1 if a.deterministic else min(8, a.max_running),
             default_max_tokens=a.default_max_tokens,
             grace_s=a.grace,
             switch_interval_s=a.switch_interval,
@@ -387,7 +410,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             spill_batch_records=a.spill_batch_records,
             log_prompts=a.log_prompts,
             warmup=a.warmup,
-            compiled_decode=a.compiled_decode,
+            compiled_decode=a.compiled_decode and not a.deterministic,
             compiled_decode_max_batch=a.compiled_decode_max_batch,
             kv_bits=a.kv_bits,
             kv_group_size=a.kv_group_size,
@@ -396,6 +419,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             kv_value_bits=a.kv_value_bits,
             draft_model=a.draft_model,
             num_draft_tokens=a.num_draft_tokens,
+            deterministic=a.deterministic,
+            deterministic_rows=a.deterministic_rows,
             announce=a.announce,
             announce_password_file=a.announce_password_file,
             announce_address=a.announce_address,

@@ -51,6 +51,20 @@ from tandem_client.identity import generation_key, scope_digest
 from tandem_client.records import Checkpoint
 from tandem_client.store_client import StoreClient
 
+# A deterministic engine's model id ends so (checkpoints/manager.py): its checkpoints and
+# prefixes are its mode's alone, and a generation resumes in the mode it started in.
+DETERMINISTIC_SUFFIX = "/deterministic"
+
+
+def _model_refusal(made_by: str, serving: str) -> str:
+    if made_by.removesuffix(DETERMINISTIC_SUFFIX) == serving.removesuffix(DETERMINISTIC_SUFFIX):
+        started = "with" if made_by.endswith(DETERMINISTIC_SUFFIX) else "without"
+        return (
+            f"this generation started {started} --deterministic and resumes only on an "
+            f"engine started {started} it"
+        )
+    return f"checkpoint was made by model {made_by!r}; this engine serves {serving!r}"
+
 
 class GenerationCheckpoints:
     def __init__(
@@ -81,7 +95,9 @@ class GenerationCheckpoints:
         request_id: str,
         layout: list[str],
     ) -> bytes:
-        scope = scope_digest(self.model_id, layout, namespace)
+        # Both modes find a generation's key: the record's model id then refuses the other
+        # mode by name (load), rather than a NOT_FOUND that names neither.
+        scope = scope_digest(self.model_id.removesuffix(DETERMINISTIC_SUFFIX), layout, namespace)
         return generation_key(scope, prompt, options_digest(options), request_id)
 
     # -- the MLX thread ----------------------------------------------------------------------
@@ -289,10 +305,7 @@ class GenerationCheckpoints:
             raise _store_failure(exc) from exc
         _refuse_ended(record)
         if record.model_id != self.model_id:
-            raise Precondition(
-                f"checkpoint was made by model {record.model_id!r}; this engine "
-                f"serves {self.model_id!r}"
-            )
+            raise Precondition(_model_refusal(record.model_id, self.model_id))
         if list(record.layout) != layout:
             raise Precondition(
                 f"checkpoint cache layout {list(record.layout)} differs from the request's {layout}"

@@ -22,7 +22,7 @@ import grpc
 import mlx.core as mx
 
 from engine_service.checkpoints.device_landing import landing_for
-from engine_service.checkpoints.generations import GenerationCheckpoints
+from engine_service.checkpoints.generations import DETERMINISTIC_SUFFIX, GenerationCheckpoints
 from engine_service.checkpoints.host_staging import HostStaging
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE, PrefixCache
 from engine_service.checkpoints.prefix_reuse import PrefixReuse
@@ -63,6 +63,9 @@ class CheckpointSettings:
     spill_batch_records: int = 32
     # Tokens a solo prefill feeds per model call (prefix snapshots: the engine's step).
     prefill_step_size: int = 2048
+    # --deterministic: checkpoints are this mode's alone (a resume keeps it), prefixes are
+    # restored at prefill-chunk boundaries (prefix_reuse.PrefixReuse.align).
+    deterministic: bool = False
 
 
 def region_bytes(configured: int) -> int:
@@ -81,7 +84,9 @@ class CheckpointManager:
     def __init__(self, loaded: LoadedModel, settings: CheckpointSettings) -> None:
         self.settings = settings
         # The compute dtype is part of what a cache was computed under.
-        self.model_id = f"{loaded.model_id}/{loaded.dtype}"
+        self.model_id = f"{loaded.model_id}/{loaded.dtype}" + (
+            DETERMINISTIC_SUFFIX if settings.deterministic else ""
+        )
         self.counters = CheckpointCounters()
         # Below the store's per-connection bound of bulk calls (16 by default): the engine's
         # resumes, prefix reads and spill share one connection.
@@ -119,6 +124,7 @@ class CheckpointManager:
             self.spill,
             settings.min_prefix_tokens,
             staging,
+            settings.prefill_step_size if settings.deterministic else 1,
         )
         self.snapshots = PrefixSnapshots(loaded.model, self.prefixes, settings.prefill_step_size)
         self.generations = GenerationCheckpoints(

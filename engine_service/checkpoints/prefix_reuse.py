@@ -74,8 +74,12 @@ class PrefixReuse:
         spill: SpillQueue | None = None,
         min_prefix_tokens: int = BLOCK_SIZE,
         staging: HostStaging | None = None,
+        align: int = 1,
     ) -> None:
         self.model_id = model_id
+        # Restored lengths are multiples of this (deterministic mode: the prefill chunk, so a
+        # hit holds only positions a cold prefill computes in the same chunks, bit for bit).
+        self.align = align
         self.local = local
         self.counters = counters
         self.store = store
@@ -112,6 +116,9 @@ class PrefixReuse:
         lengths = [min((i + 1) * BLOCK_SIZE, len(usable), most) for i in range(len(chain))]
         key, local_len, exact = self.local.match(chain, lengths)
         captured = self.local.get(key) if local_len else None
+        if captured is not None and self.align > 1:
+            local_len = self.aligned(local_len, captured.tokens)
+            captured = captured if local_len else None
         best: PrefixPlan | PrefixMiss = (
             PrefixPlan(local_len, key, layout, local=captured, exact=exact)
             if captured
@@ -135,6 +142,12 @@ class PrefixReuse:
         if isinstance(best, PrefixMiss):
             self.counters.add(misses=1)
         return best
+
+    def aligned(self, matched: int, record_tokens: int) -> int:
+        """The longest restorable length, a multiple of `align`, whose positions were all
+        computed in whole prefill chunks: a record of P tokens was prefilled P - 1 tokens in
+        chunks from its start, its last token in a step of its own."""
+        return min(matched, record_tokens - 1) // self.align * self.align
 
     def _lookup(
         self, chain: list[bytes], tokens: int, namespace: str, layout: list[str]
@@ -166,6 +179,8 @@ class PrefixReuse:
             shorter = block_hashes(usable[:-1], BLOCK_SIZE, scope)
             hit = self._lookup(shorter, len(usable) - 1, namespace, layout)
         matched = min(hit.matched_tokens, len(usable) - 1)  # one token is left to feed
+        if self.align > 1:
+            matched = self.aligned(matched, hit.record_tokens)
         exact = not hit.trimmable
         if not hit.found or matched <= better_than or (exact and matched != hit.record_tokens):
             return PrefixMiss("no stored prefix")

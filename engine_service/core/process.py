@@ -37,6 +37,7 @@ from engine_service.core.setup import checkpoint_manager, scheduler_limits
 from engine_service.errors import EngineError
 from engine_service.loop.scheduler import Scheduler
 from engine_service.loop.warmup import WarmUpFailed
+from engine_service.model.deterministic import NotRowInvariant, check_row_invariant
 from engine_service.model.loading import IncompatibleDraft, load_draft, load_model
 from engine_service.protocol.channel import (
     Accepted,
@@ -257,6 +258,8 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
         if config.draft_model
         else None
     )
+    if config.deterministic:
+        check_row_invariant(loaded.model)
     checkpoints = checkpoint_manager(config, loaded)
     problem = checkpoints.check_store()
     if problem:
@@ -269,6 +272,7 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
         draft,
         compiled_decode_max_batch=config.compiled_decode_max_batch if config.compiled_decode else 0,
         grammars=Grammars.for_model(loaded, CompileBudget(config.constraint_compile_timeout_s)),
+        deterministic_rows=config.deterministic_rows if config.deterministic else None,
     )
     scheduler.start(warm=config.warmup)
     drafts = DraftSupport(draft.model_id if draft else "", config.num_draft_tokens)
@@ -325,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     outbox = Outbox(events, codec)
     try:
         service = _start(config, outbox)
-    except (OSError, IncompatibleDraft, ProbeFailed, WarmUpFailed) as exc:
+    except (OSError, IncompatibleDraft, NotRowInvariant, ProbeFailed, WarmUpFailed) as exc:
         log.error("the engine cannot serve: %s", exc)
         outbox.send(StartFailed(str(exc)))
         events.close(linger=2000)

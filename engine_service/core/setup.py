@@ -57,5 +57,6 @@ def checkpoint_manager(config: EngineConfig, loaded: LoadedModel) -> CheckpointM
             store_region_bytes=config.store_region_bytes,
             spill_batch_records=config.spill_batch_records,
             prefill_step_size=config.prefill_step_size,
+            deterministic=config.deterministic,
         ),
     )

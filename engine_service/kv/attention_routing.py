@@ -6,7 +6,9 @@ attention when the cache has `bits`, and mlx's fused SDPA otherwise; there is no
 another codec. So `install` swaps that name, in every loaded mlx-lm model module, for
 `routed_attention`: the keys a batch cache returns decide the path. TurboQuant planes
 (`TurboQuantPlanes`, only ever returned by BatchQuantizedKVCache for a batch of TurboQuant
-rows) go to `turboquant_attention`; anything else goes to mlx-lm's function unchanged.
+rows) go to `turboquant_attention`; plain planes inside a deterministic call go to
+`row_invariant_attention` (model/deterministic.py); anything else goes to mlx-lm's function
+unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import mlx.core as mx
 from mlx_lm.models import base
 
 from engine_service.kv.turboquant import TurboQuantPlanes, turboquant_attention
+from engine_service.model.deterministic import active_pads, row_invariant_attention
 
 __all__ = ["install", "routed_attention", "turboquant_attention"]
 
@@ -35,6 +38,9 @@ def routed_attention(
 ) -> mx.array:
     if isinstance(keys, TurboQuantPlanes):
         return turboquant_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    pads = active_pads()
+    if pads is not None and isinstance(keys, mx.array):  # --deterministic (model/deterministic)
+        return row_invariant_attention(queries, keys, values, scale, pads, sinks)
     return _MLX_LM_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 

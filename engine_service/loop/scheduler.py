@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import queue
 import time
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
@@ -33,6 +34,7 @@ from engine_service.loop.preemption import Preemption, restart_point
 from engine_service.loop.row_isolation import isolate, recompute_point
 from engine_service.loop.step_checkpoints import StepCheckpoints
 from engine_service.loop.warmup import WarmUpFailed, warm_up
+from engine_service.model.deterministic import DeterministicModel
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.mlx_compat import batch_cache_bytes, running_batch
 from engine_service.protocol.events import (
@@ -76,15 +78,17 @@ class Scheduler(SchedulerInbox):
         draft: LoadedModel | None = None,
         compiled_decode_max_batch: int = 0,
         grammars: Grammars | None = None,
+        deterministic_rows: int | None = None,
     ) -> None:
         self.loaded = loaded
-        # The batch's model: decode steps of small batches compiled (loop/compiled_decode.py), or
-        # as loaded (0).
-        model = (
-            CompiledDecode(loaded.model, compiled_decode_max_batch)
-            if compiled_decode_max_batch > 0
-            else loaded.model
-        )
+        # The batch's model: batch-invariant rows (model/deterministic.py; None: off), decode
+        # steps of small batches compiled (loop/compiled_decode.py), or as loaded.
+        self.deterministic = deterministic_rows is not None
+        model: Any = loaded.model
+        if deterministic_rows is not None:
+            model = DeterministicModel(loaded.model, deterministic_rows)
+        elif compiled_decode_max_batch > 0:
+            model = CompiledDecode(loaded.model, compiled_decode_max_batch)
         # Structured output: constrained rows' masks, all rows of a step together.
         self._masks = BatchMasks(model, loaded.vocab_size, lambda: running_batch(self._bg))
         self._batch_model = self._masks
@@ -263,6 +267,8 @@ class Scheduler(SchedulerInbox):
                 continue
             # A KV scheme the model cannot run is refused before the row joins a batch.
             refusal = kv_refusal(self.loaded, job.request.kv, self._new_batch_generator)
+            if self.deterministic and job.request.kv.quantized:
+                refusal = "this engine runs --deterministic: KV codecs are not batch-invariant"
             if refusal:
                 self._end_failed(job, refusal, InvalidRequest)
                 continue

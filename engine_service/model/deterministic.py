@@ -1,0 +1,193 @@
+"""Deterministic mode (--deterministic): a row's logits are bit-identical whether it runs alone
+or in any batch, so a seeded or resumed generation does not depend on what ran beside it.
+
+Where the bits of a row depended on its batch (bench/batch_invariance.py, docs/determinism.md):
+
+- projections: a matmul's kernel (and so each row's reduction order) is chosen by the number
+  of rows. Here every one-token-per-row matmul (a decode step) runs on blocks of exactly
+  `rows` rows, zero-padded: the same kernel whatever the batch;
+- attention: in a batch a row's keys sit after its left padding, which shifts them inside the
+  reduction blocks. Here each row attends over its own keys only (its padding sliced off), a
+  shape that depends on the row alone;
+- prefill: the engine prefills one row at a time, at fixed chunk boundaries from the row's
+  start (BatchGenerator's prefill_batch_size 1), so a prompt's KV is the same however it was
+  scheduled.
+
+Norms, RoPE, embeddings and sampling are per row already. The patches below act only inside a
+DeterministicModel call on the calling thread: other models in the process are untouched.
+mlx and mlx-lm have no batch-invariant mode (vLLM and SGLang have one, on their own kernels),
+which is why this exists.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+from mlx.nn.layers.embedding import Embedding
+from mlx.nn.layers.linear import Linear
+from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
+from mlx_lm.models.cache import make_prompt_cache
+
+# Rows per matmul block in a decode step: the batch is cut into blocks of this many (the last
+# one zero-padded). On a GPU one block of 128 covers a batch of up to 128 in one call that
+# reads the weights once, as the batch's own call would. On the CPU a row's bits also depend
+# on its place inside the block (OpenBLAS's kernels treat row panels differently), so each
+# row is its own call there.
+GPU_ROWS = 128
+CPU_ROWS = 1
+
+
+def default_rows() -> int:
+    return CPU_ROWS if mx.default_device() == mx.cpu else GPU_ROWS
+
+
+class _Active(threading.local):
+    rows: int = 0  # 0: not inside a deterministic call
+    pads: list[int] | None = None  # each row's left padding in this call's batch caches
+
+
+_active = _Active()
+
+
+def active_pads() -> list[int] | None:
+    """The left padding of the deterministic call running on this thread, else None."""
+    return _active.pads if _active.rows else None
+
+
+def row_invariant_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    pads: list[int],
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Attention row by row over each row's own keys: what a row computes does not depend on
+    the other rows' lengths. Queries standing for left padding (a batched prefill) get zeros,
+    as nothing reads them."""
+    rows, heads, q_len, _ = queries.shape
+    k_len = keys.shape[2]
+    out = []
+    for row, pad in enumerate(pads):
+        first = max(0, pad - (k_len - q_len))  # queries before it are padding
+        attended = mx.fast.scaled_dot_product_attention(
+            queries[row : row + 1, :, first:],
+            keys[row : row + 1, :, pad:],
+            values[row : row + 1, :, pad:],
+            scale=scale,
+            mask="causal" if q_len - first > 1 else None,
+            sinks=sinks,
+        )
+        if first:
+            padding = mx.zeros((1, heads, first, attended.shape[-1]), attended.dtype)
+            attended = mx.concatenate([padding, attended], axis=2)
+        out.append(attended)
+    return out[0] if rows == 1 else mx.concatenate(out, axis=0)
+
+
+def _in_blocks(call: Callable[[mx.array], mx.array], x: mx.array, rows: int) -> mx.array:
+    """call(x) for a one-token-per-row x, computed on blocks of exactly `rows` rows."""
+    batch = x.shape[0]
+    flat = x.reshape(batch, x.shape[-1])
+    short = -batch % rows
+    if short:
+        flat = mx.concatenate([flat, mx.zeros((short, flat.shape[1]), flat.dtype)])
+    blocks = [call(flat[at : at + rows]) for at in range(0, flat.shape[0], rows)]
+    out = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks)
+    return out[:batch].reshape(batch, 1, out.shape[-1])
+
+
+def _blocked(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def method(self: Any, x: mx.array) -> mx.array:
+        rows = _active.rows
+        if not rows or x.ndim != 3 or x.shape[1] != 1:
+            return original(self, x)
+        return _in_blocks(lambda block: original(self, block), x, rows)
+
+    method.__wrapped__ = original  # type: ignore[attr-defined]
+    return method
+
+
+_installed = threading.Lock()
+_PATCHED: list[tuple[type, str]] = [
+    (Linear, "__call__"),
+    (QuantizedLinear, "__call__"),
+    (Embedding, "as_linear"),  # tied output projections
+    (QuantizedEmbedding, "as_linear"),
+]
+
+
+def _install() -> None:
+    """Patches mlx's projection classes once (idempotent); they change only while a
+    deterministic call runs on their thread."""
+    from engine_service.kv import attention_routing  # noqa: PLC0415 - it imports this module
+
+    with _installed:
+        for cls, name in _PATCHED:
+            method = getattr(cls, name)
+            if not hasattr(method, "__wrapped__"):
+                setattr(cls, name, _blocked(method))
+        attention_routing.install()
+
+
+@contextmanager
+def _deterministic(rows: int, pads: list[int]) -> Iterator[None]:
+    _active.rows, _active.pads = rows, pads
+    try:
+        yield
+    finally:
+        _active.rows, _active.pads = 0, None
+
+
+def left_padding(cache: list[Any] | None, batch: int) -> list[int]:
+    """Each row's left padding in a batch cache (mlx-lm's or ours); zeros without one."""
+    layer = cache[0] if cache else None
+    pads = getattr(layer, "_lp", None)  # BatchQuantizedKVCache keeps it as a list
+    if pads is None and layer is not None and hasattr(layer, "left_padding"):
+        pads = layer.left_padding.tolist()
+    return list(pads) if pads is not None else [0] * batch
+
+
+class NotRowInvariant(ValueError):
+    """The model keeps something other than a plain KV cache per layer (a window ring, a
+    recurrent state): deterministic mode refuses it at start-up."""
+
+
+def check_row_invariant(model: Any) -> None:
+    """Raises NotRowInvariant unless every layer's cache is mlx-lm's plain KVCache: the
+    row-by-row attention above reads all of a row's keys, so windows and recurrent states
+    are out of its reach."""
+    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)} - {"KVCache"})
+    if kinds:
+        raise NotRowInvariant(
+            f"--deterministic needs a plain KV cache in every layer; this model keeps "
+            f"{', '.join(kinds)}"
+        )
+
+
+class DeterministicModel:
+    """The model as BatchGenerator calls it, each call batch-invariant (module docstring)."""
+
+    def __init__(self, model: Any, rows: int = 0) -> None:
+        rows = rows or default_rows()
+        if rows < 1:
+            raise ValueError("deterministic rows must be >= 1")
+        _install()
+        self.model = model
+        self.rows = rows
+
+    def __getattr__(self, name: str) -> Any:  # layers, make_cache, args...: the model's
+        return getattr(self.model, name)
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> Any:
+        with _deterministic(self.rows, left_padding(cache, inputs.shape[0])):
+            return self.model(inputs, cache=cache, **kwargs)
+
+
+def deterministic(model: Any, rows: int = 0) -> DeterministicModel:
+    """The model, batch-invariant; rows: the decode matmul block (0: default_rows())."""
+    return DeterministicModel(model, rows)

@@ -1,0 +1,196 @@
+"""Deterministic mode (--deterministic, model/deterministic.py): a row's logits do not depend
+on its batch, so seeded rows run alone or eight together give the same tokens, and a
+generation killed in a batch resumes alone exactly where it stopped.
+
+In-process on the tiny model and a Qwen3-shaped zoo model: rows alone against the same rows
+in a batch of 8 through mlx-lm's BatchGenerator, bit-identical log-probabilities each step.
+Through real processes: eight seeded streams batched, killed, and resumed on a fresh
+deterministic engine equal each stream's solo run; a default-mode engine refuses those
+checkpoints with FAILED_PRECONDITION.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import grpc
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine_service.config import parse_args
+from engine_service.kv.batch_cache import adopt_row
+from engine_service.model.deterministic import (
+    DeterministicModel,
+    NotRowInvariant,
+    check_row_invariant,
+)
+from engine_service.model.loaded import LoadedModel
+from engine_service.model.loading import load_model
+from engine_service.protocol.kv_codec import KVCodec
+from tandem_client import EngineClient, Generation, GenerationChunk, TandemError
+from tandem_client.store_client import StoreClient
+from tests.model_zoo import build_zoo_model
+from tests.servers import free_port, start_engine, start_store_on, wait_until
+
+STEPS = 12
+
+
+def _logprobs(model: Any, prompts: list[list[int]]) -> list[list[mx.array]]:
+    """Each row's log-probabilities per generated token, the rows in one BatchGenerator."""
+    bg = BatchGenerator(model, completion_batch_size=32, prefill_batch_size=1)
+    caches = [[adopt_row(c, KVCodec()) for c in make_prompt_cache(model)] for _ in prompts]
+    uids = bg.insert(prompts, max_tokens=[STEPS] * len(prompts), caches=caches)
+    out: dict[int, list[mx.array]] = {uid: [] for uid in uids}
+    while any(len(v) < STEPS for v in out.values()):
+        for r in bg.next()[1]:
+            out[r.uid].append(r.logprobs)
+    bg.close()
+    return [out[uid] for uid in uids]
+
+
+def _rows_alone_equal_rows_batched(loaded: LoadedModel) -> None:
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, loaded.vocab_size) for _ in range(5 + 7 * i)] for i in range(8)]
+    model = DeterministicModel(loaded.model)
+    together = _logprobs(model, prompts)
+    for prompt, batched in zip(prompts, together, strict=True):
+        (alone,) = _logprobs(model, [prompt])
+        assert len(alone) == len(batched) == STEPS
+        for step, (a, b) in enumerate(zip(alone, batched, strict=True)):
+            assert mx.array_equal(a, b).item(), f"step {step} of a {len(prompt)}-token row"
+
+
+def test_rows_alone_and_in_a_batch_of_eight_have_bit_identical_logits(
+    engine_data_dir: Path,
+) -> None:
+    _rows_alone_equal_rows_batched(load_model("tandem-tiny", engine_data_dir))
+
+
+def test_a_qwen3_shaped_model_is_batch_invariant_too(tmp_path: Path) -> None:
+    loaded = load_model(str(build_zoo_model("qwen3", tmp_path)), tmp_path)
+    _rows_alone_equal_rows_batched(loaded)
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "mamba2"])
+def test_models_without_plain_kv_caches_are_refused(arch: str, tmp_path: Path) -> None:
+    loaded = load_model(str(build_zoo_model(arch, tmp_path)), tmp_path)
+    with pytest.raises(NotRowInvariant, match="plain KV cache in every layer"):
+        check_row_invariant(loaded.model)
+
+
+def test_deterministic_mode_refuses_a_draft_model_and_kv_codecs() -> None:
+    for flags in (["--draft-model", "tandem-tiny"], ["--kv-bits", "8"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--deterministic", *flags])
+    config = parse_args(["--deterministic"])
+    assert config.prefill_batch_size == 1 and not config.compiled_decode
+
+
+def _logprobs_of(chunks: list[GenerationChunk]) -> list[float]:
+    return [lp.logprob for chunk in chunks for lp in chunk.logprobs]
+
+
+def _streams(address: str, prompts: list[list[int]], requests: list[dict[str, Any]]) -> Any:
+    """Runs the requests at once; returns each one's chunks as they arrive (a live list)."""
+    received: list[list[GenerationChunk]] = [[] for _ in prompts]
+
+    def run(i: int) -> None:
+        with EngineClient(address) as engine:
+            try:
+                for chunk in engine.stream(prompts[i], **requests[i]):
+                    received[i].append(chunk)
+            except TandemError:
+                pass  # the engine was killed under it
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    return received, threads
+
+
+def test_eight_batched_seeded_streams_killed_resume_alone_exactly(
+    tmp_path: Path, engine_data_dir: Path
+) -> None:
+    port = free_port()
+    store_proc = start_store_on(tmp_path / "store", port)
+    store = StoreClient(f"127.0.0.1:{port}")
+    args = ["--store", f"127.0.0.1:{port}", "--deterministic"]
+    engine = start_engine(engine_data_dir, *args, log_dir=tmp_path)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 2000) for _ in range(9 + 29 * i)] for i in range(8)]
+    requests = [
+        dict(
+            max_tokens=40,
+            ignore_eos=True,
+            temperature=0.9,
+            seed=100 + i,
+            checkpoint_interval=8,
+            logprobs=0,  # each token's own log-probability: the logits' bits, observable
+            request_id=f"row-{i}",
+        )
+        for i in range(8)
+    ]
+    try:
+        received, threads = _streams(engine.address, prompts, requests)
+
+        def all_checkpointed() -> bool:
+            # Prompts 29 tokens apart, rows in step: the n-th shortest record is row n's.
+            counts = sorted(r.token_count for r in store.list_all(kind="generation"))
+            return len(counts) == 8 and all(
+                count >= len(p) + 8 for count, p in zip(counts, prompts, strict=True)
+            )
+
+        wait_until(all_checkpointed, what="eight generation checkpoints")
+        engine.kill()
+        for t in threads:
+            t.join(30)
+        held = [[t for chunk in r for t in chunk.token_ids] for r in received]
+        held_logprobs = [_logprobs_of(r) for r in received]
+        # A default-mode engine refuses them: they resume in the mode they started in.
+        default = start_engine(
+            engine_data_dir, "--store", f"127.0.0.1:{port}", log_dir=tmp_path / "default"
+        )
+        try:
+            with EngineClient(default.address) as client, pytest.raises(TandemError) as err:
+                client.generate(prompts[0], resume=True, tokens_held=len(held[0]), **requests[0])
+            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "--deterministic" in str(err.value)
+        finally:
+            default.stop()
+        fresh = start_engine(engine_data_dir, *args, log_dir=tmp_path / "fresh")
+        try:
+            resumed: list[Generation | None] = [None for _ in prompts]
+
+            def resume(i: int) -> None:
+                with EngineClient(fresh.address) as client:
+                    resumed[i] = client.generate(
+                        prompts[i], resume=True, tokens_held=len(held[i]), **requests[i]
+                    )
+
+            workers = [threading.Thread(target=resume, args=(i,)) for i in range(8)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join(120)
+            with EngineClient(fresh.address) as client:  # each alone: the reference
+                for i, prompt in enumerate(prompts):
+                    solo = dict(requests[i], request_id=f"solo-{i}")
+                    alone = client.generate(prompt, **solo)
+                    again = resumed[i]
+                    assert again is not None, f"stream {i} did not resume"
+                    assert held[i] + again.token_ids == alone.token_ids, f"stream {i}"
+                    # Bit for bit: the batch's and the resume's log-probabilities are the solo
+                    # run's (float32 on the wire, as computed).
+                    got = held_logprobs[i] + _logprobs_of(again.chunks)
+                    assert got == _logprobs_of(alone.chunks), f"stream {i}"
+        finally:
+            fresh.stop()
+    finally:
+        engine.stop()
+        store.close()
+        store_proc.stop()
