@@ -8,7 +8,8 @@ Where the bits of a row depended on its batch (bench/batch_invariance.py, docs/d
   `rows` rows, zero-padded: the same kernel whatever the batch;
 - attention: in a batch a row's keys sit after its left padding, which shifts them inside the
   reduction blocks. Here each row attends over its own keys only (its padding sliced off), a
-  shape that depends on the row alone;
+  shape that depends on the row alone; on MLX-CUDA a decode step's rows go through one kernel
+  that reduces each row's keys counted from its own first key (kv/row_attention_cuda.py);
 - prefill: the engine prefills one row at a time, at fixed chunk boundaries from the row's
   start (BatchGenerator's prefill_batch_size 1), so a prompt's KV is the same however it was
   scheduled.
@@ -31,6 +32,8 @@ from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from mlx_lm.models.cache import make_prompt_cache
+
+from engine_service.kv import row_attention_cuda
 
 # Rows per matmul block in a decode step: the batch is cut into blocks of this many (the last
 # one zero-padded). On a GPU one block of 128 covers a batch of up to 128 in one call that
@@ -71,6 +74,9 @@ def row_invariant_attention(
     as nothing reads them."""
     rows, heads, q_len, _ = queries.shape
     k_len = keys.shape[2]
+    if q_len == 1 and sinks is None and row_attention_cuda.AVAILABLE:
+        if keys.dtype in row_attention_cuda.SUPPORTED:  # one kernel for the batch
+            return row_attention_cuda.row_attention(queries, keys, values, scale, pads)
     out = []
     for row, pad in enumerate(pads):
         first = max(0, pad - (k_len - q_len))  # queries before it are padding

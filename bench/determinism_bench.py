@@ -1,0 +1,209 @@
+"""Deterministic mode's agreement and cost (issue 39), through mlx-lm's BatchGenerator.
+
+1. kernel check (MLX-CUDA only): kv/row_attention_cuda.py against MLX's SDPA on rows of
+   different lengths in one left-padded batch (max |difference|), and each row alone against
+   the same row in the batch (bit-identical or not).
+2. agreement: 8 target prompts run alone, then inside batches of --batches rows (the targets
+   plus others of other lengths), greedy and seeded (our per-row SeededSampler), for --tokens
+   tokens: how many targets' tokens, and how many of their log-probabilities bit for bit,
+   equal their solo run; with the mode off (today's figures) and on.
+3. cost: decode tokens/s at --streams rows, the mode off and on interleaved (ABAB) over
+   --pairs pairs, both warmed: the median of the paired ratios (on / off) and their spread.
+
+    python bench/determinism_bench.py [--model qwen3-0.6b-shape] [--batches 8,32,128]
+        [--tokens 256] [--streams 1,8,32,128] [--pairs 3] [--skip-agreement]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
+
+# isort: off
+import engine_service  # noqa: E402, F401  (the fast BLAS must load before mlx)
+
+import mlx.core as mx  # noqa: E402
+# isort: on
+
+from mlx_lm.generate import BatchGenerator  # noqa: E402
+
+from bench.engine_bench import model_spec  # noqa: E402
+from engine_service.kv import row_attention_cuda  # noqa: E402
+from engine_service.model.deterministic import DeterministicModel  # noqa: E402
+from engine_service.model.loading import load_model  # noqa: E402
+from engine_service.protocol.sampling_options import SamplingOptions  # noqa: E402
+from engine_service.sampling.samplers import make_sampler  # noqa: E402
+
+TARGETS = 8
+
+
+def generate(
+    model: Any, prompts: list[list[int]], tokens: int, seeds: list[int] | None, prefill_batch: int
+) -> list[tuple[list[int], list[mx.array]]]:
+    """Each row's tokens and chosen-token log-probabilities, the rows in one batch (seeds:
+    each row's sampling seed; None: greedy)."""
+    bg = BatchGenerator(
+        model,
+        completion_batch_size=max(len(prompts), 1),
+        prefill_batch_size=prefill_batch,
+        stop_tokens=set(),
+    )
+    samplers = [
+        make_sampler(SamplingOptions(temperature=0.8, seed=seed)) if seeds else None
+        for seed in (seeds or [0] * len(prompts))
+    ]
+    uids = bg.insert(prompts, max_tokens=[tokens] * len(prompts), samplers=samplers)
+    out: dict[int, tuple[list[int], list[mx.array]]] = {u: ([], []) for u in uids}
+    done = 0
+    while done < len(uids):
+        for r in bg.next()[1]:
+            out[r.uid][0].append(r.token)
+            out[r.uid][1].append(r.logprobs[r.token])
+            done += r.finish_reason is not None
+    bg.close()
+    return [out[u] for u in uids]
+
+
+def kernel_check() -> None:
+    if not row_attention_cuda.AVAILABLE:
+        print("kernel check: not MLX-CUDA, skipped (row-by-row SDPA runs instead)")
+        return
+    rng = mx.random.key(0)
+    heads, kv_heads, dim, lengths = 16, 8, 128, [5, 300, 1024, 2047]
+    width = max(lengths)
+    pads = [width - n for n in lengths]
+    q = mx.random.normal((len(lengths), heads, 1, dim), key=rng).astype(mx.bfloat16)
+    k = mx.random.normal((len(lengths), kv_heads, width, dim), key=mx.random.key(1))
+    v = mx.random.normal((len(lengths), kv_heads, width, dim), key=mx.random.key(2))
+    k, v = k.astype(mx.bfloat16), v.astype(mx.bfloat16)
+    scale = dim**-0.5
+    batched = row_attention_cuda.row_attention(q, k, v, scale, pads)
+    worst, invariant = 0.0, 0
+    for row, pad in enumerate(pads):
+        ref = mx.fast.scaled_dot_product_attention(
+            q[row : row + 1], k[row : row + 1, :, pad:], v[row : row + 1, :, pad:], scale=scale
+        )
+        worst = max(worst, mx.max(mx.abs(ref - batched[row : row + 1])).item())
+        alone = row_attention_cuda.row_attention(
+            q[row : row + 1], k[row : row + 1, :, pad:], v[row : row + 1, :, pad:], scale, [0]
+        )
+        invariant += mx.array_equal(alone, batched[row : row + 1]).item()
+    print(
+        f"kernel check: max |row_attention - MLX SDPA| {worst:.3g} (bf16);"
+        f" rows alone bit-identical to the batch {invariant}/{len(pads)}"
+    )
+
+
+def agreement(loaded: Any, batches: list[int], tokens: int) -> None:
+    rng = random.Random(0)
+    vocab = loaded.vocab_size
+    targets = [[rng.randrange(3, vocab) for _ in range(16 + 23 * i)] for i in range(TARGETS)]
+    for mode in ("off", "on"):
+        model = DeterministicModel(loaded.model) if mode == "on" else loaded.model
+        prefill = 1 if mode == "on" else 8
+        for seeded in (False, True):
+            seeds = list(range(1_000, 1_000 + TARGETS)) if seeded else None
+            solo = [
+                generate(model, [p], tokens, [seeds[i]] if seeds else None, prefill)[0]
+                for i, p in enumerate(targets)
+            ]
+            for size in batches:
+                others = [
+                    [rng.randrange(3, vocab) for _ in range(rng.randrange(8, 400))]
+                    for _ in range(size - TARGETS)
+                ]
+                # The targets at random places among the others.
+                places = sorted(rng.sample(range(size), TARGETS))
+                prompts, row_seeds, rest = [], [], iter(others)
+                for at in range(size):
+                    target = places.index(at) if at in places else -1
+                    prompts.append(targets[target] if target >= 0 else next(rest))
+                    row_seeds.append(1_000 + target if target >= 0 else 5_000 + at)
+                out = generate(model, prompts, tokens, row_seeds if seeded else None, prefill)
+                together = [out[at] for at in places]
+                same_tokens = sum(a[0] == b[0] for a, b in zip(solo, together, strict=True))
+                same_bits = sum(
+                    a[0] == b[0] and all(mx.array_equal(x, y).item() for x, y in zip(*lp))
+                    for a, b in zip(solo, together, strict=True)
+                    for lp in [(a[1], b[1])]
+                )
+                kind = "seeded" if seeded else "greedy"
+                print(
+                    f"  mode {mode:3s} {kind:6s} batch {size:3d}: tokens equal solo"
+                    f" {same_tokens}/{TARGETS}, log-probs bit-identical {same_bits}/{TARGETS}"
+                    f" over {tokens} tokens"
+                )
+
+
+def decode_rate(model: Any, prompts: list[list[int]], tokens: int, prefill: int) -> float:
+    """Tokens/s over `tokens` steps with every row decoding (rows join as they prefill)."""
+    bg = BatchGenerator(
+        model,
+        completion_batch_size=len(prompts),
+        prefill_batch_size=prefill,
+        stop_tokens=set(),
+    )
+    bg.insert(prompts, max_tokens=[tokens + len(prompts) + 32] * len(prompts))
+    while len(bg.next()[1]) < len(prompts):  # until the last row has joined
+        pass
+    produced, start = 0, time.perf_counter()
+    for _ in range(tokens):
+        produced += len(bg.next()[1])
+    seconds = time.perf_counter() - start
+    bg.close()
+    return produced / seconds
+
+
+def cost(loaded: Any, streams: list[int], tokens: int, pairs: int) -> None:
+    rng = random.Random(1)
+    on = DeterministicModel(loaded.model)
+    for n in streams:
+        prompts = [[rng.randrange(3, loaded.vocab_size) for _ in range(128)] for _ in range(n)]
+        decode_rate(loaded.model, prompts, 16, 8)  # warm both
+        decode_rate(on, prompts, 16, 1)
+        ratios, rates_off, rates_on = [], [], []
+        for _ in range(pairs):
+            off_rate = decode_rate(loaded.model, prompts, tokens, 8)
+            on_rate = decode_rate(on, prompts, tokens, 1)
+            rates_off.append(off_rate)
+            rates_on.append(on_rate)
+            ratios.append(on_rate / off_rate)
+        print(
+            f"  {n:3d} streams: off {statistics.median(rates_off):8.1f} tok/s,"
+            f" on {statistics.median(rates_on):8.1f} tok/s; on/off median"
+            f" {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="tandem-tiny")
+    parser.add_argument("--batches", default="8,32")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--streams", default="1,8,32")
+    parser.add_argument("--cost-tokens", type=int, default=64)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--skip-agreement", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = load_model(model_spec(args.model, Path(tmp)), Path(tmp))
+    print(f"{args.model} on {mx.default_device()} ({loaded.dtype}), MLX {mx.__version__}")
+    kernel_check()
+    if not args.skip_agreement:
+        print("agreement with solo runs (8 target rows inside each batch):")
+        agreement(loaded, [int(b) for b in args.batches.split(",")], args.tokens)
+    print(f"cost, {args.cost_tokens} decode tokens a stream, {args.pairs} ABAB pairs:")
+    cost(loaded, [int(s) for s in args.streams.split(",")], args.cost_tokens, args.pairs)
+
+
+if __name__ == "__main__":
+    main()

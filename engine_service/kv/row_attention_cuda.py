@@ -1,0 +1,197 @@
+"""Deterministic mode's decode attention on MLX-CUDA: one kernel for the whole batch whose
+reduction order depends on each row's own keys only (model/deterministic.py).
+
+MLX's fused SDPA reduces a row's keys in blocks laid over the batch's columns, so a row's
+left padding (how much longer the batch's longest row is) moves its keys between blocks and
+changes its bits; row-by-row SDPA calls avoid that but cost a Python call per row and layer.
+Here a block scores CHUNK positions counted from the row's first key (not the batch's first
+column), reduces them in a fixed tree, and the chunks merge in order: a split past a row's end
+contributes exact zeros. Flash-decoding's layout (a block per row, KV head and chunk, the G
+query heads sharing that KV head together), as in kv/turboquant_cuda.py. Checked against MLX's
+SDPA on the device (bench/determinism_bench.py); CI has no GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+AVAILABLE = mx.default_device() == mx.gpu and not mx.metal.is_available()
+
+_ATTEND = """
+    constexpr int NT = 128;
+    constexpr float NEG = -1e30f;
+    __shared__ float q_s[G * D];
+    __shared__ float score[G * CHUNK];
+    __shared__ float red[G * NT];
+    const int tid = threadIdx.x;
+    const uint32_t L = sizes[0];
+    const uint32_t splits = sizes[1];
+    const uint32_t blk = blockIdx.x;
+    const uint32_t split = blk % splits;
+    const uint32_t bh = blk / splits;
+    const uint32_t b = bh / HKV;
+    const uint32_t h = bh % HKV;
+    const int pad = pads[b];
+    // The planes are read in place (a batch cache's planes are views of their capacity).
+    const size_t k_row = (size_t)b * k_strides[0] + (size_t)h * k_strides[1];
+    const size_t v_row = (size_t)b * v_strides[0] + (size_t)h * v_strides[1];
+    const int n = (int)L - pad;  // the row's own keys
+    for (int i = tid; i < G * D; i += NT) q_s[i] = q[(size_t)bh * G * D + i];
+    __syncthreads();
+    const int r0 = (int)split * CHUNK;  // counted from the row's first key
+    for (int j = tid; j < CHUNK; j += NT) {
+        const int r = r0 + j;
+        if (r < n) {
+            float acc[G];
+            for (int g = 0; g < G; ++g) acc[g] = 0.f;
+            const size_t key = k_row + (size_t)(pad + r) * k_strides[2];
+            for (int d = 0; d < D; ++d) {
+                const float c = static_cast<float>(k[key + (size_t)d * k_strides[3]]);
+                for (int g = 0; g < G; ++g) acc[g] += q_s[g * D + d] * c;
+            }
+            for (int g = 0; g < G; ++g) score[g * CHUNK + j] = acc[g];
+        } else {
+            for (int g = 0; g < G; ++g) score[g * CHUNK + j] = NEG;
+        }
+    }
+    __syncthreads();
+    for (int g = 0; g < G; ++g) {
+        float m = NEG;
+        for (int j = tid; j < CHUNK; j += NT) m = fmaxf(m, score[g * CHUNK + j]);
+        red[g * NT + tid] = m;
+    }
+    __syncthreads();
+    for (int stride = NT / 2; stride > 0; stride >>= 1) {
+        if (tid < stride)
+            for (int g = 0; g < G; ++g)
+                red[g * NT + tid] = fmaxf(red[g * NT + tid], red[g * NT + tid + stride]);
+        __syncthreads();
+    }
+    float top[G];
+    for (int g = 0; g < G; ++g) top[g] = red[g * NT];
+    __syncthreads();
+    for (int g = 0; g < G; ++g) {
+        float sum = 0.f;
+        for (int j = tid; j < CHUNK; j += NT) {
+            const float x = score[g * CHUNK + j];
+            const float p = x <= 0.5f * NEG ? 0.f : expf(x - top[g]);
+            score[g * CHUNK + j] = p;
+            sum += p;
+        }
+        red[g * NT + tid] = sum;
+    }
+    __syncthreads();
+    for (int stride = NT / 2; stride > 0; stride >>= 1) {
+        if (tid < stride)
+            for (int g = 0; g < G; ++g) red[g * NT + tid] += red[g * NT + tid + stride];
+        __syncthreads();
+    }
+    for (int d = tid; d < DV; d += NT) {
+        float acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = 0.f;
+        for (int j = 0; j < CHUNK; ++j) {
+            const int r = r0 + j;
+            if (r >= n) break;
+            const size_t at = v_row + (size_t)(pad + r) * v_strides[2] + (size_t)d * v_strides[3];
+            const float c = static_cast<float>(v[at]);
+            for (int g = 0; g < G; ++g) acc[g] += score[g * CHUNK + j] * c;
+        }
+        for (int g = 0; g < G; ++g)
+            partial[(((size_t)bh * G + g) * splits + split) * DV + d] = acc[g];
+    }
+    if (tid < G) {
+        tops[((size_t)bh * G + tid) * splits + split] = top[tid];
+        sums[((size_t)bh * G + tid) * splits + split] = red[tid * NT];
+    }
+"""
+
+# The chunks merged in order, each weighted by exp(its max - the overall max): a chunk past
+# the row's end has weight 0 and adds exact zeros. A block per (row, head), a thread per
+# output coordinate.
+_COMBINE = """
+    const uint32_t bh = blockIdx.x;
+    const uint32_t d = threadIdx.x;
+    const uint32_t splits = sizes[1];
+    float top = -1e30f;
+    for (uint32_t s = 0; s < splits; ++s) top = fmaxf(top, tops[bh * splits + s]);
+    float total = 0.f, acc = 0.f;
+    for (uint32_t s = 0; s < splits; ++s) {
+        const float w = expf(tops[bh * splits + s] - top);
+        total += w * sums[bh * splits + s];
+        acc += w * partial[((size_t)bh * splits + s) * DV + d];
+    }
+    out[(size_t)bh * DV + d] = static_cast<T>(acc / total);
+"""
+
+CHUNK = 256  # key positions a block scores
+THREADS = 128
+SUPPORTED = (mx.bfloat16, mx.float16, mx.float32)
+
+_kernels: dict[str, Any] = {}
+
+
+def _kernel(
+    name: str, inputs: list[str], outputs: list[str], source: str, contiguous: bool = True
+) -> Any:
+    if name not in _kernels:
+        _kernels[name] = mx.fast.cuda_kernel(
+            name=name,
+            input_names=inputs,
+            output_names=outputs,
+            source=source,
+            ensure_row_contiguous=contiguous,
+        )
+    return _kernels[name]
+
+
+def row_attention(
+    queries: mx.array,  # (B, Hq, 1, D)
+    keys: mx.array,  # (B, Hkv, L, D), row b's keys from column pads[b]
+    values: mx.array,  # (B, Hkv, L, Dv)
+    scale: float,
+    pads: list[int],
+) -> mx.array:
+    """One decode step's attention, each row over its own keys (module docstring)."""
+    rows, heads, _, dim = queries.shape
+    kv_heads, positions, value_dim = keys.shape[1], keys.shape[2], values.shape[3]
+    group = heads // kv_heads
+    splits = -(-positions // CHUNK)
+    q = mx.contiguous((queries.astype(mx.float32) * scale).reshape(rows, heads, dim))
+    sizes = mx.array([positions, splits], dtype=mx.uint32)
+    template: list[tuple[str, Any]] = [
+        ("T", keys.dtype),
+        ("G", group),
+        ("D", dim),
+        ("DV", value_dim),
+        ("HKV", kv_heads),
+        ("CHUNK", CHUNK),
+    ]
+    partial, tops, sums = _kernel(
+        "tandem_row_attend",
+        ["q", "k", "v", "pads", "sizes"],
+        ["partial", "tops", "sums"],
+        _ATTEND,
+        contiguous=False,  # keys and values by their strides; q, pads, sizes are made here
+    )(
+        inputs=[q, keys, values, mx.array(pads, dtype=mx.int32), sizes],
+        template=template,
+        grid=(rows * kv_heads * splits * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[
+            (rows, heads, splits, value_dim),
+            (rows, heads, splits),
+            (rows, heads, splits),
+        ],
+        output_dtypes=[mx.float32] * 3,
+    )
+    (out,) = _kernel("tandem_row_combine", ["partial", "tops", "sums", "sizes"], ["out"], _COMBINE)(
+        inputs=[partial, tops, sums, sizes],
+        template=[("T", queries.dtype), ("DV", value_dim)],
+        grid=(rows * heads * value_dim, 1, 1),
+        threadgroup=(value_dim, 1, 1),
+        output_shapes=[(rows, heads, value_dim)],
+        output_dtypes=[queries.dtype],
+    )
+    return out.reshape(rows, heads, 1, value_dim)
