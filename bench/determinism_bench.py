@@ -131,17 +131,20 @@ def agreement(loaded: Any, batches: list[int], tokens: int) -> None:
                 out = generate(model, prompts, tokens, row_seeds if seeded else None, prefill)
                 together = [out[at] for at in places]
                 same_tokens = sum(a[0] == b[0] for a, b in zip(solo, together, strict=True))
-                same_bits = sum(
-                    a[0] == b[0] and all(mx.array_equal(x, y).item() for x, y in zip(*lp))
-                    for a, b in zip(solo, together, strict=True)
-                    for lp in [(a[1], b[1])]
-                )
+                same_bits = sum(_bit_identical(a, b) for a, b in zip(solo, together, strict=True))
                 kind = "seeded" if seeded else "greedy"
                 print(
                     f"  mode {mode:3s} {kind:6s} batch {size:3d}: tokens equal solo"
                     f" {same_tokens}/{TARGETS}, log-probs bit-identical {same_bits}/{TARGETS}"
                     f" over {tokens} tokens"
                 )
+
+
+def _bit_identical(
+    a: tuple[list[int], list[mx.array]], b: tuple[list[int], list[mx.array]]
+) -> bool:
+    pairs = zip(a[1], b[1], strict=True)
+    return a[0] == b[0] and all(mx.array_equal(x, y).item() for x, y in pairs)
 
 
 def decode_rate(model: Any, prompts: list[list[int]], tokens: int, prefill: int) -> float:
