@@ -194,4 +194,4 @@ def row_attention(
         output_shapes=[(rows, heads, value_dim)],
         output_dtypes=[queries.dtype],
     )
-    return out.reshape(rows, heads, 1, value_dim)
+    return out.reshape(rows, heads, 1, value_dim)  # type: ignore[no-any-return]
