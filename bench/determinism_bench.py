@@ -166,9 +166,9 @@ def decode_rate(model: Any, prompts: list[list[int]], tokens: int, prefill: int)
     return produced / seconds
 
 
-def cost(loaded: Any, streams: list[int], tokens: int, pairs: int) -> None:
+def cost(loaded: Any, streams: list[int], tokens: int, pairs: int, rows: int) -> None:
     rng = random.Random(1)
-    on = DeterministicModel(loaded.model)
+    on = DeterministicModel(loaded.model, rows)
     for n in streams:
         prompts = [[rng.randrange(3, loaded.vocab_size) for _ in range(128)] for _ in range(n)]
         decode_rate(loaded.model, prompts, 16, 8)  # warm both
@@ -196,6 +196,7 @@ def main() -> None:
     parser.add_argument("--cost-tokens", type=int, default=64)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--skip-agreement", action="store_true")
+    parser.add_argument("--rows", type=int, default=0, help="decode matmul block (0: default)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         loaded = load_model(model_spec(args.model, Path(tmp)), Path(tmp))
@@ -204,8 +205,10 @@ def main() -> None:
     if not args.skip_agreement:
         print("agreement with solo runs (8 target rows inside each batch):")
         agreement(loaded, [int(b) for b in args.batches.split(",")], args.tokens)
-    print(f"cost, {args.cost_tokens} decode tokens a stream, {args.pairs} ABAB pairs:")
-    cost(loaded, [int(s) for s in args.streams.split(",")], args.cost_tokens, args.pairs)
+    rows = DeterministicModel(loaded.model, args.rows).rows
+    print(f"cost, {args.cost_tokens} decode tokens a stream, {args.pairs} ABAB pairs, {rows} rows:")
+    streams = [int(s) for s in args.streams.split(",")]
+    cost(loaded, streams, args.cost_tokens, args.pairs, args.rows)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,11 @@ _ATTEND = """
     const size_t k_row = (size_t)b * k_strides[0] + (size_t)h * k_strides[1];
     const size_t v_row = (size_t)b * v_strides[0] + (size_t)h * v_strides[1];
     const int n = (int)L - pad;  // the row's own keys
-    for (int i = tid; i < G * D; i += NT) q_s[i] = q[(size_t)bh * G * D + i];
+    for (int i = tid; i < G * D; i += NT) {  // this KV head's G query heads, scaled
+        const size_t head = (size_t)h * G + i / D;
+        const size_t at = (size_t)b * q_strides[0] + head * q_strides[1] + (i % D) * q_strides[3];
+        q_s[i] = static_cast<float>(q[at]) * scale[0];
+    }
     __syncthreads();
     const int r0 = (int)split * CHUNK;  // counted from the row's first key
     for (int j = tid; j < CHUNK; j += NT) {
@@ -146,6 +150,27 @@ def _kernel(
     return _kernels[name]
 
 
+_constants: dict[tuple[tuple[int, ...], Any], mx.array] = {}
+_scales: dict[float, mx.array] = {}
+
+
+def _constant(values: tuple[int, ...], dtype: Any) -> mx.array:
+    """A small argument array, made once per value rather than once per layer: a step's
+    layers share the batch's padding and width."""
+    key = (values, dtype)
+    if key not in _constants:
+        if len(_constants) > 4096:  # paddings come and go with rows: keep the recent ones
+            _constants.clear()
+        _constants[key] = mx.array(values, dtype=dtype)
+    return _constants[key]
+
+
+def _scale(scale: float) -> mx.array:
+    if scale not in _scales:
+        _scales[scale] = mx.array([scale], dtype=mx.float32)
+    return _scales[scale]
+
+
 def row_attention(
     queries: mx.array,  # (B, Hq, 1, D)
     keys: mx.array,  # (B, Hkv, L, D), row b's keys from column pads[b]
@@ -158,8 +183,7 @@ def row_attention(
     kv_heads, positions, value_dim = keys.shape[1], keys.shape[2], values.shape[3]
     group = heads // kv_heads
     splits = -(-positions // CHUNK)
-    q = mx.contiguous((queries.astype(mx.float32) * scale).reshape(rows, heads, dim))
-    sizes = mx.array([positions, splits], dtype=mx.uint32)
+    sizes = _constant((positions, splits), mx.uint32)
     template: list[tuple[str, Any]] = [
         ("T", keys.dtype),
         ("G", group),
@@ -170,12 +194,12 @@ def row_attention(
     ]
     partial, tops, sums = _kernel(
         "tandem_row_attend",
-        ["q", "k", "v", "pads", "sizes"],
+        ["q", "k", "v", "pads", "sizes", "scale"],
         ["partial", "tops", "sums"],
         _ATTEND,
-        contiguous=False,  # keys and values by their strides; q, pads, sizes are made here
+        contiguous=False,  # q, keys and values by their strides (views of the batch's planes)
     )(
-        inputs=[q, keys, values, mx.array(pads, dtype=mx.int32), sizes],
+        inputs=[queries, keys, values, _constant(tuple(pads), mx.int32), sizes, _scale(scale)],
         template=template,
         grid=(rows * kv_heads * splits * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
