@@ -28,6 +28,7 @@ SECONDS = {
     "test_gateway_failover.py": 24,
     "test_turboquant_rows.py": 24,
     "test_speculative.py": 24,
+    "test_determinism.py": 18,
     "test_speculative_rows.py": 23,
     "test_model_zoo.py": 22,
     "test_quantized_kv.py": 22,

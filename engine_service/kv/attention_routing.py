@@ -7,8 +7,8 @@ another codec. So `install` swaps that name, in every loaded mlx-lm model module
 `routed_attention`: the keys a batch cache returns decide the path. TurboQuant planes
 (`TurboQuantPlanes`, only ever returned by BatchQuantizedKVCache for a batch of TurboQuant
 rows) go to `turboquant_attention`; plain planes inside a deterministic call go to
-`row_invariant_attention` (model/deterministic.py); anything else goes to mlx-lm's function
-unchanged.
+`row_invariant_attention` (kv/row_attention.py, for model/deterministic.py); anything else
+goes to mlx-lm's function unchanged.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import base
 
+from engine_service.kv.row_attention import active_pads, row_invariant_attention
 from engine_service.kv.turboquant import TurboQuantPlanes, turboquant_attention
-from engine_service.model.deterministic import active_pads, row_invariant_attention
 
 __all__ = ["install", "routed_attention", "turboquant_attention"]
 

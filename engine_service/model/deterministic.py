@@ -23,8 +23,7 @@ which is why this exists.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -33,7 +32,8 @@ from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine_service.kv import row_attention_cuda
+from engine_service.kv import attention_routing
+from engine_service.kv.row_attention import active_rows, deterministic_call
 
 # Rows per matmul block in a decode step: the batch is cut into blocks of this many (the last
 # one zero-padded). On a GPU one block of 128 covers a batch of up to 128 in one call that
@@ -46,53 +46,6 @@ CPU_ROWS = 1
 
 def default_rows() -> int:
     return CPU_ROWS if mx.default_device() == mx.cpu else GPU_ROWS
-
-
-class _Active(threading.local):
-    rows: int = 0  # 0: not inside a deterministic call
-    pads: list[int] | None = None  # each row's left padding in this call's batch caches
-
-
-_active = _Active()
-
-
-def active_pads() -> list[int] | None:
-    """The left padding of the deterministic call running on this thread, else None."""
-    return _active.pads if _active.rows else None
-
-
-def row_invariant_attention(
-    queries: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    scale: float,
-    pads: list[int],
-    sinks: mx.array | None = None,
-) -> mx.array:
-    """Attention row by row over each row's own keys: what a row computes does not depend on
-    the other rows' lengths. Queries standing for left padding (a batched prefill) get zeros,
-    as nothing reads them."""
-    rows, heads, q_len, _ = queries.shape
-    k_len = keys.shape[2]
-    if q_len == 1 and sinks is None and row_attention_cuda.AVAILABLE:
-        if keys.dtype in row_attention_cuda.SUPPORTED:  # one kernel for the batch
-            return row_attention_cuda.row_attention(queries, keys, values, scale, pads)
-    out = []
-    for row, pad in enumerate(pads):
-        first = max(0, pad - (k_len - q_len))  # queries before it are padding
-        attended = mx.fast.scaled_dot_product_attention(
-            queries[row : row + 1, :, first:],
-            keys[row : row + 1, :, pad:],
-            values[row : row + 1, :, pad:],
-            scale=scale,
-            mask="causal" if q_len - first > 1 else None,
-            sinks=sinks,
-        )
-        if first:
-            padding = mx.zeros((1, heads, first, attended.shape[-1]), attended.dtype)
-            attended = mx.concatenate([padding, attended], axis=2)
-        out.append(attended)
-    return out[0] if rows == 1 else mx.concatenate(out, axis=0)
 
 
 def _in_blocks(call: Callable[[mx.array], mx.array], x: mx.array, rows: int) -> mx.array:
@@ -112,7 +65,7 @@ def _in_blocks(call: Callable[[mx.array], mx.array], x: mx.array, rows: int) -> 
 
 def _blocked(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def method(self: Any, x: mx.array) -> mx.array:
-        rows = _active.rows
+        rows = active_rows()
         if not rows or x.ndim != 3 or x.shape[1] != 1:
             return original(self, x)
         return _in_blocks(lambda block: original(self, block), x, rows)
@@ -133,23 +86,12 @@ _PATCHED: list[tuple[type, str]] = [
 def _install() -> None:
     """Patches mlx's projection classes once (idempotent); they change only while a
     deterministic call runs on their thread."""
-    from engine_service.kv import attention_routing  # noqa: PLC0415 - it imports this module
-
     with _installed:
         for cls, name in _PATCHED:
             method = getattr(cls, name)
             if not hasattr(method, "__wrapped__"):
                 setattr(cls, name, _blocked(method))
         attention_routing.install()
-
-
-@contextmanager
-def _deterministic(rows: int, pads: list[int]) -> Iterator[None]:
-    _active.rows, _active.pads = rows, pads
-    try:
-        yield
-    finally:
-        _active.rows, _active.pads = 0, None
 
 
 def left_padding(cache: list[Any] | None, batch: int) -> list[int]:
@@ -193,7 +135,7 @@ class DeterministicModel:
         return getattr(self.model, name)
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> Any:
-        with _deterministic(self.rows, left_padding(cache, inputs.shape[0])):
+        with deterministic_call(self.rows, left_padding(cache, inputs.shape[0])):
             return self.model(inputs, cache=cache, **kwargs)
 
 
