@@ -83,6 +83,27 @@ def test_models_without_plain_kv_caches_are_refused(arch: str, tmp_path: Path) -
         check_row_invariant(loaded.model)
 
 
+class _RowMixing:
+    """A model whose rows see each other (the batch's mean logits added to each): what the
+    start-up probe exists to catch."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.layers = model, model.layers
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        logits: mx.array = self.model(inputs, cache=cache)
+        return logits + mx.mean(logits, axis=0, keepdims=True)
+
+
+def test_a_model_whose_rows_see_each_other_fails_the_start_up_probe(
+    engine_data_dir: Path,
+) -> None:
+    tiny = load_model("tandem-tiny", engine_data_dir)
+    check_row_invariant(tiny.model)  # the real one passes
+    with pytest.raises(NotRowInvariant, match="not batch-invariant"):
+        check_row_invariant(_RowMixing(tiny.model))
+
+
 def test_deterministic_mode_refuses_a_draft_model_and_kv_codecs() -> None:
     for flags in (["--draft-model", "tandem-tiny"], ["--kv-bits", "8"]):
         with pytest.raises(SystemExit):

@@ -259,7 +259,7 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
         else None
     )
     if config.deterministic:
-        check_row_invariant(loaded.model)
+        check_row_invariant(loaded.model, config.deterministic_rows)
     checkpoints = checkpoint_manager(config, loaded)
     problem = checkpoints.check_store()
     if problem:

@@ -108,16 +108,43 @@ class NotRowInvariant(ValueError):
     recurrent state): deterministic mode refuses it at start-up."""
 
 
-def check_row_invariant(model: Any) -> None:
-    """Raises NotRowInvariant unless every layer's cache is mlx-lm's plain KVCache: the
-    row-by-row attention above reads all of a row's keys, so windows and recurrent states
-    are out of its reach."""
+def check_row_invariant(model: Any, rows: int = 0) -> None:
+    """Raises NotRowInvariant unless every layer's cache is mlx-lm's plain KVCache (the
+    row-by-row attention of kv/row_attention.py reads all of a row's keys, so windows and
+    recurrent states are out of its reach) and a probe row's logits are the same bits alone
+    and beside others (what else the forward pass does: mixture-of-experts layers, for one,
+    group a batch's tokens by expert)."""
     kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)} - {"KVCache"})
     if kinds:
         raise NotRowInvariant(
             f"--deterministic needs a plain KV cache in every layer; this model keeps "
             f"{', '.join(kinds)}"
         )
+    wrapped = DeterministicModel(model, rows)
+    target, others = [5, 9, 14, 3, 8, 21, 6], [[4, 11, 7], [12, 3, 30, 2, 9, 17, 5, 8, 13, 6, 4]]
+    alone = _probe_logits(wrapped, [target])[0]
+    beside = _probe_logits(wrapped, [others[0], target, others[1]])[1]
+    if not mx.array_equal(alone, beside).item():
+        raise NotRowInvariant(
+            "--deterministic: this model's rows are not batch-invariant (a probe row's logits "
+            "differ alone and beside others: mixture-of-experts routing or attention that "
+            "does not go through mlx-lm's scaled_dot_product_attention)"
+        )
+
+
+def _probe_logits(model: DeterministicModel, prompts: list[list[int]]) -> mx.array:
+    """Each row prefilled alone, the rows merged into one batch, two decode steps: the last
+    step's logits (rows, vocab)."""
+    per_row = []
+    for prompt in prompts:
+        caches = make_prompt_cache(model.model)
+        model(mx.array([prompt]), cache=caches)
+        per_row.append(caches)
+    batch = [per_row[0][i].merge([c[i] for c in per_row]) for i in range(len(per_row[0]))]
+    logits = model(mx.array([[p[-1]] for p in prompts]), cache=batch)
+    logits = model(mx.argmax(logits[:, -1:], axis=-1), cache=batch)
+    mx.eval(logits)
+    return logits[:, -1]  # type: ignore[no-any-return]
 
 
 class DeterministicModel:
