@@ -17,9 +17,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine_service.kv.cuda_chunk_softmax import chunk_softmax
+
 AVAILABLE = mx.default_device() == mx.gpu and not mx.metal.is_available()
 
-_ATTEND = """
+_ATTEND = (
+    """
     constexpr int NT = 128;
     constexpr float NEG = -1e30f;
     __shared__ float q_s[G * D];
@@ -60,39 +63,9 @@ _ATTEND = """
             for (int g = 0; g < G; ++g) score[g * CHUNK + j] = NEG;
         }
     }
-    __syncthreads();
-    for (int g = 0; g < G; ++g) {
-        float m = NEG;
-        for (int j = tid; j < CHUNK; j += NT) m = fmaxf(m, score[g * CHUNK + j]);
-        red[g * NT + tid] = m;
-    }
-    __syncthreads();
-    for (int stride = NT / 2; stride > 0; stride >>= 1) {
-        if (tid < stride)
-            for (int g = 0; g < G; ++g)
-                red[g * NT + tid] = fmaxf(red[g * NT + tid], red[g * NT + tid + stride]);
-        __syncthreads();
-    }
-    float top[G];
-    for (int g = 0; g < G; ++g) top[g] = red[g * NT];
-    __syncthreads();
-    for (int g = 0; g < G; ++g) {
-        float sum = 0.f;
-        for (int j = tid; j < CHUNK; j += NT) {
-            const float x = score[g * CHUNK + j];
-            const float p = x <= 0.5f * NEG ? 0.f : expf(x - top[g]);
-            score[g * CHUNK + j] = p;
-            sum += p;
-        }
-        red[g * NT + tid] = sum;
-    }
-    __syncthreads();
-    for (int stride = NT / 2; stride > 0; stride >>= 1) {
-        if (tid < stride)
-            for (int g = 0; g < G; ++g) red[g * NT + tid] += red[g * NT + tid + stride];
-        __syncthreads();
-    }
-    for (int d = tid; d < DV; d += NT) {
+"""
+    + chunk_softmax("expf")
+    + """    for (int d = tid; d < DV; d += NT) {
         float acc[G];
         for (int g = 0; g < G; ++g) acc[g] = 0.f;
         for (int j = 0; j < CHUNK; ++j) {
@@ -110,6 +83,7 @@ _ATTEND = """
         sums[((size_t)bh * G + tid) * splits + split] = red[tid * NT];
     }
 """
+)
 
 # The chunks merged in order, each weighted by exp(its max - the overall max): a chunk past
 # the row's end has weight 0 and adds exact zeros. A block per (row, head), a thread per

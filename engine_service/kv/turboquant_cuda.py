@@ -20,6 +20,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine_service.kv.cuda_chunk_softmax import chunk_softmax
+
 # MLX-CUDA: a GPU that is not Metal. ENABLED lets a probe compare against the reference path.
 AVAILABLE = mx.default_device() == mx.gpu and not mx.metal.is_available()
 ENABLED = AVAILABLE
@@ -116,7 +118,8 @@ class CudaKernels:
 # scores its positions from the key codes, and accumulates the value codes weighted by the
 # softmax numerators; the chunks' partial sums are merged afterwards (combine). Nothing of
 # the size of the cache is written: the decode + SDPA path writes two bf16 copies of it.
-_ATTEND = """
+_ATTEND = (
+    """
     constexpr int NT = 128;
     constexpr float NEG = -1e30f;
     __shared__ float q_s[G * D];
@@ -154,39 +157,9 @@ _ATTEND = """
             for (int g = 0; g < G; ++g) score[g * CHUNK + j] = NEG;
         }
     }
-    __syncthreads();
-    for (int g = 0; g < G; ++g) {
-        float m = NEG;
-        for (int j = tid; j < CHUNK; j += NT) m = fmaxf(m, score[g * CHUNK + j]);
-        red[g * NT + tid] = m;
-    }
-    __syncthreads();
-    for (int stride = NT / 2; stride > 0; stride >>= 1) {
-        if (tid < stride)
-            for (int g = 0; g < G; ++g)
-                red[g * NT + tid] = fmaxf(red[g * NT + tid], red[g * NT + tid + stride]);
-        __syncthreads();
-    }
-    float top[G];
-    for (int g = 0; g < G; ++g) top[g] = red[g * NT];
-    __syncthreads();
-    for (int g = 0; g < G; ++g) {
-        float sum = 0.f;
-        for (int j = tid; j < CHUNK; j += NT) {
-            const float x = score[g * CHUNK + j];
-            const float p = x <= 0.5f * NEG ? 0.f : __expf(x - top[g]);
-            score[g * CHUNK + j] = p;
-            sum += p;
-        }
-        red[g * NT + tid] = sum;
-    }
-    __syncthreads();
-    for (int stride = NT / 2; stride > 0; stride >>= 1) {
-        if (tid < stride)
-            for (int g = 0; g < G; ++g) red[g * NT + tid] += red[g * NT + tid + stride];
-        __syncthreads();
-    }
-    for (int d = tid; d < D; d += NT) {
+"""
+    + chunk_softmax("__expf")
+    + """    for (int d = tid; d < D; d += NT) {
         float acc[G];
         for (int g = 0; g < G; ++g) acc[g] = 0.f;
         const int w = d / VPW;
@@ -207,6 +180,7 @@ _ATTEND = """
         sums[((size_t)bh * G + tid) * splits + split] = red[tid * NT];
     }
 """
+)
 
 # The chunks' partial sums merged (each weighted by exp(its max - the overall max)), then the
 # output un-rotated out of the values' domain and written in the model's dtype: one kernel
