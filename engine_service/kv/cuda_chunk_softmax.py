@@ -1,5 +1,6 @@
-"""A CUDA source block two attention kernels share (kv/turboquant_cuda.py, kv/row_attention_cuda.py):
-a chunk's scores turned into softmax numerators, with their max and sum, in a fixed order.
+"""A CUDA source block two attention kernels share (kv/turboquant_cuda.py and
+kv/row_attention_cuda.py): a chunk's scores turned into softmax numerators, with their max and
+sum, in a fixed order.
 
 Expects, in the kernel: `NT` threads, `G` query heads, `CHUNK` positions, `NEG` as the masked
 score, `tid`, and shared `score[G * CHUNK]` and `red[G * NT]`. Leaves `top[g]` (the chunk's
