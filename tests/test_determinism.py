@@ -215,3 +215,30 @@ def test_eight_batched_seeded_streams_killed_resume_alone_exactly(
         engine.stop()
         store.close()
         store_proc.stop()
+
+
+def test_a_prefix_hit_gives_the_bits_of_a_cold_prefill(tmp_path: Path) -> None:
+    """Deterministic mode restores a prefix only up to a prefill-chunk boundary its own prefill
+    computed in whole chunks: a hit's continuation equals a cold run, log-probabilities bit for
+    bit (a hit at any other length would hold another chunking's bits)."""
+    engine = start_engine(
+        tmp_path, "--deterministic", "--prefill-step-size", "96", log_dir=tmp_path / "logs"
+    )
+    rng = random.Random(5)
+    first = [rng.randrange(3, 2000) for _ in range(300)]
+    turn = first + [rng.randrange(3, 2000) for _ in range(90)]
+    request: dict[str, Any] = dict(max_tokens=12, ignore_eos=True, logprobs=0)
+    try:
+        with EngineClient(engine.address) as client:
+            client.generate(first, namespace="warm", **request)  # its prefix is kept
+            hit = client.generate(turn, namespace="warm", **request)
+            cold = client.generate(turn, namespace="cold", **request)
+    finally:
+        engine.stop()
+    assert hit.usage is not None and cold.usage is not None
+    # The first prompt's blocks match 256 positions (64-token blocks), but its 299 prefilled
+    # positions were computed in chunks of 96: 192 are in whole chunks a cold run shares.
+    assert hit.usage.cached_prompt_tokens == 192
+    assert cold.usage.cached_prompt_tokens == 0
+    assert hit.token_ids == cold.token_ids
+    assert _logprobs_of(hit.chunks) == _logprobs_of(cold.chunks)
