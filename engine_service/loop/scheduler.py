@@ -210,7 +210,8 @@ class Scheduler(SchedulerInbox):
             lambda: self._running() + len(self._waiting) < self.limits.max_running,
             lambda: len(self._waiting),
             lambda: self._drain_inbox(block=False),
-            lambda: max(job.arrived_at for job in self._waiting),
+            # default: a cancel drained meanwhile may have emptied the queue
+            lambda: max((job.arrived_at for job in self._waiting), default=0.0),
         )
 
     def _flush_outbox(self) -> None:
