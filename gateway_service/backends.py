@@ -69,6 +69,8 @@ class EngineFacts:
     # Unix time this gateway first read it (OpenAI's `created`: engines do not say when
     # their model was made).
     seen_at: int = 0
+    # Started with --deterministic: its generations resume only on engines started so.
+    deterministic: bool = False
 
     def serves(self, model: str) -> bool:
         return not model or model in (self.name, self.model_id)
@@ -281,6 +283,7 @@ class BackendPool:
                     info.context_length,
                     info.has_store,
                     int(time.time()),
+                    info.deterministic,
                 )
             if up:
                 await self._read_load(backend)

@@ -80,6 +80,9 @@ class _Attempt:
     resume: bool = False
     tokens_held: int = 0
     full: set[str] = field(default_factory=set)  # engines that answered RESOURCE_EXHAUSTED
+    # The lost engine's --deterministic: engines of that mode come first (its checkpoints
+    # resume only there, and a restart there repeats the tokens already sent). None: any.
+    deterministic: bool | None = None
 
 
 class _EngineLost(Exception):
@@ -120,7 +123,7 @@ class Relay:
         engines: list[str] = []
         try:
             while True:
-                backend = await self._choose(model, affinity, attempt.full)
+                backend = await self._choose(model, affinity, attempt)
                 engines.append(backend.address)
                 running = self.running[key] = _Running(backend)
                 backend.streams += 1
@@ -185,7 +188,7 @@ class Relay:
                             held + sent,
                         )
                         self.restarts_total += 1
-                        attempt = _Attempt(resume=False, tokens_held=held + sent)
+                        attempt = _Attempt(False, held + sent, deterministic=attempt.deterministic)
                         continue
                     if code != grpc.StatusCode.UNAVAILABLE or running.cancelled:
                         raise
@@ -213,7 +216,11 @@ class Relay:
                     failure,
                 )
                 checkpointed = backend.has_store and bool(self._interval(req, backend))
-                attempt = _Attempt(resume=checkpointed or req.resume, tokens_held=held + sent)
+                attempt = _Attempt(
+                    resume=checkpointed or req.resume,
+                    tokens_held=held + sent,
+                    deterministic=backend.facts.deterministic if backend.facts else None,
+                )
         except (GeneratorExit, asyncio.CancelledError):
             # Also raised after the last message, when the HTTP layer closes the generator:
             # only a stream that had not ended is the client's going away.
@@ -261,13 +268,16 @@ class Relay:
         out.tokens_held = attempt.tokens_held
         return out
 
-    async def _choose(self, model: str, affinity: bytes | None, full: set[str]) -> Backend:
+    async def _choose(self, model: str, affinity: bytes | None, attempt: _Attempt) -> Backend:
         """The engine for the next attempt: the first of the prefix's ranking (the same in
-        every gateway) that is no busier than the least loaded plus the slack; waits for one
-        when none is healthy."""
+        every gateway) that is no busier than the least loaded plus the slack, among those of
+        the lost engine's mode when any is up; waits for one when none is healthy."""
         deadline = time.monotonic() + self.settings.failover_wait_s
         while True:
-            candidates = [b for b in self.pool.healthy(model) if b.address not in full]
+            candidates = [b for b in self.pool.healthy(model) if b.address not in attempt.full]
+            same_mode = [b for b in candidates if _deterministic(b) == attempt.deterministic]
+            if attempt.deterministic is not None and same_mode:
+                candidates = same_mode
             if candidates:
                 break
             if model and not any(f.serves(model) for f in self.pool.known_models()):
@@ -285,6 +295,10 @@ class Relay:
                 break
         least.routed += 1
         return least
+
+
+def _deterministic(backend: Backend) -> bool:
+    return backend.facts is not None and backend.facts.deterministic
 
 
 requests_log = logging.getLogger("tandem.gateway.requests")

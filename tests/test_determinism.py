@@ -35,7 +35,14 @@ from engine_service.protocol.kv_codec import KVCodec
 from tandem_client import EngineClient, Generation, GenerationChunk, TandemError
 from tandem_client.store_client import StoreClient
 from tests.model_zoo import build_zoo_model
-from tests.servers import free_port, start_engine, start_store_on, wait_until
+from tests.servers import (
+    GatewayProcess,
+    InProcessStore,
+    free_port,
+    start_engine,
+    start_store_on,
+    wait_until,
+)
 
 STEPS = 12
 
@@ -242,3 +249,55 @@ def test_a_prefix_hit_gives_the_bits_of_a_cold_prefill(tmp_path: Path) -> None:
     assert cold.usage.cached_prompt_tokens == 0
     assert hit.token_ids == cold.token_ids
     assert _logprobs_of(hit.chunks) == _logprobs_of(cold.chunks)
+
+
+def test_the_gateway_fails_a_deterministic_stream_over_to_a_deterministic_engine(
+    tmp_path: Path, engine_data_dir: Path
+) -> None:
+    """ModelInfo says --deterministic; a stream lost with its deterministic engine resumes on
+    one started so, not on a default engine beside it (whose resume would be refused)."""
+    store = InProcessStore(tmp_path / "store")
+    flags = ["--store", store.address]
+    first = start_engine(engine_data_dir, *flags, "--deterministic", log_dir=tmp_path / "d1")
+    default = start_engine(engine_data_dir, *flags, log_dir=tmp_path / "n")
+    second = start_engine(engine_data_dir, *flags, "--deterministic", log_dir=tmp_path / "d2")
+    engines_file = tmp_path / "engines"
+    engines_file.write_text(first.address + "\n")  # the stream starts on the first
+    gateway = GatewayProcess(
+        [],
+        tmp_path / "gateway.log",
+        *("--engines-file", str(engines_file), "--checkpoint-interval", "4"),
+        *("--poll-interval", "0.1", "--failover-wait", "60"),
+    )
+    request: dict[str, Any] = dict(max_tokens=48, ignore_eos=True, temperature=0.9, seed=3)
+    prompt = [(7 * j) % 2000 + 3 for j in range(40)]
+    try:
+        with EngineClient(default.address) as client:
+            assert not client.model_info().deterministic
+        with EngineClient(first.address) as client:
+            assert client.model_info().deterministic
+        gateway.wait_engines(1)
+        tokens: list[int] = []
+        failovers, killed = -1, False
+        with EngineClient(gateway.grpc) as client:
+            for chunk in client.stream(prompt, **request):
+                tokens += chunk.token_ids
+                if len(tokens) >= 12 and not killed:
+                    everyone = [first.address, default.address, second.address]
+                    engines_file.write_text("\n".join(everyone) + "\n")
+                    gateway.wait_engines(3)
+                    first.kill()
+                    killed = True
+                if chunk.usage is not None:
+                    failovers = chunk.usage.failovers
+        assert failovers == 1
+        with EngineClient(default.address) as client:
+            assert client.stats().requests_total == 0  # never asked to resume it
+        with EngineClient(second.address) as client:
+            alone = client.generate(prompt, **request).token_ids
+        assert tokens == alone  # resumed exactly where it stopped
+    finally:
+        gateway.stop()
+        for engine in (first, default, second):
+            engine.stop()
+        store.stop()

@@ -20,3 +20,4 @@ class RequestPolicy:
     default_checkpoint_interval: int = 0
     default_kv: KVCodec = PLAIN_KV
     drafts: DraftSupport = DraftSupport()
+    deterministic: bool = False  # --deterministic (ModelInfo says so)

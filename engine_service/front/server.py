@@ -89,6 +89,7 @@ async def serve(
         default_checkpoint_interval=config.checkpoint_interval,
         default_kv=config.kv_codec,
         drafts=DraftSupport(ready.draft_model_id, config.num_draft_tokens),
+        deterministic=config.deterministic,
     )
     metrics = _serve_metrics(config.metrics_listen, core) if config.metrics_listen else None
     server = grpc.aio.server(options=SERVER_OPTIONS)

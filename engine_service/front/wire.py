@@ -373,6 +373,7 @@ def model_info_to_pb(policy: RequestPolicy) -> engine_pb2.ModelInfoResponse:
         eos_token_ids=m.eos_token_ids,
         blas=blas.in_use(),
         has_store=policy.has_store,
+        deterministic=policy.deterministic,
     )
 
 
