@@ -17,6 +17,7 @@ import pytest
 SECONDS = {
     "test_checkpoints.py": 56,
     "test_training_ranks.py": 20,
+    "test_determinism.py": 45,
     "test_docs_examples.py": 39,
     "test_engine_backpressure.py": 38,
     "test_tier.py": 38,
@@ -28,7 +29,6 @@ SECONDS = {
     "test_gateway_failover.py": 24,
     "test_turboquant_rows.py": 24,
     "test_speculative.py": 24,
-    "test_determinism.py": 18,
     "test_speculative_rows.py": 23,
     "test_model_zoo.py": 22,
     "test_quantized_kv.py": 22,
