@@ -260,6 +260,7 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
     )
     if config.deterministic:
         check_row_invariant(loaded.model, config.deterministic_rows)
+        log.info("deterministic mode: a row's logits do not depend on its batch (probe passed)")
     checkpoints = checkpoint_manager(config, loaded)
     problem = checkpoints.check_store()
     if problem:

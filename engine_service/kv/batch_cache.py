@@ -83,6 +83,11 @@ class BatchQuantizedKVCache(BatchWrites, BatchState, BaseCache):
         # (a name, not an mx.Dtype: BatchGenerator deep-copies caches and Dtype won't copy).
         self._shape: tuple[int, int, int, str] | None = None
 
+    @property
+    def row_paddings(self) -> list[int]:
+        """Each row's left padding, from the host copy (no device read)."""
+        return list(self._lp)
+
     # -- rows joining and leaving ------------------------------------------------------------
 
     def filter(self, batch_indices: Any) -> None:

@@ -97,7 +97,7 @@ def _install() -> None:
 def left_padding(cache: list[Any] | None, batch: int) -> list[int]:
     """Each row's left padding in a batch cache (mlx-lm's or ours); zeros without one."""
     layer = cache[0] if cache else None
-    pads = getattr(layer, "_lp", None)  # BatchQuantizedKVCache keeps it as a list
+    pads = getattr(layer, "row_paddings", None)  # BatchQuantizedKVCache's, no device read
     if pads is None and layer is not None and hasattr(layer, "left_padding"):
         pads = layer.left_padding.tolist()
     return list(pads) if pads is not None else [0] * batch
