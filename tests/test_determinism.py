@@ -4,9 +4,12 @@ generation killed in a batch resumes alone exactly where it stopped.
 
 In-process on the tiny model and a Qwen3-shaped zoo model: rows alone against the same rows
 in a batch of 8 through mlx-lm's BatchGenerator, bit-identical log-probabilities each step.
-Through real processes: eight seeded streams batched, killed, and resumed on a fresh
-deterministic engine equal each stream's solo run; a default-mode engine refuses those
-checkpoints with FAILED_PRECONDITION.
+The start-up refusals: rings and recurrent layers, a forward whose rows see each other, a
+draft model or KV codec with the flag. Through real processes: eight seeded streams batched,
+killed, and resumed on a fresh deterministic engine equal each stream's solo run, and a
+default-mode engine refuses those checkpoints with FAILED_PRECONDITION; a prefix hit equals a
+cold prefill bit for bit; a gateway fails a deterministic stream over to a deterministic
+engine.
 """
 
 from __future__ import annotations
