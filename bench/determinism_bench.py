@@ -169,14 +169,18 @@ def decode_rate(model: Any, prompts: list[list[int]], tokens: int, prefill: int)
 def cost(loaded: Any, streams: list[int], tokens: int, pairs: int, rows: int) -> None:
     rng = random.Random(1)
     on = DeterministicModel(loaded.model, rows)
+    # Rows join 8 at a time in both modes. What is timed is decode with every row in; the
+    # engine's deterministic mode prefills one row at a time, which is not timed here. And on
+    # MLX-CUDA each new batch size compiles kernels: joining one by one to 128 rows took
+    # minutes of device time (2026-12-04).
     for n in streams:
         prompts = [[rng.randrange(3, loaded.vocab_size) for _ in range(128)] for _ in range(n)]
         decode_rate(loaded.model, prompts, 16, 8)  # warm both
-        decode_rate(on, prompts, 16, 1)
+        decode_rate(on, prompts, 16, 8)
         ratios, rates_off, rates_on = [], [], []
         for _ in range(pairs):
             off_rate = decode_rate(loaded.model, prompts, tokens, 8)
-            on_rate = decode_rate(on, prompts, tokens, 1)
+            on_rate = decode_rate(on, prompts, tokens, 8)
             rates_off.append(off_rate)
             rates_on.append(on_rate)
             ratios.append(on_rate / off_rate)

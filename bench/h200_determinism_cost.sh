@@ -3,6 +3,8 @@
 # decode tokens/s with the mode off and on, ABAB, Qwen3-0.6B shape and Llama-3-8B shape.
 set -u
 out=${OUT:-/tmp}
+# Next run: 128 streams, which the 2026-12-04 runs did not reach:
+#   python3 bench/determinism_bench.py --model qwen3-0.6b-shape --skip-agreement --streams 128
 timeout 80 python3 bench/batch_invariance.py --model qwen3-0.6b-shape --batches 8,128 \
   --steps 2 --deterministic 2>&1 | tail -1 | tee "$out/invariance_check.txt"
 timeout 170 python3 bench/determinism_bench.py --model qwen3-0.6b-shape --skip-agreement \
