@@ -81,6 +81,26 @@ def test_rows_alone_and_in_a_batch_of_eight_have_bit_identical_logits(
     _rows_alone_equal_rows_batched(load_model("tandem-tiny", engine_data_dir))
 
 
+def test_the_mode_computes_what_the_default_mode_computes(engine_data_dir: Path) -> None:
+    """A row prefilled in two chunks (the second over the cache: causal attention aligned to
+    the keys' end) and decoded gives the default mode's logits, to float tolerance."""
+    tiny = load_model("tandem-tiny", engine_data_dir)
+    prompt = [(j * 37) % 2000 + 3 for j in range(100)]
+
+    def run(model: Any) -> list[mx.array]:
+        caches = make_prompt_cache(tiny.model)
+        model(mx.array([prompt[:60]]), cache=caches)
+        chunk = model(mx.array([prompt[60:]]), cache=caches)
+        step = model(mx.array([[5]]), cache=caches)
+        mx.eval(chunk, step)
+        return [chunk, step]
+
+    for default, deterministic in zip(
+        run(tiny.model), run(DeterministicModel(tiny.model)), strict=True
+    ):
+        assert mx.allclose(default, deterministic, atol=1e-4).item()
+
+
 def test_a_qwen3_shaped_model_is_batch_invariant_too(tmp_path: Path) -> None:
     loaded = load_model(str(build_zoo_model("qwen3", tmp_path)), tmp_path)
     _rows_alone_equal_rows_batched(loaded)
