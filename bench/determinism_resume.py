@@ -18,8 +18,6 @@ import argparse
 import random
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +25,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
 
 from bench.engine_bench import model_spec  # noqa: E402
-from tandem_client import EngineClient, GenerationChunk, TandemError  # noqa: E402
+from tandem_client import EngineClient  # noqa: E402
 from tandem_client.store_client import StoreClient  # noqa: E402
-from tests.servers import free_port, start_engine, start_store_on  # noqa: E402
+from tests.batched_resume import (  # noqa: E402
+    all_checkpointed,
+    logprobs_of,
+    resume_together,
+    run_alone,
+    stream_together,
+    tokens_of,
+)
+from tests.servers import free_port, start_engine, start_store_on, wait_until  # noqa: E402
 
 CHECKPOINT_EVERY = 16
-
-
-def logprobs(chunks: list[GenerationChunk]) -> list[float]:
-    return [lp.logprob for chunk in chunks for lp in chunk.logprobs]
 
 
 def run_once(spec: str, root: Path, streams: int, tokens: int, seed: int) -> int:
@@ -59,59 +61,31 @@ def run_once(spec: str, root: Path, streams: int, tokens: int, seed: int) -> int
         )
         for i in range(streams)
     ]
-    received: list[list[GenerationChunk]] = [[] for _ in prompts]
-
-    def stream(i: int) -> None:
-        with EngineClient(engine.address) as client:
-            try:
-                for chunk in client.stream(prompts[i], **requests[i]):
-                    received[i].append(chunk)
-            except TandemError:
-                pass  # killed under it
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
     exact = 0
     try:
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 600
-        while True:  # prompts 61 tokens apart, rows in step: the n-th shortest is row n's
-            counts = sorted(r.token_count for r in store.list_all(kind="generation"))
-            if len(counts) == streams and all(
-                c >= len(p) + 2 * CHECKPOINT_EVERY for c, p in zip(counts, prompts, strict=True)
-            ):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("no checkpoints")
-            time.sleep(0.05)
+        received, threads = stream_together(engine.address, prompts, requests)
+        # Prompts 61 tokens apart, rows in step.
+        wait_until(
+            lambda: all_checkpointed(store, prompts, 2 * CHECKPOINT_EVERY),
+            timeout=600,
+            what="every stream's checkpoint",
+        )
         engine.kill()
         for t in threads:
             t.join(60)
-        held = [[tok for chunk in r for tok in chunk.token_ids] for r in received]
+        held = [tokens_of(r) for r in received]
         fresh = start_engine(root / "data", *args, log_dir=root / "fresh", timeout=900)
         try:
-            resumed: list[list[GenerationChunk]] = [[] for _ in prompts]
-
-            def resume(i: int) -> None:
-                with EngineClient(fresh.address) as client:
-                    got = client.generate(
-                        prompts[i], resume=True, tokens_held=len(held[i]), **requests[i]
-                    )
-                    resumed[i] = got.chunks
-
-            workers = [threading.Thread(target=resume, args=(i,)) for i in range(streams)]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join(600)
-            with EngineClient(fresh.address) as client:
-                for i, prompt in enumerate(prompts):
-                    alone = client.generate(prompt, **dict(requests[i], request_id=f"solo-{i}"))
-                    tokens_now = held[i] + [t for c in resumed[i] for t in c.token_ids]
-                    same_bits = logprobs(received[i]) + logprobs(resumed[i]) == logprobs(
-                        alone.chunks
-                    )
-                    exact += tokens_now == alone.token_ids and same_bits
+            resumed = resume_together(fresh.address, prompts, requests, held)
+            for i, alone in enumerate(run_alone(fresh.address, prompts, requests)):
+                again = resumed[i]
+                if again is None:
+                    continue
+                same_tokens = held[i] + again.token_ids == alone.token_ids
+                same_bits = logprobs_of(received[i]) + logprobs_of(again.chunks) == logprobs_of(
+                    alone.chunks
+                )
+                exact += same_tokens and same_bits
         finally:
             fresh.stop()
     finally:

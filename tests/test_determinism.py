@@ -15,7 +15,6 @@ engine.
 from __future__ import annotations
 
 import random
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +34,16 @@ from engine_service.model.deterministic import (
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
 from engine_service.protocol.kv_codec import KVCodec
-from tandem_client import EngineClient, Generation, GenerationChunk, TandemError
+from tandem_client import EngineClient, TandemError
 from tandem_client.store_client import StoreClient
+from tests.batched_resume import (
+    all_checkpointed,
+    logprobs_of,
+    resume_together,
+    run_alone,
+    stream_together,
+    tokens_of,
+)
 from tests.model_zoo import build_zoo_model
 from tests.servers import (
     GatewayProcess,
@@ -142,28 +149,6 @@ def test_deterministic_mode_refuses_a_draft_model_and_kv_codecs() -> None:
     assert config.prefill_batch_size == 1 and not config.compiled_decode
 
 
-def _logprobs_of(chunks: list[GenerationChunk]) -> list[float]:
-    return [lp.logprob for chunk in chunks for lp in chunk.logprobs]
-
-
-def _streams(address: str, prompts: list[list[int]], requests: list[dict[str, Any]]) -> Any:
-    """Runs the requests at once; returns each one's chunks as they arrive (a live list)."""
-    received: list[list[GenerationChunk]] = [[] for _ in prompts]
-
-    def run(i: int) -> None:
-        with EngineClient(address) as engine:
-            try:
-                for chunk in engine.stream(prompts[i], **requests[i]):
-                    received[i].append(chunk)
-            except TandemError:
-                pass  # the engine was killed under it
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    return received, threads
-
-
 def test_eight_batched_seeded_streams_killed_resume_alone_exactly(
     tmp_path: Path, engine_data_dir: Path
 ) -> None:
@@ -187,21 +172,15 @@ def test_eight_batched_seeded_streams_killed_resume_alone_exactly(
         for i in range(8)
     ]
     try:
-        received, threads = _streams(engine.address, prompts, requests)
-
-        def all_checkpointed() -> bool:
-            # Prompts 29 tokens apart, rows in step: the n-th shortest record is row n's.
-            counts = sorted(r.token_count for r in store.list_all(kind="generation"))
-            return len(counts) == 8 and all(
-                count >= len(p) + 8 for count, p in zip(counts, prompts, strict=True)
-            )
-
-        wait_until(all_checkpointed, what="eight generation checkpoints")
+        received, threads = stream_together(engine.address, prompts, requests)
+        wait_until(
+            lambda: all_checkpointed(store, prompts, 8), what="eight generation checkpoints"
+        )  # prompts 29 tokens apart, rows in step
         engine.kill()
         for t in threads:
             t.join(30)
-        held = [[t for chunk in r for t in chunk.token_ids] for r in received]
-        held_logprobs = [_logprobs_of(r) for r in received]
+        held = [tokens_of(r) for r in received]
+        held_logprobs = [logprobs_of(r) for r in received]
         # A default-mode engine refuses them: they resume in the mode they started in.
         default = start_engine(
             engine_data_dir, "--store", f"127.0.0.1:{port}", log_dir=tmp_path / "default"
@@ -215,30 +194,16 @@ def test_eight_batched_seeded_streams_killed_resume_alone_exactly(
             default.stop()
         fresh = start_engine(engine_data_dir, *args, log_dir=tmp_path / "fresh")
         try:
-            resumed: list[Generation | None] = [None for _ in prompts]
-
-            def resume(i: int) -> None:
-                with EngineClient(fresh.address) as client:
-                    resumed[i] = client.generate(
-                        prompts[i], resume=True, tokens_held=len(held[i]), **requests[i]
-                    )
-
-            workers = [threading.Thread(target=resume, args=(i,)) for i in range(8)]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join(120)
-            with EngineClient(fresh.address) as client:  # each alone: the reference
-                for i, prompt in enumerate(prompts):
-                    solo = dict(requests[i], request_id=f"solo-{i}")
-                    alone = client.generate(prompt, **solo)
-                    again = resumed[i]
-                    assert again is not None, f"stream {i} did not resume"
-                    assert held[i] + again.token_ids == alone.token_ids, f"stream {i}"
-                    # Bit for bit: the batch's and the resume's log-probabilities are the solo
-                    # run's (float32 on the wire, as computed).
-                    got = held_logprobs[i] + _logprobs_of(again.chunks)
-                    assert got == _logprobs_of(alone.chunks), f"stream {i}"
+            resumed = resume_together(fresh.address, prompts, requests, held, timeout=120)
+            # Each alone: the reference.
+            for i, alone in enumerate(run_alone(fresh.address, prompts, requests)):
+                again = resumed[i]
+                assert again is not None, f"stream {i} did not resume"
+                assert held[i] + again.token_ids == alone.token_ids, f"stream {i}"
+                # Bit for bit: the batch's and the resume's log-probabilities are the solo
+                # run's (float32 on the wire, as computed).
+                got = held_logprobs[i] + logprobs_of(again.chunks)
+                assert got == logprobs_of(alone.chunks), f"stream {i}"
         finally:
             fresh.stop()
     finally:
@@ -271,7 +236,7 @@ def test_a_prefix_hit_gives_the_bits_of_a_cold_prefill(tmp_path: Path) -> None:
     assert hit.usage.cached_prompt_tokens == 192
     assert cold.usage.cached_prompt_tokens == 0
     assert hit.token_ids == cold.token_ids
-    assert _logprobs_of(hit.chunks) == _logprobs_of(cold.chunks)
+    assert logprobs_of(hit.chunks) == logprobs_of(cold.chunks)
 
 
 def test_the_gateway_fails_a_deterministic_stream_over_to_a_deterministic_engine(

@@ -62,10 +62,8 @@ class SchedulerInbox:
         """Admits a request or raises Overloaded / AlreadyExists / Unavailable. arrived_at:
         when it reached the engine (time.monotonic), before it was planned; 0: now."""
         self._admissions.enter(request)
-        job = Job(request, sink, plan)
-        if arrived_at:
-            job.arrived_at = arrived_at
-        self._inbox.put(Submit(job))
+        arrived_at = arrived_at or time.monotonic()
+        self._inbox.put(Submit(Job(request, sink, plan, arrived_at=arrived_at)))
 
     def cancel(self, request_id: str, keep_checkpoint: bool = False, stopped: bool = False) -> bool:
         """Asks the loop to stop a request; False if it is not known (already finished).
