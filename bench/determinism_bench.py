@@ -1,17 +1,27 @@
 """Deterministic mode's agreement and cost (issue 39), through mlx-lm's BatchGenerator.
 
+0. the start-up probe (model/determinism_probe.py) on this device: the model's rows alone and
+   beside others, and the compiled decode step against the eager one; --probe-zoo runs it on
+   zoo shapes too (a mixture-of-experts one, for instance).
 1. kernel check (MLX-CUDA only): kv/row_attention_cuda.py against MLX's SDPA on rows of
-   different lengths in one left-padded batch (max |difference|), and each row alone against
-   the same row in the batch (bit-identical or not).
+   different lengths in one left-padded batch (max |difference|), each row alone against the
+   same row in the batch, and the kernel inside mx.compile (array paddings, wider planes)
+   against the eager call (bit-identical or not).
 2. agreement: 8 target prompts run alone, then inside batches of --batches rows (the targets
    plus others of other lengths), greedy and seeded (our per-row SeededSampler), for --tokens
    tokens: how many targets' tokens, and how many of their log-probabilities bit for bit,
-   equal their solo run; with the mode off (today's figures) and on.
-3. cost: decode tokens/s at --streams rows, the mode off and on interleaved (ABAB) over
-   --pairs pairs, both warmed: the median of the paired ratios (on / off) and their spread.
+   equal their solo run. Off: mlx-lm's own batch rows, as before the mode. On: as the engine
+   runs it, the engine's batch rows with decode steps of up to 8 rows compiled, so solo runs
+   step compiled and batches of 32 and 128 eagerly.
+3. cost: decode tokens/s at --streams rows, interleaved over --pairs rounds, all warmed:
+   mlx-lm's BatchGenerator as loaded (the anchor), the engine's default (its batch rows, steps
+   of up to 8 rows compiled) and the engine's deterministic mode (the same, deterministic).
+   The medians of the paired ratios deterministic / default (the mode's cost) and default /
+   mlx-lm, with their spreads.
 
     python bench/determinism_bench.py [--model qwen3-0.6b-shape] [--batches 8,32,128]
         [--tokens 256] [--streams 1,8,32,128] [--pairs 3] [--skip-agreement]
+        [--probe-zoo qwen3_moe]
 """
 
 from __future__ import annotations
@@ -35,15 +45,33 @@ import mlx.core as mx  # noqa: E402
 # isort: on
 
 from mlx_lm.generate import BatchGenerator  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from bench.engine_bench import model_spec  # noqa: E402
 from engine_service.kv import row_attention_cuda  # noqa: E402
+from engine_service.kv.batch_cache import adopt_row  # noqa: E402
+from engine_service.loop.compiled_decode import CompiledDecode  # noqa: E402
+from engine_service.model.determinism_probe import check_row_invariant  # noqa: E402
 from engine_service.model.deterministic import DeterministicModel  # noqa: E402
 from engine_service.model.loading import load_model  # noqa: E402
+from engine_service.protocol.kv_codec import KVCodec  # noqa: E402
 from engine_service.protocol.sampling_options import SamplingOptions  # noqa: E402
 from engine_service.sampling.samplers import make_sampler  # noqa: E402
 
 TARGETS = 8
+COMPILED_MAX_BATCH = 8  # the engine's default --compiled-decode-max-batch
+
+
+def engine_side(model: Any, deterministic: bool) -> Any:
+    """The model as the engine's scheduler steps it (loop/scheduler.py)."""
+    return CompiledDecode(DeterministicModel(model) if deterministic else model, COMPILED_MAX_BATCH)
+
+
+def row_caches(model: Any, prompts: list[list[int]]) -> list[list[Any]] | None:
+    """The engine's batch rows (kv/batch_cache.py) for a CompiledDecode side; None: mlx-lm's."""
+    if not isinstance(model, CompiledDecode):
+        return None
+    return [[adopt_row(c, KVCodec()) for c in make_prompt_cache(model)] for _ in prompts]
 
 
 def generate(
@@ -61,7 +89,12 @@ def generate(
         make_sampler(SamplingOptions(temperature=0.8, seed=seed)) if seeds else None
         for seed in (seeds or [0] * len(prompts))
     ]
-    uids = bg.insert(prompts, max_tokens=[tokens] * len(prompts), samplers=samplers)
+    uids = bg.insert(
+        prompts,
+        max_tokens=[tokens] * len(prompts),
+        samplers=samplers,
+        caches=row_caches(model, prompts),
+    )
     out: dict[int, tuple[list[int], list[mx.array]]] = {u: ([], []) for u in uids}
     done = 0
     while done < len(uids):
@@ -75,7 +108,7 @@ def generate(
 
 def kernel_check() -> None:
     if not row_attention_cuda.AVAILABLE:
-        print("kernel check: not MLX-CUDA, skipped (row-by-row SDPA runs instead)")
+        print("kernel check: not MLX-CUDA, skipped (the same algorithm in MLX ops runs instead)")
         return
     rng = mx.random.key(0)
     heads, kv_heads, dim, lengths = 16, 8, 128, [5, 300, 1024, 2047]
@@ -97,10 +130,32 @@ def kernel_check() -> None:
             q[row : row + 1], k[row : row + 1, :, pad:], v[row : row + 1, :, pad:], scale, [0]
         )
         invariant += mx.array_equal(alone, batched[row : row + 1]).item()
+    # As a compiled step calls it: paddings and the written length as arrays, planes wider.
+    wider = [mx.pad(a, [(0, 0), (0, 0), (0, 64), (0, 0)]) for a in (k, v)]
+    traced = mx.compile(
+        lambda q, k, v, p, n: row_attention_cuda.row_attention(q, k, v, scale, p, n)
+    )(q, *wider, mx.array(pads, dtype=mx.int32), mx.array([width], dtype=mx.int32))
     print(
         f"kernel check: max |row_attention - MLX SDPA| {worst:.3g} (bf16);"
-        f" rows alone bit-identical to the batch {invariant}/{len(pads)}"
+        f" rows alone bit-identical to the batch {invariant}/{len(pads)};"
+        f" compiled = eager {mx.array_equal(traced, batched).item()}"
     )
+
+
+def probe(loaded: Any, zoo: list[str], root: Path) -> None:
+    """The start-up probe, as the engine runs it, on this device."""
+    from tests.model_zoo import build_zoo_model  # the zoo's tiny shapes of other architectures
+
+    models = [("served model", loaded.model)]
+    models += [(arch, load_model(str(build_zoo_model(arch, root)), root).model) for arch in zoo]
+    for name, model in models:
+        start = time.perf_counter()
+        try:
+            compiled = check_row_invariant(model, 0, CompiledDecode)
+            verdict = f"passes; compiled step = eager step: {compiled}"
+        except ValueError as refused:
+            verdict = f"refused: {refused}"
+        print(f"probe, {name}: {verdict} ({time.perf_counter() - start:.1f} s)")
 
 
 def agreement(loaded: Any, batches: list[int], tokens: int) -> None:
@@ -108,7 +163,7 @@ def agreement(loaded: Any, batches: list[int], tokens: int) -> None:
     vocab = loaded.vocab_size
     targets = [[rng.randrange(3, vocab) for _ in range(16 + 23 * i)] for i in range(TARGETS)]
     for mode in ("off", "on"):
-        model = DeterministicModel(loaded.model) if mode == "on" else loaded.model
+        model = engine_side(loaded.model, True) if mode == "on" else loaded.model
         prefill = 1 if mode == "on" else 8
         for seeded in (False, True):
             seeds = list(range(1_000, 1_000 + TARGETS)) if seeded else None
@@ -155,7 +210,11 @@ def decode_rate(model: Any, prompts: list[list[int]], tokens: int, prefill: int)
         prefill_batch_size=prefill,
         stop_tokens=set(),
     )
-    bg.insert(prompts, max_tokens=[tokens + len(prompts) + 32] * len(prompts))
+    bg.insert(
+        prompts,
+        max_tokens=[tokens + len(prompts) + 32] * len(prompts),
+        caches=row_caches(model, prompts),
+    )
     while len(bg.next()[1]) < len(prompts):  # until the last row has joined
         pass
     produced, start = 0, time.perf_counter()
@@ -168,27 +227,37 @@ def decode_rate(model: Any, prompts: list[list[int]], tokens: int, prefill: int)
 
 def cost(loaded: Any, streams: list[int], tokens: int, pairs: int, rows: int) -> None:
     rng = random.Random(1)
-    on = DeterministicModel(loaded.model, rows)
-    # Rows join 8 at a time in both modes. What is timed is decode with every row in; the
+    sides = {
+        "mlx-lm": loaded.model,
+        "default": CompiledDecode(loaded.model, COMPILED_MAX_BATCH),
+        "deterministic": CompiledDecode(DeterministicModel(loaded.model, rows), COMPILED_MAX_BATCH),
+    }
+    # Rows join 8 at a time on every side. What is timed is decode with every row in; the
     # engine's deterministic mode prefills one row at a time, which is not timed here. And on
     # MLX-CUDA each new batch size compiles kernels: joining one by one to 128 rows took
     # minutes of device time (2026-12-04).
     for n in streams:
         prompts = [[rng.randrange(3, loaded.vocab_size) for _ in range(128)] for _ in range(n)]
-        decode_rate(loaded.model, prompts, 16, 8)  # warm both
-        decode_rate(on, prompts, 16, 8)
-        ratios, rates_off, rates_on = [], [], []
-        for _ in range(pairs):
-            off_rate = decode_rate(loaded.model, prompts, tokens, 8)
-            on_rate = decode_rate(on, prompts, tokens, 8)
-            rates_off.append(off_rate)
-            rates_on.append(on_rate)
-            ratios.append(on_rate / off_rate)
+        for model in sides.values():  # warm all
+            decode_rate(model, prompts, 16, 8)
+        rates: dict[str, list[float]] = {name: [] for name in sides}
+        for round_ in range(pairs):  # the order turns each round: ABC, BCA, CAB
+            names = list(sides)[round_ % 3 :] + list(sides)[: round_ % 3]
+            for name in names:
+                rates[name].append(decode_rate(sides[name], prompts, tokens, 8))
+        cost_ratios = [a / b for a, b in zip(rates["deterministic"], rates["default"], strict=True)]
+        anchor = [a / b for a, b in zip(rates["default"], rates["mlx-lm"], strict=True)]
         print(
-            f"  {n:3d} streams: off {statistics.median(rates_off):8.1f} tok/s,"
-            f" on {statistics.median(rates_on):8.1f} tok/s; on/off median"
-            f" {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+            f"  {n:3d} streams: mlx-lm {statistics.median(rates['mlx-lm']):8.1f},"
+            f" default {statistics.median(rates['default']):8.1f},"
+            f" deterministic {statistics.median(rates['deterministic']):8.1f} tok/s;"
+            f" deterministic/default {_median_spread(cost_ratios)};"
+            f" default/mlx-lm {_median_spread(anchor)}"
         )
+
+
+def _median_spread(ratios: list[float]) -> str:
+    return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
 
 
 def main() -> None:
@@ -201,10 +270,12 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--skip-agreement", action="store_true")
     parser.add_argument("--rows", type=int, default=0, help="decode matmul block (0: default)")
+    parser.add_argument("--probe-zoo", default="", help="zoo shapes to probe, comma-separated")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         loaded = load_model(model_spec(args.model, Path(tmp)), Path(tmp))
-    print(f"{args.model} on {mx.default_device()} ({loaded.dtype}), MLX {mx.__version__}")
+        print(f"{args.model} on {mx.default_device()} ({loaded.dtype}), MLX {mx.__version__}")
+        probe(loaded, [z for z in args.probe_zoo.split(",") if z], Path(tmp))
     kernel_check()
     if not args.skip_agreement:
         print("agreement with solo runs (8 target rows inside each batch):")

@@ -26,11 +26,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine_service.config import parse_args
 from engine_service.kv.batch_cache import adopt_row
-from engine_service.model.deterministic import (
-    DeterministicModel,
-    NotRowInvariant,
-    check_row_invariant,
-)
+from engine_service.loop.compiled_decode import CompiledDecode
+from engine_service.model.determinism_probe import NotRowInvariant, check_row_invariant
+from engine_service.model.deterministic import DeterministicModel
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
 from engine_service.protocol.kv_codec import KVCodec
@@ -136,9 +134,49 @@ def test_a_model_whose_rows_see_each_other_fails_the_start_up_probe(
     engine_data_dir: Path,
 ) -> None:
     tiny = load_model("tandem-tiny", engine_data_dir)
-    check_row_invariant(tiny.model)  # the real one passes
+    assert check_row_invariant(tiny.model, 0, CompiledDecode)  # the real one passes, compiled too
     with pytest.raises(NotRowInvariant, match="not batch-invariant"):
         check_row_invariant(_RowMixing(tiny.model))
+
+
+def test_compiled_decode_steps_give_the_eager_steps_bits(engine_data_dir: Path) -> None:
+    """A row's steps run compiled or eager with what else is in its batch (its size, the
+    planes' growth): rows alone through the compiled step equal the same rows in a batch of 8
+    stepped eagerly. A compiled step that differs is caught by the start-up probe and left
+    off."""
+    tiny = load_model("tandem-tiny", engine_data_dir)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, tiny.vocab_size) for _ in range(5 + 37 * i)] for i in range(8)]
+    eager = DeterministicModel(tiny.model)
+    compiled = CompiledDecode(eager, max_batch=4)  # past 4 rows the batch steps eagerly
+    together = _logprobs(compiled, prompts)
+    batched_compiled = compiled.compiled_steps  # while the first rows joined
+    assert batched_compiled < STEPS
+    for prompt, batched in zip(prompts, together, strict=True):
+        (alone,) = _logprobs(compiled, [prompt])
+        for step, (a, b) in enumerate(zip(alone, batched, strict=True)):
+            assert mx.array_equal(a, b).item(), f"step {step} of a {len(prompt)}-token row"
+    assert compiled.compiled_steps - batched_compiled >= len(prompts) * (STEPS - 2)
+
+    def perturbed(model: Any) -> CompiledDecode:
+        return CompiledDecode(_Nudged(model))
+
+    assert not check_row_invariant(tiny.model, 0, perturbed)
+
+
+class _Nudged:
+    """A step whose logits are one ulp-scale nudge off the model's: a compiled step that does
+    not give the eager step's bits."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        logits: mx.array = self.model(inputs, cache=cache)
+        return logits * 1.0001
 
 
 def test_deterministic_mode_refuses_a_draft_model_and_kv_codecs() -> None:
@@ -146,7 +184,7 @@ def test_deterministic_mode_refuses_a_draft_model_and_kv_codecs() -> None:
         with pytest.raises(SystemExit):
             parse_args(["--deterministic", *flags])
     config = parse_args(["--deterministic"])
-    assert config.prefill_batch_size == 1 and not config.compiled_decode
+    assert config.prefill_batch_size == 1 and config.compiled_decode  # probed at start-up
 
 
 def test_eight_batched_seeded_streams_killed_resume_alone_exactly(

@@ -35,9 +35,10 @@ from engine_service.core.planner import Planner
 from engine_service.core.plans import Plan, PrefixPlan, ResumePlan
 from engine_service.core.setup import checkpoint_manager, scheduler_limits
 from engine_service.errors import EngineError
+from engine_service.loop.compiled_decode import CompiledDecode
 from engine_service.loop.scheduler import Scheduler
 from engine_service.loop.warmup import WarmUpFailed
-from engine_service.model.deterministic import NotRowInvariant, check_row_invariant
+from engine_service.model.determinism_probe import NotRowInvariant, check_row_invariant
 from engine_service.model.loading import IncompatibleDraft, load_draft, load_model
 from engine_service.protocol.channel import (
     Accepted,
@@ -258,9 +259,23 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
         if config.draft_model
         else None
     )
+    compiled_max_batch = config.compiled_decode_max_batch if config.compiled_decode else 0
     if config.deterministic:
-        check_row_invariant(loaded.model, config.deterministic_rows)
-        log.info("deterministic mode: a row's logits do not depend on its batch (probe passed)")
+        compiled = CompiledDecode if compiled_max_batch else None
+        if check_row_invariant(loaded.model, config.deterministic_rows, compiled):
+            log.info(
+                "deterministic mode: a row's logits do not depend on its batch (probe "
+                "passed); decode steps of up to %d rows compiled",
+                compiled_max_batch,
+            )
+        else:
+            if compiled_max_batch:
+                log.warning(
+                    "deterministic mode: the compiled decode step does not give the "
+                    "eager step's bits on this device; decoding eagerly"
+                )
+            compiled_max_batch = 0
+            log.info("deterministic mode: a row's logits do not depend on its batch (probe passed)")
     checkpoints = checkpoint_manager(config, loaded)
     problem = checkpoints.check_store()
     if problem:
@@ -271,7 +286,7 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
         outbox.deliver,
         checkpoints,
         draft,
-        compiled_decode_max_batch=config.compiled_decode_max_batch if config.compiled_decode else 0,
+        compiled_decode_max_batch=compiled_max_batch,
         grammars=Grammars.for_model(loaded, CompileBudget(config.constraint_compile_timeout_s)),
         deterministic_rows=config.deterministic_rows if config.deterministic else None,
     )

@@ -40,7 +40,8 @@ def routed_attention(
         return turboquant_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     pads = active_pads()
     if pads is not None and isinstance(keys, mx.array):  # --deterministic (model/deterministic)
-        return row_invariant_attention(queries, keys, values, scale, pads, sinks)
+        written = getattr(cache, "written", None)  # a compiled step's DecodeKV: an array
+        return row_invariant_attention(queries, keys, values, scale, pads, sinks, written)
     return _MLX_LM_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 

@@ -5,6 +5,10 @@ each row's left padding in the batch caches; attention routing (kv/attention_rou
 then sends plain planes to `row_invariant_attention`, and mlx's projections run in fixed row
 blocks (model/deterministic.py). The state is per thread, so other models in the process are
 untouched.
+
+Inside a compiled decode step (loop/compiled_decode.py) the paddings and the written length
+are arrays, not Python ints: a decode step's attention takes them as either, so the compiled
+and the eager step compute the same bits.
 """
 
 from __future__ import annotations
@@ -17,16 +21,21 @@ import mlx.core as mx
 
 from engine_service.kv import row_attention_cuda
 
+Paddings = list[int] | mx.array  # each row's left padding: ints, or an array in a trace
+
+CHUNK = row_attention_cuda.CHUNK  # key positions reduced together, counted from a row's start
+_MASKED = -1e30
+
 
 class _Active(threading.local):
     rows: int = 0  # 0: not inside a deterministic call
-    pads: list[int] | None = None  # each row's left padding in this call's batch caches
+    pads: Paddings | None = None  # each row's left padding in this call's batch caches
 
 
 _active = _Active()
 
 
-def active_pads() -> list[int] | None:
+def active_pads() -> Paddings | None:
     """The left padding of the deterministic call running on this thread, else None."""
     return _active.pads if _active.rows else None
 
@@ -37,7 +46,7 @@ def active_rows() -> int:
 
 
 @contextmanager
-def deterministic_call(rows: int, pads: list[int]) -> Iterator[None]:
+def deterministic_call(rows: int, pads: Paddings) -> Iterator[None]:
     _active.rows, _active.pads = rows, pads
     try:
         yield
@@ -50,17 +59,25 @@ def row_invariant_attention(
     keys: mx.array,
     values: mx.array,
     scale: float,
-    pads: list[int],
+    pads: Paddings,
     sinks: mx.array | None = None,
+    written: mx.array | None = None,
 ) -> mx.array:
-    """Attention row by row over each row's own keys: what a row computes does not depend on
-    the other rows' lengths. Queries standing for left padding (a batched prefill) get zeros,
-    as nothing reads them."""
+    """Attention in which what a row computes does not depend on the other rows' lengths.
+
+    A decode step (one query a row) reduces each row's keys in chunks counted from its own
+    first key: one CUDA kernel for the batch on MLX-CUDA, the same algorithm in MLX ops
+    elsewhere. `written`: the planes' columns holding keys, where they are wider (a compiled
+    step's planes); None: all of them. A prefill chunk runs row by row over each row's own
+    keys; queries standing for left padding get zeros, as nothing reads them."""
     rows, heads, q_len, _ = queries.shape
     k_len = keys.shape[2]
-    if q_len == 1 and sinks is None and row_attention_cuda.AVAILABLE:
-        if keys.dtype in row_attention_cuda.SUPPORTED:  # one kernel for the batch
-            return row_attention_cuda.row_attention(queries, keys, values, scale, pads)
+    if q_len == 1 and sinks is None:
+        if row_attention_cuda.AVAILABLE and keys.dtype in row_attention_cuda.SUPPORTED:
+            return row_attention_cuda.row_attention(queries, keys, values, scale, pads, written)
+        return chunked_row_attention(queries, keys, values, scale, pads, written)
+    if not isinstance(pads, list):
+        raise ValueError("a compiled deterministic step decodes one token a row without sinks")
     out = []
     for row, pad in enumerate(pads):
         first = max(0, pad - (k_len - q_len))  # queries before it are padding
@@ -77,3 +94,46 @@ def row_invariant_attention(
             attended = mx.concatenate([padding, attended], axis=2)
         out.append(attended)
     return out[0] if rows == 1 else mx.concatenate(out, axis=0)
+
+
+def chunked_row_attention(
+    queries: mx.array,  # (B, Hq, 1, D)
+    keys: mx.array,  # (B, Hkv, L, D), row b's keys from column pads[b] to `written`
+    values: mx.array,
+    scale: float,
+    pads: Paddings,
+    written: mx.array | None = None,
+) -> mx.array:
+    """kv/row_attention_cuda.py's algorithm in MLX ops: each row's keys moved to the front,
+    scored in chunks of CHUNK (each a reduction of fixed shape), the chunks merged in order.
+    Chunks past a row's end weigh exactly 0, so neither the batch's width nor the row's place
+    in it changes a bit. Every reduction runs over an axis of fixed size, and the chunks merge
+    one by one in Python, since a reduction's order over an axis may depend on its length."""
+    rows, heads, _, dim = queries.shape
+    kv_heads, width, value_dim = keys.shape[1], keys.shape[2], values.shape[3]
+    group = heads // kv_heads
+    splits = -(-width // CHUNK)
+    pad = mx.array(pads, dtype=mx.int32) if isinstance(pads, list) else pads.astype(mx.int32)
+    end = mx.array(width, dtype=mx.int32) if written is None else written.reshape(())
+    at = mx.arange(splits * CHUNK, dtype=mx.int32)
+    index = mx.minimum(pad[:, None] + at[None, :], width - 1)[:, None, :, None]
+    valid = (at[None, :] < (end - pad)[:, None])[:, None, None, :]
+    k = mx.take_along_axis(keys, index, axis=2).astype(mx.float32)
+    v = mx.take_along_axis(values, index, axis=2).astype(mx.float32)
+    q = queries.reshape(rows, kv_heads, group, 1, dim).astype(mx.float32) * scale
+    scores = mx.where(valid, (q * k[:, :, None]).sum(-1), _MASKED)
+    scores = scores.reshape(rows, kv_heads, group, splits, CHUNK)
+    top = scores.max(-1)
+    numerators = mx.where(scores <= 0.5 * _MASKED, 0.0, mx.exp(scores - top[..., None]))
+    sums = numerators.sum(-1)  # (B, Hkv, G, splits)
+    v = v.reshape(rows, kv_heads, 1, splits, CHUNK, value_dim)
+    partial = (numerators[..., None] * v).sum(-2)  # (B, Hkv, G, splits, Dv)
+    overall = top.max(-1)
+    weight = mx.exp(top[..., 0] - overall)
+    total, acc = weight * sums[..., 0], weight[..., None] * partial[..., 0, :]
+    for split in range(1, splits):
+        weight = mx.exp(top[..., split] - overall)
+        total = total + weight * sums[..., split]
+        acc = acc + weight[..., None] * partial[..., split, :]
+    out = acc / total[..., None]
+    return out.reshape(rows, heads, 1, value_dim).astype(queries.dtype)

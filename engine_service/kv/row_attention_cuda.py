@@ -150,14 +150,23 @@ def row_attention(
     keys: mx.array,  # (B, Hkv, L, D), row b's keys from column pads[b]
     values: mx.array,  # (B, Hkv, L, Dv)
     scale: float,
-    pads: list[int],
+    pads: list[int] | mx.array,
+    written: mx.array | None = None,
 ) -> mx.array:
-    """One decode step's attention, each row over its own keys (module docstring)."""
+    """One decode step's attention, each row over its own keys (module docstring). Inside a
+    compiled step the paddings are an array and `written` (the columns holding keys, of
+    wider planes) too; the chunks past it weigh exactly 0, so the bits are the eager step's."""
     rows, heads, _, dim = queries.shape
     kv_heads, positions, value_dim = keys.shape[1], keys.shape[2], values.shape[3]
     group = heads // kv_heads
     splits = -(-positions // CHUNK)
-    sizes = _constant((positions, splits), mx.uint32)
+    if written is None:
+        sizes = _constant((positions, splits), mx.uint32)
+    else:
+        sizes = mx.concatenate(
+            [written.reshape(1).astype(mx.uint32), _constant((splits,), mx.uint32)]
+        )
+    row_pads = _constant(tuple(pads), mx.int32) if isinstance(pads, list) else pads.astype(mx.int32)
     template: list[tuple[str, Any]] = [
         ("T", keys.dtype),
         ("G", group),
@@ -173,7 +182,7 @@ def row_attention(
         _ATTEND,
         contiguous=False,  # q, keys and values by their strides (views of the batch's planes)
     )(
-        inputs=[queries, keys, values, _constant(tuple(pads), mx.int32), sizes, _scale(scale)],
+        inputs=[queries, keys, values, row_pads, sizes, _scale(scale)],
         template=template,
         grid=(rows * kv_heads * splits * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),

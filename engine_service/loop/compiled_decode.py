@@ -40,6 +40,7 @@ class DecodeKV:
         self.left_padding = state.left_padding
         self.offset = state.offset  # per row: tokens held, the RoPE position
         self.column = column  # where this step's token is written (all rows alike)
+        self.written = column + 1  # columns holding keys after this step's write
         self.width = width  # columns attention reads: the written ones, rounded up
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:

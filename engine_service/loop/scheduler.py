@@ -87,8 +87,8 @@ class Scheduler(SchedulerInbox):
         model: Any = loaded.model
         if deterministic_rows is not None:
             model = DeterministicModel(loaded.model, deterministic_rows)
-        elif compiled_decode_max_batch > 0:
-            model = CompiledDecode(loaded.model, compiled_decode_max_batch)
+        if compiled_decode_max_batch > 0:
+            model = CompiledDecode(model, compiled_decode_max_batch)
         # Structured output: constrained rows' masks, all rows of a step together.
         self._masks = BatchMasks(model, loaded.vocab_size, lambda: running_batch(self._bg))
         self._batch_model = self._masks

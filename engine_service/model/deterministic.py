@@ -30,10 +30,9 @@ import mlx.core as mx
 from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
-from mlx_lm.models.cache import make_prompt_cache
 
 from engine_service.kv import attention_routing
-from engine_service.kv.row_attention import active_rows, deterministic_call
+from engine_service.kv.row_attention import Paddings, active_rows, deterministic_call
 
 # Rows per matmul block in a decode step: the batch is cut into blocks of this many (the last
 # one zero-padded). On a GPU one block of 128 covers a batch of up to 128 in one call that
@@ -94,60 +93,16 @@ def _install() -> None:
         attention_routing.install()
 
 
-def left_padding(cache: list[Any] | None, batch: int) -> list[int]:
-    """Each row's left padding in a batch cache (mlx-lm's or ours); zeros without one."""
+def left_padding(cache: list[Any] | None, batch: int) -> Paddings:
+    """Each row's left padding in a batch cache (mlx-lm's or ours); zeros without one. Inside
+    a compiled step (a DecodeKV, loop/compiled_decode.py) the array itself."""
     layer = cache[0] if cache else None
+    if hasattr(layer, "written"):
+        return layer.left_padding  # type: ignore[union-attr,no-any-return]
     pads = getattr(layer, "row_paddings", None)  # BatchQuantizedKVCache's, no device read
     if pads is None and layer is not None and hasattr(layer, "left_padding"):
         pads = layer.left_padding.tolist()
     return list(pads) if pads is not None else [0] * batch
-
-
-class NotRowInvariant(ValueError):
-    """The model keeps something other than a plain KV cache per layer (a window ring, a
-    recurrent state): deterministic mode refuses it at start-up."""
-
-
-def check_row_invariant(model: Any, rows: int = 0) -> None:
-    """Raises NotRowInvariant unless every layer's cache is mlx-lm's plain KVCache (the
-    row-by-row attention of kv/row_attention.py reads all of a row's keys, so windows and
-    recurrent states are out of its reach) and a probe row's logits are the same bits alone
-    and beside seven others (what else the forward pass does: mixture-of-experts layers, for one,
-    group a batch's tokens by expert)."""
-    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)} - {"KVCache"})
-    if kinds:
-        raise NotRowInvariant(
-            f"--deterministic needs a plain KV cache in every layer; this model keeps "
-            f"{', '.join(kinds)}"
-        )
-    wrapped = DeterministicModel(model, rows)
-    # The target last of eight rows of other lengths: a place where a kernel that treats rows
-    # by their place in a block (OpenBLAS's panels) gives other bits than at the first.
-    target = [5, 9, 14, 3, 8, 21, 6]
-    others = [[4 + i + j for j in range(3 + 2 * i)] for i in range(7)]
-    alone = _probe_logits(wrapped, [target])[0]
-    beside = _probe_logits(wrapped, [*others, target])[7]
-    if not mx.array_equal(alone, beside).item():
-        raise NotRowInvariant(
-            "--deterministic: this model's rows are not batch-invariant (a probe row's logits "
-            "differ alone and beside others: mixture-of-experts routing or attention that "
-            "does not go through mlx-lm's scaled_dot_product_attention)"
-        )
-
-
-def _probe_logits(model: DeterministicModel, prompts: list[list[int]]) -> mx.array:
-    """Each row prefilled alone, the rows merged into one batch, two decode steps: the last
-    step's logits (rows, vocab)."""
-    per_row = []
-    for prompt in prompts:
-        caches = make_prompt_cache(model.model)
-        model(mx.array([prompt]), cache=caches)
-        per_row.append(caches)
-    batch = [per_row[0][i].merge([c[i] for c in per_row]) for i in range(len(per_row[0]))]
-    logits = model(mx.array([[p[-1]] for p in prompts]), cache=batch)
-    logits = model(mx.argmax(logits[:, -1:], axis=-1), cache=batch)
-    mx.eval(logits)
-    return logits[:, -1]  # type: ignore[no-any-return]
 
 
 class DeterministicModel:
