@@ -256,6 +256,31 @@ def cost(loaded: Any, streams: list[int], tokens: int, pairs: int, rows: int) ->
         )
 
 
+def use_transposed_matmuls() -> None:
+    """An experiment (--transposed): plain Linear layers in deterministic blocks computed as
+    (W @ block^T)^T, a GEMM of another shape for the same fixed block, in case its kernel
+    suits one row better."""
+    from mlx.nn.layers.linear import Linear
+
+    from engine_service.model import deterministic
+
+    original = Linear.__call__.__wrapped__  # type: ignore[attr-defined]
+
+    def transposed(self: Any, x: mx.array) -> mx.array:
+        rows = deterministic.active_rows()
+        if not rows or x.ndim != 3 or x.shape[1] != 1:
+            return original(self, x)  # type: ignore[no-any-return]
+
+        def call(block: mx.array) -> mx.array:
+            y = (self.weight @ block[:, 0, :].T).T[:, None, :]
+            return y + self["bias"] if "bias" in self else y
+
+        return deterministic._in_blocks(call, x, rows)
+
+    transposed.__wrapped__ = original  # type: ignore[attr-defined]
+    Linear.__call__ = transposed  # type: ignore[method-assign]
+
+
 def _median_spread(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
 
@@ -271,7 +296,11 @@ def main() -> None:
     parser.add_argument("--skip-agreement", action="store_true")
     parser.add_argument("--rows", type=int, default=0, help="decode matmul block (0: default)")
     parser.add_argument("--probe-zoo", default="", help="zoo shapes to probe, comma-separated")
+    parser.add_argument("--transposed", action="store_true", help="an experiment: see below")
     args = parser.parse_args()
+    if args.transposed:
+        DeterministicModel(mx.array(0))  # the mode's patches go in first, then this over them
+        use_transposed_matmuls()
     with tempfile.TemporaryDirectory() as tmp:
         loaded = load_model(model_spec(args.model, Path(tmp)), Path(tmp))
         print(f"{args.model} on {mx.default_device()} ({loaded.dtype}), MLX {mx.__version__}")
