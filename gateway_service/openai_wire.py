@@ -27,6 +27,7 @@ TANDEM_OPTIONS = {
     "kv_scheme",
     "kv_value_bits",
     "num_draft_tokens",
+    "deterministic",  # batch-invariant logits: engines started with --deterministic only
     "top_k",
     "min_p",
     "repetition_penalty",
@@ -121,6 +122,7 @@ def _common(body: dict[str, Any], req: engine_pb2.GenerateRequest) -> None:
         if name in extra:
             setattr(req, name, _number(extra, name, int, 0))
     req.resume = _flag(extra, "resume")
+    req.deterministic = _flag(extra, "deterministic")
     if "kv_scheme" in extra:
         schemes = {
             "affine": engine_pb2.KV_SCHEME_AFFINE,

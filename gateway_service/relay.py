@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -83,6 +83,8 @@ class _Attempt:
     # The lost engine's --deterministic: engines of that mode come first (its checkpoints
     # resume only there, and a restart there repeats the tokens already sent). None: any.
     deterministic: bool | None = None
+    # The request asked for it (GenerateRequest.deterministic): engines of that mode only.
+    required: bool = False
 
 
 class _EngineLost(Exception):
@@ -114,7 +116,9 @@ class Relay:
         # or not, so every later attempt skips them and what this stream sent.
         held = req.tokens_held
         affinity = affinity_key(req, caller.scope)
-        attempt = _Attempt(resume=req.resume, tokens_held=req.tokens_held)
+        attempt = _Attempt(req.resume, req.tokens_held, required=req.deterministic)
+        if req.deterministic:
+            attempt.deterministic = True
         key = (caller.scope, req.request_id)
         sent, failovers, arrival, first_at = 0, 0, time.monotonic(), 0.0
         lost_at = 0.0  # when the last engine was lost (the failover gap's start)
@@ -188,7 +192,9 @@ class Relay:
                             held + sent,
                         )
                         self.restarts_total += 1
-                        attempt = _Attempt(False, held + sent, deterministic=attempt.deterministic)
+                        attempt = replace(
+                            attempt, resume=False, tokens_held=held + sent, full=set()
+                        )
                         continue
                     if code != grpc.StatusCode.UNAVAILABLE or running.cancelled:
                         raise
@@ -220,6 +226,7 @@ class Relay:
                     resume=checkpointed or req.resume,
                     tokens_held=held + sent,
                     deterministic=backend.facts.deterministic if backend.facts else None,
+                    required=attempt.required,
                 )
         except (GeneratorExit, asyncio.CancelledError):
             # Also raised after the last message, when the HTTP layer closes the generator:
@@ -271,17 +278,25 @@ class Relay:
     async def _choose(self, model: str, affinity: bytes | None, attempt: _Attempt) -> Backend:
         """The engine for the next attempt: the first of the prefix's ranking (the same in
         every gateway) that is no busier than the least loaded plus the slack, among those of
-        the lost engine's mode when any is up; waits for one when none is healthy."""
+        the lost engine's mode when any is up (of the deterministic mode only, for a request
+        that asks for it); waits for one when none is healthy."""
         deadline = time.monotonic() + self.settings.failover_wait_s
         while True:
             candidates = [b for b in self.pool.healthy(model) if b.address not in attempt.full]
             same_mode = [b for b in candidates if _deterministic(b) == attempt.deterministic]
-            if attempt.deterministic is not None and same_mode:
+            if attempt.deterministic is not None and (same_mode or attempt.required):
                 candidates = same_mode
             if candidates:
                 break
-            if model and not any(f.serves(model) for f in self.pool.known_models()):
+            known = [f for f in self.pool.known_models() if f.serves(model)]
+            if model and not known:
                 raise GatewayError(grpc.StatusCode.NOT_FOUND, f"no engine serves model {model!r}")
+            if attempt.required and known and not any(f.deterministic for f in known):
+                raise GatewayError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "a deterministic request needs an engine started with --deterministic; "
+                    "none serves this model",
+                )
             left = deadline - time.monotonic()
             if left <= 0:
                 raise GatewayError(grpc.StatusCode.UNAVAILABLE, "no engine is serving")

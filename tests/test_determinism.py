@@ -14,6 +14,7 @@ engine.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,9 @@ from engine_service.model.deterministic import DeterministicModel
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
 from engine_service.protocol.kv_codec import KVCodec
+from gateway_service.backends import Backend, BackendPool, EngineFacts
+from gateway_service.openai_wire import completion_request
+from gateway_service.relay import GatewayError, Relay, RelaySettings, _Attempt
 from tandem_client import EngineClient, TandemError
 from tandem_client.store_client import StoreClient
 from tests.batched_resume import (
@@ -322,8 +326,58 @@ def test_the_gateway_fails_a_deterministic_stream_over_to_a_deterministic_engine
         with EngineClient(second.address) as client:
             alone = client.generate(prompt, **request).token_ids
         assert tokens == alone  # resumed exactly where it stopped
+        # A request that asks for the mode: refused by a default engine, routed by the
+        # gateway to the deterministic one only (the default one beside it is up).
+        with EngineClient(default.address) as client:
+            with pytest.raises(TandemError) as refused:
+                client.generate(prompt, max_tokens=4, deterministic=True)
+            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "--deterministic" in str(refused.value)
+            asked_before = client.stats().requests_total
+        with EngineClient(gateway.grpc) as client:
+            for i in range(6):  # other prompts: other places in the affinity ranking
+                other = [(11 * j + i) % 2000 + 3 for j in range(20 + i)]
+                done = client.generate(other, max_tokens=4, deterministic=True)
+                assert len(done.token_ids) == 4
+        with EngineClient(default.address) as client:
+            assert client.stats().requests_total == asked_before
     finally:
         gateway.stop()
         for engine in (first, default, second):
             engine.stop()
         store.stop()
+
+
+def test_a_deterministic_request_goes_to_engines_in_the_mode_or_is_refused() -> None:
+    """The gateway's choice for GenerateRequest.deterministic: engines in the mode only,
+    UNAVAILABLE while they are down, FAILED_PRECONDITION when none serves the model."""
+
+    async def scenario() -> None:
+        pool = BackendPool([])
+        for address, mode in (("127.0.0.1:1", False), ("127.0.0.1:2", True)):
+            backend = Backend(address, None)
+            backend.facts = EngineFacts("m", "m", 128, True, deterministic=mode)
+            backend.healthy = True
+            pool.backends[address] = backend
+        relay = Relay(pool, RelaySettings(failover_wait_s=0.0))
+        asked = _Attempt(deterministic=True, required=True)
+        for i in range(16):
+            chosen = await relay._choose("m", bytes([i]), asked)
+            assert chosen.address == "127.0.0.1:2"
+        anyone = {(await relay._choose("m", bytes([i]), _Attempt())).address for i in range(16)}
+        assert anyone == {"127.0.0.1:1", "127.0.0.1:2"}  # without the flag: both
+        pool.backends["127.0.0.1:2"].healthy = False
+        with pytest.raises(GatewayError) as down:
+            await relay._choose("m", b"x", asked)
+        assert down.value.code == grpc.StatusCode.UNAVAILABLE
+        del pool.backends["127.0.0.1:2"]
+        with pytest.raises(GatewayError) as none:
+            await relay._choose("m", b"x", asked)
+        assert none.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        for backend in pool.backends.values():
+            await backend.close()
+
+    asyncio.run(scenario())
+    # The OpenAI surface asks for it as a Tandem extra.
+    assert completion_request({"prompt": "hi", "tandem": {"deterministic": True}}).deterministic
+    assert not completion_request({"prompt": "hi"}).deterministic

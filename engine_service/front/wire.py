@@ -252,6 +252,8 @@ def request_from_pb(
         constraint = constraint or forced
     if constraint is not None:
         sampling = dataclasses.replace(sampling, constraint=constraint)
+    if request.deterministic and not policy.deterministic:
+        raise Precondition("deterministic requests need an engine started with --deterministic")
     kv = kv_codec_from_pb(request, loaded, policy.default_kv)
     num_draft = num_draft_from_pb(request, policy)
     if constraint is not None and num_draft:

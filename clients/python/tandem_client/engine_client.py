@@ -193,6 +193,7 @@ def generate_request(
     kv_value_bits: int = 0,
     num_draft_tokens: int | None = None,
     prefix_record_bits: int = 0,
+    deterministic: bool = False,
     json_schema: str | dict[str, Any] | None = None,
     regex: str | None = None,
     lark: str | None = None,
@@ -214,6 +215,9 @@ def generate_request(
     prefix_record_bits: 8 or 4 keeps the prompt's prefix record in the store as KV codes of
     that many bits (a quarter to a half of the bytes, near the exact prefix, not equal);
     0 = exact.
+    deterministic: batch-invariant logits (docs/determinism.md): only an engine started with
+    --deterministic serves it (another answers FAILED_PRECONDITION; a gateway routes it to
+    one).
     Structured output, one at most: json_schema (a dict or its JSON text), regex, lark,
     gbnf, choice (the output is one of these strings) or json_object.
     Tools (chat messages only): see tandem_client/tools.py's put_tools.
@@ -226,6 +230,7 @@ def generate_request(
         tokens_held=tokens_held,
         sampling=sampling_pb(**sampling),
         prefix_record_bits=prefix_record_bits,
+        deterministic=deterministic,
     )
     if max_tokens is not None:
         req.max_tokens = max_tokens
