@@ -262,20 +262,18 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
     compiled_max_batch = config.compiled_decode_max_batch if config.compiled_decode else 0
     if config.deterministic:
         compiled = CompiledDecode if compiled_max_batch else None
-        if check_row_invariant(loaded.model, config.deterministic_rows, compiled):
-            log.info(
-                "deterministic mode: a row's logits do not depend on its batch (probe "
-                "passed); decode steps of up to %d rows compiled",
-                compiled_max_batch,
-            )
-        else:
+        if not check_row_invariant(loaded.model, config.deterministic_rows, compiled):
             if compiled_max_batch:
                 log.warning(
-                    "deterministic mode: the compiled decode step does not give the "
-                    "eager step's bits on this device; decoding eagerly"
+                    "deterministic mode: the compiled decode step does not give the eager "
+                    "step's bits on this device; decoding eagerly"
                 )
             compiled_max_batch = 0
-            log.info("deterministic mode: a row's logits do not depend on its batch (probe passed)")
+        log.info(
+            "deterministic mode: a row's logits do not depend on its batch (probe passed); "
+            "decode steps of up to %d rows compiled",
+            compiled_max_batch,
+        )
     checkpoints = checkpoint_manager(config, loaded)
     problem = checkpoints.check_store()
     if problem:

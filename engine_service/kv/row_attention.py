@@ -30,6 +30,7 @@ _MASKED = -1e30
 class _Active(threading.local):
     rows: int = 0  # 0: not inside a deterministic call
     pads: Paddings | None = None  # each row's left padding in this call's batch caches
+    matmul_kernel: bool = False  # projections through model/invariant_matmul_cuda.py
 
 
 _active = _Active()
@@ -45,13 +46,19 @@ def active_rows() -> int:
     return _active.rows
 
 
+def active_matmul_kernel() -> bool:
+    """Whether the deterministic call on this thread runs its projections through the
+    batch-invariant kernel where it applies (else in blocks of active_rows() rows)."""
+    return _active.matmul_kernel
+
+
 @contextmanager
-def deterministic_call(rows: int, pads: Paddings) -> Iterator[None]:
-    _active.rows, _active.pads = rows, pads
+def deterministic_call(rows: int, pads: Paddings, matmul_kernel: bool = False) -> Iterator[None]:
+    _active.rows, _active.pads, _active.matmul_kernel = rows, pads, matmul_kernel
     try:
         yield
     finally:
-        _active.rows, _active.pads = 0, None
+        _active.rows, _active.pads, _active.matmul_kernel = 0, None, False
 
 
 def row_invariant_attention(

@@ -7,15 +7,19 @@ Where the bits of a row depended on its batch (bench/batch_invariance.py, docs/d
   of rows. Here every one-token-per-row matmul (a decode step) runs on blocks of exactly
   `rows` rows, zero-padded: the same kernel whatever the batch;
 - attention: in a batch a row's keys sit after its left padding, which shifts them inside the
-  reduction blocks. Here each row attends over its own keys only (its padding sliced off), a
-  shape that depends on the row alone; on MLX-CUDA a decode step's rows go through one kernel
-  that reduces each row's keys counted from its own first key (kv/row_attention_cuda.py);
+  reduction blocks. Here each row attends over its own keys only: a decode step reduces each
+  row's keys in chunks counted from its own first key (one kernel on MLX-CUDA,
+  kv/row_attention_cuda.py; the same algorithm in MLX ops elsewhere, kv/row_attention.py), a
+  prefill chunk runs row by row with the padding sliced off;
 - prefill: the engine prefills one row at a time, at fixed chunk boundaries from the row's
   start (BatchGenerator's prefill_batch_size 1), so a prompt's KV is the same however it was
   scheduled.
 
-Norms, RoPE, embeddings and sampling are per row already. The patches below act only inside a
-DeterministicModel call on the calling thread: other models in the process are untouched.
+Norms, RoPE, embeddings and sampling are per row already. The compiled decode step
+(loop/compiled_decode.py) can wrap a DeterministicModel: the paddings are then arrays; the
+start-up probe (model/determinism_probe.py) checks it gives the eager step's bits. The
+patches below act only inside a DeterministicModel call on the calling thread: other models
+in the process are untouched.
 mlx and mlx-lm have no batch-invariant mode (vLLM and SGLang have one, on their own kernels),
 which is why this exists.
 """
@@ -32,7 +36,14 @@ from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
 
 from engine_service.kv import attention_routing
-from engine_service.kv.row_attention import Paddings, active_rows, deterministic_call
+from engine_service.kv.row_attention import (
+    Paddings,
+    active_matmul_kernel,
+    active_rows,
+    deterministic_call,
+)
+from engine_service.model.invariant_matmul_cuda import AVAILABLE as KERNEL_AVAILABLE
+from engine_service.model.invariant_matmul_cuda import applies, invariant_matmul
 
 # Rows per matmul block in a decode step: the batch is cut into blocks of this many (the last
 # one zero-padded). On a GPU one block of 128 covers a batch of up to 128 in one call that
@@ -62,11 +73,26 @@ def _in_blocks(call: Callable[[mx.array], mx.array], x: mx.array, rows: int) -> 
     return mx.concatenate(blocks)[:batch]
 
 
-def _blocked(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+def _kernel_projection(layer: Any, x: mx.array) -> mx.array:
+    """A Linear's (or a tied embedding's) x @ W.T (+ bias) through the batch-invariant kernel,
+    x (batch, 1, K)."""
+    batch, _, width = x.shape
+    y = invariant_matmul(x.reshape(batch, width), layer.weight)
+    if "bias" in layer:
+        y = y + layer["bias"]
+    return y.reshape(batch, 1, -1)
+
+
+def _blocked(original: Callable[..., mx.array], plain: bool) -> Callable[..., mx.array]:
+    """The projection inside a deterministic call: the invariant kernel for a plain 16-bit
+    weight on MLX-CUDA when the call asks for it, else fixed row blocks."""
+
     def method(self: Any, x: mx.array) -> mx.array:
         rows = active_rows()
         if not rows or x.ndim != 3 or x.shape[1] != 1:
             return original(self, x)
+        if plain and active_matmul_kernel() and applies(x, self.weight):
+            return _kernel_projection(self, x)
         return _in_blocks(lambda block: original(self, block), x, rows)
 
     method.__wrapped__ = original  # type: ignore[attr-defined]
@@ -74,11 +100,11 @@ def _blocked(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
 
 
 _installed = threading.Lock()
-_PATCHED: list[tuple[type, str]] = [
-    (Linear, "__call__"),
-    (QuantizedLinear, "__call__"),
-    (Embedding, "as_linear"),  # tied output projections
-    (QuantizedEmbedding, "as_linear"),
+_PATCHED: list[tuple[type, str, bool]] = [  # class, method, whether its weight is plain
+    (Linear, "__call__", True),
+    (QuantizedLinear, "__call__", False),
+    (Embedding, "as_linear", True),  # tied output projections
+    (QuantizedEmbedding, "as_linear", False),
 ]
 
 
@@ -86,10 +112,10 @@ def _install() -> None:
     """Patches mlx's projection classes once (idempotent); they change only while a
     deterministic call runs on their thread."""
     with _installed:
-        for cls, name in _PATCHED:
+        for cls, name, plain in _PATCHED:
             method = getattr(cls, name)
             if not hasattr(method, "__wrapped__"):
-                setattr(cls, name, _blocked(method))
+                setattr(cls, name, _blocked(method, plain))
         attention_routing.install()
 
 
@@ -109,18 +135,21 @@ class DeterministicModel:
     """The model as BatchGenerator calls it, each call batch-invariant (module docstring)."""
 
     def __init__(self, model: Any, rows: int = 0) -> None:
-        rows = rows or default_rows()
-        if rows < 1:
-            raise ValueError("deterministic rows must be >= 1")
+        if rows < 0:
+            raise ValueError("deterministic rows must be >= 1 (0: the default)")
         _install()
         self.model = model
-        self.rows = rows
+        # rows 0 on MLX-CUDA: the invariant kernel, blocks of GPU_ROWS for other projections;
+        # rows given: blocks of that many, no kernel (the operator's choice).
+        self.matmul_kernel = rows == 0 and KERNEL_AVAILABLE
+        self.rows = rows or default_rows()
 
     def __getattr__(self, name: str) -> Any:  # layers, make_cache, args...: the model's
         return getattr(self.model, name)
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> Any:
-        with deterministic_call(self.rows, left_padding(cache, inputs.shape[0])):
+        pads = left_padding(cache, inputs.shape[0])
+        with deterministic_call(self.rows, pads, self.matmul_kernel):
             return self.model(inputs, cache=cache, **kwargs)
 
 

@@ -1,0 +1,79 @@
+"""Deterministic mode's projection kernel (model/invariant_matmul_cuda.py) on MLX-CUDA, alone:
+against MLX's own matmul (which picks a GEMV for one row and a GEMM for more) and against the
+padded block of 128 rows that the mode used before it.
+
+For each weight shape and row count: the largest difference from MLX's `x @ w.T` (relative to
+its largest value), whether a target row's bits are the same alone and as the last row of the
+batch, and the time of one call (median of interleaved rounds, each call evaluated alone).
+
+    python bench/invariant_matmul_bench.py [--rows 1,8,32,128] [--rounds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT)]
+
+import mlx.core as mx  # noqa: E402
+
+from engine_service.model.invariant_matmul_cuda import (  # noqa: E402
+    AVAILABLE,
+    ROWS,
+    invariant_matmul,
+)
+
+# (K, N): Qwen3-0.6B's q_proj, gate/up, down; Llama-3-8B's gate/up, down; a 0.6B's vocabulary.
+SHAPES = [(1024, 2048), (1024, 3072), (3072, 1024), (4096, 14336), (14336, 4096), (1024, 151936)]
+
+
+def timed(call: object, rounds: int) -> float:
+    """Seconds for one evaluated call, the median over rounds (after a warm call)."""
+    mx.eval(call())  # type: ignore[operator]
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        mx.eval(call())  # type: ignore[operator]
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="1,8,32,128")
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args()
+    if not AVAILABLE:
+        print("not MLX-CUDA: the kernel does not run here")
+        return
+    print(f"MLX {mx.__version__}, bf16; times in microseconds per call")
+    print("K x N, rows: max |diff| / max |ref|, target bits alone = batched, kernel / MLX / block")
+    for k, n in SHAPES:
+        w = (mx.random.normal((n, k), key=mx.random.key(1)) * k**-0.5).astype(mx.bfloat16)
+        target = mx.random.normal((1, k), key=mx.random.key(2)).astype(mx.bfloat16)
+        alone = invariant_matmul(target, w)
+        for rows in [int(r) for r in args.rows.split(",")]:
+            others = mx.random.normal((rows - 1, k), key=mx.random.key(3)).astype(mx.bfloat16)
+            x = mx.concatenate([others, target]) if rows > 1 else target
+            ours = invariant_matmul(x, w)
+            ref = x @ w.T
+            diff = mx.max(mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32))).item()
+            scale = mx.max(mx.abs(ref.astype(mx.float32))).item()
+            same = mx.array_equal(ours[-1:], alone).item()
+            padded = mx.pad(x, [(0, -rows % ROWS), (0, 0)])
+            t_kernel = timed(lambda: invariant_matmul(x, w), args.rounds)  # noqa: B023
+            t_mlx = timed(lambda: x @ w.T, args.rounds)  # noqa: B023
+            t_block = timed(lambda: (padded @ w.T)[:rows], args.rounds)  # noqa: B023
+            print(
+                f"  {k:5d} x {n:6d}, {rows:3d} rows: {diff / scale:.2e}, {same},"
+                f" {t_kernel * 1e6:7.1f} / {t_mlx * 1e6:7.1f} / {t_block * 1e6:7.1f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
