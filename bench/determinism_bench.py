@@ -62,9 +62,14 @@ TARGETS = 8
 COMPILED_MAX_BATCH = 8  # the engine's default --compiled-decode-max-batch
 
 
+# --kernel: deterministic projections through model/invariant_matmul_cuda.py on MLX-CUDA.
+MATMUL_KERNEL = {"on": False}
+
+
 def engine_side(model: Any, deterministic: bool) -> Any:
     """The model as the engine's scheduler steps it (loop/scheduler.py)."""
-    return CompiledDecode(DeterministicModel(model) if deterministic else model, COMPILED_MAX_BATCH)
+    side = DeterministicModel(model, 0, MATMUL_KERNEL["on"]) if deterministic else model
+    return CompiledDecode(side, COMPILED_MAX_BATCH)
 
 
 def row_caches(model: Any, prompts: list[list[int]]) -> list[list[Any]] | None:
@@ -151,7 +156,7 @@ def probe(loaded: Any, zoo: list[str], root: Path) -> None:
     for name, model in models:
         start = time.perf_counter()
         try:
-            compiled = check_row_invariant(model, 0, CompiledDecode)
+            compiled = check_row_invariant(model, 0, CompiledDecode, MATMUL_KERNEL["on"])
             verdict = f"passes; compiled step = eager step: {compiled}"
         except ValueError as refused:
             verdict = f"refused: {refused}"
@@ -230,7 +235,9 @@ def cost(loaded: Any, streams: list[int], tokens: int, pairs: int, rows: int) ->
     sides = {
         "mlx-lm": loaded.model,
         "default": CompiledDecode(loaded.model, COMPILED_MAX_BATCH),
-        "deterministic": CompiledDecode(DeterministicModel(loaded.model, rows), COMPILED_MAX_BATCH),
+        "deterministic": CompiledDecode(
+            DeterministicModel(loaded.model, rows, MATMUL_KERNEL["on"]), COMPILED_MAX_BATCH
+        ),
     }
     # Rows join 8 at a time on every side. What is timed is decode with every row in; the
     # engine's deterministic mode prefills one row at a time, which is not timed here. And on
@@ -295,9 +302,11 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--skip-agreement", action="store_true")
     parser.add_argument("--rows", type=int, default=0, help="decode matmul block (0: default)")
+    parser.add_argument("--kernel", action="store_true", help="--deterministic-matmul kernel")
     parser.add_argument("--probe-zoo", default="", help="zoo shapes to probe, comma-separated")
     parser.add_argument("--transposed", action="store_true", help="an experiment: see below")
     args = parser.parse_args()
+    MATMUL_KERNEL["on"] = args.kernel
     if args.transposed:
         DeterministicModel(mx.array(0))  # the mode's patches go in first, then this over them
         use_transposed_matmuls()

@@ -113,6 +113,9 @@ class EngineConfig:
     # Batch-invariant rows (model/deterministic.py); rows: the decode matmul block (0: default).
     deterministic: bool = False
     deterministic_rows: int = 0
+    # Decode projections on MLX-CUDA: "blocks" (padded row blocks: cuBLAS) or "kernel"
+    # (model/invariant_matmul_cuda.py: as fast as a GEMV for a few rows, slower at many).
+    deterministic_matmul: str = "blocks"
 
     @property
     def kv_codec(self) -> KVCodec:
@@ -373,6 +376,13 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         default=ENV.integer("DETERMINISTIC_ROWS", 0),
         help="rows per decode matmul block in deterministic mode (0: 128 on a GPU, 1 on CPU)",
     )
+    p.add_argument(
+        "--deterministic-matmul",
+        choices=["blocks", "kernel"],
+        default=ENV("DETERMINISTIC_MATMUL", "blocks"),
+        help="deterministic projections on MLX-CUDA: padded row blocks (best at many streams) "
+        "or the invariant kernel (best at few; docs/determinism.md)",
+    )
     a = p.parse_args(argv)
     try:
         for flag, spec in (("--model", a.model), ("--draft-model", a.draft_model)):
@@ -421,6 +431,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             num_draft_tokens=a.num_draft_tokens,
             deterministic=a.deterministic,
             deterministic_rows=a.deterministic_rows,
+            deterministic_matmul=a.deterministic_matmul,
             announce=a.announce,
             announce_password_file=a.announce_password_file,
             announce_address=a.announce_address,

@@ -189,6 +189,11 @@ def test_deterministic_mode_refuses_a_draft_model_and_kv_codecs() -> None:
             parse_args(["--deterministic", *flags])
     config = parse_args(["--deterministic"])
     assert config.prefill_batch_size == 1 and config.compiled_decode  # probed at start-up
+    assert config.deterministic_matmul == "blocks"
+    kernel = parse_args(["--deterministic", "--deterministic-matmul", "kernel"])
+    assert kernel.deterministic_matmul == "kernel"
+    with pytest.raises(SystemExit):
+        parse_args(["--deterministic", "--deterministic-matmul", "gemv"])
 
 
 def test_eight_batched_seeded_streams_killed_resume_alone_exactly(

@@ -39,6 +39,7 @@ from engine_service.loop.compiled_decode import CompiledDecode
 from engine_service.loop.scheduler import Scheduler
 from engine_service.loop.warmup import WarmUpFailed
 from engine_service.model.determinism_probe import NotRowInvariant, check_row_invariant
+from engine_service.model.invariant_matmul_cuda import AVAILABLE as KERNEL_AVAILABLE
 from engine_service.model.loading import IncompatibleDraft, load_draft, load_model
 from engine_service.protocol.channel import (
     Accepted,
@@ -262,7 +263,10 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
     compiled_max_batch = config.compiled_decode_max_batch if config.compiled_decode else 0
     if config.deterministic:
         compiled = CompiledDecode if compiled_max_batch else None
-        if not check_row_invariant(loaded.model, config.deterministic_rows, compiled):
+        kernel = config.deterministic_matmul == "kernel"
+        if kernel and not KERNEL_AVAILABLE:
+            log.warning("--deterministic-matmul kernel runs on MLX-CUDA only: row blocks here")
+        if not check_row_invariant(loaded.model, config.deterministic_rows, compiled, kernel):
             if compiled_max_batch:
                 log.warning(
                     "deterministic mode: the compiled decode step does not give the eager "
@@ -287,6 +291,7 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
         compiled_decode_max_batch=compiled_max_batch,
         grammars=Grammars.for_model(loaded, CompileBudget(config.constraint_compile_timeout_s)),
         deterministic_rows=config.deterministic_rows if config.deterministic else None,
+        deterministic_kernel=config.deterministic_matmul == "kernel",
     )
     scheduler.start(warm=config.warmup)
     drafts = DraftSupport(draft.model_id if draft else "", config.num_draft_tokens)

@@ -79,6 +79,7 @@ class Scheduler(SchedulerInbox):
         compiled_decode_max_batch: int = 0,
         grammars: Grammars | None = None,
         deterministic_rows: int | None = None,
+        deterministic_kernel: bool = False,
     ) -> None:
         self.loaded = loaded
         # The batch's model: batch-invariant rows (model/deterministic.py; None: off), decode
@@ -86,7 +87,7 @@ class Scheduler(SchedulerInbox):
         self.deterministic = deterministic_rows is not None
         model: Any = loaded.model
         if deterministic_rows is not None:
-            model = DeterministicModel(loaded.model, deterministic_rows)
+            model = DeterministicModel(loaded.model, deterministic_rows, deterministic_kernel)
         if compiled_decode_max_batch > 0:
             model = CompiledDecode(model, compiled_decode_max_batch)
         # Structured output: constrained rows' masks, all rows of a step together.

@@ -32,7 +32,10 @@ class NotRowInvariant(ValueError):
 
 
 def check_row_invariant(
-    model: Any, rows: int = 0, compiled: Callable[[Any], Any] | None = None
+    model: Any,
+    rows: int = 0,
+    compiled: Callable[[Any], Any] | None = None,
+    matmul_kernel: bool = False,
 ) -> bool:
     """Raises NotRowInvariant unless every layer's cache is mlx-lm's plain KVCache (the row
     attention of kv/row_attention.py reads all of a row's keys, so windows and recurrent
@@ -46,7 +49,7 @@ def check_row_invariant(
             f"--deterministic needs a plain KV cache in every layer; this model keeps "
             f"{', '.join(kinds)}"
         )
-    eager = DeterministicModel(model, rows)
+    eager = DeterministicModel(model, rows, matmul_kernel)
     alone = _probe_logits(eager, [_TARGET])
     if not _same(alone, _probe_logits(eager, [*_OTHERS, _TARGET])):
         raise NotRowInvariant(

@@ -134,14 +134,14 @@ def left_padding(cache: list[Any] | None, batch: int) -> Paddings:
 class DeterministicModel:
     """The model as BatchGenerator calls it, each call batch-invariant (module docstring)."""
 
-    def __init__(self, model: Any, rows: int = 0) -> None:
+    def __init__(self, model: Any, rows: int = 0, matmul_kernel: bool = False) -> None:
         if rows < 0:
             raise ValueError("deterministic rows must be >= 1 (0: the default)")
         _install()
         self.model = model
-        # rows 0 on MLX-CUDA: the invariant kernel, blocks of GPU_ROWS for other projections;
-        # rows given: blocks of that many, no kernel (the operator's choice).
-        self.matmul_kernel = rows == 0 and KERNEL_AVAILABLE
+        # matmul_kernel on MLX-CUDA: the invariant kernel for plain 16-bit projections (blocks
+        # of `rows` for the others); else blocks of `rows` for all.
+        self.matmul_kernel = matmul_kernel and KERNEL_AVAILABLE
         self.rows = rows or default_rows()
 
     def __getattr__(self, name: str) -> Any:  # layers, make_cache, args...: the model's
