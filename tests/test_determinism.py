@@ -26,6 +26,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine_service.config import parse_args
+from engine_service.kv import row_attention
 from engine_service.kv.batch_cache import adopt_row
 from engine_service.loop.compiled_decode import CompiledDecode
 from engine_service.model.determinism_probe import NotRowInvariant, check_row_invariant
@@ -88,6 +89,36 @@ def test_rows_alone_and_in_a_batch_of_eight_have_bit_identical_logits(
     engine_data_dir: Path,
 ) -> None:
     _rows_alone_equal_rows_batched(load_model("tandem-tiny", engine_data_dir))
+
+
+def test_row_attention_over_long_rows_is_batch_invariant_and_close_to_sdpa(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The decode attention off MLX-CUDA (kv/row_attention.py) on rows longer than one group of
+    chunks: each row alone equals the same row in a left-padded batch bit for bit, scoring
+    the chunks a group at a time gives the bits of scoring them at once, and the result is
+    MLX's attention to bf16 tolerance."""
+    lengths = [5, 3000, 17, 2600, 700, 1]
+    width, dim = max(lengths), 32
+    pads = [width - n for n in lengths]
+    keys = mx.random.normal((6, 2, width, dim), key=mx.random.key(1)).astype(mx.bfloat16)
+    values = mx.random.normal((6, 2, width, dim), key=mx.random.key(2)).astype(mx.bfloat16)
+    queries = mx.random.normal((6, 4, 1, dim), key=mx.random.key(3)).astype(mx.bfloat16)
+    scale = dim**-0.5
+    batched = row_attention.chunked_row_attention(queries, keys, values, scale, pads)
+    monkeypatch.setattr(row_attention, "GROUP", 64)
+    at_once = row_attention.chunked_row_attention(queries, keys, values, scale, pads)
+    assert mx.array_equal(batched, at_once).item()
+    for row, pad in enumerate(pads):
+        q, k, v = (
+            queries[row : row + 1],
+            keys[row : row + 1, :, pad:],
+            values[row : row + 1, :, pad:],
+        )
+        alone = row_attention.chunked_row_attention(q, k, v, scale, [0])
+        assert mx.array_equal(alone, batched[row : row + 1]).item(), f"row of {lengths[row]}"
+        reference = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+        assert mx.allclose(alone, reference, atol=2e-2).item()
 
 
 def test_the_mode_computes_what_the_default_mode_computes(engine_data_dir: Path) -> None:

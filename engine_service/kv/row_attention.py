@@ -115,26 +115,22 @@ def chunked_row_attention(
     scored in chunks of CHUNK (each a reduction of fixed shape), the chunks merged in order.
     Chunks past a row's end weigh exactly 0, so neither the batch's width nor the row's place
     in it changes a bit. Every reduction runs over an axis of fixed size, and the chunks merge
-    one by one in Python, since a reduction's order over an axis may depend on its length."""
+    one by one in Python, since a reduction's order over an axis may depend on its length.
+    Chunks are scored GROUP at a time, which bounds the temporaries at long contexts and does
+    not change a bit (each chunk's arithmetic is the same)."""
     rows, heads, _, dim = queries.shape
-    kv_heads, width, value_dim = keys.shape[1], keys.shape[2], values.shape[3]
-    group = heads // kv_heads
+    kv_heads, width = keys.shape[1], keys.shape[2]
     splits = -(-width // CHUNK)
     pad = mx.array(pads, dtype=mx.int32) if isinstance(pads, list) else pads.astype(mx.int32)
     end = mx.array(width, dtype=mx.int32) if written is None else written.reshape(())
-    at = mx.arange(splits * CHUNK, dtype=mx.int32)
-    index = mx.minimum(pad[:, None] + at[None, :], width - 1)[:, None, :, None]
-    valid = (at[None, :] < (end - pad)[:, None])[:, None, None, :]
-    k = mx.take_along_axis(keys, index, axis=2).astype(mx.float32)
-    v = mx.take_along_axis(values, index, axis=2).astype(mx.float32)
-    q = queries.reshape(rows, kv_heads, group, 1, dim).astype(mx.float32) * scale
-    scores = mx.where(valid, (q * k[:, :, None]).sum(-1), _MASKED)
-    scores = scores.reshape(rows, kv_heads, group, splits, CHUNK)
-    top = scores.max(-1)
-    numerators = mx.where(scores <= 0.5 * _MASKED, 0.0, mx.exp(scores - top[..., None]))
-    sums = numerators.sum(-1)  # (B, Hkv, G, splits)
-    v = v.reshape(rows, kv_heads, 1, splits, CHUNK, value_dim)
-    partial = (numerators[..., None] * v).sum(-2)  # (B, Hkv, G, splits, Dv)
+    q = queries.reshape(rows, kv_heads, heads // kv_heads, 1, dim).astype(mx.float32) * scale
+    stats = [
+        _chunk_stats(q, keys, values, pad, end, first, min(GROUP, splits - first))
+        for first in range(0, splits, GROUP)
+    ]
+    top = mx.concatenate([t for t, _, _ in stats], axis=-1)  # (B, Hkv, G, splits)
+    sums = mx.concatenate([s for _, s, _ in stats], axis=-1)
+    partial = mx.concatenate([p for _, _, p in stats], axis=-2)  # (B, Hkv, G, splits, Dv)
     overall = top.max(-1)
     weight = mx.exp(top[..., 0] - overall)
     total, acc = weight * sums[..., 0], weight[..., None] * partial[..., 0, :]
@@ -143,4 +139,34 @@ def chunked_row_attention(
         total = total + weight * sums[..., split]
         acc = acc + weight[..., None] * partial[..., split, :]
     out = acc / total[..., None]
-    return out.reshape(rows, heads, 1, value_dim).astype(queries.dtype)
+    return out.reshape(rows, heads, 1, values.shape[3]).astype(queries.dtype)
+
+
+GROUP = 8  # chunks scored together by chunked_row_attention
+
+
+def _chunk_stats(
+    q: mx.array,  # (B, Hkv, G, 1, D), float32, scaled
+    keys: mx.array,
+    values: mx.array,
+    pad: mx.array,
+    end: mx.array,
+    first: int,
+    count: int,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Chunks first .. first + count - 1 of each row's keys (counted from the row's first
+    key): each chunk's max score, sum of exp(score - max), and those weights times values."""
+    rows, kv_heads, group = q.shape[:3]
+    width, value_dim = keys.shape[2], values.shape[3]
+    at = first * CHUNK + mx.arange(count * CHUNK, dtype=mx.int32)
+    index = mx.minimum(pad[:, None] + at[None, :], width - 1)[:, None, :, None]
+    valid = (at[None, :] < (end - pad)[:, None])[:, None, None, :]
+    k = mx.take_along_axis(keys, index, axis=2).astype(mx.float32)
+    v = mx.take_along_axis(values, index, axis=2).astype(mx.float32)
+    scores = mx.where(valid, (q * k[:, :, None]).sum(-1), _MASKED)
+    scores = scores.reshape(rows, kv_heads, group, count, CHUNK)
+    top = scores.max(-1)
+    numerators = mx.where(scores <= 0.5 * _MASKED, 0.0, mx.exp(scores - top[..., None]))
+    v = v.reshape(rows, kv_heads, 1, count, CHUNK, value_dim)
+    partial = (numerators[..., None] * v).sum(-2)
+    return top, numerators.sum(-1), partial
