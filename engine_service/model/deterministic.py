@@ -5,7 +5,9 @@ Where the bits of a row depended on its batch (bench/batch_invariance.py, docs/d
 
 - projections: a matmul's kernel (and so each row's reduction order) is chosen by the number
   of rows. Here every one-token-per-row matmul (a decode step) runs on blocks of exactly
-  `rows` rows, zero-padded: the same kernel whatever the batch;
+  `rows` rows, zero-padded: the same kernel whatever the batch. Or, on MLX-CUDA when asked
+  (--deterministic-matmul kernel), plain 16-bit ones go through one kernel whose arithmetic
+  for a row does not depend on the row count (model/invariant_matmul_cuda.py);
 - attention: in a batch a row's keys sit after its left padding, which shifts them inside the
   reduction blocks. Here each row attends over its own keys only: a decode step reduces each
   row's keys in chunks counted from its own first key (one kernel on MLX-CUDA,
