@@ -22,6 +22,7 @@ PACKAGES = {
 PB_ALLOWED = {
     "engine_service": {
         "engine_service.front.wire",
+        "engine_service.front.wire_out",
         "engine_service.front.tool_wire",
         "engine_service.front.servicer",
         "engine_service.front.server",

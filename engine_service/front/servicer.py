@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 
 from engine_service.errors import EngineError, NotFound
-from engine_service.front import wire
+from engine_service.front import wire, wire_out
 from engine_service.front.core_link import CoreLink
 from engine_service.front.metrics import RequestMetrics
 from engine_service.front.policy import RequestPolicy
@@ -118,7 +118,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 )
                 async for chunk in chunks:
                     last = chunk
-                    yield wire.response_to_pb(chunk)
+                    yield wire_out.response_to_pb(chunk)
                 completed = True
             finally:
                 # Not completed: the client went away or the deadline passed. The row is
@@ -191,7 +191,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def ModelInfo(
         self, request: engine_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.ModelInfoResponse:
-        return wire.model_info_to_pb(self.policy)
+        return wire_out.model_info_to_pb(self.policy)
 
     @unary
     async def Cancel(
@@ -206,7 +206,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self, request: engine_pb2.EngineStatsRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.EngineStatsResponse:
         answer = await self.core.stats()
-        reply = wire.stats_to_pb(answer.engine, answer.checkpoints, self.policy.has_store)
+        reply = wire_out.stats_to_pb(answer.engine, answer.checkpoints, self.policy.has_store)
         if self.access is not None:
             reply.auth_failures = self.access.authenticator.failures_total
         return reply
@@ -215,7 +215,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Flush(
         self, request: engine_pb2.EngineFlushRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.EngineFlushResponse:
-        return wire.flush_to_pb(await self.core.flush())
+        return wire_out.flush_to_pb(await self.core.flush())
 
 
 def _log_request(
