@@ -62,14 +62,11 @@ TARGETS = 8
 COMPILED_MAX_BATCH = 8  # the engine's default --compiled-decode-max-batch
 
 
-# --kernel: deterministic projections through model/invariant_matmul_cuda.py on MLX-CUDA.
-MATMUL_KERNEL = {"on": False}
-
-
-def engine_side(model: Any, deterministic: bool) -> Any:
+def engine_side(model: Any, rows: int, kernel: bool) -> Any:
     """The model as the engine's scheduler steps it (loop/scheduler.py)."""
-    side = DeterministicModel(model, 0, MATMUL_KERNEL["on"]) if deterministic else model
-    return CompiledDecode(side, COMPILED_MAX_BATCH)
+    """The engine's deterministic model as its scheduler steps it (loop/scheduler.py); kernel:
+    --deterministic-matmul kernel."""
+    return CompiledDecode(DeterministicModel(model, rows, kernel), COMPILED_MAX_BATCH)
 
 
 def row_caches(model: Any, prompts: list[list[int]]) -> list[list[Any]] | None:
@@ -147,7 +144,7 @@ def kernel_check() -> None:
     )
 
 
-def probe(loaded: Any, zoo: list[str], root: Path) -> None:
+def probe(loaded: Any, zoo: list[str], root: Path, kernel: bool) -> None:
     """The start-up probe, as the engine runs it, on this device."""
     from tests.model_zoo import build_zoo_model  # the zoo's tiny shapes of other architectures
 
@@ -156,19 +153,19 @@ def probe(loaded: Any, zoo: list[str], root: Path) -> None:
     for name, model in models:
         start = time.perf_counter()
         try:
-            compiled = check_row_invariant(model, 0, CompiledDecode, MATMUL_KERNEL["on"])
+            compiled = check_row_invariant(model, 0, CompiledDecode, kernel)
             verdict = f"passes; compiled step = eager step: {compiled}"
         except ValueError as refused:
             verdict = f"refused: {refused}"
         print(f"probe, {name}: {verdict} ({time.perf_counter() - start:.1f} s)")
 
 
-def agreement(loaded: Any, batches: list[int], tokens: int) -> None:
+def agreement(loaded: Any, batches: list[int], tokens: int, kernel: bool) -> None:
     rng = random.Random(0)
     vocab = loaded.vocab_size
     targets = [[rng.randrange(3, vocab) for _ in range(16 + 23 * i)] for i in range(TARGETS)]
     for mode in ("off", "on"):
-        model = engine_side(loaded.model, True) if mode == "on" else loaded.model
+        model = engine_side(loaded.model, 0, kernel) if mode == "on" else loaded.model
         prefill = 1 if mode == "on" else 8
         for seeded in (False, True):
             seeds = list(range(1_000, 1_000 + TARGETS)) if seeded else None
@@ -230,14 +227,12 @@ def decode_rate(model: Any, prompts: list[list[int]], tokens: int, prefill: int)
     return produced / seconds
 
 
-def cost(loaded: Any, streams: list[int], tokens: int, pairs: int, rows: int) -> None:
+def cost(loaded: Any, streams: list[int], tokens: int, pairs: int, rows: int, kernel: bool) -> None:
     rng = random.Random(1)
     sides = {
         "mlx-lm": loaded.model,
         "default": CompiledDecode(loaded.model, COMPILED_MAX_BATCH),
-        "deterministic": CompiledDecode(
-            DeterministicModel(loaded.model, rows, MATMUL_KERNEL["on"]), COMPILED_MAX_BATCH
-        ),
+        "deterministic": engine_side(loaded.model, rows, kernel),
     }
     # Rows join 8 at a time on every side. What is timed is decode with every row in; the
     # engine's deterministic mode prefills one row at a time, which is not timed here. And on
@@ -306,22 +301,21 @@ def main() -> None:
     parser.add_argument("--probe-zoo", default="", help="zoo shapes to probe, comma-separated")
     parser.add_argument("--transposed", action="store_true", help="an experiment: see below")
     args = parser.parse_args()
-    MATMUL_KERNEL["on"] = args.kernel
     if args.transposed:
         DeterministicModel(mx.array(0))  # the mode's patches go in first, then this over them
         use_transposed_matmuls()
     with tempfile.TemporaryDirectory() as tmp:
         loaded = load_model(model_spec(args.model, Path(tmp)), Path(tmp))
         print(f"{args.model} on {mx.default_device()} ({loaded.dtype}), MLX {mx.__version__}")
-        probe(loaded, [z for z in args.probe_zoo.split(",") if z], Path(tmp))
+        probe(loaded, [z for z in args.probe_zoo.split(",") if z], Path(tmp), args.kernel)
     kernel_check()
     if not args.skip_agreement:
         print("agreement with solo runs (8 target rows inside each batch):")
-        agreement(loaded, [int(b) for b in args.batches.split(",")], args.tokens)
+        agreement(loaded, [int(b) for b in args.batches.split(",")], args.tokens, args.kernel)
     rows = DeterministicModel(loaded.model, args.rows).rows
     print(f"cost, {args.cost_tokens} decode tokens a stream, {args.pairs} ABAB pairs, {rows} rows:")
     streams = [int(s) for s in args.streams.split(",")]
-    cost(loaded, streams, args.cost_tokens, args.pairs, args.rows)
+    cost(loaded, streams, args.cost_tokens, args.pairs, args.rows, args.kernel)
 
 
 if __name__ == "__main__":

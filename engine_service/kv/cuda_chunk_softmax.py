@@ -1,10 +1,15 @@
-"""A CUDA source block two attention kernels share (kv/turboquant_cuda.py and
-kv/row_attention_cuda.py): a chunk's scores turned into softmax numerators, with their max and
-sum, in a fixed order.
+"""CUDA source blocks two flash-decoding attention kernels share (kv/turboquant_cuda.py and
+kv/row_attention_cuda.py), each written once.
 
-Expects, in the kernel: `NT` threads, `G` query heads, `CHUNK` positions, `NEG` as the masked
-score, `tid`, and shared `score[G * CHUNK]` and `red[G * NT]`. Leaves `top[g]` (the chunk's
-max score) and `red[g * NT]` (its sum of exp(score - top)); a masked score gives 0.
+`chunk_softmax`: a chunk's scores turned into softmax numerators, with their max and sum, in a
+fixed order. Expects, in the kernel: `NT` threads, `G` query heads, `CHUNK` positions, `NEG`
+as the masked score, `tid`, and shared `score[G * CHUNK]` and `red[G * NT]`. Leaves `top[g]`
+(the chunk's max score) and `red[g * NT]` (its sum of exp(score - top)); a masked score
+gives 0.
+
+`chunk_results`: closes the value loop over `d` and writes a chunk's `partial`, `tops` and
+`sums`. `merge_chunks`: the combine kernel's merge of a (row, head)'s chunks in order, each
+weighted by exp(its max - the overall max), leaving `acc` and `total`.
 """
 
 from __future__ import annotations
@@ -13,6 +18,39 @@ from __future__ import annotations
 def chunk_softmax(exp: str) -> str:
     """The block, with `exp` the exponential it calls (`__expf` or the exact `expf`)."""
     return _BLOCK.replace("EXP(", exp + "(")
+
+
+def chunk_results(width: str) -> str:
+    """The attend kernel's end, `width` the values' width (the template name)."""
+    return _RESULTS.replace("WIDTH", width)
+
+
+def merge_chunks(width: str) -> str:
+    """The combine kernel's merge, `width` the values' width (the template name)."""
+    return _MERGE.replace("WIDTH", width)
+
+
+_RESULTS = """        for (int g = 0; g < G; ++g)
+            partial[(((size_t)bh * G + g) * splits + split) * WIDTH + d] = acc[g];
+    }
+    if (tid < G) {
+        tops[((size_t)bh * G + tid) * splits + split] = top[tid];
+        sums[((size_t)bh * G + tid) * splits + split] = red[tid * NT];
+    }
+"""
+
+_MERGE = """    const uint32_t bh = blockIdx.x;
+    const uint32_t d = threadIdx.x;
+    const uint32_t splits = sizes[1];
+    float top = -1e30f;
+    for (uint32_t s = 0; s < splits; ++s) top = fmaxf(top, tops[bh * splits + s]);
+    float total = 0.f, acc = 0.f;
+    for (uint32_t s = 0; s < splits; ++s) {
+        const float w = expf(tops[bh * splits + s] - top);
+        total += w * sums[bh * splits + s];
+        acc += w * partial[((size_t)bh * splits + s) * WIDTH + d];
+    }
+"""
 
 
 _BLOCK = """    __syncthreads();

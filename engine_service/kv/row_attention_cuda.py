@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine_service.kv.cuda_chunk_softmax import chunk_softmax
+from engine_service.kv.cuda_chunk_softmax import chunk_results, chunk_softmax, merge_chunks
 
 AVAILABLE = mx.default_device() == mx.gpu and not mx.metal.is_available()
 
@@ -75,33 +75,19 @@ _ATTEND = (
             const float c = static_cast<float>(v[at]);
             for (int g = 0; g < G; ++g) acc[g] += score[g * CHUNK + j] * c;
         }
-        for (int g = 0; g < G; ++g)
-            partial[(((size_t)bh * G + g) * splits + split) * DV + d] = acc[g];
-    }
-    if (tid < G) {
-        tops[((size_t)bh * G + tid) * splits + split] = top[tid];
-        sums[((size_t)bh * G + tid) * splits + split] = red[tid * NT];
-    }
 """
+    + chunk_results("DV")
 )
 
 # The chunks merged in order, each weighted by exp(its max - the overall max): a chunk past
 # the row's end has weight 0 and adds exact zeros. A block per (row, head), a thread per
 # output coordinate.
-_COMBINE = """
-    const uint32_t bh = blockIdx.x;
-    const uint32_t d = threadIdx.x;
-    const uint32_t splits = sizes[1];
-    float top = -1e30f;
-    for (uint32_t s = 0; s < splits; ++s) top = fmaxf(top, tops[bh * splits + s]);
-    float total = 0.f, acc = 0.f;
-    for (uint32_t s = 0; s < splits; ++s) {
-        const float w = expf(tops[bh * splits + s] - top);
-        total += w * sums[bh * splits + s];
-        acc += w * partial[((size_t)bh * splits + s) * DV + d];
-    }
-    out[(size_t)bh * DV + d] = static_cast<T>(acc / total);
+_COMBINE = (
+    "\n"
+    + merge_chunks("DV")
+    + """    out[(size_t)bh * DV + d] = static_cast<T>(acc / total);
 """
+)
 
 CHUNK = 256  # key positions a block scores
 THREADS = 128

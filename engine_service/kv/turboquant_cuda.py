@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine_service.kv.cuda_chunk_softmax import chunk_softmax
+from engine_service.kv.cuda_chunk_softmax import chunk_results, chunk_softmax, merge_chunks
 
 # MLX-CUDA: a GPU that is not Metal. ENABLED lets a probe compare against the reference path.
 AVAILABLE = mx.default_device() == mx.gpu and not mx.metal.is_available()
@@ -172,39 +172,26 @@ _ATTEND = (
             const float c = vlevels[(word >> shift) & ((1u << VB) - 1u)] * n;
             for (int g = 0; g < G; ++g) acc[g] += score[g * CHUNK + j] * c;
         }
-        for (int g = 0; g < G; ++g)
-            partial[(((size_t)bh * G + g) * splits + split) * D + d] = acc[g];
-    }
-    if (tid < G) {
-        tops[((size_t)bh * G + tid) * splits + split] = top[tid];
-        sums[((size_t)bh * G + tid) * splits + split] = red[tid * NT];
-    }
 """
+    + chunk_results("D")
 )
 
 # The chunks' partial sums merged (each weighted by exp(its max - the overall max)), then the
 # output un-rotated out of the values' domain and written in the model's dtype: one kernel
 # where the MLX ops were eleven (a max, exps, sums, a division, the un-rotation's matmul, a
 # cast). A block per (row, head), a thread per output coordinate.
-_COMBINE = """
+_COMBINE = (
+    """
     __shared__ float y[D];
-    const uint32_t bh = blockIdx.x;
-    const uint32_t d = threadIdx.x;
-    const uint32_t splits = sizes[1];
-    float top = -1e30f;
-    for (uint32_t s = 0; s < splits; ++s) top = fmaxf(top, tops[bh * splits + s]);
-    float total = 0.f, acc = 0.f;
-    for (uint32_t s = 0; s < splits; ++s) {
-        const float w = expf(tops[bh * splits + s] - top);
-        total += w * sums[bh * splits + s];
-        acc += w * partial[((size_t)bh * splits + s) * D + d];
-    }
-    y[d] = acc / total;
+"""
+    + merge_chunks("D")
+    + """    y[d] = acc / total;
     __syncthreads();
     float out_d = 0.f;
     for (uint32_t e = 0; e < D; ++e) out_d += y[e] * rot[d * D + e];  // (y @ R^T)[d]
     out[(size_t)bh * D + d] = static_cast<T>(out_d);
 """
+)
 
 CHUNK = 256  # positions a block scores
 
