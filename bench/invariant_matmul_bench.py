@@ -4,9 +4,10 @@ padded block of 128 rows that the mode used before it.
 
 For each weight shape and row count: the largest difference from MLX's `x @ w.T` (relative to
 its largest value), whether a target row's bits are the same alone and as the last row of the
-batch, and the time of one call (median of interleaved rounds, each call evaluated alone).
+batch, whether every tiling of the output gives the same bits, and the time of one call at each
+(median of rounds; each round evaluates --reps calls together, as a model's step would).
 
-    python bench/invariant_matmul_bench.py [--rows 1,8,32,128] [--rounds 20]
+    python bench/invariant_matmul_bench.py [--rows 1,8,32,128] [--rounds 20] [--reps 32]
 """
 
 from __future__ import annotations
@@ -25,53 +26,79 @@ import mlx.core as mx  # noqa: E402
 from engine_service.model.invariant_matmul_cuda import (  # noqa: E402
     AVAILABLE,
     ROWS,
+    column_tiles,
     invariant_matmul,
+    row_tiles,
 )
 
 # (K, N): Qwen3-0.6B's q_proj, gate/up, down; Llama-3-8B's gate/up, down; a 0.6B's vocabulary.
 SHAPES = [(1024, 2048), (1024, 3072), (3072, 1024), (4096, 14336), (14336, 4096), (1024, 151936)]
 
 
-def timed(call: object, rounds: int) -> float:
-    """Seconds for one evaluated call, the median over rounds (after a warm call)."""
-    mx.eval(call())  # type: ignore[operator]
+def timed(call: object, rounds: int, reps: int) -> float:
+    """Seconds a call takes on the device: `reps` calls evaluated together (so launches
+    overlap the work as in a model's step), the median over rounds, after a warm round."""
+
+    def batch() -> None:
+        mx.eval([call() for _ in range(reps)])  # type: ignore[operator]
+
+    batch()
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
-        mx.eval(call())  # type: ignore[operator]
+        batch()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times) / reps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="1,8,32,128")
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=32, help="calls evaluated together")
     args = parser.parse_args()
     if not AVAILABLE:
         print("not MLX-CUDA: the kernel does not run here")
         return
-    print(f"MLX {mx.__version__}, bf16; times in microseconds per call")
-    print("K x N, rows: max |diff| / max |ref|, target bits alone = batched, kernel / MLX / block")
+    print(f"MLX {mx.__version__}, bf16; microseconds a call ({args.reps} calls evaluated together)")
+    print(
+        "K x N, rows: max |diff| / max |ref|, target bits alone = batched, every column"
+        " tiling the same bits; the kernel at c column tiles and b row tiles a block (* the"
+        " chosen one); MLX's matmul; the padded block"
+    )
     for k, n in SHAPES:
         w = (mx.random.normal((n, k), key=mx.random.key(1)) * k**-0.5).astype(mx.bfloat16)
         target = mx.random.normal((1, k), key=mx.random.key(2)).astype(mx.bfloat16)
-        alone = invariant_matmul(target, w)
+        alone = invariant_matmul(target, w, 1, ROWS // 16)
         for rows in [int(r) for r in args.rows.split(",")]:
             others = mx.random.normal((rows - 1, k), key=mx.random.key(3)).astype(mx.bfloat16)
             x = mx.concatenate([others, target]) if rows > 1 else target
-            ours = invariant_matmul(x, w)
+            ours = invariant_matmul(x, w, 1, ROWS // 16)  # the first kernel's tiling
             ref = x @ w.T
             diff = mx.max(mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32))).item()
             scale = mx.max(mx.abs(ref.astype(mx.float32))).item()
             same = mx.array_equal(ours[-1:], alone).item()
+            chosen = (column_tiles(rows, n), row_tiles(rows, n))
+            all_tiles = (rows + 15) // 16
+            tilings = sorted(
+                {chosen, (1, all_tiles)}
+                | {(c, chosen[1]) for c in (1, 2, 4) if n % (8 * c) == 0}
+                | {(chosen[0], b) for b in (1, 2, all_tiles) if b <= all_tiles}
+            )
+            tiled_same = all(
+                mx.array_equal(invariant_matmul(x, w, c, b), ours).item() for c, b in tilings
+            )
             padded = mx.pad(x, [(0, -rows % ROWS), (0, 0)])
-            t_kernel = timed(lambda: invariant_matmul(x, w), args.rounds)  # noqa: B023
-            t_mlx = timed(lambda: x @ w.T, args.rounds)  # noqa: B023
-            t_block = timed(lambda: (padded @ w.T)[:rows], args.rounds)  # noqa: B023
+            kernel_times = []
+            for c, b in tilings:
+                t = timed(lambda: invariant_matmul(x, w, c, b), args.rounds, args.reps)  # noqa: B023
+                star = "*" if (c, b) == chosen else ""
+                kernel_times.append(f"c{c}b{b}={t * 1e6:.1f}{star}")
+            t_mlx = timed(lambda: x @ w.T, args.rounds, args.reps)  # noqa: B023
+            t_block = timed(lambda: (padded @ w.T)[:rows], args.rounds, args.reps)  # noqa: B023
             print(
-                f"  {k:5d} x {n:6d}, {rows:3d} rows: {diff / scale:.2e}, {same},"
-                f" {t_kernel * 1e6:7.1f} / {t_mlx * 1e6:7.1f} / {t_block * 1e6:7.1f}"
+                f"  {k:5d} x {n:6d}, {rows:3d} rows: {diff / scale:.2e}, {same}, {tiled_same};"
+                f" {' '.join(kernel_times)}; MLX {t_mlx * 1e6:.1f}; block {t_block * 1e6:.1f}"
             )
 
 

@@ -3,7 +3,8 @@
 A: the plain mlx loop a user would write: one process, mlx's `nn.losses.cross_entropy`,
    BLAS on every core (the recipe of training/train.py otherwise).
 B: `python -m training` as it runs by default on a CPU: two data-parallel ranks
-   (training/ranks.py) and the cross-entropy that keeps its probabilities.
+   (training/ranks.py), the cross-entropy that keeps its probabilities, and the CPU ops of
+   training/fast_ops.py (libm's exp, causal attention in query blocks).
 
 Each run trains --steps steps of the same recipe from the same prepared token streams, then
 evaluates (the same for both); its wall time is taken from outside. Prints each pair and the
@@ -28,7 +29,8 @@ sys.path[:0] = [str(ROOT)]
 
 
 def library_worker(streams: Path, model: str, steps: int) -> None:
-    """The plain loop: training/train.py's recipe with mlx's own cross-entropy, one process."""
+    """The plain loop: training/train.py's recipe with mlx's own cross-entropy and mlx-lm's
+    own ops (`_train`, not `train`, which installs training/fast_ops.py), one process."""
     # isort: off
     import engine_service  # noqa: F401  (the fast BLAS must load before mlx)
 
@@ -47,7 +49,9 @@ def library_worker(streams: Path, model: str, steps: int) -> None:
     trainer.loss_of = library_loss  # type: ignore[assignment]
     data = np.load(streams / "streams.npz")
     recipe = replace(trainer.Recipe(), model=model, steps=steps)
-    trainer.train(recipe, data["train"].astype(np.int32), data["held_out"].astype(np.int32))
+    trainer._train(
+        recipe, data["train"].astype(np.int32), data["held_out"].astype(np.int32), print, None
+    )
 
 
 def timed(command: list[str]) -> float:

@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from engine_service.model.default_model import CONFIGS, SEED, VOCAB_SIZE
 from engine_service.model.mlx_compat import model_classes
+from training import fast_ops
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,13 @@ def windows(stream: np.ndarray, starts: np.ndarray, context: int) -> mx.array:
 def _cross_entropy(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
     """Per-token cross-entropy, and the probabilities its gradient needs.
 
-    By hand rather than `nn.losses.cross_entropy` for the CPU: MLX's CPU `exp` is scalar
-    (~24 ns an element here, against ~2 for numpy's), and the library's loss takes the exp
-    of the 32 x 256 x 2,048 logits again in its backward pass. Keeping the forward pass's
-    probabilities saves that pass: a tenth of a training step on 2 cores.
+    By hand rather than `nn.losses.cross_entropy` for the CPU: MLX's CPU `exp` is slow
+    (training/fast_ops.py), and the library's loss takes the exp of the 32 x 256 x 2,048
+    logits again in its backward pass. Keeping the forward pass's probabilities saves that
+    pass: a tenth of a training step on 2 cores.
     """
     peak = mx.stop_gradient(logits.max(axis=-1, keepdims=True))
-    exps = mx.exp(logits - peak)
+    exps = fast_ops.exp(logits - peak)
     total = exps.sum(axis=-1, keepdims=True)
     picked = mx.take_along_axis(logits, targets[..., None], axis=-1)
     return (mx.log(total) + peak - picked).squeeze(-1), exps / total
@@ -139,6 +140,13 @@ def train(
     windows and takes every Nth of them; gradients are averaged, so the step is the same
     full batch's step, summed in another order.
     """
+    with fast_ops.installed_for(mx.default_device()):
+        return _train(recipe, train_stream, held_out, log, group)
+
+
+def _train(
+    recipe: Recipe, train_stream: np.ndarray, held_out: np.ndarray, log: Any, group: Any
+) -> tuple[Any, dict[str, Any], float, float]:
     ranks = 1 if group is None else group.size()
     rank = 0 if group is None else group.rank()
     if recipe.batch % ranks:

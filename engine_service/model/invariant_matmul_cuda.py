@@ -6,15 +6,18 @@ Padding every batch to one block of 128 rows fixes the kernel, but a lone stream
 GEMM where it paid a GEMV (docs/determinism.md: 32-46% of its decode speed on an H200). Here
 one kernel serves any number of rows up to ROWS, as fast as a GEMV at one row:
 
-- a block owns 8 output columns (8 rows of w) and SPLITS warps, each reducing its quarter of
-  K; the quarters are summed in a fixed order;
+- a block owns COLUMNS tiles of 8 output columns (rows of w) and SPLITS warps, each reducing
+  its quarter of K; the quarters are summed in a fixed order;
 - a warp walks its K range 64 at a time with tensor-core `mma.m16n8k16` over every 16-row
   tile of x: w's bytes are read once whatever the row count, and a row's products and their
   order are the same in every tile, at any place in it (the padded-GEMM build showed the
   tensor cores give a row the same bits at any place in its tile);
 - inside a 64-wide step each lane reads 16 consecutive values of x and w (two 16-byte
   loads), and the mma's k positions are mapped onto them the same way for x and w: a fixed
-  permutation of a sum's terms, so still one fixed order.
+  permutation of a sum's terms, so still one fixed order;
+- COLUMNS only says which warp computes which output column, never how a sum is ordered, so
+  it is chosen per call (`column_tiles`): one tile a block for a few rows (more blocks to
+  stream w), up to four for many (x's fragments, loaded once, then serve four tiles).
 
 Rows beyond the batch are zeros in the registers, never read. No well-kept library has a
 batch-invariant skinny matmul for MLX (Thinking Machines' and SGLang's are Triton/CUDA for
@@ -31,30 +34,46 @@ import mlx.core as mx
 ROWS = 128  # rows one call serves; more run as blocks of ROWS
 SPLITS = 4  # warps per block, each a quarter of K
 STEP = 64  # K values a warp takes per step
+VOCABULARY_WIDE = 65536  # a w of more columns (an output projection) is tiled apart
 SUPPORTED = {mx.bfloat16: "bf16", mx.float16: "f16"}
 AVAILABLE = mx.default_device() == mx.gpu and not mx.metal.is_available()
 
 _SOURCE = """
-    constexpr int TILES = ROWS / 16;
+    constexpr int TILES = BLOCK_TILES;  // row tiles of 16 this block computes
     __shared__ float partial[SPLITS * TILES * 32 * 4];
     const int lane = threadIdx.x & 31;
     const int split = threadIdx.x >> 5;
     const int g = lane >> 2;  // the mma's group: a row of x, a column of the output
     const int t = lane & 3;   // the thread in the group: which 16 values of a step
-    const int n0 = blockIdx.x * 8;
-    const int rows = (int)sizes[0];
+    // Row groups vary fastest, so the blocks that read the same columns of w run together
+    // and all but the first find them in L2.
+    const int groups = (int)sizes[1];
+    const int n0 = (blockIdx.x / groups) * 8 * COLUMNS;
+    const int first_row = (blockIdx.x % groups) * TILES * 16;
+    const int rows = min((int)sizes[0] - first_row, TILES * 16);
     const int tiles = (rows + 15) / 16;
-    float acc[TILES][4];
+    const auto* xs = x + (size_t)first_row * K;
+    auto* os = out + (size_t)first_row * N;
+    float acc[TILES][COLUMNS][4];
 #pragma unroll
-    for (int i = 0; i < TILES; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    for (int i = 0; i < TILES; ++i)
+#pragma unroll
+        for (int j = 0; j < COLUMNS; ++j)
+            acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
     const int span = K / SPLITS;
     const int k_begin = split * span;
-    const uint4* w_row = reinterpret_cast<const uint4*>(w + (size_t)(n0 + g) * K);
+#pragma unroll 2
     for (int k = k_begin; k < k_begin + span; k += STEP) {
         const int at = (k + t * 16) / 8;  // in uint4s: this lane's 16 values
-        const uint4 wa = w_row[at];
-        const uint4 wb = w_row[at + 1];
-        const unsigned int wv[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+        unsigned int wv[COLUMNS][8];
+#pragma unroll
+        for (int j = 0; j < COLUMNS; ++j) {
+            const uint4* w_row = reinterpret_cast<const uint4*>(w + (size_t)(n0 + j * 8 + g) * K);
+            const uint4 wa = w_row[at];
+            const uint4 wb = w_row[at + 1];
+            wv[j][0] = wa.x; wv[j][1] = wa.y; wv[j][2] = wa.z; wv[j][3] = wa.w;
+            wv[j][4] = wb.x; wv[j][5] = wb.y; wv[j][6] = wb.z; wv[j][7] = wb.w;
+        }
 #pragma unroll
         for (int i = 0; i < TILES; ++i) {
             if (i < tiles) {
@@ -62,59 +81,69 @@ _SOURCE = """
                 const int r1 = r0 + 8;
                 uint4 xa = make_uint4(0, 0, 0, 0), xb = xa, ya = xa, yb = xa;
                 if (r0 < rows) {
-                    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)r0 * K);
+                    const uint4* xr = reinterpret_cast<const uint4*>(xs + (size_t)r0 * K);
                     xa = xr[at];
                     xb = xr[at + 1];
                 }
                 if (r1 < rows) {
-                    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)r1 * K);
+                    const uint4* xr = reinterpret_cast<const uint4*>(xs + (size_t)r1 * K);
                     ya = xr[at];
                     yb = xr[at + 1];
                 }
                 const unsigned int xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
                 const unsigned int yv[8] = {ya.x, ya.y, ya.z, ya.w, yb.x, yb.y, yb.z, yb.w};
 #pragma unroll
-                for (int s = 0; s < 4; ++s) {
-                    asm volatile(
-                        "mma.sync.aligned.m16n8k16.row.col.f32.MMA_TYPE.MMA_TYPE.f32 "
-                        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
-                        : "+f"(acc[i][0]), "+f"(acc[i][1]), "+f"(acc[i][2]), "+f"(acc[i][3])
-                        : "r"(xv[2 * s]), "r"(yv[2 * s]), "r"(xv[2 * s + 1]), "r"(yv[2 * s + 1]),
-                          "r"(wv[2 * s]), "r"(wv[2 * s + 1]));
+                for (int j = 0; j < COLUMNS; ++j) {
+#pragma unroll
+                    for (int s = 0; s < 4; ++s) {
+                        asm volatile(
+                            "mma.sync.aligned.m16n8k16.row.col.f32.MMA_TYPE.MMA_TYPE.f32 "
+                            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+                            : "+f"(acc[i][j][0]), "+f"(acc[i][j][1]), "+f"(acc[i][j][2]),
+                              "+f"(acc[i][j][3])
+                            : "r"(xv[2 * s]), "r"(yv[2 * s]), "r"(xv[2 * s + 1]),
+                              "r"(yv[2 * s + 1]), "r"(wv[j][2 * s]), "r"(wv[j][2 * s + 1]));
+                    }
                 }
             }
         }
     }
+    // One column tile at a time through shared memory: the splits summed in order, a row
+    // tile per warp in turn.
 #pragma unroll
-    for (int i = 0; i < TILES; ++i) {
-        if (i < tiles) {
-            float* mine = partial + ((split * TILES + i) * 32 + lane) * 4;
-            mine[0] = acc[i][0]; mine[1] = acc[i][1]; mine[2] = acc[i][2]; mine[3] = acc[i][3];
+    for (int j = 0; j < COLUMNS; ++j) {
+#pragma unroll
+        for (int i = 0; i < TILES; ++i) {
+            if (i < tiles) {
+                float* mine = partial + ((split * TILES + i) * 32 + lane) * 4;
+                mine[0] = acc[i][j][0]; mine[1] = acc[i][j][1];
+                mine[2] = acc[i][j][2]; mine[3] = acc[i][j][3];
+            }
         }
-    }
-    __syncthreads();
-    // The splits summed in order, a tile per warp in turn.
-    for (int i = split; i < tiles; i += SPLITS) {
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int s = 0; s < SPLITS; ++s) {
-            const float* theirs = partial + ((s * TILES + i) * 32 + lane) * 4;
-            c[0] += theirs[0]; c[1] += theirs[1]; c[2] += theirs[2]; c[3] += theirs[3];
+        __syncthreads();
+        for (int i = split; i < tiles; i += SPLITS) {
+            float c[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int s = 0; s < SPLITS; ++s) {
+                const float* theirs = partial + ((s * TILES + i) * 32 + lane) * 4;
+                c[0] += theirs[0]; c[1] += theirs[1]; c[2] += theirs[2]; c[3] += theirs[3];
+            }
+            const int r0 = i * 16 + g;
+            const int col = n0 + j * 8 + t * 2;
+            if (r0 < rows) {
+                os[(size_t)r0 * N + col] = static_cast<T>(c[0]);
+                os[(size_t)r0 * N + col + 1] = static_cast<T>(c[1]);
+            }
+            if (r0 + 8 < rows) {
+                os[(size_t)(r0 + 8) * N + col] = static_cast<T>(c[2]);
+                os[(size_t)(r0 + 8) * N + col + 1] = static_cast<T>(c[3]);
+            }
         }
-        const int r0 = i * 16 + g;
-        const int col = n0 + t * 2;
-        if (r0 < rows) {
-            out[(size_t)r0 * N + col] = static_cast<T>(c[0]);
-            out[(size_t)r0 * N + col + 1] = static_cast<T>(c[1]);
-        }
-        if (r0 + 8 < rows) {
-            out[(size_t)(r0 + 8) * N + col] = static_cast<T>(c[2]);
-            out[(size_t)(r0 + 8) * N + col + 1] = static_cast<T>(c[3]);
-        }
+        __syncthreads();
     }
 """
 
 _kernels: dict[str, Any] = {}
-_sizes: dict[int, mx.array] = {}
+_sizes: dict[tuple[int, int], mx.array] = {}
 
 
 def applies(x: mx.array, weight: mx.array) -> bool:
@@ -128,14 +157,45 @@ def applies(x: mx.array, weight: mx.array) -> bool:
     return k % (SPLITS * STEP) == 0 and n % 8 == 0
 
 
-def invariant_matmul(x: mx.array, weight: mx.array) -> mx.array:
+def column_tiles(rows: int, n: int) -> int:
+    """Tiles of 8 output columns a block computes (measured on an H200, bench/
+    invariant_matmul_bench.py): four where w has 2,048 columns or more, so each x fragment
+    serves four; one for a vocabulary-wide w at a few rows, where more blocks stream it
+    faster. It never changes a sum's order, so any choice gives the same bits."""
+    if n > VOCABULARY_WIDE and rows <= 16:
+        return 1
+    for tiles in (4, 2):
+        if n % (8 * tiles) == 0 and n // (8 * tiles) >= 64:
+            return tiles
+    return 1
+
+
+def row_tiles(rows: int, n: int) -> int:
+    """Row tiles of 16 a block computes: at most two (fewer registers a thread, more blocks
+    in flight; the row groups that read the same columns of w run together and find them in
+    L2), all of them for a vocabulary-wide w, which no L2 holds. It never changes a sum's
+    order either."""
+    tiles = (rows + 15) // 16
+    return tiles if n > VOCABULARY_WIDE else min(tiles, 2)
+
+
+def invariant_matmul(
+    x: mx.array, weight: mx.array, columns: int | None = None, block_tiles: int | None = None
+) -> mx.array:
     """x @ weight.T for x (rows, K), weight (N, K): each row's bits the same alone or among
-    others (module docstring); more than ROWS rows run as blocks of ROWS."""
+    others (module docstring); more than ROWS rows run as blocks of ROWS. `columns` and
+    `block_tiles` override `column_tiles` and `row_tiles` (bench/invariant_matmul_bench.py)."""
     rows = x.shape[0]
     if rows > ROWS:
-        blocks = [invariant_matmul(x[at : at + ROWS], weight) for at in range(0, rows, ROWS)]
+        blocks = [
+            invariant_matmul(x[at : at + ROWS], weight, columns, block_tiles)
+            for at in range(0, rows, ROWS)
+        ]
         return mx.concatenate(blocks)
     n, k = weight.shape
+    tiles = columns or column_tiles(rows, n)
+    per_block = block_tiles or row_tiles(rows, n)
+    groups = -(-rows // (16 * per_block))
     name = SUPPORTED[weight.dtype]
     if name not in _kernels:
         _kernels[name] = mx.fast.cuda_kernel(
@@ -144,19 +204,20 @@ def invariant_matmul(x: mx.array, weight: mx.array) -> mx.array:
             output_names=["out"],
             source=_SOURCE.replace("MMA_TYPE", name),
         )
-    if rows not in _sizes:
-        _sizes[rows] = mx.array([rows], dtype=mx.uint32)
+    if (rows, groups) not in _sizes:
+        _sizes[rows, groups] = mx.array([rows, groups], dtype=mx.uint32)
     (out,) = _kernels[name](
-        inputs=[x, weight, _sizes[rows]],
+        inputs=[x, weight, _sizes[rows, groups]],
         template=[
             ("T", weight.dtype),
             ("K", k),
             ("N", n),
-            ("ROWS", ROWS),
+            ("BLOCK_TILES", per_block),
             ("SPLITS", SPLITS),
             ("STEP", STEP),
+            ("COLUMNS", tiles),
         ],
-        grid=(n // 8 * SPLITS * 32, 1, 1),
+        grid=(n // (8 * tiles) * groups * SPLITS * 32, 1, 1),
         threadgroup=(SPLITS * 32, 1, 1),
         output_shapes=[(rows, n)],
         output_dtypes=[weight.dtype],
