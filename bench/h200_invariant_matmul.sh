@@ -2,8 +2,7 @@
 # Issue 39's cost on the lent H200 (after the set-up of h200_determinism.sh): the
 # batch-invariant projection kernel alone (at 1, 2 and 4 column tiles a block) against MLX's
 # matmul and the padded block, then the deterministic mode with it (--kernel: the engine's
-# --deterministic-matmul kernel) on both shapes. The 8B shape's 128 streams:
-# h200_invariant_matmul_8b.sh.
+# --deterministic-matmul kernel) on both shapes.
 set -u
 out=${OUT:-/tmp}
 timeout 100 python3 bench/invariant_matmul_bench.py --rounds 10 --reps 32 2>&1 |
