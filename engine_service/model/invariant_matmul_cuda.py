@@ -4,7 +4,8 @@ bits independent of how many rows come with it (model/deterministic.py).
 MLX picks a GEMV for one row and a cuBLAS GEMM for more, so a row's bits depend on its batch.
 Padding every batch to one block of 128 rows fixes the kernel, but a lone stream then pays a
 GEMM where it paid a GEMV (docs/determinism.md: 32-46% of its decode speed on an H200). Here
-one kernel serves any number of rows up to ROWS, as fast as a GEMV at one row:
+one kernel serves any number of rows up to ROWS, within 10-15% of a GEMV at one row on a
+large projection (docs/determinism.md has the figures):
 
 - a block owns COLUMNS tiles of 8 output columns (rows of w) and SPLITS warps, each reducing
   its quarter of K; the quarters are summed in a fixed order;
@@ -15,9 +16,11 @@ one kernel serves any number of rows up to ROWS, as fast as a GEMV at one row:
 - inside a 64-wide step each lane reads 16 consecutive values of x and w (two 16-byte
   loads), and the mma's k positions are mapped onto them the same way for x and w: a fixed
   permutation of a sum's terms, so still one fixed order;
-- COLUMNS only says which warp computes which output column, never how a sum is ordered, so
-  it is chosen per call (`column_tiles`): one tile a block for a few rows (more blocks to
-  stream w), up to four for many (x's fragments, loaded once, then serve four tiles).
+- COLUMNS (output column tiles a block) and BLOCK_TILES (row tiles a block) only say which
+  warp computes which outputs, never how a sum is ordered, so they are chosen per call
+  (`column_tiles`, `row_tiles`, by measurement): four column tiles let one x fragment serve
+  four, and two row tiles a block keep registers few and blocks many, the row groups that
+  read the same columns of w running together so that w comes from L2 after the first.
 
 Rows beyond the batch are zeros in the registers, never read. No well-kept library has a
 batch-invariant skinny matmul for MLX (Thinking Machines' and SGLang's are Triton/CUDA for
