@@ -60,7 +60,8 @@ def main() -> None:
     if not AVAILABLE:
         print("not MLX-CUDA: the kernel does not run here")
         return
-    print(f"MLX {mx.__version__}, bf16; microseconds a call ({args.reps} calls evaluated together)")
+    version = getattr(mx, "__version__", "?")
+    print(f"MLX {version}, bf16; microseconds a call ({args.reps} calls evaluated together)")
     print(
         "K x N, rows: max |diff| / max |ref|, target bits alone = batched, every column"
         " tiling the same bits; the kernel at c column tiles and b row tiles a block (* the"

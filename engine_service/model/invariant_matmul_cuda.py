@@ -30,6 +30,7 @@ GPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -182,6 +183,23 @@ def row_tiles(rows: int, n: int) -> int:
     return tiles if n > VOCABULARY_WIDE else min(tiles, 2)
 
 
+@dataclass(frozen=True)
+class Tiling:
+    """How one call's outputs are split among blocks: `columns` tiles of 8 output columns and
+    `block_tiles` tiles of 16 rows a block, `groups` row groups covering the call's rows."""
+
+    columns: int
+    block_tiles: int
+    groups: int
+
+
+def tiling(rows: int, n: int, columns: int | None = None, block_tiles: int | None = None) -> Tiling:
+    """The tiling of a call of `rows` rows (at most ROWS) against a w of `n` columns:
+    `column_tiles` and `row_tiles` unless given."""
+    per_block = block_tiles or row_tiles(rows, n)
+    return Tiling(columns or column_tiles(rows, n), per_block, -(-rows // (16 * per_block)))
+
+
 def invariant_matmul(
     x: mx.array, weight: mx.array, columns: int | None = None, block_tiles: int | None = None
 ) -> mx.array:
@@ -196,9 +214,7 @@ def invariant_matmul(
         ]
         return mx.concatenate(blocks)
     n, k = weight.shape
-    tiles = columns or column_tiles(rows, n)
-    per_block = block_tiles or row_tiles(rows, n)
-    groups = -(-rows // (16 * per_block))
+    split = tiling(rows, n, columns, block_tiles)
     name = SUPPORTED[weight.dtype]
     if name not in _kernels:
         _kernels[name] = mx.fast.cuda_kernel(
@@ -207,20 +223,20 @@ def invariant_matmul(
             output_names=["out"],
             source=_SOURCE.replace("MMA_TYPE", name),
         )
-    if (rows, groups) not in _sizes:
-        _sizes[rows, groups] = mx.array([rows, groups], dtype=mx.uint32)
+    if (rows, split.groups) not in _sizes:
+        _sizes[rows, split.groups] = mx.array([rows, split.groups], dtype=mx.uint32)
     (out,) = _kernels[name](
-        inputs=[x, weight, _sizes[rows, groups]],
+        inputs=[x, weight, _sizes[rows, split.groups]],
         template=[
             ("T", weight.dtype),
             ("K", k),
             ("N", n),
-            ("BLOCK_TILES", per_block),
+            ("BLOCK_TILES", split.block_tiles),
             ("SPLITS", SPLITS),
             ("STEP", STEP),
-            ("COLUMNS", tiles),
+            ("COLUMNS", split.columns),
         ],
-        grid=(n // (8 * tiles) * groups * SPLITS * 32, 1, 1),
+        grid=(n // (8 * split.columns) * split.groups * SPLITS * 32, 1, 1),
         threadgroup=(SPLITS * 32, 1, 1),
         output_shapes=[(rows, n)],
         output_dtypes=[weight.dtype],
