@@ -30,7 +30,7 @@ sys.path[:0] = [str(ROOT)]
 
 def library_worker(streams: Path, model: str, steps: int) -> None:
     """The plain loop: training/train.py's recipe with mlx's own cross-entropy and mlx-lm's
-    own ops (`_train`, not `train`, which installs training/fast_ops.py), one process."""
+    own ops (not training/fast_ops.py's), one process."""
     # isort: off
     import engine_service  # noqa: F401  (the fast BLAS must load before mlx)
 
@@ -49,9 +49,8 @@ def library_worker(streams: Path, model: str, steps: int) -> None:
     trainer.loss_of = library_loss  # type: ignore[assignment]
     data = np.load(streams / "streams.npz")
     recipe = replace(trainer.Recipe(), model=model, steps=steps)
-    trainer._train(
-        recipe, data["train"].astype(np.int32), data["held_out"].astype(np.int32), print, None
-    )
+    data_ids = data["train"].astype(np.int32), data["held_out"].astype(np.int32)
+    trainer.train(recipe, *data_ids, cpu_ops=False)
 
 
 def timed(command: list[str]) -> float:

@@ -12,6 +12,7 @@ import json
 import platform
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -132,15 +133,18 @@ def train(
     held_out: np.ndarray,
     log: Any = print,
     group: Any = None,
+    cpu_ops: bool = True,
 ) -> tuple[Any, dict[str, Any], float, float]:
     """The trained model, its config, the mean loss of its last 50 steps and its held-out
-    loss.
+    loss. On a CPU, with the ops of training/fast_ops.py unless `cpu_ops` is False (the
+    plain loop of bench/train_step_bench.py).
 
     With a distributed `group` of N ranks (training/ranks.py), every rank draws the same
     windows and takes every Nth of them; gradients are averaged, so the step is the same
     full batch's step, summed in another order.
     """
-    with fast_ops.installed_for(mx.default_device()):
+    ops = fast_ops.installed_for(mx.default_device()) if cpu_ops else nullcontext()
+    with ops:
         return _train(recipe, train_stream, held_out, log, group)
 
 
