@@ -122,6 +122,7 @@ class StoreAdmin:
         st = self.state
         storage, config = st.storage, st.config
         chunk_entries = storage.entries("chunks")
+        direct_open, direct_lapsed = self.store.direct.counts()
         with st.mutex:
             c, index, now = st.counters, st.index, now_ms()
             return StoreStats(
@@ -147,6 +148,8 @@ class StoreAdmin:
                 map_resizes=storage.map_resizes,
                 regions=self.store.regions.count(now),
                 tier=self.store.tier.stats() if self.store.tier is not None else None,
+                direct_reads=direct_open,
+                direct_reads_lapsed=direct_lapsed,
             )
 
     def flush(self) -> float:

@@ -62,6 +62,10 @@ class StoreConfig:
     region_socket: str = ""
     max_regions_per_principal: int = 64
     max_regions: int = 1024
+    # Direct Gets (direct_reads.py): leases open at once (0 = none served) and how long one
+    # keeps its pages before it lapses.
+    max_direct_reads: int = 64
+    direct_read_ttl_s: float = 5.0
     # Seconds a Put/PutMany stream may keep the store waiting for its next message before
     # the store ends it (DEADLINE_EXCEEDED) and frees its worker; 0 = wait for ever.
     put_idle_timeout_s: float = 10.0
@@ -99,6 +103,8 @@ class StoreConfig:
             raise ValueError("--max-bulk-calls and --max-bulk-calls-per-principal must be >= 0")
         if self.max_bulk_calls > self.max_workers:
             raise ValueError("--max-bulk-calls must not exceed --max-workers")
+        if self.max_direct_reads < 0 or not 0.05 <= self.direct_read_ttl_s <= 60:
+            raise ValueError("--max-direct-reads must be >= 0, --direct-read-ttl 0.05..60 s")
         if self.max_regions_per_principal < 1 or self.max_regions < 1:
             raise ValueError("--max-regions-per-principal and --max-regions must be >= 1")
         if self.put_idle_timeout_s < 0:
@@ -161,6 +167,19 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
         "@NAME (abstract), 'off' (no regions); default: a random abstract name",
     )
     parser.add_argument(
+        "--max-direct-reads",
+        type=int,
+        default=ENV.integer("MAX_DIRECT_READS", 64),
+        help="direct Gets (a same-host caller reads the data file itself) open at once; "
+        "0: none, every same-host Get is copied into the caller's region",
+    )
+    parser.add_argument(
+        "--direct-read-ttl",
+        type=float,
+        default=ENV.real("DIRECT_READ_TTL", 5.0),
+        help="seconds a direct Get keeps its pages for the caller before its lease lapses",
+    )
+    parser.add_argument(
         "--max-regions-per-principal",
         type=int,
         default=ENV.integer("MAX_REGIONS_PER_PRINCIPAL", 64),
@@ -215,6 +234,8 @@ def parse_args(argv: list[str] | None = None) -> StoreConfig:
             region_socket=args.region_socket,
             max_regions_per_principal=args.max_regions_per_principal,
             max_regions=args.max_regions,
+            max_direct_reads=args.max_direct_reads,
+            direct_read_ttl_s=args.direct_read_ttl,
             put_idle_timeout_s=args.put_idle_timeout_s,
             grace_s=args.grace,
             map_size_bytes=args.map_size,

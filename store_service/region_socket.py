@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from store_service.regions import HandoverAnswer
 from store_service.wire import handover_reply, parse_handover
 
 log = logging.getLogger("tandem.store.regions")
@@ -31,8 +32,8 @@ MAX_CONNECTIONS = 16
 TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 4096
 
-# (ticket, fd, "pid/uid" of the peer) -> "" when the fd was taken, else why not.
-HandOver = Callable[[bytes, int, str], str]
+# (ticket, fd, "pid/uid" of the peer) -> whether the fd was taken (and the data file's fd).
+HandOver = Callable[[bytes, int, str], HandoverAnswer]
 
 
 def default_address() -> str:
@@ -95,12 +96,20 @@ def _serve(conn: socket.socket, hand_over: HandOver) -> None:
     try:
         data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE_BYTES, 2)
         if len(fds) != 1:
-            error = "send exactly one file descriptor with the ticket"
+            answer = HandoverAnswer("send exactly one file descriptor with the ticket")
         else:
             fd = fds.pop()
             os.set_inheritable(fd, False)
-            error = hand_over(parse_handover(data), fd, _peer(conn))
-        conn.sendall(handover_reply(error))
+            answer = hand_over(parse_handover(data), fd, _peer(conn))
+        given = answer.data_file_fd >= 0
+        reply = handover_reply(answer.error, answer.data_file_refused, given)
+        if answer.data_file_fd < 0:
+            conn.sendall(reply)
+        else:
+            try:
+                socket.send_fds(conn, [reply], [answer.data_file_fd])
+            finally:
+                os.close(answer.data_file_fd)
     except OSError as exc:
         log.info("a region handover failed: %s", exc)
     finally:

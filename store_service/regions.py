@@ -34,6 +34,7 @@ import secrets
 import stat
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from store_service.errors import InvalidRequest, NotFound, Overloaded, Precondition
@@ -78,6 +79,7 @@ class RegionRequest:
     ticket: bytes = b""
     registration: int = 0
     proof: bytes = b""
+    data_file: bool = False  # step one: the store's data file back at the handover
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class Region:
     map: mmap.mmap | None = None  # sealed against shrinking: copied into directly
     busy: int = 0  # Gets copying into it now (closed once they are done)
     peer: str = ""  # pid/uid that handed it over (logs)
+    data_file: bool = False  # its handover was answered with the data file (direct Gets)
 
     def close(self) -> None:
         if self.map is not None:
@@ -125,6 +128,16 @@ class Region:
             )
 
 
+@dataclass(frozen=True)
+class HandoverAnswer:
+    """What the region socket answers a handover: an error ("" = taken), and the store's
+    data file when the ticket asked for it and may have it (direct_reads.py)."""
+
+    error: str
+    data_file_fd: int = -1
+    data_file_refused: str = ""
+
+
 @dataclass
 class _Ticket:
     owner: str
@@ -133,6 +146,8 @@ class _Ticket:
     expires_ms: int
     region: Region | None = None  # the fd, once handed over
     used: bool = field(default=False)
+    data_file: bool = False  # asked for and allowed: the handover answers the data file
+    data_file_refused: str = ""  # asked for and not allowed: why
 
 
 class Regions:
@@ -145,9 +160,14 @@ class Regions:
         self._regions: dict[tuple[str, str], Region] = {}
         self._tickets: dict[bytes, _Ticket] = {}
         self._closing: list[Region] = []  # released while a Get was copying into them
+        # A read-only fd of the store's data file for direct Gets (None: none are served).
+        self.open_data_file: Callable[[], int] | None = None
 
-    def register(self, owner: str, request: RegionRequest, now_ms: int) -> RegionLease:
-        """Step 1 (a ticket), step 3 (the handed-over fd bound to owner) or a renewal."""
+    def register(
+        self, owner: str, request: RegionRequest, now_ms: int, data_file_refused: str = ""
+    ) -> RegionLease:
+        """Step 1 (a ticket), step 3 (the handed-over fd bound to owner) or a renewal.
+        data_file_refused: why this caller may not have the data file ("" = it may)."""
         check_region_name(request.name)
         if request.proof:
             raise Precondition(f"the store opens no region by name: {HOW_TO_REGISTER}")
@@ -187,7 +207,13 @@ class Regions:
             self._check_quota(owner, request.name)
             ticket = secrets.token_bytes(TICKET_BYTES)
             ticket_expires = now_ms + TICKET_TTL_S * 1000
-            self._tickets[ticket] = _Ticket(owner, request.name, request.size, ticket_expires)
+            pending = _Ticket(owner, request.name, request.size, ticket_expires)
+            if request.data_file:
+                if self.open_data_file is None:
+                    data_file_refused = data_file_refused or "this store serves no direct reads"
+                pending.data_file_refused = data_file_refused
+                pending.data_file = not data_file_refused
+            self._tickets[ticket] = pending
             return RegionLease(
                 self.instance,
                 ticket=ticket,
@@ -196,9 +222,25 @@ class Regions:
                 superseded_copies=self._superseded(key),
             )
 
-    def hand_over(self, ticket: bytes, fd: int, peer: str, now_ms: int) -> str:
-        """Step 2 (region_socket.py): keeps fd for the ticket's registration; "" when taken,
-        else why not (the fd is closed then)."""
+    def hand_over(self, ticket: bytes, fd: int, peer: str, now_ms: int) -> HandoverAnswer:
+        """Step 2 (region_socket.py): keeps fd for the ticket's registration, and answers the
+        data file's fd (the socket sends and closes it) when the ticket asked and may have it."""
+        error = self._take(ticket, fd, peer, now_ms)
+        with self._lock:
+            pending = self._find(ticket)
+        if error or pending is None or not (pending.data_file or pending.data_file_refused):
+            return HandoverAnswer(error)
+        if not pending.data_file or self.open_data_file is None:
+            return HandoverAnswer("", data_file_refused=pending.data_file_refused)
+        try:
+            data_fd = self.open_data_file()
+        except OSError as exc:
+            return HandoverAnswer("", data_file_refused=f"opening the data file: {exc.strerror}")
+        if pending.region is not None:
+            pending.region.data_file = True
+        return HandoverAnswer("", data_file_fd=data_fd)
+
+    def _take(self, ticket: bytes, fd: int, peer: str, now_ms: int) -> str:
         try:
             with self._lock:
                 self._expire(now_ms)

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import grpc
 
 from store_service.admin import StoreAdmin
-from store_service.errors import InvalidRequest, Precondition, status_on_error
+from store_service.errors import Corrupt, InvalidRequest, Overloaded, Precondition, status_on_error
 from store_service.fair_share import GET, PUT, BulkCallLimit
 from store_service.metrics import TRANSFERS, TransferPath
 from store_service.put_session import IdleLimited
@@ -25,6 +25,7 @@ from store_service.storage import now_ms
 from store_service.store import CheckpointStore
 from store_service.wire import (
     LookupQuery,
+    direct_placement_pb,
     PutResult,
     PutStreams,
     get_piece_bytes,
@@ -78,6 +79,11 @@ def store_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:
                 servicer.UnregisterRegion,
                 store_pb2.UnregisterRegionRequest,
                 store_pb2.UnregisterRegionResponse,
+            ),
+            "ReleaseDirect": unary(
+                servicer.ReleaseDirect,
+                store_pb2.ReleaseDirectRequest,
+                store_pb2.ReleaseDirectResponse,
             ),
         },
     )
@@ -205,6 +211,10 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         namespace = namespace_for(request.namespace)
         self.bulk_limit.enter(context, GET)
         if request.region and not request.header_only:
+            if request.direct:
+                placed = yield from self._get_direct(request, namespace, context)
+                if placed:
+                    return
             placed = yield from self._get_into_region(request, namespace, context)
             if placed:
                 return
@@ -265,6 +275,45 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         yield store_pb2.GetResponse(placed=placed)
         return True
 
+    def _get_direct(
+        self, request: store_pb2.GetRequest, namespace: str, context: grpc.ServicerContext
+    ) -> Generator[store_pb2.GetResponse, None, bool]:
+        """A direct Get (direct_reads.py): the header, where the chunks lie in the data file
+        (under a lease), then the whole payload as verified once every chunk passed its
+        check. False (nothing sent): the caller's region did not take the data file, or the
+        lease table is full; the Get goes through the region instead."""
+        started = time.perf_counter()
+        region = self.store.regions.get(
+            _caller(context), request.region, now_ms(), request.region_registration
+        )
+        try:
+            given = region.data_file
+        finally:
+            self.store.regions.done(region)
+        if not given or not self.store.direct.enabled:
+            return False
+        record = self.store.open_record(namespace, request.key)
+        try:
+            placement = self.store.direct.place(record)
+        except Overloaded:
+            return False
+        except Corrupt as exc:
+            self.store.quarantine(record, str(exc))
+            raise
+        yield store_pb2.GetResponse(header=record.header)
+        yield store_pb2.GetResponse(direct=direct_placement_pb(placement))
+        self.store.direct.check(placement, record, self.store.quarantine)
+        progress = store_pb2.RegionProgress(verified_bytes=record.payload_bytes)
+        yield store_pb2.GetResponse(progress=progress)
+        TRANSFERS.get(TransferPath.DIRECT, time.perf_counter() - started, record.payload_bytes)
+        return True
+
+    @rpc_errors
+    def ReleaseDirect(
+        self, request: store_pb2.ReleaseDirectRequest, context: grpc.ServicerContext
+    ) -> store_pb2.ReleaseDirectResponse:
+        return store_pb2.ReleaseDirectResponse(held=self.store.direct.release(request.lease))
+
     @rpc_errors
     def Lookup(
         self, request: store_pb2.LookupRequest, context: grpc.ServicerContext
@@ -307,7 +356,16 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def RegisterRegion(
         self, request: store_pb2.RegisterRegionRequest, context: grpc.ServicerContext
     ) -> store_pb2.RegisterRegionResponse:
-        lease = self.store.regions.register(_caller(context), region_request(request), now_ms())
+        principal = current()
+        refused = (
+            "the data file holds every namespace's records: only a principal of every "
+            "namespace ('*') is given it"
+            if principal is not None and not principal.sees_everything
+            else ""
+        )
+        lease = self.store.regions.register(
+            _caller(context), region_request(request), now_ms(), data_file_refused=refused
+        )
         return region_lease_pb(lease)
 
     @rpc_errors

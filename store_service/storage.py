@@ -157,6 +157,26 @@ class LmdbStorage:
             except lmdb.Error as exc:
                 raise StorageError(f"LMDB read failed: {exc}") from exc
 
+    def hold_read(self) -> tuple[Any, Callable[[], None]]:
+        """A read transaction (buffers) kept open past this call, and what ends it: a direct
+        read's lease (direct_reads.py). It holds the shared lock meanwhile, so growth and
+        compaction wait for it: keep it short."""
+        shared = self._lock.shared()
+        shared.__enter__()
+        try:
+            txn = self.env.begin(buffers=True)
+        except lmdb.Error as exc:
+            shared.__exit__(None, None, None)
+            raise StorageError(f"LMDB read failed: {exc}") from exc
+        ended = threading.Lock()
+
+        def release() -> None:
+            if ended.acquire(blocking=False):  # once, from whichever thread ends it
+                txn.abort()
+                shared.__exit__(None, None, None)
+
+        return txn, release
+
     # -- writes ------------------------------------------------------------------------------
 
     def submit(

@@ -38,7 +38,8 @@ from store_service.records import (
 from store_service.recovery import recover
 from store_service.region_copy import copy_threads
 from store_service.region_socket import RegionSocket, default_address
-from store_service.regions import RegionLimits, Regions
+from store_service.direct_reads import DirectReads
+from store_service.regions import HandoverAnswer, RegionLimits, Regions
 from store_service.state import StoreState
 from store_service.storage import now_ms
 from store_service.tier import SharedTier
@@ -80,12 +81,21 @@ class CheckpointStore:
             self.region_socket = RegionSocket(address, self._hand_over)
             self.regions.socket = address
         self.warmer = MapWarmer(self.state.storage)  # prefixes' pages mapped for region Gets
+        # Same-host callers of every namespace may read the data file themselves.
+        self.direct = DirectReads(
+            self.state.storage,
+            config.direct_read_ttl_s,
+            config.max_direct_reads,
+            self.regions.copy_threads,
+        )
+        if self.direct.enabled:
+            self.regions.open_data_file = self.direct.open_file
 
     @property
     def config(self) -> StoreConfig:
         return self.state.config
 
-    def _hand_over(self, ticket: bytes, fd: int, peer: str) -> str:
+    def _hand_over(self, ticket: bytes, fd: int, peer: str) -> HandoverAnswer:
         return self.regions.hand_over(ticket, fd, peer, now_ms())
 
     # -- put ---------------------------------------------------------------------------------
@@ -410,4 +420,5 @@ class CheckpointStore:
         if self.region_socket is not None:
             self.region_socket.close()
         self.regions.close()
+        self.direct.close()
         self.state.storage.close()

@@ -25,6 +25,7 @@ from store_service.records import (
     check_label,
     check_layout,
 )
+from store_service.direct_reads import Placement
 from store_service.regions import RegionLease, RegionRequest
 from tandem_wire.chunks import decode_chunk
 from tandem_wire.limits import MIN_GET_CHUNK_BYTES
@@ -242,6 +243,8 @@ class StoreStats:
     auth_failures: int = 0  # calls refused UNAUTHENTICATED (with --auth-file)
     regions: int = 0  # shared-memory regions registered now
     tier: TierStats | None = None  # with --tier
+    direct_reads: int = 0  # direct Gets' leases open now
+    direct_reads_lapsed: int = 0  # ... and those that lapsed unreleased since start
 
     def to_pb(self) -> store_pb2.StatsResponse:
         fields = {**vars(self), "tier": self.tier.to_pb() if self.tier is not None else None}
@@ -302,7 +305,20 @@ def get_piece_bytes(request: store_pb2.GetRequest) -> int:
 
 def region_request(request: store_pb2.RegisterRegionRequest) -> RegionRequest:
     r = request
-    return RegionRequest(r.name, r.size_bytes, r.ttl_seconds, r.ticket, r.registration, r.proof)
+    return RegionRequest(
+        r.name, r.size_bytes, r.ttl_seconds, r.ticket, r.registration, r.proof, r.data_file
+    )
+
+
+def direct_placement_pb(placement: Placement) -> store_pb2.DirectPlacement:
+    return store_pb2.DirectPlacement(
+        lease=placement.lease,
+        file_device=placement.file.device,
+        file_inode=placement.file.inode,
+        chunk_offsets=placement.chunk_offsets,
+        chunk_lengths=placement.chunk_lengths,
+        expires_at_unix_ms=placement.expires_ms,
+    )
 
 
 def region_lease_pb(lease: RegionLease) -> store_pb2.RegisterRegionResponse:
@@ -325,5 +341,8 @@ def parse_handover(raw: bytes) -> bytes:
         return b""
 
 
-def handover_reply(error: str) -> bytes:
-    return store_pb2.RegionHandoverReply(error=error).SerializeToString()
+def handover_reply(error: str, data_file_refused: str = "", data_file: bool = False) -> bytes:
+    reply = store_pb2.RegionHandoverReply(
+        error=error, data_file_refused=data_file_refused, data_file=data_file
+    )
+    return reply.SerializeToString()

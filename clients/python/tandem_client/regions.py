@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import mmap
 import os
 import secrets
@@ -28,6 +29,8 @@ import grpc
 
 from tandem_client.errors import DataLoss, FailedPrecondition, TandemError
 from tandem_wire.pb import store_pb2
+
+log = logging.getLogger(__name__)
 
 # Where each region's name is published, as a symlink to its fd (/proc/PID/fd/N): for `ls`,
 # for tools that watch one (tests/test_restore_faults.py), and to spot a dead process's.
@@ -123,23 +126,40 @@ def _sealed_memfd(name: str, size: int) -> int:
     return fd
 
 
-def hand_over(address: str, ticket: bytes, fd: int, timeout: float = 10.0) -> None:
+def hand_over(address: str, ticket: bytes, fd: int, timeout: float = 10.0) -> int | None:
     """Sends a region's fd with its ticket over the store's region socket (RegisterRegion's
-    answer names it). Raises TandemError (FAILED_PRECONDITION) when the store refuses it."""
+    answer names it). Returns the store's data file fd when the ticket asked for it and the
+    store gave it (direct reads), else None. Raises TandemError (FAILED_PRECONDITION) when
+    the store refuses the region."""
     target = "\0" + address[1:] if address.startswith("@") else address
     message = store_pb2.RegionHandover(ticket=ticket).SerializeToString()
+    received: list[int] = []
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(timeout)
             conn.connect(target)
             socket.send_fds(conn, [message], [fd])
             conn.shutdown(socket.SHUT_WR)
-            reply = b"".join(iter(lambda: conn.recv(4096), b""))
-        error = store_pb2.RegionHandoverReply.FromString(reply).error
+            parts = []
+            while True:
+                data, fds, _, _ = socket.recv_fds(conn, 4096, 1)
+                received += fds
+                if not data:
+                    break
+                parts.append(data)
+        reply = store_pb2.RegionHandoverReply.FromString(b"".join(parts))
+        error = reply.error
     except OSError as exc:
-        error = f"the store's region socket {address!r}: {exc}"
+        error, reply = f"the store's region socket {address!r}: {exc}", None
     if error:
+        for extra in received:
+            os.close(extra)
         raise FailedPrecondition(f"the store refused the region: {error}")
+    if reply is not None and reply.data_file_refused:
+        log.info("no direct reads: %s", reply.data_file_refused)
+    for extra in received[1:]:
+        os.close(extra)
+    return received[0] if received else None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ store_client.py keeps the calls every client makes; it uses the client's channel
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import grpc
 
 from tandem_client.bulk import RegionPut
+from tandem_client.data_file import DataFile
+from tandem_client.direct import DirectHold, StaleDataFile, read_direct
 from tandem_client.errors import TandemError
 from tandem_client.progressive import (
     copy_into,
@@ -45,15 +48,21 @@ MIN_REGION_PUT_BYTES = 256 << 10
 # gRPC because no region is attached, the record is larger than the whole region, every
 # span was lent to other reads, or the record was larger than the span taken (no size was
 # known; the store streams what does not fit).
+# "direct": read by this client out of the store's data file (direct.py).
 ReadRoute = Literal[
-    "region", "no region", "larger than the region", "region busy", "larger than the span"
+    "region",
+    "direct",
+    "no region",
+    "larger than the region",
+    "region busy",
+    "larger than the span",
 ]
 
 
 @dataclass(frozen=True)
 class RoutedRead:
     checkpoint: Checkpoint
-    hold: RegionHold | None  # the payload's span while its bytes are still there
+    hold: RegionHold | DirectHold | None  # where the payload's bytes are while they are
     route: ReadRoute
 
 
@@ -67,7 +76,7 @@ class ReadRoutes:
     def count(self, read: RoutedRead) -> RoutedRead:
         with self._lock:
             self._counts[read.route] = self._counts.get(read.route, 0) + 1
-        if read.route != "region" and read.route != "no region":  # said once, at attach
+        if read.route not in ("region", "direct", "no region"):  # "no region": said at attach
             log.info(
                 "a store read of %d bytes streamed over gRPC: %s",
                 read.checkpoint.payload_bytes,
@@ -87,6 +96,8 @@ class SameHostReads:
     _reads: RegionReads | None
     _routes: ReadRoutes
     _renewing: threading.Event
+    _data_file: DataFile | None  # the store's, for direct Gets (attach_region(direct=True))
+    _want_data_file: bool
     _store: Any
     _get: Callable[..., Iterator[bytes]]
 
@@ -107,10 +118,13 @@ class SameHostReads:
         passes): renews the registration in force, else hands the region's fd over (a
         ticket from the store, the fd with it over the store's region socket, the ticket
         back). Returns when the lease ends, unix ms."""
-        lease = self._register(region, ttl_s, registration=region.registration)
+        wanted = self._want_data_file
+        lease = self._register(region, ttl_s, registration=region.registration, data_file=wanted)
         if lease.ticket:
-            hand_over(lease.region_socket, lease.ticket, region.fd, self.timeout or 10.0)
+            fd = hand_over(lease.region_socket, lease.ticket, region.fd, self.timeout or 10.0)
             lease = self._register(region, ttl_s, ticket=lease.ticket)
+            if fd is not None:
+                self._data_file = DataFile(fd)
         region.registration, region.store_instance = lease.registration, lease.store_instance
         reads = self._reads
         if reads is not None and reads.region is region:
@@ -152,11 +166,16 @@ class SameHostReads:
                 )[0]
             )
 
-    def attach_region(self, region: SharedRegion, slots: int = 4, ttl_s: int = 60) -> None:
+    def attach_region(
+        self, region: SharedRegion, slots: int = 4, ttl_s: int = 60, direct: bool = False
+    ) -> None:
         """Same-host mode: from now on get() has the store write payloads into `region`
         (registered here, its lease renewed every ttl_s / 3) and copies them out, streaming
         only what does not fit a slot or when every slot is busy. Spans of Gets cut short
-        come back once the renewals show the store can no longer write into them."""
+        come back once the renewals show the store can no longer write into them.
+        direct: ask for the store's data file, so that get_routed(progressive=True) reads
+        payloads straight out of it (direct.py; given to a principal of every namespace)."""
+        self._want_data_file = direct
         self.register_region(region, ttl_s)
         reads = self._reads = RegionReads(region, slots)
         stop = self._renewing = threading.Event()
@@ -256,6 +275,9 @@ class SameHostReads:
         if hold is None:  # streamed: it did not fit after all
             reads.release(span)
             return RoutedRead(checkpoint, None, "larger than the span")
+        if isinstance(hold, DirectHold):  # the store wrote nothing into the span
+            reads.release(span)
+            return RoutedRead(checkpoint, hold, "direct")
         reads.reads += 1
         return RoutedRead(checkpoint, hold, "region")
 
@@ -270,14 +292,36 @@ class SameHostReads:
 
     def _read_progressive(
         self, key: bytes, reads: RegionReads, namespace: str, span: Span, tag: Tag
-    ) -> tuple[Checkpoint, RegionHold | None]:
+    ) -> tuple[Checkpoint, RegionHold | DirectHold | None]:
         request = self._region_request(key, reads.region, namespace, span, True, tag[1])
         request.progressive = True
+        data_file = self._data_file
+        request.direct = data_file is not None
         messages = iter(self._get(request, timeout=self.timeout))
+        if data_file is not None:
+            first = next(messages)
+            second = next(messages, None)
+            answer = store_pb2.GetResponse.FromString(second) if second is not None else None
+            if answer is not None and answer.WhichOneof("item") == "direct":
+                header = store_pb2.GetResponse.FromString(first)
+                try:
+                    return read_direct(header, answer.direct, messages, data_file, self._release)
+                except StaleDataFile as exc:
+                    # Compacted: a fresh handover at the next renewal brings the new file.
+                    log.info("direct reads paused until the region is registered again: %s", exc)
+                    self._data_file, reads.region.registration = None, 0
+                    return self._read_progressive(key, reads, namespace, span, tag)
+            head = [first] if second is None else [first, second]
+            messages = itertools.chain(head, messages)
         checkpoint, arrival = read_progressive(messages, reads.region, span.offset)
         if arrival is None:
             return checkpoint, None
         return checkpoint, RegionHold(reads, span, arrival, tag)
+
+    def _release(self, lease: int) -> bool:
+        request = store_pb2.ReleaseDirectRequest(lease=lease)
+        answer = self._call(lambda: self._store.ReleaseDirect(request, timeout=self.timeout))
+        return bool(answer.held)
 
     def _read_region(
         self,

@@ -24,6 +24,7 @@ from tandem_client.bulk import (
     put_messages,
     receive,
 )
+from tandem_client.data_file import DataFile
 from tandem_client.channel import GrpcClient
 from tandem_client.errors import NotFound, PutManyFailed, from_rpc_error
 from tandem_client.progressive import own_tensors
@@ -89,6 +90,8 @@ class StoreClient(SameHostReads, GrpcClient):
         self._reads: RegionReads | None = None  # same-host mode (attach_region)
         self._routes = ReadRoutes()
         self._renewing = threading.Event()
+        self._data_file: DataFile | None = None
+        self._want_data_file = False
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -1,0 +1,244 @@
+"""Direct Gets: a same-host caller reads a record's chunks straight out of the store's data
+file (docs/store.md, "Direct reads"), one copy (or one DMA by its GPU) instead of the store's
+checked copy into a region and the caller's copy out of it.
+
+Why it is safe:
+
+- **The pages stay put.** A direct Get opens a read transaction and keeps it until the
+  caller's ReleaseDirect or the lease's end (`ttl_s`): LMDB reuses no page a live reader can
+  see, so the offsets answered hold the record's bytes for that long. A lease that lapses
+  first answers held = false, and the caller drops what it read.
+- **Nothing unchecked is used.** The store checks every chunk's CRC (on its threads, from
+  its own mapping) while the caller reads; the caller waits for that verdict. A damaged chunk
+  is DATA_LOSS and quarantines the record, as on every other route.
+- **Who gets the file.** It holds every tenant's records, so only a principal of every
+  namespace (or a store without auth) is handed its fd (regions.py); it is opened read-only.
+- **Compaction** swaps in another file: each placement names its file (device, inode), and a
+  caller holding an older one reads through the region again until it registers anew.
+
+A held transaction holds the store's shared lock (storage.py), so map growth and compaction
+wait for leases: hence short leases and a bounded table (`max_leases`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from store_service import tables
+from store_service.errors import Aborted, Corrupt, Overloaded, Precondition
+from store_service.records import StoredRecord, chunk_key
+from store_service.storage import LmdbStorage, now_ms
+from tandem_wire.checksum import crc32
+
+log = logging.getLogger("tandem.store.direct")
+
+DEFAULT_TTL_S = 5.0
+DEFAULT_MAX_LEASES = 64
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    device: int
+    inode: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a record's chunks lie in the data file, under lease `lease`."""
+
+    lease: int
+    file: FileIdentity
+    chunk_offsets: list[int]
+    chunk_lengths: list[int]
+    expires_ms: int
+
+
+@dataclass
+class _Lease:
+    release: Callable[[], None]  # ends the transaction and gives back the shared lock
+    expires_at: float  # time.monotonic()
+    buffers: list[memoryview]  # the chunks, views of the store's own mapping
+
+
+class DirectReads:
+    """The leases of direct Gets on one storage, and the data file handed to callers."""
+
+    def __init__(
+        self,
+        storage: LmdbStorage,
+        ttl_s: float = DEFAULT_TTL_S,
+        max_leases: int = DEFAULT_MAX_LEASES,
+        check_threads: int = 4,
+    ) -> None:
+        self.storage = storage
+        self.ttl_s = ttl_s
+        self.max_leases = max_leases
+        self.check_threads = check_threads
+        self._lock = threading.Lock()
+        self._leases: dict[int, _Lease] = {}
+        self._lapsed = 0
+        self._base: tuple[tuple[int, int], int] | None = None  # (mapping, its address)
+        self._wake = threading.Event()
+        self._closed = False
+        self._sweeper = threading.Thread(target=self._sweep, name="direct-leases", daemon=True)
+        self._sweeper.start()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_leases > 0
+
+    def open_file(self) -> int:
+        """A read-only fd of the data file, for a caller allowed to have it (closes on exec)."""
+        return os.open(self.storage.data_file, os.O_RDONLY | os.O_CLOEXEC)
+
+    def identity(self) -> FileIdentity:
+        st = os.stat(self.storage.data_file)
+        return FileIdentity(st.st_dev, st.st_ino)
+
+    def place(self, record: StoredRecord) -> Placement:
+        """Opens a lease on record's chunks. Raises Overloaded (the table is full: read
+        through the region), Corrupt (a chunk is missing: quarantined) or Aborted."""
+        with self._lock:
+            if len(self._leases) >= self.max_leases:
+                raise Overloaded(f"{self.max_leases} direct reads are open, the most")
+        txn, release = self.storage.hold_read()
+        try:
+            # The map's address and the file's identity, read under the same shared lock that
+            # keeps compaction and growth (which move or replace both) away.
+            file = self.identity()
+            buffers = _chunk_buffers(self.storage, txn, record)
+            base = self._map_base(_address(buffers[0])) if buffers else 0
+            offsets = [_address(b) - base for b in buffers]
+        except BaseException:
+            release()
+            raise
+        lease = secrets.randbits(63) or 1
+        expires_at = time.monotonic() + self.ttl_s
+        with self._lock:
+            self._leases[lease] = _Lease(release, expires_at, buffers)
+        self._wake.set()
+        expires_ms = now_ms() + int(self.ttl_s * 1000)
+        return Placement(lease, file, offsets, [len(b) for b in buffers], expires_ms)
+
+    def _map_base(self, inside: int) -> int:
+        """Where LMDB mapped the data file in this process (LMDB reports it only for fixed
+        maps): read from /proc/self/maps once per mapping (growth and compaction remap)."""
+        mapping = (id(self.storage.env), self.storage.map_resizes)
+        if self._base is not None and self._base[0] == mapping:
+            return self._base[1]
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= inside < end:
+                    base = start - int(fields[2], 16)
+                    self._base = (mapping, base)
+                    return base
+        raise Precondition("the data file's mapping was not found in /proc/self/maps")
+
+    def check(
+        self,
+        placement: Placement,
+        record: StoredRecord,
+        quarantine: Callable[[StoredRecord, str], None],
+    ) -> None:
+        """Checks every chunk of a placement against its stored CRC, on several threads.
+        Raises Corrupt (the record is quarantined and the lease ended) or Aborted (the lease
+        lapsed before the check could read the chunks)."""
+        with self._lock:
+            held = self._leases.get(placement.lease)
+            buffers = list(held.buffers) if held is not None else None
+        if buffers is None:
+            raise Aborted("the direct read's lease lapsed before its chunks were checked")
+        crcs = record.chunk_crcs
+        prevs = [0 if s.starts_tensor else crcs[i - 1] for i, s in enumerate(record.slots)]
+
+        def bad(indices: range) -> str:
+            for i in indices:
+                if crc32(buffers[i], prevs[i]) != crcs[i]:
+                    return f"chunk {record.slots[i].index} failed its checksum"
+            return ""
+
+        workers = max(1, min(self.check_threads, len(buffers)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="direct-check") as pool:
+            every = range(len(buffers))
+            problems = [p for p in pool.map(bad, [every[w::workers] for w in range(workers)]) if p]
+        if problems:
+            self.release(placement.lease)
+            quarantine(record, problems[0])
+            raise Corrupt(
+                f"stored {problems[0]} ({record.header.key.hex()}); the record is quarantined "
+                "and the bytes read directly are not to be used"
+            )
+
+    def release(self, lease: int) -> bool:
+        """Ends a lease; False when it had lapsed (or never was): its pages may have moved."""
+        with self._lock:
+            held = self._leases.pop(lease, None)
+        if held is None:
+            return False
+        held.buffers.clear()
+        held.release()
+        return True
+
+    def counts(self) -> tuple[int, int]:
+        """(leases open, leases that lapsed since start)."""
+        with self._lock:
+            return len(self._leases), self._lapsed
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        with self._lock:
+            leases, self._leases = list(self._leases.values()), {}
+        for held in leases:
+            held.release()
+
+    def _sweep(self) -> None:
+        """Ends lapsed leases: a caller that died or stalled keeps no pages, and no lock."""
+        while not self._closed:
+            with self._lock:
+                now = time.monotonic()
+                lapsed = [k for k, v in self._leases.items() if v.expires_at <= now]
+                ended = [self._leases.pop(k) for k in lapsed]
+                self._lapsed += len(ended)
+                upcoming = min((v.expires_at for v in self._leases.values()), default=None)
+            for held in ended:
+                held.buffers.clear()
+                held.release()
+            if ended:
+                log.warning("%d direct read lease(s) lapsed unreleased", len(ended))
+            self._wake.wait(None if upcoming is None else max(0.0, upcoming - time.monotonic()))
+            self._wake.clear()
+
+
+def _chunk_buffers(storage: LmdbStorage, txn: Any, record: StoredRecord) -> list[memoryview]:
+    chunks = storage.db["chunks"]
+    buffers = []
+    for slot in record.slots:
+        buf = txn.get(chunk_key(record.record_id, slot.index), db=chunks)
+        if buf is None:
+            if tables.is_current(txn, storage.db, record):
+                raise Corrupt(f"stored chunk {slot.index} of {record.header.key.hex()} is missing")
+            raise Aborted("the record was replaced or removed while it was being read")
+        if len(buf) != slot.length:
+            raise Corrupt(f"stored chunk {slot.index} of {record.header.key.hex()} is truncated")
+        buffers.append(memoryview(buf))
+    return buffers
+
+
+def _address(view: memoryview) -> int:
+    """Where a buffer of LMDB's mapping starts (numpy reads a buffer's address without a copy)."""
+    if not view.nbytes:
+        raise Precondition("an empty chunk has no place in the file")
+    return int(np.frombuffer(view, np.uint8).ctypes.data)
