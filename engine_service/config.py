@@ -81,6 +81,9 @@ class EngineConfig:
     store_token_file: str = ""
     # Same-host data plane (docs/store.md): bytes of shared memory for restores; 0 = off.
     store_region_bytes: int = -1  # -1: sized for the backend (checkpoints.region_bytes)
+    # With a region: read restores straight out of the store's data file when it gives it
+    # (direct reads, docs/store.md), else have the store copy them into the region.
+    store_direct_reads: bool = True
     spill_batch_records: int = 32  # checkpoint Puts sent in one PutMany (1: one Put each)
     # Prometheus /metrics (front/metrics.py) on HOST:PORT; "" = off.
     metrics_listen: str = ""
@@ -333,6 +336,14 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         "-1: 256 MiB, 8 GiB with MLX-CUDA, at most half of /dev/shm's free space)",
     )
     p.add_argument(
+        "--store-direct-reads",
+        choices=("on", "off"),
+        default=ENV("STORE_DIRECT_READS", "on"),
+        help="with a region, read restores straight out of the store's data file when the "
+        "store gives it (a principal of every namespace); off: the store copies them into "
+        "the region",
+    )
+    p.add_argument(
         "--spill-batch-records",
         type=int,
         default=ENV.integer("SPILL_BATCH_RECORDS", 32),
@@ -417,6 +428,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             store_tls_key=a.store_tls_key,
             store_token_file=a.store_token_file,
             store_region_bytes=a.store_region_bytes,
+            store_direct_reads=a.store_direct_reads == "on",
             spill_batch_records=a.spill_batch_records,
             log_prompts=a.log_prompts,
             warmup=a.warmup,

@@ -25,9 +25,9 @@ from store_service.storage import now_ms
 from store_service.store import CheckpointStore
 from store_service.wire import (
     LookupQuery,
-    direct_placement_pb,
     PutResult,
     PutStreams,
+    direct_placement_pb,
     get_piece_bytes,
     parse_put_request,
     put_chunks,

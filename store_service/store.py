@@ -17,6 +17,7 @@ from typing import Any
 from store_service import tables
 from store_service.capacity import Capacity, Maintenance
 from store_service.config import StoreConfig
+from store_service.direct_reads import DirectReads
 from store_service.errors import Aborted, AlreadyExists, Corrupt, InvalidRequest, NotFound
 from store_service.map_warmer import MapWarmer
 from store_service.put_session import InflightBudget, PutSession
@@ -38,7 +39,6 @@ from store_service.records import (
 from store_service.recovery import recover
 from store_service.region_copy import copy_threads
 from store_service.region_socket import RegionSocket, default_address
-from store_service.direct_reads import DirectReads
 from store_service.regions import HandoverAnswer, RegionLimits, Regions
 from store_service.state import StoreState
 from store_service.storage import now_ms

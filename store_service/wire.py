@@ -15,6 +15,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from store_service.direct_reads import Placement
 from store_service.errors import InvalidRequest
 from store_service.records import (
     KIND_PREFIX,
@@ -25,7 +26,6 @@ from store_service.records import (
     check_label,
     check_layout,
 )
-from store_service.direct_reads import Placement
 from store_service.regions import RegionLease, RegionRequest
 from tandem_wire.chunks import decode_chunk
 from tandem_wire.limits import MIN_GET_CHUNK_BYTES

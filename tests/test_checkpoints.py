@@ -258,7 +258,10 @@ def test_a_corrupted_prefix_checkpoint_falls_back_to_prefill(stack: Stack) -> No
         assert got.token_ids == reference.token_ids
         assert got.usage is not None
         assert got.usage.cached_prompt_tokens == 0
-        assert engine.stats().checkpoints.restore_failures >= 1
+        stats = engine.stats().checkpoints
+        assert stats.restore_failures >= 1
+        # Read directly out of the store's file, refused by the store's check: never used.
+        assert dict(stats.store_reads_by_route) == {"direct": 1}
 
 
 def test_damage_in_a_late_part_of_a_progressive_restore_falls_back_to_prefill(
@@ -275,7 +278,7 @@ def test_damage_in_a_late_part_of_a_progressive_restore_falls_back_to_prefill(
     stack.store.terminate()
     flip_stored_byte(stack.root / "store", chunk=-1, at=10)  # the last chunk: in part two
     stack.restart_store()
-    stack.engine = stack.start_engine()
+    stack.engine = stack.start_engine("--store-direct-reads", "off")  # through the region
     with EngineClient(stack.engine.address) as engine:
         got = engine.generate(long_prompt, max_tokens=6, ignore_eos=True)
         stats = engine.stats().checkpoints
@@ -328,7 +331,8 @@ def test_resume_of_an_ended_generation_says_how_it_ended(shared: Stack) -> None:
 def test_a_same_host_restore_equals_a_streamed_one(shared: Stack) -> None:
     """Through the shared-memory region or over gRPC, a store hit restores the same cache:
     the same tokens and the same logprobs. Each hit says how its bytes came, and a hit
-    that could not use the region says why (Usage.prefix_source, Stats by route)."""
+    that could not use the region says why (Usage.prefix_source, Stats by route); a
+    restore read directly out of the store's data file equals them too."""
     request = dict(max_tokens=12, ignore_eos=True, logprobs=3)
     with EngineClient(shared.engine.address) as engine:
         engine.generate(PROMPT, **request)  # saves the prompt's prefix
@@ -338,7 +342,9 @@ def test_a_same_host_restore_equals_a_streamed_one(shared: Stack) -> None:
         assert again.usage.cached_prompt_tokens >= 256
     results = {}
     routes = {
-        "region": ((), "region"),
+        # Read by the engine out of the store's data file (docs/store.md, "Direct reads").
+        "direct": ((), "direct"),
+        "region": (("--store-direct-reads", "off"), "region"),
         "streamed": (("--store-region-bytes", "0"), "no region"),
         # 64 KiB: the prefix's ~1 MiB record cannot fit the region at all.
         "too small": (("--store-region-bytes", str(64 << 10)), "larger than the region"),
@@ -362,7 +368,7 @@ def test_a_same_host_restore_equals_a_streamed_one(shared: Stack) -> None:
             assert dict(stats.store_reads_by_route) == {route: 1}, name
         finally:
             fresh.stop()
-    assert results["region"] == results["streamed"] == results["too small"]
+    assert results["direct"] == results["region"] == results["streamed"] == results["too small"]
 
 
 def test_a_compressed_prefix_record_serves_only_requests_that_ask_for_it(shared: Stack) -> None:
@@ -389,7 +395,7 @@ def test_a_compressed_prefix_record_serves_only_requests_that_ask_for_it(shared:
             with EngineClient(again.address) as engine:
                 packed = engine.generate(prompt, prefix_record_bits=8, **where)
             assert packed.usage is not None and packed.usage.cached_prompt_tokens >= 256
-            assert packed.usage.prefix_source == "store: region"
+            assert packed.usage.prefix_source == "store: direct"
         finally:
             again.stop()
     finally:

@@ -79,7 +79,14 @@ def test_the_store_killed_mid_copy_makes_the_engine_prefill(
     # No local prefix cache: the prompt's second request finds its prefix in the store only
     # (one engine seeds the store and restores from it).
     engine_proc = start_engine(
-        engine_data_dir, "--store", store.address, "--prefix-cache-bytes", "0", log_dir=tmp_path
+        engine_data_dir,
+        "--store",
+        store.address,
+        "--prefix-cache-bytes",
+        "0",
+        "--store-direct-reads",  # the store's copy into the region is what is cut here
+        "off",
+        log_dir=tmp_path,
     )
     try:
         with EngineClient(engine_proc.address) as engine:

@@ -126,8 +126,18 @@ def test_only_a_principal_of_every_namespace_is_given_the_data_file(tmp_path: Pa
     tenant, engine = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
     auth = tmp_path / "auth.json"
     principals = [
-        {"name": "t", "token_sha256": token_sha256(tenant), "namespaces": ["t"], "roles": ["store"]},
-        {"name": "e", "token_sha256": token_sha256(engine), "namespaces": ["*"], "roles": ["store"]},
+        {
+            "name": "t",
+            "token_sha256": token_sha256(tenant),
+            "namespaces": ["t"],
+            "roles": ["store"],
+        },
+        {
+            "name": "e",
+            "token_sha256": token_sha256(engine),
+            "namespaces": ["*"],
+            "roles": ["store"],
+        },
     ]
     auth.write_text(json.dumps({"principals": principals}))
     store = start_store(tmp_path / "store", "--auth-file", str(auth))

@@ -205,7 +205,7 @@ def check_restorable(
                 width = np.dtype(view[1] if view else t.dtype).itemsize
             except TypeError as exc:
                 raise Corrupt(f"tensor {t.name!r} has unknown dtype {t.dtype!r}") from exc
-            if math.prod(t.shape) * width != memoryview(t.data).nbytes:
+            if math.prod(t.shape) * width != t.nbytes:  # stored_nbytes for a direct read
                 raise Corrupt(f"tensor {t.name!r} holds bytes that do not fit {list(t.shape)}")
         elif "l" in node:
             for child in node["l"]:

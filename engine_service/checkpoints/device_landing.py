@@ -27,6 +27,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from engine_service.checkpoints.direct_landing import FilePins, joined
+from tandem_client.data_file import DataFile
+from tandem_client.direct import DirectHold
 from tandem_client.records import Checkpoint, Tensor
 from tandem_client.regions import RegionHold, SharedRegion
 
@@ -94,6 +97,10 @@ class Landing:
     def settle(self) -> None:
         """Host copies are complete when made."""
 
+    def direct(self, tensor: Tensor, segments: list[memoryview], file: DataFile) -> mx.array:
+        """A direct Get's tensor (its chunks, views of the store's data file) as an array."""
+        return host_array(joined(tensor, segments))
+
     def push(self, arrays: list[mx.array], span: memoryview) -> list[memoryview] | None:
         """The arrays' bytes written into span (pinned host memory) by the device; None: this
         landing cannot (the caller views the arrays' own memory instead)."""
@@ -116,6 +123,7 @@ class PinnedLanding(Landing):
         # The address the GPU reads the pinned pages at (the host's, with unified addressing).
         self._device_base = cuda.device_pointer(self._base)
         self._pending: list[mx.array] = []
+        self._file_pins: FilePins | None = None  # made at the first direct restore
         self._kernel: Any = mx.fast.cuda_kernel(
             name="tandem_pull_pinned",
             input_names=["p"],
@@ -152,6 +160,16 @@ class PinnedLanding(Landing):
         self._pending.append(raw)
         typed: mx.array = raw.view(getattr(mx, tensor.dtype)).reshape(tensor.shape)
         return typed
+
+    def direct(self, tensor: Tensor, segments: list[memoryview], file: DataFile) -> mx.array:
+        """Pulled by the GPU straight from the data file's pages (direct_landing.py)."""
+        if self._file_pins is None:
+            self._file_pins = FilePins(self._cuda, self.settle)
+        pulled = self._file_pins.array(tensor, segments, file)
+        if pulled is None:
+            return host_array(joined(tensor, segments))
+        self._pending.append(pulled)
+        return pulled
 
     def push(self, arrays: list[mx.array], span: memoryview) -> list[memoryview] | None:
         """Device -> pinned region: one kernel a tensor writes it into span, ~40 GB/s, where
@@ -208,6 +226,8 @@ class PinnedLanding(Landing):
 
     def close(self) -> None:
         self.settle()
+        if self._file_pins is not None:
+            self._file_pins.close()
         self._cuda.unregister(self._base)
 
 
@@ -256,8 +276,8 @@ class _CudaRuntime:
         if err:
             raise RuntimeError(f"{what}: {self._lib.cudaGetErrorString(err).decode()}")
 
-    def register(self, address: int, nbytes: int) -> None:
-        self._check(self._lib.cudaHostRegister(address, nbytes, 0), "cudaHostRegister")
+    def register(self, address: int, nbytes: int, flags: int = 0) -> None:
+        self._check(self._lib.cudaHostRegister(address, nbytes, flags), "cudaHostRegister")
 
     def device_pointer(self, address: int) -> int:
         pointer = ctypes.c_void_p()
@@ -270,12 +290,19 @@ class _CudaRuntime:
 
 
 def as_they_arrive(
-    landing: Landing, stored: Checkpoint, hold: RegionHold | None, timeout_s: float
+    landing: Landing,
+    stored: Checkpoint,
+    hold: RegionHold | DirectHold | None,
+    timeout_s: float,
 ) -> Callable[[Tensor], mx.array]:
     """How a restore's tensors become arrays: each once the store has verified its bytes in
     the region (a progressive Get: hold.arrival), its pull started at once so the device
     copies it while the store copies the next part. Raises the Get's error (DataLoss, ...)
-    for a tensor whose bytes never arrive."""
+    for a tensor whose bytes never arrive. A direct Get's tensors are read at once, while the
+    store checks them: the caller waits for its verdict before using them."""
+    if isinstance(hold, DirectHold):
+        direct, file = hold, hold.data_file
+        return lambda tensor: landing.start(landing.direct(tensor, direct.segments(tensor), file))
     arrival = hold.arrival if hold is not None else None
     if arrival is None:
         return landing.array

@@ -59,6 +59,8 @@ class CheckpointSettings:
     # Same-host data plane: a shared-memory region the store writes restores into (0: off;
     # used only when the store's address is loopback).
     store_region_bytes: int = -1
+    # Restores read out of the store's data file when it gives it (direct reads).
+    direct_reads: bool = True
     # Puts queued back to back that leave in one PutMany (1: one Put a record).
     spill_batch_records: int = 32
     # Tokens a solo prefill feeds per model call (prefix snapshots: the engine's step).
@@ -148,7 +150,7 @@ class CheckpointManager:
         region = None
         try:
             region = SharedRegion(size)
-            store.attach_region(region)
+            store.attach_region(region, direct=self.settings.direct_reads)
         except (OSError, ValueError, TandemError) as exc:
             log.warning("store reads stream over gRPC (no shared-memory region: %s)", exc)
             if region is not None:

@@ -38,6 +38,7 @@ from engine_service.checkpoints.spill import Put, SpillQueue
 from engine_service.core.plans import PrefixMiss, PrefixPlan
 from engine_service.errors import Corrupt, Precondition
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
+from tandem_client.direct import DirectHold
 from tandem_client.errors import DataLoss, TandemError
 from tandem_client.identity import block_hashes, prefix_key, scope_digest
 from tandem_client.records import Checkpoint, LookupResult
@@ -229,17 +230,7 @@ class PrefixReuse:
                 held = plan.local.tokens
             else:
                 assert plan.stored is not None
-                try:
-                    caches = restore(
-                        plan.stored.metadata,
-                        plan.stored.tensors,
-                        plan.layout,
-                        as_they_arrive(self.landing, plan.stored, plan.hold, ARRIVAL_TIMEOUT_S),
-                    )
-                finally:  # the arrays own their bytes before the region span is reused
-                    self.landing.settle()
-                    if plan.hold is not None:
-                        plan.hold.release()
+                caches = self._restore_stored(plan)
                 held = int(plan.stored.metadata.get("tokens", plan.matched))
             if held > plan.matched:
                 if plan.exact or not can_trim_prompt_cache(caches):
@@ -256,6 +247,29 @@ class PrefixReuse:
             self.counters.add(store_hits=1, restored_bytes=plan.nbytes, restore_seconds=seconds)
             self.counters.observe_restore(plan.nbytes, seconds)
             self.cost.observe_restore(plan.nbytes, plan.matched, seconds)
+        return caches
+
+    def _restore_stored(self, plan: PrefixPlan) -> list[Any]:
+        """A store read's caches. A direct read's bytes count only once the store's check
+        passed and its lease held until the arrays owned them (DataLoss otherwise)."""
+        assert plan.stored is not None
+        hold = plan.hold
+        held = True
+        try:
+            caches = restore(
+                plan.stored.metadata,
+                plan.stored.tensors,
+                plan.layout,
+                as_they_arrive(self.landing, plan.stored, hold, ARRIVAL_TIMEOUT_S),
+            )
+            if isinstance(hold, DirectHold):
+                hold.arrival.wait(hold.arrival.total, ARRIVAL_TIMEOUT_S)
+        finally:  # the arrays own their bytes before the span (or the lease) is given back
+            self.landing.settle()
+            if hold is not None:
+                held = hold.release() is not False
+        if not held:
+            raise DataLoss("the direct read's lease lapsed before the arrays were made")
         return caches
 
     def save(

@@ -13,6 +13,7 @@ from typing import Literal
 
 from engine_service.checkpoints.cache_records import CapturedCache
 from engine_service.protocol.events import PrefixMissReason, PrefixSource
+from tandem_client.direct import DirectHold
 from tandem_client.records import Attachment, Checkpoint
 from tandem_client.regions import RegionHold
 from tandem_client.same_host import ReadRoute
@@ -27,9 +28,10 @@ class PrefixPlan:
     layout: list[str]  # the request's cache layout
     local: CapturedCache | None = None  # a local hit: device arrays, restored without a copy
     stored: Checkpoint | None = None  # a store hit: the record's bytes
-    # Where those bytes are when they still lie in the shared-memory region (released once
-    # they are MLX arrays); None: they are the checkpoint's own.
-    hold: RegionHold | None = None
+    # Where those bytes are when they still lie in the shared-memory region or, read
+    # directly, in the store's data file (released once they are MLX arrays); None: they
+    # are the checkpoint's own.
+    hold: RegionHold | DirectHold | None = None
     fetch_s: float = 0.0
     # A record that cannot be trimmed (recurrent state, a wrapped window): it serves exactly
     # the length it holds, never less.
@@ -46,6 +48,7 @@ class PrefixPlan:
             return "local"
         sources: dict[ReadRoute, PrefixSource] = {
             "region": "store: region",
+            "direct": "store: direct",
             "no region": "store: no region",
             "larger than the region": "store: larger than the region",
             "region busy": "store: region busy",

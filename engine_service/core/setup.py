@@ -55,6 +55,7 @@ def checkpoint_manager(config: EngineConfig, loaded: LoadedModel) -> CheckpointM
             store_credentials=credentials,
             store_token=token,
             store_region_bytes=config.store_region_bytes,
+            direct_reads=config.store_direct_reads,
             spill_batch_records=config.spill_batch_records,
             prefill_step_size=config.prefill_step_size,
             deterministic=config.deterministic,

@@ -39,6 +39,7 @@ PrefixSource = Literal[
     "",
     "local",
     "store: region",
+    "store: direct",
     "store: no region",
     "store: larger than the region",
     "store: region busy",

@@ -48,6 +48,7 @@ class DirectHold:
         if sum(lengths) != checkpoint.payload_bytes:
             raise DataLoss("a direct placement's chunks disagree with the header's size")
         self.lease = placement.lease
+        self.data_file = data_file
         self.arrival = Arrival(checkpoint.payload_bytes)
         self._segments: dict[int, list[memoryview]] = {}
         chunks = iter(zip(placement.chunk_offsets, lengths, strict=True))

@@ -24,8 +24,9 @@ from tandem_client.bulk import (
     put_messages,
     receive,
 )
-from tandem_client.data_file import DataFile
 from tandem_client.channel import GrpcClient
+from tandem_client.data_file import DataFile
+from tandem_client.direct import DirectHold
 from tandem_client.errors import NotFound, PutManyFailed, from_rpc_error
 from tandem_client.progressive import own_tensors
 from tandem_client.records import (
@@ -213,7 +214,7 @@ class StoreClient(SameHostReads, GrpcClient):
 
     def get_held(
         self, key: bytes, namespace: str = "", *, size_hint: int = 0, progressive: bool = False
-    ) -> tuple[Checkpoint, RegionHold | None]:
+    ) -> tuple[Checkpoint, RegionHold | DirectHold | None]:
         """get_routed() without the route."""
         read = self.get_routed(key, namespace, size_hint=size_hint, progressive=progressive)
         return read.checkpoint, read.hold

@@ -1,0 +1,160 @@
+"""Where a direct Get lands (tandem_client/direct.py): a tensor's chunks, views of the store's
+data file, -> one MLX array.
+
+- CPU (and Metal): the chunks joined into one host buffer, then `mx.array` (MLX copies).
+- MLX-CUDA: the data file's mapping is registered with CUDA in blocks, as restores first
+  touch them (`cudaHostRegister`, read-only; ~30 ms a GiB, once), and a gather kernel has the
+  GPU read every chunk of a tensor straight from those pages into a fresh MLX array: one DMA
+  from the page cache, no host copy at all (../shared/gpu/README.md measured 52 GB/s for it).
+  Registered blocks stay pinned, up to `PIN_LIMIT` bytes (least recently used let go first).
+
+MLX has no API for pinning host memory or importing it, hence this layer (as for the region:
+device_landing.py); anything it cannot do falls back to the host copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any, Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from tandem_client.data_file import DataFile
+from tandem_client.records import Tensor
+
+log = logging.getLogger(__name__)
+
+BLOCK = 256 << 20  # registration unit within the data file's mapping
+PIN_LIMIT = 32 << 30  # data-file bytes kept registered at most
+CUDA_HOST_REGISTER_MAPPED = 0x02
+CUDA_HOST_REGISTER_READ_ONLY = 0x08
+THREADS_PER_BLOCK = 256
+MAX_BLOCKS_PER_CHUNK = 64
+# p holds, per chunk: (device address of its bytes, its offset in the output, 16-byte words).
+_GATHER_SOURCE = """
+  size_t chunk = blockIdx.y;
+  const uint4* src = reinterpret_cast<const uint4*>(p[chunk * 3]);
+  uint4* dst = reinterpret_cast<uint4*>(out + p[chunk * 3 + 1]);
+  size_t n16 = (size_t)p[chunk * 3 + 2];
+  size_t stride = (size_t)gridDim.x * blockDim.x;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += stride) {
+    dst[i] = src[i];
+  }
+"""
+
+
+class CudaRuntime(Protocol):
+    def register(self, address: int, nbytes: int, flags: int = 0) -> None: ...
+
+    def unregister(self, address: int) -> None: ...
+
+    def device_pointer(self, address: int) -> int: ...
+
+
+def joined(tensor: Tensor, segments: list[memoryview]) -> Tensor:
+    """The tensor with its chunks in one buffer of its own (a view when there is one chunk)."""
+    if len(segments) == 1:
+        data: Any = segments[0]
+    elif segments:
+        data = np.concatenate([np.frombuffer(s, np.uint8) for s in segments])
+    else:
+        data = b""
+    return Tensor(tensor.name, tensor.dtype, tensor.shape, data)
+
+
+class FilePins:
+    """The data file's blocks registered with CUDA, and the gather kernel reading them."""
+
+    def __init__(self, cuda: CudaRuntime, settle: Any) -> None:
+        self._cuda = cuda
+        self._settle = settle  # waits for every pull issued: before a block is let go
+        self._file: DataFile | None = None
+        self._blocks: OrderedDict[int, tuple[int, int]] = OrderedDict()  # k -> (bytes, device)
+        self._kernel: Any = mx.fast.cuda_kernel(
+            name="tandem_gather_pinned",
+            input_names=["p"],
+            output_names=["out"],
+            source=_GATHER_SOURCE,
+        )
+        self.failed = False
+
+    def array(self, tensor: Tensor, segments: list[memoryview], file: DataFile) -> mx.array | None:
+        """The tensor pulled by the GPU from the file's pages; None: it cannot be (unaligned,
+        or registration failed), and the caller copies through the host."""
+        if self.failed or not segments or tensor.nbytes % 16:
+            return None
+        table = []
+        at = 0
+        for segment in segments:
+            offset = np.frombuffer(segment, np.uint8).ctypes.data - file.base
+            if offset % 16 or segment.nbytes % 16:
+                return None
+            device = self._device_address(file, offset, segment.nbytes)
+            if device is None:
+                return None
+            table += [device, at, segment.nbytes // 16]
+            at += segment.nbytes
+        longest = max(s.nbytes for s in segments) // 16
+        per_chunk = min(MAX_BLOCKS_PER_CHUNK, -(-longest // THREADS_PER_BLOCK))
+        (raw,) = self._kernel(
+            inputs=[mx.array(np.array(table, np.uint64))],
+            output_shapes=[(tensor.nbytes,)],
+            output_dtypes=[mx.uint8],
+            grid=(per_chunk * THREADS_PER_BLOCK, len(segments), 1),
+            threadgroup=(THREADS_PER_BLOCK, 1, 1),
+        )
+        typed: mx.array = raw.view(getattr(mx, tensor.dtype)).reshape(tensor.shape)
+        return typed
+
+    def _device_address(self, file: DataFile, offset: int, nbytes: int) -> int | None:
+        if file is not self._file:
+            self.close()  # compacted: the old file's pages go back
+            self._file = file
+        first, last = offset // BLOCK, (offset + nbytes - 1) // BLOCK
+        if first != last:  # a chunk across two blocks: both registered (one address space)
+            end = offset + nbytes - last * BLOCK
+            if not (self._pin(file, first, BLOCK) and self._pin(file, last, end)):
+                return None
+        elif not self._pin(file, first, offset + nbytes - first * BLOCK):
+            return None
+        return self._blocks[first][1] + offset - first * BLOCK
+
+    def _pin(self, file: DataFile, k: int, needed: int) -> bool:
+        """Block k registered over at least its first `needed` bytes."""
+        held = self._blocks.get(k)
+        if held is not None and held[0] >= needed:
+            self._blocks.move_to_end(k)
+            return True
+        size = min(BLOCK, file.size() - k * BLOCK)
+        if size < needed:
+            return False
+        self._settle()
+        if held is not None:
+            self._cuda.unregister(file.base + k * BLOCK)
+            del self._blocks[k]
+        while self._blocks and sum(b for b, _ in self._blocks.values()) + size > PIN_LIMIT:
+            old, _ = self._blocks.popitem(last=False)
+            self._cuda.unregister(file.base + old * BLOCK)
+        address = file.base + k * BLOCK
+        try:
+            self._cuda.register(
+                address, size, CUDA_HOST_REGISTER_MAPPED | CUDA_HOST_REGISTER_READ_ONLY
+            )
+            device = self._cuda.device_pointer(address)
+        except (OSError, RuntimeError) as exc:
+            log.warning("direct restores copy through the host (registering failed: %s)", exc)
+            self.failed = True
+            return False
+        self._blocks[k] = (size, device)
+        return True
+
+    def close(self) -> None:
+        if self._file is None:
+            return
+        self._settle()
+        for k in self._blocks:
+            self._cuda.unregister(self._file.base + k * BLOCK)
+        self._blocks.clear()
+        self._file = None
