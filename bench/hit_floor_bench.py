@@ -9,7 +9,12 @@ B: raw mlx-lm's `BatchGenerator`, in this process, given that prefix's cache alr
 Each pair is a new prompt; the first pair warms both up and is dropped. Prints the median of
 the paired ratios A / B and their spread (issue 37's CPU aim: within 1.3x).
 
+With --routes direct,region, A is measured on two engines in each round, one reading store hits
+straight out of the store's data file (--store-direct-reads on, the default) and one having
+the store copy them into its region (off): each beside the same raw B.
+
     python bench/hit_floor_bench.py [--model tandem-tiny] [--tokens 4096] [--pairs 7]
+        [--routes direct|region|direct,region]
 """
 
 from __future__ import annotations
@@ -41,10 +46,14 @@ from tandem_client import EngineClient  # noqa: E402
 from tests.servers import free_port, start_engine, start_store_on  # noqa: E402
 
 
-def engine_hit(client: EngineClient, base: list[int], turn: list[int], namespace: str) -> float:
-    """The follow-up's time to first token, its prefix saved to the store first."""
+def engine_hit(
+    client: EngineClient, base: list[int], turn: list[int], namespace: str, think_s: float = 0.0
+) -> float:
+    """The follow-up's time to first token, its prefix saved to the store first (and think_s
+    of a user's pause between the answer and the next turn)."""
     client.generate(base, max_tokens=1, ignore_eos=True, namespace=namespace)
     client.flush()  # the prefix is in the store
+    time.sleep(think_s)
     start = time.perf_counter()
     for chunk in client.stream(base + turn, max_tokens=1, ignore_eos=True, namespace=namespace):
         if chunk.usage is not None:
@@ -52,6 +61,19 @@ def engine_hit(client: EngineClient, base: list[int], turn: list[int], namespace
             if chunk.usage.cached_prompt_tokens < len(base) - 64:
                 raise RuntimeError(f"not a store hit: {chunk.usage}")
             client.flush()  # its own prefix's save ends before the next measurement
+            return elapsed
+    raise RuntimeError("no usage")
+
+
+def engine_cold(client: EngineClient, prompt: list[int], namespace: str) -> float:
+    """The engine's time to first token for a prompt nothing of which is stored."""
+    start = time.perf_counter()
+    for chunk in client.stream(prompt, max_tokens=1, ignore_eos=True, namespace=namespace):
+        if chunk.usage is not None:
+            elapsed = time.perf_counter() - start
+            if chunk.usage.cached_prompt_tokens:
+                raise RuntimeError(f"not cold: {chunk.usage}")
+            client.flush()
             return elapsed
     raise RuntimeError("no usage")
 
@@ -77,47 +99,110 @@ def main() -> None:
     parser.add_argument("--model", default="tandem-tiny")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--pairs", type=int, default=7)
+    parser.add_argument("--routes", default="direct", help="direct, region or direct,region")
+    parser.add_argument(
+        "--cold", action="store_true", help="also the engine's cold prefill of a new prompt"
+    )
+    parser.add_argument(
+        "--think-s", type=float, default=0.0, help="pause between a prefix's save and its hit"
+    )
+    parser.add_argument("--capacity-gib", type=int, default=8, help="the store's capacity")
     args = parser.parse_args()
+    routes = args.routes.split(",")
     with tempfile.TemporaryDirectory(prefix="tandem-hit-floor-") as tmp:
         root = Path(tmp)
         spec = model_spec(args.model, root)
         port = free_port()
-        store = start_store_on(root / "store", port, "--sync-mode", "none")
-        engine = start_engine(
-            root,
-            "--model",
-            spec,
-            "--store",
-            f"127.0.0.1:{port}",
-            "--prefix-cache-bytes",
-            "0",
-            log_dir=root,
+        store = start_store_on(
+            root / "store",
+            port,
+            "--sync-mode",
+            "none",
+            "--capacity-bytes",
+            str(args.capacity_gib << 30),
         )
+        engines = {
+            route: start_engine(
+                root,
+                "--model",
+                spec,
+                "--store",
+                f"127.0.0.1:{port}",
+                "--prefix-cache-bytes",
+                "0",
+                "--store-direct-reads",
+                "on" if route == "direct" else "off",
+                log_dir=root / route,
+            )
+            for route in routes
+        }
         loaded = load_model(spec, root)
-        hits, raws, ratios = [], [], []
+        hits: dict[str, list[float]] = {r: [] for r in routes}
+        ratios: dict[str, list[float]] = {r: [] for r in routes}
+        raws: list[float] = []
+        colds: list[float] = []
+        by_route, bandwidth = {}, {}
+        warm: dict[str, tuple[int, float]] = {}
         try:
-            with EngineClient(engine.address, timeout=1800) as client:
-                vocab = client.model_info().vocab_size
-                for r in range(args.pairs + 1):
-                    base = random_prompt(args.tokens, vocab, seed=7_000 + r)
-                    turn = random_prompt(16, vocab, seed=r)
-                    hit = engine_hit(client, base, turn, f"pair-{r}")
-                    raw = raw_from_memory(loaded, base, turn)
-                    if r:  # the first pair warms both up
-                        hits.append(hit)
-                        raws.append(raw)
-                        ratios.append(hit / raw)
-                        print(f"  pair {r}: store hit {hit * 1e3:7.1f} ms, raw {raw * 1e3:7.1f} ms")
-                routes = dict(client.stats().checkpoints.store_reads_by_route)
+            clients = {r: EngineClient(e.address, timeout=1800) for r, e in engines.items()}
+            vocab = clients[routes[0]].model_info().vocab_size
+            for r in range(args.pairs + 1):
+                base = random_prompt(args.tokens, vocab, seed=7_000 + r)
+                turn = random_prompt(16, vocab, seed=r)
+                got = {
+                    k: engine_hit(c, base, turn, f"{k}-{r}", args.think_s)
+                    for k, c in clients.items()
+                }
+                raw = raw_from_memory(loaded, base, turn)
+                cold = 0.0
+                if args.cold:
+                    fresh = random_prompt(args.tokens, vocab, seed=9_000 + r) + turn
+                    cold = engine_cold(clients[routes[0]], fresh, f"cold-{r}")
+                if not r:  # the first round warms everything up
+                    for k, c in clients.items():
+                        stats = c.stats().checkpoints
+                        warm[k] = (stats.restored_bytes, stats.restore_seconds)
+                    continue
+                raws.append(raw)
+                if args.cold:
+                    colds.append(cold)
+                for k, hit in got.items():
+                    hits[k].append(hit)
+                    ratios[k].append(hit / raw)
+                shown = ", ".join(f"{k} hit {v * 1e3:7.1f} ms" for k, v in got.items())
+                print(f"  round {r}: {shown}, raw {raw * 1e3:7.1f} ms, cold {cold * 1e3:7.1f} ms")
+            for k, c in clients.items():
+                stats = c.stats().checkpoints
+                by_route[k] = dict(stats.store_reads_by_route)
+                moved = stats.restored_bytes - warm[k][0]
+                bandwidth[k] = moved / max(stats.restore_seconds - warm[k][1], 1e-9) / 1e9
+                c.close()
         finally:
-            engine.stop()
+            for engine in engines.values():
+                engine.stop()
             store.stop()
     print(
-        f"{args.model} on {mx.default_device()}, {args.tokens} + 16 tokens, {args.pairs} pairs:"
-        f" store hit {statistics.median(hits) * 1e3:.1f} ms, raw mlx-lm from memory"
-        f" {statistics.median(raws) * 1e3:.1f} ms; hit / raw median {statistics.median(ratios):.2f}"
-        f" ({min(ratios):.2f}-{max(ratios):.2f}); store reads by route {routes}"
+        f"{args.model} on {mx.default_device()}, {args.tokens} + 16 tokens, {args.pairs} rounds:"
+        f" raw mlx-lm from memory {statistics.median(raws) * 1e3:.1f} ms"
     )
+    for k in routes:
+        print(
+            f"  {k}: store hit {statistics.median(hits[k]) * 1e3:.1f} ms; hit / raw median"
+            f" {statistics.median(ratios[k]):.2f} ({min(ratios[k]):.2f}-{max(ratios[k]):.2f});"
+            f" store reads by route {by_route[k]}; restores {bandwidth[k]:.1f} GB/s end to end"
+        )
+        if colds:
+            gain = [c / h for c, h in zip(colds, hits[k], strict=True)]
+            print(
+                f"    cold prefill {statistics.median(colds) * 1e3:.1f} ms; cold / hit median"
+                f" {statistics.median(gain):.2f} ({min(gain):.2f}-{max(gain):.2f})"
+            )
+    if len(routes) == 2:
+        paired = [a / b for a, b in zip(hits[routes[0]], hits[routes[1]], strict=True)]
+        print(
+            f"  {routes[0]} / {routes[1]} hit, median of paired ratios"
+            f" {statistics.median(paired):.2f} ({min(paired):.2f}-{max(paired):.2f})"
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ data file, -> one MLX array.
   GPU read every chunk of a tensor straight from those pages into a fresh MLX array: one DMA
   from the page cache, no host copy at all (../shared/gpu/README.md measured 52 GB/s for it).
   Registered blocks stay pinned, up to `PIN_LIMIT` bytes (least recently used let go first).
+  Pinning costs ~30 ms a GiB (the pages are faulted in and locked), so a thread registers the
+  file's new whole blocks as it grows (a record is put, then restored later), off the
+  restore's path; a restore registers what is still missing itself.
 
 MLX has no API for pinning host memory or importing it, hence this layer (as for the region:
 device_landing.py); anything it cannot do falls back to the host copy.
@@ -15,6 +18,7 @@ device_landing.py); anything it cannot do falls back to the host copy.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from typing import Any, Protocol
 
@@ -26,8 +30,9 @@ from tandem_client.records import Tensor
 
 log = logging.getLogger(__name__)
 
-BLOCK = 256 << 20  # registration unit within the data file's mapping
+BLOCK = 64 << 20  # registration unit within the data file's mapping
 PIN_LIMIT = 32 << 30  # data-file bytes kept registered at most
+GROWTH_POLL_S = 0.1  # how often the registering thread looks at the file's size
 CUDA_HOST_REGISTER_MAPPED = 0x02
 CUDA_HOST_REGISTER_READ_ONLY = 0x08
 THREADS_PER_BLOCK = 256
@@ -69,9 +74,12 @@ class FilePins:
 
     def __init__(self, cuda: CudaRuntime, settle: Any) -> None:
         self._cuda = cuda
-        self._settle = settle  # waits for every pull issued: before a block is let go
+        self._settle = settle  # waits for every pull issued: before a block is let go (MLX's)
         self._file: DataFile | None = None
         self._blocks: OrderedDict[int, tuple[int, int]] = OrderedDict()  # k -> (bytes, device)
+        self._lock = threading.Lock()  # the blocks, between the MLX thread and the grower
+        self._grower: threading.Thread | None = None
+        self._stop = threading.Event()
         self._kernel: Any = mx.fast.cuda_kernel(
             name="tandem_gather_pinned",
             input_names=["p"],
@@ -87,15 +95,16 @@ class FilePins:
             return None
         table = []
         at = 0
-        for segment in segments:
-            offset = np.frombuffer(segment, np.uint8).ctypes.data - file.base
-            if offset % 16 or segment.nbytes % 16:
-                return None
-            device = self._device_address(file, offset, segment.nbytes)
-            if device is None:
-                return None
-            table += [device, at, segment.nbytes // 16]
-            at += segment.nbytes
+        with self._lock:
+            for segment in segments:
+                offset = np.frombuffer(segment, np.uint8).ctypes.data - file.base
+                if offset % 16 or segment.nbytes % 16:
+                    return None
+                device = self._device_address(file, offset, segment.nbytes)
+                if device is None:
+                    return None
+                table += [device, at, segment.nbytes // 16]
+                at += segment.nbytes
         longest = max(s.nbytes for s in segments) // 16
         per_chunk = min(MAX_BLOCKS_PER_CHUNK, -(-longest // THREADS_PER_BLOCK))
         (raw,) = self._kernel(
@@ -110,8 +119,11 @@ class FilePins:
 
     def _device_address(self, file: DataFile, offset: int, nbytes: int) -> int | None:
         if file is not self._file:
-            self.close()  # compacted: the old file's pages go back
+            self._let_go()  # compacted: the old file's pages go back
             self._file = file
+            if self._grower is None:
+                self._grower = threading.Thread(target=self._grow, name="file-pins", daemon=True)
+                self._grower.start()
         first, last = offset // BLOCK, (offset + nbytes - 1) // BLOCK
         if first != last:  # a chunk across two blocks: both registered (one address space)
             end = offset + nbytes - last * BLOCK
@@ -134,9 +146,15 @@ class FilePins:
         if held is not None:
             self._cuda.unregister(file.base + k * BLOCK)
             del self._blocks[k]
-        while self._blocks and sum(b for b, _ in self._blocks.values()) + size > PIN_LIMIT:
+        while self._blocks and self._pinned() + size > PIN_LIMIT:
             old, _ = self._blocks.popitem(last=False)
             self._cuda.unregister(file.base + old * BLOCK)
+        return self._register(file, k, size)
+
+    def _pinned(self) -> int:
+        return sum(b for b, _ in self._blocks.values())
+
+    def _register(self, file: DataFile, k: int, size: int) -> bool:
         address = file.base + k * BLOCK
         try:
             self._cuda.register(
@@ -150,7 +168,24 @@ class FilePins:
         self._blocks[k] = (size, device)
         return True
 
-    def close(self) -> None:
+    def _grow(self) -> None:
+        """Registers the file's whole blocks not yet registered, as the file grows, while
+        PIN_LIMIT allows (never lets a block go: only the MLX thread may, after a settle)."""
+        while not self._stop.wait(GROWTH_POLL_S):
+            file = self._file
+            if file is None or self.failed:
+                continue
+            whole = file.size() // BLOCK
+            for k in range(whole):
+                with self._lock:
+                    if file is not self._file or self.failed:
+                        break
+                    held = self._blocks.get(k)
+                    if held is not None or self._pinned() + BLOCK > PIN_LIMIT:
+                        continue
+                    self._register(file, k, BLOCK)
+
+    def _let_go(self) -> None:
         if self._file is None:
             return
         self._settle()
@@ -158,3 +193,8 @@ class FilePins:
             self._cuda.unregister(self._file.base + k * BLOCK)
         self._blocks.clear()
         self._file = None
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._let_go()

@@ -1,0 +1,132 @@
+"""Checks and times the landing of direct Gets (engine_service/checkpoints/direct_landing.py)
+on this machine's backend: records put into a real store, read directly, landed as MLX
+arrays by the engine's landing, compared byte for byte with the host's copy of the same
+chunks; then an 8k-token-shaped restore timed end to end, direct against the store's copy
+into a region (ABAB).
+
+    python bench/direct_landing_check.py [--mib 896] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
+
+# isort: off
+import engine_service  # noqa: E402, F401  (the fast BLAS must load before mlx)
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+# isort: on
+
+from engine_service.checkpoints.device_landing import (  # noqa: E402
+    as_they_arrive,
+    host_array,
+    landing_for,  # noqa: E402
+)
+from engine_service.checkpoints.direct_landing import joined  # noqa: E402
+from tandem_client import Checkpoint, StoreClient, Tensor  # noqa: E402
+from tandem_client.direct import DirectHold  # noqa: E402
+from tandem_client.regions import SharedRegion  # noqa: E402
+from tests.servers import free_port, start_store_on  # noqa: E402
+
+
+def record(key: bytes, layers: int, per_tensor: int, seed: int) -> Checkpoint:
+    rng = np.random.default_rng(seed)
+    tensors = []
+    for i in range(layers):
+        for kind in ("k", "v"):
+            words = rng.integers(0, 1 << 16, per_tensor // 2, dtype=np.uint16)
+            tensors.append(Tensor(f"l{i}.{kind}", "bfloat16", (per_tensor // 2,), words.tobytes()))
+    tensors.append(Tensor("odd", "uint8", (1001,), rng.bytes(1001)))  # not 16-byte sized
+    return Checkpoint(key=key, kind="prefix", tensors=tensors)
+
+
+def land(client: StoreClient, landing, key: bytes, size: int) -> tuple[list[mx.array], str, float]:  # noqa: ANN001
+    start = time.perf_counter()
+    read = client.get_routed(key, size_hint=size, progressive=True)
+    to_array = as_they_arrive(landing, read.checkpoint, read.hold, 60.0)
+    arrays = [to_array(t) for t in read.checkpoint.tensors]
+    if isinstance(read.hold, DirectHold):
+        read.hold.arrival.wait(read.hold.arrival.total, 60.0)
+    landing.settle()
+    mx.eval(arrays)
+    if read.hold is not None and read.hold.release() is False:
+        raise RuntimeError("the lease lapsed")
+    return arrays, read.route, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mib", type=int, default=896)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="tandem-direct-") as tmp:
+        port = free_port()
+        store = start_store_on(
+            Path(tmp) / "store", port, "--sync-mode", "none", "--capacity-bytes", str(32 << 30)
+        )
+        try:
+            with SharedRegion(max(256 << 20, (args.mib + 64) << 20)) as region:
+                direct = StoreClient(f"127.0.0.1:{port}", timeout=600)
+                direct.attach_region(region, direct=True)
+                landing = landing_for(region)
+                print(f"{mx.default_device()}: landing {landing.kind}")
+                # 1. Bytes: every tensor equal to the host's copy of its chunks.
+                small = record(b"check", 4, 3 << 20, seed=1)
+                direct.put(small)
+                arrays, route, _ = land(direct, landing, b"check", small.payload_bytes)
+                assert route == "direct", route
+                for stored, array in zip(small.tensors, arrays, strict=True):
+                    want = host_array(joined(stored, [memoryview(stored.data)]))
+                    same = mx.array_equal(array.view(mx.uint8), want.view(mx.uint8))
+                    assert bool(same), stored.name
+                print(f"  {len(arrays)} tensors landed directly, every byte equal")
+                # 2. Time: an 8k-token-shaped record, direct vs the region, ABAB.
+                per_tensor = (args.mib << 20) // 56
+                per_tensor -= per_tensor % 16
+                big = record(b"big", 28, per_tensor, seed=2)
+                direct.put(big)
+                direct.flush()
+                time.sleep(0.5)  # the engine registers the file's new pages meanwhile
+                with (
+                    StoreClient(f"127.0.0.1:{port}", timeout=600) as copied,
+                    SharedRegion(region.size) as copied_region,
+                ):
+                    copied.attach_region(copied_region, direct=False)
+                    routes = {
+                        "direct": (direct, landing),
+                        "region": (copied, landing_for(copied_region)),
+                    }
+                    times: dict[str, list[float]] = {"direct": [], "region": []}
+                    for r in range(args.rounds + 1):
+                        for name, (client, lands) in routes.items():
+                            _, route, seconds = land(client, lands, b"big", big.payload_bytes)
+                            assert route == name, route
+                            if r:
+                                times[name].append(seconds)
+                    routes["region"][1].close()
+                gb = big.payload_bytes / 1e9
+                for name, values in times.items():
+                    best = statistics.median(values)
+                    print(f"  {name}: {best * 1e3:.1f} ms, {gb / best:.1f} GB/s ({gb:.2f} GB)")
+                paired = [a / b for a, b in zip(times["direct"], times["region"], strict=True)]
+                print(
+                    f"  direct / region median {statistics.median(paired):.2f}"
+                    f" ({min(paired):.2f}-{max(paired):.2f})"
+                )
+                landing.close()
+                direct.close()
+        finally:
+            store.stop()
+
+
+if __name__ == "__main__":
+    main()
