@@ -49,18 +49,31 @@ def record(key: bytes, layers: int, per_tensor: int, seed: int) -> Checkpoint:
     return Checkpoint(key=key, kind="prefix", tensors=tensors)
 
 
-def land(client: StoreClient, landing, key: bytes, size: int) -> tuple[list[mx.array], str, float]:  # noqa: ANN001
-    start = time.perf_counter()
+PHASES = ("get", "launch", "verdict", "settle", "release")
+
+
+def land(
+    client: StoreClient, landing, key: bytes, size: int
+) -> tuple[list[mx.array], str, list[float]]:  # noqa: ANN001, E501
+    """Lands a record; returns its arrays, its route and the phases' times (PHASES, then
+    the whole)."""
+    marks = [time.perf_counter()]
     read = client.get_routed(key, size_hint=size, progressive=True)
+    marks.append(time.perf_counter())
     to_array = as_they_arrive(landing, read.checkpoint, read.hold, 60.0)
     arrays = [to_array(t) for t in read.checkpoint.tensors]
+    marks.append(time.perf_counter())
     if isinstance(read.hold, DirectHold):
         read.hold.arrival.wait(read.hold.arrival.total, 60.0)
+    marks.append(time.perf_counter())
     landing.settle()
     mx.eval(arrays)
+    marks.append(time.perf_counter())
     if read.hold is not None and read.hold.release() is False:
         raise RuntimeError("the lease lapsed")
-    return arrays, read.route, time.perf_counter() - start
+    marks.append(time.perf_counter())
+    phases = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    return arrays, read.route, [*phases, marks[-1] - marks[0]]
 
 
 def main() -> None:
@@ -106,17 +119,24 @@ def main() -> None:
                         "region": (copied, landing_for(copied_region)),
                     }
                     times: dict[str, list[float]] = {"direct": [], "region": []}
+                    split: dict[str, list[list[float]]] = {"direct": [], "region": []}
                     for r in range(args.rounds + 1):
                         for name, (client, lands) in routes.items():
-                            _, route, seconds = land(client, lands, b"big", big.payload_bytes)
+                            _, route, phases = land(client, lands, b"big", big.payload_bytes)
                             assert route == name, route
                             if r:
-                                times[name].append(seconds)
+                                times[name].append(phases[-1])
+                                split[name].append(phases[:-1])
                     routes["region"][1].close()
                 gb = big.payload_bytes / 1e9
                 for name, values in times.items():
                     best = statistics.median(values)
                     print(f"  {name}: {best * 1e3:.1f} ms, {gb / best:.1f} GB/s ({gb:.2f} GB)")
+                    medians = [statistics.median(p) * 1e3 for p in zip(*split[name], strict=True)]
+                    print(
+                        "    "
+                        + ", ".join(f"{n} {m:.1f}" for n, m in zip(PHASES, medians, strict=True))
+                    )
                 paired = [a / b for a, b in zip(times["direct"], times["region"], strict=True)]
                 print(
                     f"  direct / region median {statistics.median(paired):.2f}"

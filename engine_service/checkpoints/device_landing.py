@@ -163,7 +163,7 @@ class PinnedLanding(Landing):
 
     def direct(self, tensor: Tensor, segments: list[memoryview], file: DataFile) -> mx.array:
         """Pulled by the GPU straight from the data file's pages (direct_landing.py)."""
-        if self._file_pins is None:
+        if self._file_pins is None:  # made by warm()
             self._file_pins = FilePins(self._cuda, self.settle)
         pulled = self._file_pins.array(tensor, segments, file)
         if pulled is None:
@@ -223,6 +223,8 @@ class PinnedLanding(Landing):
         pushed = self.push([source], target)
         if pushed is None or bytes(pushed[0]) != np.array(source).tobytes():
             raise RuntimeError("the pinned push wrote other bytes than the device holds")
+        self._file_pins = FilePins(self._cuda, self.settle)
+        self._file_pins.warm(self._device_base + 4096, probe)
 
     def close(self) -> None:
         self.settle()
