@@ -28,7 +28,6 @@ import mlx.core as mx
 import numpy as np
 
 from engine_service.checkpoints.direct_landing import FilePins, joined
-from tandem_client.data_file import DataFile
 from tandem_client.direct import DirectHold
 from tandem_client.records import Checkpoint, Tensor
 from tandem_client.regions import RegionHold, SharedRegion
@@ -97,9 +96,10 @@ class Landing:
     def settle(self) -> None:
         """Host copies are complete when made."""
 
-    def direct(self, tensor: Tensor, segments: list[memoryview], file: DataFile) -> mx.array:
-        """A direct Get's tensor (its chunks, views of the store's data file) as an array."""
-        return host_array(joined(tensor, segments))
+    def direct(self, tensors: list[Tensor], hold: DirectHold) -> dict[int, mx.array]:
+        """A direct Get's tensors (their chunks, views of the store's data file) as arrays:
+        id(tensor) -> array."""
+        return {id(t): host_array(joined(t, hold.segments(t))) for t in tensors}
 
     def push(self, arrays: list[mx.array], span: memoryview) -> list[memoryview] | None:
         """The arrays' bytes written into span (pinned host memory) by the device; None: this
@@ -161,14 +161,18 @@ class PinnedLanding(Landing):
         typed: mx.array = raw.view(getattr(mx, tensor.dtype)).reshape(tensor.shape)
         return typed
 
-    def direct(self, tensor: Tensor, segments: list[memoryview], file: DataFile) -> mx.array:
-        """Pulled by the GPU straight from the data file's pages (direct_landing.py)."""
+    def direct(self, tensors: list[Tensor], hold: DirectHold) -> dict[int, mx.array]:
+        """Pulled by the GPU straight from the data file's pages in one launch
+        (direct_landing.py); what it cannot pull is copied through the host."""
         if self._file_pins is None:  # made by warm()
             self._file_pins = FilePins(self._cuda, self.settle)
-        pulled = self._file_pins.array(tensor, segments, file)
-        if pulled is None:
-            return host_array(joined(tensor, segments))
-        self._pending.append(pulled)
+        wanted = [(t, hold.segments(t)) for t in tensors]
+        pulled = self._file_pins.arrays(wanted, hold.data_file)
+        if pulled:
+            self._pending.append(next(iter(pulled.values())))
+        for tensor, segments in wanted:
+            if id(tensor) not in pulled:
+                pulled[id(tensor)] = host_array(joined(tensor, segments))
         return pulled
 
     def push(self, arrays: list[mx.array], span: memoryview) -> list[memoryview] | None:
@@ -303,8 +307,10 @@ def as_they_arrive(
     for a tensor whose bytes never arrive. A direct Get's tensors are read at once, while the
     store checks them: the caller waits for its verdict before using them."""
     if isinstance(hold, DirectHold):
-        direct, file = hold, hold.data_file
-        return lambda tensor: landing.start(landing.direct(tensor, direct.segments(tensor), file))
+        arrays = landing.direct(stored.all_tensors(), hold)
+        for array in arrays.values():
+            landing.start(array)
+        return lambda tensor: arrays[id(tensor)]
     arrival = hold.arrival if hold is not None else None
     if arrival is None:
         return landing.array

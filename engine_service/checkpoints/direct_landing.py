@@ -88,26 +88,49 @@ class FilePins:
         )
         self.failed = False
 
-    def array(self, tensor: Tensor, segments: list[memoryview], file: DataFile) -> mx.array | None:
-        """The tensor pulled by the GPU from the file's pages; None: it cannot be (unaligned,
-        or registration failed), and the caller copies through the host."""
-        if self.failed or not segments or tensor.nbytes % 16:
-            return None
-        table = []
-        at = 0
+    def arrays(
+        self, tensors: list[tuple[Tensor, list[memoryview]]], file: DataFile
+    ) -> dict[int, mx.array]:
+        """The tensors (with their chunks) pulled by the GPU from the file's pages in one
+        launch, into one buffer each array is a view of: id(tensor) -> array. Tensors that
+        cannot be (unaligned, or registration failed) are left out: the caller copies them
+        through the host."""
+        if self.failed:
+            return {}
+        table: list[int] = []
+        placed: list[tuple[Tensor, int]] = []
+        at = longest = 0
         with self._lock:
-            for segment in segments:
-                offset = np.frombuffer(segment, np.uint8).ctypes.data - file.base
-                if offset % 16 or segment.nbytes % 16:
-                    return None
-                device = self._device_address(file, offset, segment.nbytes)
-                if device is None:
-                    return None
-                table += [device, at, segment.nbytes // 16]
-                at += segment.nbytes
-        raw = self._gather(table, tensor.nbytes, max(s.nbytes for s in segments))
-        typed: mx.array = raw.view(getattr(mx, tensor.dtype)).reshape(tensor.shape)
-        return typed
+            for tensor, segments in tensors:
+                rows = self._rows(segments, file, at)
+                if rows is None or not segments or tensor.nbytes % 16:
+                    continue
+                table += rows
+                placed.append((tensor, at))
+                at += tensor.nbytes
+                longest = max(longest, *(s.nbytes for s in segments))
+        if not placed:
+            return {}
+        raw = self._gather(table, at, longest)
+        return {
+            id(t): raw[start : start + t.nbytes].view(getattr(mx, t.dtype)).reshape(t.shape)
+            for t, start in placed
+        }
+
+    def _rows(self, segments: list[memoryview], file: DataFile, at: int) -> list[int] | None:
+        """The gather table's rows for one tensor's chunks from output offset at; None: one
+        of them is unaligned or cannot be registered."""
+        rows: list[int] = []
+        for segment in segments:
+            offset = np.frombuffer(segment, np.uint8).ctypes.data - file.base
+            if offset % 16 or segment.nbytes % 16:
+                return None
+            device = self._device_address(file, offset, segment.nbytes)
+            if device is None:
+                return None
+            rows += [device, at, segment.nbytes // 16]
+            at += segment.nbytes
+        return rows
 
     def warm(self, device_address: int, host: memoryview) -> None:
         """Compiles the gather kernel now (a second or so on first use), not in the first
