@@ -47,15 +47,22 @@ from tests.servers import free_port, start_engine, start_store_on  # noqa: E402
 
 
 def engine_hit(
-    client: EngineClient, base: list[int], turn: list[int], namespace: str, think_s: float = 0.0
+    client: EngineClient,
+    base: list[int],
+    turn: list[int],
+    namespace: str,
+    think_s: float = 0.0,
+    bits: int = 0,
 ) -> float:
     """The follow-up's time to first token, its prefix saved to the store first (and think_s
-    of a user's pause between the answer and the next turn)."""
-    client.generate(base, max_tokens=1, ignore_eos=True, namespace=namespace)
+    of a user's pause between the answer and the next turn); bits: the prefix record
+    compressed to 8 or 4 bits (0: exact)."""
+    where = dict(ignore_eos=True, namespace=namespace, prefix_record_bits=bits)
+    client.generate(base, max_tokens=1, **where)
     client.flush()  # the prefix is in the store
     time.sleep(think_s)
     start = time.perf_counter()
-    for chunk in client.stream(base + turn, max_tokens=1, ignore_eos=True, namespace=namespace):
+    for chunk in client.stream(base + turn, max_tokens=1, **where):
         if chunk.usage is not None:
             elapsed = time.perf_counter() - start
             if chunk.usage.cached_prompt_tokens < len(base) - 64:
@@ -107,6 +114,9 @@ def main() -> None:
         "--think-s", type=float, default=0.0, help="pause between a prefix's save and its hit"
     )
     parser.add_argument("--capacity-gib", type=int, default=8, help="the store's capacity")
+    parser.add_argument(
+        "--record-bits", type=int, default=0, help="prefix records as 8- or 4-bit codes"
+    )
     args = parser.parse_args()
     routes = args.routes.split(",")
     with tempfile.TemporaryDirectory(prefix="tandem-hit-floor-") as tmp:
@@ -150,7 +160,7 @@ def main() -> None:
                 base = random_prompt(args.tokens, vocab, seed=7_000 + r)
                 turn = random_prompt(16, vocab, seed=r)
                 got = {
-                    k: engine_hit(c, base, turn, f"{k}-{r}", args.think_s)
+                    k: engine_hit(c, base, turn, f"{k}-{r}", args.think_s, args.record_bits)
                     for k, c in clients.items()
                 }
                 raw = raw_from_memory(loaded, base, turn)
@@ -182,7 +192,8 @@ def main() -> None:
                 engine.stop()
             store.stop()
     print(
-        f"{args.model} on {mx.default_device()}, {args.tokens} + 16 tokens, {args.pairs} rounds:"
+        f"{args.model} on {mx.default_device()}, {args.tokens} + 16 tokens, {args.pairs} rounds,"
+        f" records {args.record_bits or 'exact'}{'-bit' if args.record_bits else ''}:"
         f" raw mlx-lm from memory {statistics.median(raws) * 1e3:.1f} ms"
     )
     for k in routes:

@@ -166,13 +166,13 @@ class PinnedLanding(Landing):
         (direct_landing.py); what it cannot pull is copied through the host."""
         if self._file_pins is None:  # made by warm()
             self._file_pins = FilePins(self._cuda, self.settle)
-        wanted = [(t, hold.segments(t)) for t in tensors]
+        wanted = [(t, hold.chunks(t)) for t in tensors]
         pulled = self._file_pins.arrays(wanted, hold.data_file)
         if pulled:
             self._pending.append(next(iter(pulled.values())))
-        for tensor, segments in wanted:
+        for tensor in tensors:
             if id(tensor) not in pulled:
-                pulled[id(tensor)] = host_array(joined(tensor, segments))
+                pulled[id(tensor)] = host_array(joined(tensor, hold.segments(tensor)))
         return pulled
 
     def push(self, arrays: list[mx.array], span: memoryview) -> list[memoryview] | None:

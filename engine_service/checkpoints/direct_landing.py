@@ -89,7 +89,7 @@ class FilePins:
         self.failed = False
 
     def arrays(
-        self, tensors: list[tuple[Tensor, list[memoryview]]], file: DataFile
+        self, tensors: list[tuple[Tensor, list[tuple[int, int]]]], file: DataFile
     ) -> dict[int, mx.array]:
         """The tensors (with their chunks) pulled by the GPU from the file's pages in one
         launch, into one buffer each array is a view of: id(tensor) -> array. Tensors that
@@ -101,14 +101,14 @@ class FilePins:
         placed: list[tuple[Tensor, int]] = []
         at = longest = 0
         with self._lock:
-            for tensor, segments in tensors:
-                rows = self._rows(segments, file, at)
-                if rows is None or not segments or tensor.nbytes % 16:
+            for tensor, chunks in tensors:
+                rows = self._rows(chunks, file, at)
+                if rows is None or not chunks or tensor.nbytes % 16:
                     continue
                 table += rows
                 placed.append((tensor, at))
                 at += tensor.nbytes
-                longest = max(longest, *(s.nbytes for s in segments))
+                longest = max(longest, *(length for _, length in chunks))
         if not placed:
             return {}
         raw = self._gather(table, at, longest)
@@ -117,19 +117,18 @@ class FilePins:
             for t, start in placed
         }
 
-    def _rows(self, segments: list[memoryview], file: DataFile, at: int) -> list[int] | None:
-        """The gather table's rows for one tensor's chunks from output offset at; None: one
-        of them is unaligned or cannot be registered."""
+    def _rows(self, chunks: list[tuple[int, int]], file: DataFile, at: int) -> list[int] | None:
+        """The gather table's rows for one tensor's chunks (file offset, length) from output
+        offset at; None: one of them is unaligned or cannot be registered."""
         rows: list[int] = []
-        for segment in segments:
-            offset = np.frombuffer(segment, np.uint8).ctypes.data - file.base
-            if offset % 16 or segment.nbytes % 16:
+        for offset, length in chunks:
+            if offset % 16 or length % 16:
                 return None
-            device = self._device_address(file, offset, segment.nbytes)
+            device = self._device_address(file, offset, length)
             if device is None:
                 return None
-            rows += [device, at, segment.nbytes // 16]
-            at += segment.nbytes
+            rows += [device, at, length // 16]
+            at += length
         return rows
 
     def warm(self, device_address: int, host: memoryview) -> None:

@@ -60,6 +60,10 @@ class DataFile:
             raise OSError(err, f"mapping the store's data file: {os.strerror(err)}")
         self.fd = fd
         self.base: int = address
+        # One view of the whole reservation (no memory): a chunk's view is a slice of it.
+        whole = (ctypes.c_char * RESERVE).from_address(address)
+        whole.owner = self  # type: ignore[attr-defined]  # the mapping outlives every view
+        self._whole = memoryview(whole).cast("B")
         self._lock = threading.Lock()
         self._closed = False
         self._size = 0
@@ -76,9 +80,7 @@ class DataFile:
             raise FailedPrecondition(
                 f"bytes {offset}..{offset + length} lie outside the store's data file"
             )
-        chunk = (ctypes.c_char * length).from_address(self.base + offset)
-        chunk.owner = self  # type: ignore[attr-defined]  # the mapping outlives every view
-        return memoryview(chunk).cast("B")
+        return self._whole[offset:end]
 
     def __del__(self) -> None:
         with self._lock:

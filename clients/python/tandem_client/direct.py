@@ -50,24 +50,31 @@ class DirectHold:
         self.lease = placement.lease
         self.data_file = data_file
         self.arrival = Arrival(checkpoint.payload_bytes)
-        self._segments: dict[int, list[memoryview]] = {}
+        self._chunks: dict[int, list[tuple[int, int]]] = {}
         chunks = iter(zip(placement.chunk_offsets, lengths, strict=True))
+        end = 0
         for tensor in checkpoint.all_tensors():
-            taken, views = 0, []
+            taken, mine = 0, []
             while taken < tensor.nbytes:
                 offset, length = next(chunks, (0, 0))
                 if not length or taken + length > tensor.nbytes:
                     raise DataLoss("a direct placement's chunks do not fit its tensors")
-                views.append(data_file.view(offset, length))
+                mine.append((offset, length))
                 taken += length
-            self._segments[id(tensor)] = views
+                end = max(end, offset + length)
+            self._chunks[id(tensor)] = mine
+        data_file.view(0, end)  # every chunk inside the file (FailedPrecondition if not)
         self._held: bool | None = None
         self._finalizer = weakref.finalize(self, _release_quietly, release, placement.lease)
         self._release = release
 
+    def chunks(self, tensor: Tensor) -> list[tuple[int, int]]:
+        """Where the tensor's bytes lie in the data file, in order: (offset, length)."""
+        return self._chunks[id(tensor)]
+
     def segments(self, tensor: Tensor) -> list[memoryview]:
         """The tensor's bytes, in order, as views of the data file (valid until release)."""
-        return self._segments[id(tensor)]
+        return [self.data_file.view(offset, length) for offset, length in self.chunks(tensor)]
 
     def copy(self, tensor: Tensor) -> np.ndarray:
         """The tensor's bytes in a buffer of its own (one copy)."""
@@ -81,7 +88,7 @@ class DirectHold:
         the record's bytes. Anything read after this is not."""
         if self._held is None:
             self._finalizer.detach()
-            self._segments.clear()
+            self._chunks.clear()
             try:
                 self._held = self._release(self.lease)
             except TandemError:
