@@ -8,18 +8,18 @@
 set -u
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader; nproc
-hit() { python3 bench/hit_floor_bench.py --cold "$@"; }
+hit="python3 bench/hit_floor_bench.py --cold"
 if [ "${1:-a}" = "a" ]; then
   timeout 120 python3 bench/direct_landing_check.py --mib 896 --rounds 5 2>&1 | tee "$out/landing.txt"
-  timeout 300 hit --model qwen3-0.6b-shape --tokens 8192 --pairs 7 --routes direct,region \
+  timeout 300 $hit --model qwen3-0.6b-shape --tokens 8192 --pairs 7 --routes direct,region \
     --think-s 0.5 2>&1 | tee "$out/hit_8k.txt"
-  timeout 150 hit --model qwen3-0.6b-shape --tokens 8192 --pairs 5 --routes direct \
+  timeout 150 $hit --model qwen3-0.6b-shape --tokens 8192 --pairs 5 --routes direct \
     --think-s 0.5 --record-bits 8 2>&1 | tee "$out/hit_8k_8bit.txt"
 else
-  timeout 200 hit --model qwen3-0.6b-shape --tokens 32768 --pairs 3 --routes direct,region \
+  timeout 200 $hit --model qwen3-0.6b-shape --tokens 32768 --pairs 3 --routes direct,region \
     --think-s 1.0 --capacity-gib 40 2>&1 | tee "$out/hit_32k.txt"
-  timeout 130 hit --model qwen3-0.6b-shape --tokens 32768 --pairs 3 --routes direct \
+  timeout 130 $hit --model qwen3-0.6b-shape --tokens 32768 --pairs 3 --routes direct \
     --think-s 1.0 --capacity-gib 40 --record-bits 8 2>&1 | tee "$out/hit_32k_8bit.txt"
-  timeout 260 hit --model llama3-8b-shape --tokens 8000 --pairs 4 --routes direct,region \
+  timeout 260 $hit --model llama3-8b-shape --tokens 8000 --pairs 4 --routes direct,region \
     --think-s 0.5 2>&1 | tee "$out/hit_8b.txt"
 fi
