@@ -140,6 +140,8 @@ def main() -> None:
                 f"127.0.0.1:{port}",
                 "--prefix-cache-bytes",
                 "0",
+                "--spill-queue-bytes",  # a 32k-token prefix of the 0.6B shape is 3.5 GiB
+                str(16 << 30),
                 "--store-direct-reads",
                 "on" if route == "direct" else "off",
                 log_dir=root / route,
