@@ -18,6 +18,7 @@ device_landing.py); anything it cannot do falls back to the host copy.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from typing import Any, Protocol
@@ -31,7 +32,9 @@ from tandem_client.records import Tensor
 log = logging.getLogger(__name__)
 
 BLOCK = 64 << 20  # registration unit within the data file's mapping
-PIN_LIMIT = 32 << 30  # data-file bytes kept registered at most
+# Data-file bytes kept registered at most: pinned pages cannot be reclaimed, so a quarter of
+# the host's memory, and no more than 32 GiB.
+PIN_LIMIT = min(32 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4)
 GROWTH_POLL_S = 0.1  # how often the registering thread looks at the file's size
 CUDA_HOST_REGISTER_MAPPED = 0x02
 CUDA_HOST_REGISTER_READ_ONLY = 0x08
@@ -69,15 +72,105 @@ def joined(tensor: Tensor, segments: list[memoryview]) -> Tensor:
     return Tensor(tensor.name, tensor.dtype, tensor.shape, data)
 
 
+class BlockPins:
+    """Which BLOCK-sized pieces of the data file's mapping are registered with CUDA.
+
+    A restore asks for every block its chunks touch at once (`ensure`): blocks it needs are
+    never let go while it is being planned, so no row of its gather can point at pages that
+    were unregistered meanwhile; to make room, least recently used other blocks go first.
+    A thread registers new whole blocks as the file grows (`grow`), below the limit."""
+
+    def __init__(self, cuda: CudaRuntime, settle: Any, limit: int = PIN_LIMIT) -> None:
+        self._cuda = cuda
+        self._settle = settle  # waits for every pull issued: before a block is let go (MLX's)
+        self.limit = limit
+        self.file: DataFile | None = None
+        self.blocks: OrderedDict[int, int] = OrderedDict()  # k -> bytes registered
+        self.failed = False
+        self.lock = threading.Lock()  # the blocks, between the MLX thread and the grower
+
+    def ensure(self, file: DataFile, chunks: list[tuple[int, int]]) -> bool:
+        """Every block the chunks (offset, length) touch registered over what they need;
+        False (nothing to gather from) when the limit or a registration refuses."""
+        if file is not self.file:
+            self.let_go()  # compacted: the old file's pages go back
+            self.file = file
+        needs: dict[int, int] = {}
+        for offset, length in chunks:
+            for k in range(offset // BLOCK, (offset + length - 1) // BLOCK + 1):
+                needs[k] = max(needs.get(k, 0), min(BLOCK, offset + length - k * BLOCK))
+        missing = {k: n for k, n in needs.items() if self.blocks.get(k, 0) < n}
+        for k in needs:
+            if k in self.blocks:
+                self.blocks.move_to_end(k)
+        if not missing:
+            return True
+        size = file.size()
+        extents = {k: min(BLOCK, size - k * BLOCK) for k in missing}
+        if any(extents[k] < n for k, n in missing.items()):
+            return False  # past the file's end: a stale placement
+        self._settle()
+        for k in missing:
+            if k in self.blocks:  # registered short of what is needed now: again, longer
+                self._cuda.unregister(file.base + k * BLOCK)
+                del self.blocks[k]
+        wanted = sum(extents.values())
+        others = [k for k in self.blocks if k not in needs]
+        while others and self.pinned() + wanted > self.limit:
+            old = others.pop(0)
+            self._cuda.unregister(file.base + old * BLOCK)
+            del self.blocks[old]
+        if self.pinned() + wanted > self.limit:
+            return False
+        return all(self.register(file, k, extents[k]) for k in missing)
+
+    def pinned(self) -> int:
+        return sum(self.blocks.values())
+
+    def register(self, file: DataFile, k: int, size: int) -> bool:
+        address = file.base + k * BLOCK
+        try:
+            self._cuda.register(
+                address, size, CUDA_HOST_REGISTER_MAPPED | CUDA_HOST_REGISTER_READ_ONLY
+            )
+            self.blocks[k] = size
+            # A chunk may span two blocks: the gather needs the host's addresses (unified
+            # addressing), not one device mapping per block.
+            if self._cuda.device_pointer(address) != address:
+                raise RuntimeError("a registered page's device address is not its host's")
+        except (OSError, RuntimeError) as exc:
+            log.warning("direct restores copy through the host (registering failed: %s)", exc)
+            self.failed = True
+            return False
+        return True
+
+    def grow(self, file: DataFile) -> None:
+        """Registers the file's whole blocks not registered yet, while the limit allows
+        (lets none go: only the MLX thread may, after a settle)."""
+        for k in range(file.size() // BLOCK):
+            with self.lock:
+                if file is not self.file or self.failed:
+                    return
+                if k not in self.blocks and self.pinned() + BLOCK <= self.limit:
+                    self.register(file, k, BLOCK)
+
+    def let_go(self) -> None:
+        if self.file is None:
+            return
+        self._settle()
+        for k in self.blocks:
+            self._cuda.unregister(self.file.base + k * BLOCK)
+        self.blocks.clear()
+        self.file = None
+
+
 class FilePins:
-    """The data file's blocks registered with CUDA, and the gather kernel reading them."""
+    """The data file's pages registered with CUDA (BlockPins), and the gather kernel that
+    reads them into MLX arrays."""
 
     def __init__(self, cuda: CudaRuntime, settle: Any) -> None:
         self._cuda = cuda
-        self._settle = settle  # waits for every pull issued: before a block is let go (MLX's)
-        self._file: DataFile | None = None
-        self._blocks: OrderedDict[int, tuple[int, int]] = OrderedDict()  # k -> (bytes, device)
-        self._lock = threading.Lock()  # the blocks, between the MLX thread and the grower
+        self.blocks = BlockPins(cuda, settle)
         self._grower: threading.Thread | None = None
         self._stop = threading.Event()
         self._kernel: Any = mx.fast.cuda_kernel(
@@ -86,50 +179,45 @@ class FilePins:
             output_names=["out"],
             source=_GATHER_SOURCE,
         )
-        self.failed = False
 
     def arrays(
         self, tensors: list[tuple[Tensor, list[tuple[int, int]]]], file: DataFile
     ) -> dict[int, mx.array]:
-        """The tensors (with their chunks) pulled by the GPU from the file's pages in one
-        launch, into one buffer each array is a view of: id(tensor) -> array. Tensors that
-        cannot be (unaligned, or registration failed) are left out: the caller copies them
-        through the host."""
-        if self.failed:
+        """The tensors (with their chunks: file offset, length) pulled by the GPU from the
+        file's pages in one launch, into one buffer each array is a view of: id(tensor) ->
+        array. Tensors with an unaligned chunk are left out, and all are when the pages
+        cannot be registered: the caller copies those through the host."""
+        usable = [
+            (t, chunks)
+            for t, chunks in tensors
+            if chunks and not t.nbytes % 16 and all(not o % 16 and not n % 16 for o, n in chunks)
+        ]
+        if not usable:
             return {}
+        if self._grower is None:
+            self._grower = threading.Thread(target=self._grow, name="file-pins", daemon=True)
+            self._grower.start()
+        with self.blocks.lock:
+            if self.blocks.failed or not self.blocks.ensure(
+                file, [c for _, chunks in usable for c in chunks]
+            ):
+                return {}
+        # Registered pages are read at their host addresses (checked at registration).
+        device = file.base
         table: list[int] = []
         placed: list[tuple[Tensor, int]] = []
         at = longest = 0
-        with self._lock:
-            for tensor, chunks in tensors:
-                rows = self._rows(chunks, file, at)
-                if rows is None or not chunks or tensor.nbytes % 16:
-                    continue
-                table += rows
-                placed.append((tensor, at))
-                at += tensor.nbytes
-                longest = max(longest, *(length for _, length in chunks))
-        if not placed:
-            return {}
+        for tensor, chunks in usable:
+            placed.append((tensor, at))
+            for offset, length in chunks:
+                table += [device + offset, at, length // 16]
+                at += length
+                longest = max(longest, length)
         raw = self._gather(table, at, longest)
         return {
             id(t): raw[start : start + t.nbytes].view(getattr(mx, t.dtype)).reshape(t.shape)
             for t, start in placed
         }
-
-    def _rows(self, chunks: list[tuple[int, int]], file: DataFile, at: int) -> list[int] | None:
-        """The gather table's rows for one tensor's chunks (file offset, length) from output
-        offset at; None: one of them is unaligned or cannot be registered."""
-        rows: list[int] = []
-        for offset, length in chunks:
-            if offset % 16 or length % 16:
-                return None
-            device = self._device_address(file, offset, length)
-            if device is None:
-                return None
-            rows += [device, at, length // 16]
-            at += length
-        return rows
 
     def warm(self, device_address: int, host: memoryview) -> None:
         """Compiles the gather kernel now (a second or so on first use), not in the first
@@ -153,84 +241,13 @@ class FilePins:
         )
         return outputs[0]
 
-    def _device_address(self, file: DataFile, offset: int, nbytes: int) -> int | None:
-        if file is not self._file:
-            self._let_go()  # compacted: the old file's pages go back
-            self._file = file
-            if self._grower is None:
-                self._grower = threading.Thread(target=self._grow, name="file-pins", daemon=True)
-                self._grower.start()
-        first, last = offset // BLOCK, (offset + nbytes - 1) // BLOCK
-        if first != last:  # a chunk across two blocks: both registered (one address space)
-            end = offset + nbytes - last * BLOCK
-            if not (self._pin(file, first, BLOCK) and self._pin(file, last, end)):
-                return None
-        elif not self._pin(file, first, offset + nbytes - first * BLOCK):
-            return None
-        return self._blocks[first][1] + offset - first * BLOCK
-
-    def _pin(self, file: DataFile, k: int, needed: int) -> bool:
-        """Block k registered over at least its first `needed` bytes."""
-        held = self._blocks.get(k)
-        if held is not None and held[0] >= needed:
-            self._blocks.move_to_end(k)
-            return True
-        size = min(BLOCK, file.size() - k * BLOCK)
-        if size < needed:
-            return False
-        self._settle()
-        if held is not None:
-            self._cuda.unregister(file.base + k * BLOCK)
-            del self._blocks[k]
-        while self._blocks and self._pinned() + size > PIN_LIMIT:
-            old, _ = self._blocks.popitem(last=False)
-            self._cuda.unregister(file.base + old * BLOCK)
-        return self._register(file, k, size)
-
-    def _pinned(self) -> int:
-        return sum(b for b, _ in self._blocks.values())
-
-    def _register(self, file: DataFile, k: int, size: int) -> bool:
-        address = file.base + k * BLOCK
-        try:
-            self._cuda.register(
-                address, size, CUDA_HOST_REGISTER_MAPPED | CUDA_HOST_REGISTER_READ_ONLY
-            )
-            device = self._cuda.device_pointer(address)
-        except (OSError, RuntimeError) as exc:
-            log.warning("direct restores copy through the host (registering failed: %s)", exc)
-            self.failed = True
-            return False
-        self._blocks[k] = (size, device)
-        return True
-
     def _grow(self) -> None:
-        """Registers the file's whole blocks not yet registered, as the file grows, while
-        PIN_LIMIT allows (never lets a block go: only the MLX thread may, after a settle)."""
         while not self._stop.wait(GROWTH_POLL_S):
-            file = self._file
-            if file is None or self.failed:
-                continue
-            whole = file.size() // BLOCK
-            for k in range(whole):
-                with self._lock:
-                    if file is not self._file or self.failed:
-                        break
-                    held = self._blocks.get(k)
-                    if held is not None or self._pinned() + BLOCK > PIN_LIMIT:
-                        continue
-                    self._register(file, k, BLOCK)
-
-    def _let_go(self) -> None:
-        if self._file is None:
-            return
-        self._settle()
-        for k in self._blocks:
-            self._cuda.unregister(self._file.base + k * BLOCK)
-        self._blocks.clear()
-        self._file = None
+            file = self.blocks.file
+            if file is not None:
+                self.blocks.grow(file)
 
     def close(self) -> None:
         self._stop.set()
-        with self._lock:
-            self._let_go()
+        with self.blocks.lock:
+            self.blocks.let_go()
