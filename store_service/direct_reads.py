@@ -68,6 +68,17 @@ class _Lease:
     release: Callable[[], None]  # ends the transaction and gives back the shared lock
     expires_at: float  # time.monotonic()
     buffers: list[memoryview]  # the chunks, views of the store's own mapping
+    # The store's check reads the buffers: a lease released or lapsed meanwhile ends its
+    # transaction only after the check (a map growth may remap the pages once it ends).
+    checking: bool = False
+    ended: bool = False
+
+    def end(self) -> None:
+        """Out of the table: the transaction ends now, or when the check is done."""
+        self.ended = True
+        if not self.checking:
+            self.buffers.clear()
+            self.release()
 
 
 class DirectReads:
@@ -157,9 +168,10 @@ class DirectReads:
         lapsed before the check could read the chunks)."""
         with self._lock:
             held = self._leases.get(placement.lease)
-            buffers = list(held.buffers) if held is not None else None
-        if buffers is None:
-            raise Aborted("the direct read's lease lapsed before its chunks were checked")
+            if held is None:
+                raise Aborted("the direct read's lease lapsed before its chunks were checked")
+            held.checking = True
+        buffers = held.buffers
         crcs = record.chunk_crcs
         prevs = [0 if s.starts_tensor else crcs[i - 1] for i, s in enumerate(record.slots)]
 
@@ -170,10 +182,21 @@ class DirectReads:
             return ""
 
         workers = max(1, min(self.check_threads, len(buffers)))
-        with ThreadPoolExecutor(workers, thread_name_prefix="direct-check") as pool:
-            every = range(len(buffers))
-            problems = [p for p in pool.map(bad, [every[w::workers] for w in range(workers)]) if p]
+        try:
+            with ThreadPoolExecutor(workers, thread_name_prefix="direct-check") as pool:
+                every = range(len(buffers))
+                split = [every[w::workers] for w in range(workers)]
+                problems = [p for p in pool.map(bad, split) if p]
+        finally:
+            with self._lock:
+                held.checking = False
+                lapsed = held.ended  # released or lapsed while checked: pages may have moved
+            if lapsed:
+                held.end()
+        if lapsed:
+            raise Aborted("the direct read's lease ended while its chunks were being checked")
         if problems:
+            # Held throughout the check: the bytes are the stored ones, and they are bad.
             self.release(placement.lease)
             quarantine(record, problems[0])
             raise Corrupt(
@@ -185,10 +208,9 @@ class DirectReads:
         """Ends a lease; False when it had lapsed (or never was): its pages may have moved."""
         with self._lock:
             held = self._leases.pop(lease, None)
-        if held is None:
-            return False
-        held.buffers.clear()
-        held.release()
+            if held is None:
+                return False
+            held.end()
         return True
 
     def counts(self) -> tuple[int, int]:
@@ -201,8 +223,8 @@ class DirectReads:
         self._wake.set()
         with self._lock:
             leases, self._leases = list(self._leases.values()), {}
-        for held in leases:
-            held.release()
+            for held in leases:
+                held.end()
 
     def _sweep(self) -> None:
         """Ends lapsed leases: a caller that died or stalled keeps no pages, and no lock."""
@@ -213,9 +235,8 @@ class DirectReads:
                 ended = [self._leases.pop(k) for k in lapsed]
                 self._lapsed += len(ended)
                 upcoming = min((v.expires_at for v in self._leases.values()), default=None)
-            for held in ended:
-                held.buffers.clear()
-                held.release()
+                for held in ended:
+                    held.end()
             if ended:
                 log.warning("%d direct read lease(s) lapsed unreleased", len(ended))
             self._wake.wait(None if upcoming is None else max(0.0, upcoming - time.monotonic()))

@@ -16,6 +16,7 @@ import pytest
 from store_service.admin import StoreAdmin
 from store_service.config import StoreConfig
 from store_service.errors import (
+    Aborted,
     AlreadyExists,
     Corrupt,
     InvalidRequest,
@@ -402,3 +403,39 @@ def test_restart_keeps_records_leases_and_recency_and_collects_orphans(tmp_path:
 def test_stats_to_pb_is_complete() -> None:
     names = [f.name for f in dataclasses.fields(StoreStats)]
     assert sorted(names) == sorted(store_pb2.StatsResponse.DESCRIPTOR.fields_by_name)
+
+
+def test_direct_read_leases_end_once_and_a_late_check_quarantines_nothing(
+    tmp_path: Path,
+) -> None:
+    """A direct read's lease (store_service/direct_reads.py): its offsets hold the record's
+    bytes in the data file; released once (True), then unknown (False); a check after the
+    lease ended is Aborted, never Corrupt, so nothing is quarantined for a caller's timing;
+    a lease nobody releases lapses on its own and keeps no transaction."""
+    store = open_store(tmp_path / "store", capacity_bytes=1 << 20, direct_read_ttl_s=0.2)
+    try:
+        ckpt = make_checkpoint(b"direct", {"k": 50 * KiB, "v": 30 * KiB})
+        put(store, ckpt)
+        record = store.open_record("", b"direct")
+        placement = store.direct.place(record)
+        data = (tmp_path / "store" / "data.mdb").read_bytes()
+        read = b"".join(
+            data[o : o + n]
+            for o, n in zip(placement.chunk_offsets, placement.chunk_lengths, strict=True)
+        )
+        assert read == payload(store, b"direct")
+        store.direct.check(placement, record, store.quarantine)  # passes
+        assert store.direct.release(placement.lease) is True
+        assert store.direct.release(placement.lease) is False
+        with pytest.raises(Aborted):
+            store.direct.check(placement, record, store.quarantine)
+        assert payload(store, b"direct") == read  # not quarantined
+        unreleased = store.direct.place(record)
+        deadline = time.monotonic() + 30
+        while store.direct.counts() != (0, 1):
+            assert time.monotonic() < deadline, "the lease never lapsed"
+            time.sleep(0.01)
+        assert store.direct.release(unreleased.lease) is False
+        StoreAdmin(store).compact()  # needs every transaction ended: the lapsed one is
+    finally:
+        store.close()
