@@ -91,7 +91,8 @@ class TransferMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
 
-        # path: "stream" (bytes on the gRPC stream) or "region" (the same-host shared memory).
+        # path: "stream" (bytes on the gRPC stream), "region" (the same-host shared memory) or
+        # "direct" (read by the caller out of the data file).
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, ["path"], buckets=buckets, registry=self.registry)
 

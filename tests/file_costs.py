@@ -56,6 +56,7 @@ SECONDS = {
     "test_engine_models.py": 9,
     "test_metrics.py": 8,
     "test_store_region_trust.py": 8,
+    "test_store_direct_reads.py": 8,
     "test_store_memory.py": 8,
     "test_constraint_masks.py": 8,
     "test_engine_generate.py": 7,

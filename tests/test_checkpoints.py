@@ -258,10 +258,27 @@ def test_a_corrupted_prefix_checkpoint_falls_back_to_prefill(stack: Stack) -> No
         assert got.token_ids == reference.token_ids
         assert got.usage is not None
         assert got.usage.cached_prompt_tokens == 0
+        assert engine.stats().checkpoints.restore_failures >= 1
+
+
+def test_a_damaged_chunk_read_directly_falls_back_to_prefill(stack: Stack) -> None:
+    """Read straight out of the store's data file (docs/store.md, "Direct reads"), a prefix
+    whose chunk fails the store's check is never used: the same tokens as a cold run."""
+    with EngineClient(stack.engine.address) as engine:
+        reference = engine.generate(PROMPT, max_tokens=10, ignore_eos=True)
+        assert engine.flush().durable
+    stack.engine.stop()
+    stack.store.terminate()
+    flip_stored_byte(stack.root / "store", chunk=-1, at=10)
+    stack.restart_store()
+    stack.engine = stack.start_engine("--store-direct-reads", "on")
+    with EngineClient(stack.engine.address) as engine:
+        got = engine.generate(PROMPT, max_tokens=10, ignore_eos=True)
         stats = engine.stats().checkpoints
-        assert stats.restore_failures >= 1
-        # Read directly out of the store's file, refused by the store's check: never used.
-        assert dict(stats.store_reads_by_route) == {"direct": 1}
+    assert got.token_ids == reference.token_ids
+    assert got.usage is not None and got.usage.cached_prompt_tokens == 0
+    assert stats.restore_failures >= 1 and stats.prefix_hits_store == 0
+    assert dict(stats.store_reads_by_route) == {"direct": 1}
 
 
 def test_damage_in_a_late_part_of_a_progressive_restore_falls_back_to_prefill(
@@ -278,7 +295,7 @@ def test_damage_in_a_late_part_of_a_progressive_restore_falls_back_to_prefill(
     stack.store.terminate()
     flip_stored_byte(stack.root / "store", chunk=-1, at=10)  # the last chunk: in part two
     stack.restart_store()
-    stack.engine = stack.start_engine("--store-direct-reads", "off")  # through the region
+    stack.engine = stack.start_engine()
     with EngineClient(stack.engine.address) as engine:
         got = engine.generate(long_prompt, max_tokens=6, ignore_eos=True)
         stats = engine.stats().checkpoints
@@ -343,8 +360,8 @@ def test_a_same_host_restore_equals_a_streamed_one(shared: Stack) -> None:
     results = {}
     routes = {
         # Read by the engine out of the store's data file (docs/store.md, "Direct reads").
-        "direct": ((), "direct"),
-        "region": (("--store-direct-reads", "off"), "region"),
+        "direct": (("--store-direct-reads", "on"), "direct"),
+        "region": ((), "region"),  # the CPU's default (auto)
         "streamed": (("--store-region-bytes", "0"), "no region"),
         # 64 KiB: the prefix's ~1 MiB record cannot fit the region at all.
         "too small": (("--store-region-bytes", str(64 << 10)), "larger than the region"),
@@ -395,7 +412,7 @@ def test_a_compressed_prefix_record_serves_only_requests_that_ask_for_it(shared:
             with EngineClient(again.address) as engine:
                 packed = engine.generate(prompt, prefix_record_bits=8, **where)
             assert packed.usage is not None and packed.usage.cached_prompt_tokens >= 256
-            assert packed.usage.prefix_source == "store: direct"
+            assert packed.usage.prefix_source == "store: region"
         finally:
             again.stop()
     finally:

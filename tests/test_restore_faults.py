@@ -85,7 +85,7 @@ def test_the_store_killed_mid_copy_makes_the_engine_prefill(
         "--prefix-cache-bytes",
         "0",
         "--store-direct-reads",  # the store's copy into the region is what is cut here
-        "off",
+        "off",  # (the CPU's default too)
         log_dir=tmp_path,
     )
     try:

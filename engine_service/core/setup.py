@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import mlx.core as mx
 
 from engine_service.checkpoints.manager import CheckpointManager, CheckpointSettings
 from engine_service.config import EngineConfig
@@ -55,7 +56,8 @@ def checkpoint_manager(config: EngineConfig, loaded: LoadedModel) -> CheckpointM
             store_credentials=credentials,
             store_token=token,
             store_region_bytes=config.store_region_bytes,
-            direct_reads=config.store_direct_reads,
+            direct_reads=config.store_direct_reads == "on"
+            or (config.store_direct_reads == "auto" and mx.cuda.is_available()),
             spill_batch_records=config.spill_batch_records,
             prefill_step_size=config.prefill_step_size,
             deterministic=config.deterministic,
