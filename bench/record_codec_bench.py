@@ -2,14 +2,14 @@
 each beside the exact record, on the trained default model.
 
 For each held-out window (training/corpus.py) the first --prompt tokens are prefilled and
-captured as a prefix record: exact, 8-bit and 4-bit. Each record goes to host tensors (the
-bytes a store hit moves) and is restored as the engine restores one (`restore`: host bytes
--> MLX arrays, codes expanded on the device). From each restored prefix the next tokens are
-teacher-forced with plain KV; printed per record: its bytes, the median restore time of
-interleaved repeats (exact, 8, 4, exact, ...) and the median of its paired ratios to the
-exact record's, the
-held-out perplexity, the share of positions whose top-1 token equals the exact prefix's,
-and the mean KL divergence from the exact prefix's next-token distribution.
+captured as a prefix record: exact, 8-bit and 4-bit affine, 4- and 3-bit TurboQuant. Each
+record goes to host tensors (the bytes a store hit moves) and is restored as the engine
+restores one (`restore`: host bytes -> MLX arrays, codes expanded on the device). From each
+restored prefix the next tokens are teacher-forced with plain KV; printed per record: its
+bytes, the median restore time of interleaved repeats (exact, 8, 4, tq-4, tq-3, exact, ...)
+and the median of its paired ratios to the exact record's, the held-out perplexity, the share
+of positions whose top-1 token equals the exact prefix's, and the mean KL divergence from the
+exact prefix's next-token distribution.
 
     python bench/record_codec_bench.py [--windows 4] [--prompt 1024] [--length 1280]
     python bench/record_codec_bench.py --model qwen3-0.6b-shape --prompt 8192 --no-quality
@@ -41,13 +41,21 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from engine_service.checkpoints.cache_records import capture, restore, to_host  # noqa: E402
 from engine_service.checkpoints.record_codec import compress  # noqa: E402
 from engine_service.model.loading import load_model  # noqa: E402
+from engine_service.protocol.kv_codec import Scheme  # noqa: E402
+from engine_service.protocol.requests import EXACT_RECORD, RecordFormat  # noqa: E402
 from bench.shapes import model_spec  # noqa: E402
 from engine_service.model.default_model import TRAINED_DIR, ensure_model  # noqa: E402
 from training import corpus  # noqa: E402
 from training.tokenizer import token_stream  # noqa: E402
 # isort: on
 
-RECORDS = {"exact": 0, "8-bit": 8, "4-bit": 4}
+RECORDS = {
+    "exact": EXACT_RECORD,
+    "8-bit": RecordFormat(8),
+    "4-bit": RecordFormat(4),
+    "tq-4": RecordFormat(4, Scheme.TURBOQUANT),
+    "tq-3": RecordFormat(3, Scheme.TURBOQUANT),
+}
 
 
 def forced_logprobs(model, caches, tokens: np.ndarray) -> list[np.ndarray]:  # noqa: ANN001
@@ -91,7 +99,7 @@ def main() -> None:
         caches = make_prompt_cache(model)
         model(mx.array(window[None, : args.prompt - 1]), cache=caches)
         exact = capture(caches, args.prompt - 1)
-        records = {name: compress(exact, bits) for name, bits in RECORDS.items()}
+        records = {name: compress(exact, form) for name, form in RECORDS.items()}
         hosted = {name: to_host(record) for name, record in records.items()}
         for r in range(args.repeat + 1):  # interleaved; the first round warms up
             for name, record in records.items():

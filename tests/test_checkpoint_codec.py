@@ -20,6 +20,8 @@ from engine_service.checkpoints.cache_records import (
 from engine_service.checkpoints.record_codec import compress
 from engine_service.errors import Precondition
 from engine_service.model.loading import layout_codec, load_model
+from engine_service.protocol.kv_codec import Scheme
+from engine_service.protocol.requests import RecordFormat
 from tandem_client import Checkpoint, StoreClient
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 12
@@ -131,29 +133,38 @@ def test_a_layout_mismatch_is_refused_naming_the_difference(engine_data_dir: Pat
 def test_compressed_records_restore_plain_caches_near_the_exact_ones(
     dtype: str, engine_data_dir: Path, client: StoreClient, engine
 ) -> None:  # noqa: ANN001
-    """A prefix record compressed to 8 or 4 bits (record_codec.py) holds a fraction of the
-    exact record's bytes and restores plain caches whose next logits are near the exact
-    ones (8 bits nearer than 4), never equal to a different answer's."""
+    """A prefix record compressed to 8 or 4 bits of affine codes, or 4 or 3 bits of TurboQuant
+    codes (record_codec.py), holds a fraction of the exact record's bytes and restores plain
+    caches whose next logits are near the exact ones (more bits nearer), never equal to a
+    different answer's."""
     loaded = load_model("tandem-tiny", engine_data_dir, dtype)
     ids = mx.array([loaded.tokenizer.encode(TEXT)])
     caches = loaded.model.make_cache()
     loaded.model(ids[:, :-1], cache=caches)
     exact = capture(caches, ids.shape[1] - 1)
     expected = _next_logits(loaded.model, ids[:, -1:], caches).astype(mx.float32)
+    width = 2 if dtype == "bfloat16" else 4
+    head = int(caches[0].keys.shape[-1])
+    forms = {
+        # codes of `bits`, plus a scale and a bias (of the KV's dtype) per group of 64
+        RecordFormat(8): 8 / 8 + 2 * width / 64,
+        RecordFormat(4): 4 / 8 + 2 * width / 64,
+        # packed indices in uint32 words, plus a float32 norm per head vector
+        RecordFormat(4, Scheme.TURBOQUANT): (-(-head // 8) * 4 + 4) / head,
+        RecordFormat(3, Scheme.TURBOQUANT): (-(-head // 10) * 4 + 4) / head,
+    }
     errors = {}
-    for bits in (8, 4):
-        packed = compress(exact, bits)
-        width = 2 if dtype == "bfloat16" else 4
-        # codes of `bits`, plus a scale and a bias (of the KV's dtype) per group of 64,
-        # against `width` bytes a value
-        assert packed.nbytes <= exact.nbytes * (bits / 8 + 2 * width / 64) / width * 1.01
-        key = f"packed-{dtype}-{bits}".encode()
+    for form, bytes_per_value in forms.items():
+        packed = compress(exact, form)
+        assert packed.nbytes <= exact.nbytes * bytes_per_value / width * 1.01, form
+        key = f"packed-{dtype}-{form.tag}".encode()
         _put(client, packed, key)
         got_record = client.get(key)
         check_restorable(got_record.metadata, got_record.tensors, exact.layout)
         restored = restore(got_record.metadata, got_record.tensors, exact.layout)
         assert [type(c) for c in restored] == [type(c) for c in caches]
         got = _next_logits(loaded.model, ids[:, -1:], restored).astype(mx.float32)
-        errors[bits] = float(mx.abs(got - expected).max().item())  # type: ignore[arg-type]
-        assert mx.argmax(got[0, -1]).item() == mx.argmax(expected[0, -1]).item(), bits
-    assert 0 < errors[8] < errors[4] < 1.0, errors
+        errors[form.tag] = float(mx.abs(got - expected).max().item())  # type: ignore[arg-type]
+        assert mx.argmax(got[0, -1]).item() == mx.argmax(expected[0, -1]).item(), form
+    assert 0 < errors["record:affine8"] < errors["record:affine4"] < 1.0, errors
+    assert 0 < errors["record:turboquant4"] < errors["record:turboquant3"] < 1.0, errors

@@ -305,6 +305,32 @@ def test_damage_in_a_late_part_of_a_progressive_restore_falls_back_to_prefill(
     assert stats.shared_memory_reads == 1  # it did go through the region
 
 
+def test_a_turboquant_prefix_record_serves_only_its_own_format(shared: Stack) -> None:
+    """prefix_record_scheme="turboquant" keeps the prompt's prefix as TurboQuant codes
+    (record_codec.py): a fresh engine restores it for a request of the same format only, and
+    refuses bits TurboQuant has no codebook for."""
+    prompt = [(i * 577) % 1900 + 13 for i in range(320)]
+    where = dict(namespace="tq", max_tokens=4, ignore_eos=True, prefix_record_bits=4)
+    with EngineClient(shared.engine.address) as engine:
+        engine.generate(prompt, prefix_record_scheme="turboquant", **where)
+        assert engine.flush().durable
+        with pytest.raises(TandemError) as refused:
+            engine.generate(
+                prompt, **{**where, "prefix_record_bits": 8}, prefix_record_scheme="turboquant"
+            )
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    fresh = shared.start_engine()  # an empty local tier: any hit is the store's
+    try:
+        with EngineClient(fresh.address) as engine:
+            affine = engine.generate(prompt, **where)  # 4-bit affine: another format
+            assert affine.usage is not None and affine.usage.cached_prompt_tokens == 0
+            packed = engine.generate(prompt, prefix_record_scheme="turboquant", **where)
+            assert packed.usage is not None and packed.usage.cached_prompt_tokens >= 256
+            assert packed.usage.prefix_source.startswith("store")
+    finally:
+        fresh.stop()
+
+
 def test_resume_of_an_ended_generation_says_how_it_ended(shared: Stack) -> None:
     """A generation that finished (or was cancelled) leaves a tombstone: a resume answers
     FAILED_PRECONDITION with how it ended and its token count, never NOT_FOUND nor tokens."""

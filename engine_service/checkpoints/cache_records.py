@@ -29,6 +29,8 @@ from engine_service.checkpoints.device_landing import WORD_VIEWS, host_array
 from engine_service.errors import Corrupt, Precondition
 from engine_service.kv.batch_cache import PackedRow, PlainRow, TurboQuantRow
 from engine_service.kv.ring_cache import PackedRingRow, PlainRingRow
+from engine_service.kv.turboquant import BITS as TURBOQUANT_BITS
+from engine_service.kv.turboquant import TurboQuantPlanes, codec_for
 from engine_service.model.loading import layout_codec
 from engine_service.protocol.kv_codec import layout_accepts
 from tandem_client.records import Tensor
@@ -36,6 +38,7 @@ from tandem_client.records import Tensor
 CODEC_VERSION = "tandem.cache.v1"
 # What a compressed array (checkpoints/record_codec.py) may have been before compression.
 COMPRESSIBLE_DTYPES = frozenset({"float32", "float16", "bfloat16"})
+MAX_HEAD_DIM = 1024  # a TurboQuant record's head width: its codec is a d x d rotation
 
 # Cache classes of our own a checkpoint may name, beside mlx-lm's (looked up by name there).
 OWN_CLASSES: dict[str, Any] = {"TurboQuantRow": TurboQuantRow, "PackedRingRow": PackedRingRow}
@@ -189,7 +192,7 @@ def check_restorable(
     def visit(node: Any) -> None:
         if not isinstance(node, dict):
             raise Corrupt("checkpoint cache skeleton is malformed")
-        if "q" in node:  # a compressed array (record_codec.py): its three parts
+        if "q" in node or "tq" in node:  # a compressed array (record_codec.py): its parts
             try:
                 parts = _compressed_parts(node)
             except (KeyError, TypeError, ValueError) as exc:
@@ -256,6 +259,8 @@ def _rebuild(
     def decode(node: dict[str, Any]) -> Any:
         if "q" in node:
             return _expanded(node["q"], array)
+        if "tq" in node:
+            return _expanded_turboquant(node["tq"], array)
         if "t" in node:
             return array(node["t"])
         if "v" in node:
@@ -273,6 +278,13 @@ def _rebuild(
 
 
 def _compressed_parts(node: dict[str, Any]) -> list[str]:
+    if "tq" in node:
+        tq = node["tq"]
+        if int(tq["bits"]) not in TURBOQUANT_BITS or not 0 < int(tq["dim"]) <= MAX_HEAD_DIM:
+            raise ValueError("unsupported compression")
+        if str(tq["dtype"]) not in COMPRESSIBLE_DTYPES:
+            raise ValueError("unsupported dtype")
+        return [str(tq["codes"]), str(tq["norms"])]
     q = node["q"]
     if int(q["bits"]) not in (4, 8) or int(q["group"]) not in (32, 64):
         raise ValueError("unsupported compression")
@@ -292,6 +304,17 @@ def _expanded(q: dict[str, Any], array: Callable[[str], mx.array]) -> mx.array:
         bits=int(q["bits"]),
     )
     return value.astype(getattr(mx, str(q["dtype"])))
+
+
+def _expanded_turboquant(tq: dict[str, Any], array: Callable[[str], mx.array]) -> mx.array:
+    """A TurboQuant-coded array (record_codec.py) as plain values again, decoded on the
+    device its codes landed on (the codec is the engine's: kv/turboquant.py)."""
+    codec = codec_for(int(tq["dim"]), int(tq["bits"]))
+    codes, norms = array(str(tq["codes"])), array(str(tq["norms"]))
+    if codes.shape[-1] != codec.words or norms.shape[-1] != 1:
+        raise Corrupt("a TurboQuant record's codes do not fit its head width")
+    value = codec.decode(TurboQuantPlanes(codes, norms, codec))
+    return value.astype(getattr(mx, str(tq["dtype"])))
 
 
 def _tuples(state: Any, cls: str) -> Any:

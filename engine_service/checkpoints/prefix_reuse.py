@@ -38,6 +38,7 @@ from engine_service.checkpoints.spill import Put, SpillQueue
 from engine_service.core.plans import PrefixMiss, PrefixPlan
 from engine_service.errors import Corrupt, Precondition
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
+from engine_service.protocol.requests import EXACT_RECORD, RecordFormat
 from tandem_client.direct import DirectHold
 from tandem_client.errors import DataLoss, TandemError
 from tandem_client.identity import block_hashes, prefix_key, scope_digest
@@ -62,7 +63,7 @@ class Destination:
     scope: bytes
     namespace: str
     layout: list[str]
-    record_bits: int  # the store's copy as KV codes of these bits (0: exact)
+    record: RecordFormat  # how the store's copy is kept (record_codec.py)
 
 
 class PrefixReuse:
@@ -93,15 +94,21 @@ class PrefixReuse:
         self.landing = self.staging.landing
         self._saved_keys: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
-    def scope(self, namespace: str, layout: list[str], record_bits: int = 0) -> bytes:
+    def scope(
+        self, namespace: str, layout: list[str], record: RecordFormat = EXACT_RECORD
+    ) -> bytes:
         """Whose records a prompt's blocks may match: this model, this cache layout, this
-        namespace, and compressed records (record_codec.py) only for the same bits."""
-        if record_bits:
-            layout = [*layout, f"record:affine{record_bits}"]
+        namespace, and compressed records (record_codec.py) only for the same format."""
+        if record.tag:
+            layout = [*layout, record.tag]
         return scope_digest(self.model_id, layout, namespace)
 
     def find(
-        self, prompt: list[int], namespace: str, layout: list[str], record_bits: int = 0
+        self,
+        prompt: list[int],
+        namespace: str,
+        layout: list[str],
+        record: RecordFormat = EXACT_RECORD,
     ) -> PrefixPlan | PrefixMiss:
         """The longest reusable prefix of the prompt, at most all but its last token (one
         token must be fed), or why there is none. The whole prompt is looked up, so a prompt
@@ -111,7 +118,7 @@ class PrefixReuse:
         usable = prompt
         if len(usable) <= BLOCK_SIZE:
             return PrefixMiss("shorter than a block")
-        scope = self.scope(namespace, layout, record_bits)
+        scope = self.scope(namespace, layout, record)
         chain = block_hashes(usable, BLOCK_SIZE, scope)
         most = len(prompt) - 1
         lengths = [min((i + 1) * BLOCK_SIZE, len(usable), most) for i in range(len(chain))]
@@ -278,17 +285,17 @@ class PrefixReuse:
         prompt: list[int],
         namespace: str,
         layout: list[str],
-        record_bits: int = 0,
+        record: RecordFormat = EXACT_RECORD,
     ) -> None:
         """Keeps a prompt's caches (MLX thread; row_caches hold prompt + 1 token)."""
         if len(prompt) < self.min_prefix_tokens or not can_trim_prompt_cache(row_caches):
             return  # untrimmable: an exact snapshot was kept during prefill (prefix_snapshots)
-        scope = self.scope(namespace, layout, record_bits)
+        scope = self.scope(namespace, layout, record)
         key = prefix_key(scope, prompt)
         if key in self.local or key in self._saved_keys:
             return
         trim_prompt_cache(row_caches, 1)
-        where = Destination(key, scope, namespace, layout, record_bits)
+        where = Destination(key, scope, namespace, layout, record)
         self._keep(where, row_caches, prompt, trimmable=True)
 
     def save_exact(
@@ -297,16 +304,16 @@ class PrefixReuse:
         tokens: list[int],
         namespace: str,
         layout: list[str],
-        record_bits: int = 0,
+        record: RecordFormat = EXACT_RECORD,
     ) -> None:
         """Keeps caches holding exactly `tokens` that cannot be trimmed (MLX thread): they
         serve a prompt that starts with those tokens, at that length only."""
         if len(tokens) < self.min_prefix_tokens:
             return
-        scope = self.scope(namespace, layout, record_bits)
+        scope = self.scope(namespace, layout, record)
         key = prefix_key(scope, tokens)
         if key not in self.local and key not in self._saved_keys:
-            where = Destination(key, scope, namespace, layout, record_bits)
+            where = Destination(key, scope, namespace, layout, record)
             self._keep(where, caches, tokens, trimmable=False)
 
     def _keep(
@@ -323,7 +330,7 @@ class PrefixReuse:
         self._saved_keys[key] = None
         if len(self._saved_keys) > SAVED_KEYS:
             self._saved_keys.popitem(last=False)
-        stored = compress(captured, where.record_bits)
+        stored = compress(captured, where.record)
         tensors, keep = self.staging.tensors(stored)
         record = Checkpoint(
             key=key,

@@ -90,6 +90,6 @@ class PrefixSnapshots:
             mx.eval([c.state for c in caches])
         keep_window(caches)
         self.prefixes.save_exact(
-            caches, prompt[:k], request.namespace, request.layout, request.prefix_record_bits
+            caches, prompt[:k], request.namespace, request.layout, request.prefix_record
         )
         return caches

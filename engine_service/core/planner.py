@@ -57,5 +57,5 @@ class Planner:
             return gens.load(key, req.namespace, req.prompt, req.layout, companions)
         if len(req.prompt) > BLOCK_SIZE:
             self.saves_settled(SAVES_WAIT_S)
-            return ckpt.prefixes.find(req.prompt, req.namespace, req.layout, req.prefix_record_bits)
+            return ckpt.prefixes.find(req.prompt, req.namespace, req.layout, req.prefix_record)
         return None

@@ -19,7 +19,12 @@ from engine_service.front.tools import check_format, require_format, tool_constr
 from engine_service.model.loaded import LoadedModel
 from engine_service.protocol.constraint import Constraint, ConstraintKind, check_constraint
 from engine_service.protocol.kv_codec import KVCodec, Scheme, checked_codec, request_layout
-from engine_service.protocol.requests import GenerationRequest, checked_record_bits, stop_token_ids
+from engine_service.protocol.requests import (
+    GenerationRequest,
+    RecordFormat,
+    checked_record_format,
+    stop_token_ids,
+)
 from engine_service.protocol.sampling_options import SamplingOptions
 from tandem_wire.limits import MAX_REQUEST_ID_CHARS, namespace_problem
 from tandem_wire.pb import engine_pb2
@@ -278,8 +283,16 @@ def request_from_pb(
         kv=kv,
         layout=request_layout(loaded.layout, kv),
         num_draft=num_draft,
-        prefix_record_bits=checked_record_bits(request.prefix_record_bits),
+        prefix_record=record_format(request),
     )
+
+
+def record_format(request: engine_pb2.GenerateRequest) -> RecordFormat:
+    """The prefix record's format: affine codes unless the request names TurboQuant."""
+    scheme = request.prefix_record_scheme
+    if scheme not in (engine_pb2.KV_SCHEME_UNSPECIFIED, *SCHEMES_PB):
+        raise InvalidRequest(f"prefix_record_scheme {scheme} is not a KVScheme")
+    return checked_record_format(request.prefix_record_bits, SCHEMES_PB.get(scheme, Scheme.AFFINE))
 
 
 def detokenize_ids(request: engine_pb2.DetokenizeRequest, loaded: LoadedModel) -> list[int]:

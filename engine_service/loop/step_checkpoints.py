@@ -107,7 +107,7 @@ class StepCheckpoints:
                 row = item.finished_cache or (found[0] if found is not None else None)
                 if row is not None:  # None: the row left the batch meanwhile (parked)
                     self.checkpoints.prefixes.save(
-                        row, r.prompt, r.namespace, r.layout, r.prefix_record_bits
+                        row, r.prompt, r.namespace, r.layout, r.prefix_record
                     )
         finally:
             if due:

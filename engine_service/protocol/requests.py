@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine_service.errors import InvalidRequest
-from engine_service.protocol.kv_codec import KVCodec
+from engine_service.protocol.kv_codec import KVCodec, Scheme
 from engine_service.protocol.sampling_options import SamplingOptions
 
 
@@ -39,14 +39,38 @@ def scoped_id(owner: str, request_id: str) -> str:
     return f"{owner}{OWNER_SEPARATOR}{request_id}" if owner else request_id
 
 
-# What GenerateRequest.prefix_record_bits may be (0: an exact record).
-PREFIX_RECORD_BITS = (0, 4, 8)
+# What GenerateRequest.prefix_record_bits may be under each prefix_record_scheme (0: exact).
+PREFIX_RECORD_BITS = {Scheme.AFFINE: (0, 4, 8), Scheme.TURBOQUANT: (0, 2, 3, 4)}
 
 
-def checked_record_bits(bits: int) -> int:
-    if bits not in PREFIX_RECORD_BITS:
-        raise InvalidRequest(f"prefix_record_bits must be one of {PREFIX_RECORD_BITS}, got {bits}")
-    return bits
+@dataclass(frozen=True)
+class RecordFormat:
+    """How a prompt's prefix record is kept in the store (checkpoints/record_codec.py): exact
+    (bits 0), or its plain KV as codes of `bits` bits under `scheme`."""
+
+    bits: int = 0
+    scheme: Scheme = Scheme.AFFINE
+
+    @property
+    def tag(self) -> str:
+        """Mixed into the records' scope: a record of another format is never restored."""
+        if not self.bits:
+            return ""
+        name = "affine" if self.scheme is Scheme.AFFINE else "turboquant"
+        return f"record:{name}{self.bits}"
+
+
+EXACT_RECORD = RecordFormat()
+
+
+def checked_record_format(bits: int, scheme: Scheme) -> RecordFormat:
+    allowed = PREFIX_RECORD_BITS[scheme]
+    if bits not in allowed:
+        raise InvalidRequest(
+            f"prefix_record_bits must be one of {allowed} for {scheme.name.lower()} records, "
+            f"got {bits}"
+        )
+    return RecordFormat(bits, scheme) if bits else EXACT_RECORD
 
 
 @dataclass
@@ -65,8 +89,8 @@ class GenerationRequest:
     kv: KVCodec = KVCodec()
     layout: list[str] = field(default_factory=list)  # the model's layout under `kv`
     num_draft: int = 0  # speculative decoding: draft tokens per round (0: off)
-    # The prefix record kept as KV codes of these bits (0: exact; checkpoints/record_codec.py).
-    prefix_record_bits: int = 0
+    # How the prefix record is kept in the store (checkpoints/record_codec.py).
+    prefix_record: RecordFormat = EXACT_RECORD
 
     @property
     def shown_id(self) -> str:

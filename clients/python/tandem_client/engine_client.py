@@ -177,6 +177,13 @@ def sampling_pb(
     return params
 
 
+def _scheme_pb(name: str, field: str) -> engine_pb2.KVScheme.ValueType:
+    schemes = {"affine": engine_pb2.KV_SCHEME_AFFINE, "turboquant": engine_pb2.KV_SCHEME_TURBOQUANT}
+    if name not in schemes:
+        raise ValueError(f"{field} must be affine or turboquant, got {name!r}")
+    return schemes[name]
+
+
 def generate_request(
     prompt: Prompt,
     *,
@@ -193,6 +200,7 @@ def generate_request(
     kv_value_bits: int = 0,
     num_draft_tokens: int | None = None,
     prefix_record_bits: int = 0,
+    prefix_record_scheme: str | None = None,
     deterministic: bool = False,
     json_schema: str | dict[str, Any] | None = None,
     regex: str | None = None,
@@ -214,7 +222,8 @@ def generate_request(
     tokens per round (needs --draft-model).
     prefix_record_bits: 8 or 4 keeps the prompt's prefix record in the store as KV codes of
     that many bits (a quarter to a half of the bytes, near the exact prefix, not equal);
-    0 = exact.
+    0 = exact. prefix_record_scheme "turboquant" keeps TurboQuant codes instead (4, 3 or 2
+    bits; None or "affine": affine codes).
     deterministic: batch-invariant logits (docs/determinism.md): only an engine started with
     --deterministic serves it (another answers FAILED_PRECONDITION; a gateway routes it to
     one).
@@ -232,6 +241,8 @@ def generate_request(
         prefix_record_bits=prefix_record_bits,
         deterministic=deterministic,
     )
+    if prefix_record_scheme is not None:
+        req.prefix_record_scheme = _scheme_pb(prefix_record_scheme, "prefix_record_scheme")
     if max_tokens is not None:
         req.max_tokens = max_tokens
     if kv_bits is not None:
@@ -240,13 +251,7 @@ def generate_request(
     if quantized_kv_start is not None:
         req.quantized_kv_start = quantized_kv_start
     if kv_scheme is not None:
-        schemes = {
-            "affine": engine_pb2.KV_SCHEME_AFFINE,
-            "turboquant": engine_pb2.KV_SCHEME_TURBOQUANT,
-        }
-        if kv_scheme not in schemes:
-            raise ValueError(f"kv_scheme must be affine or turboquant, got {kv_scheme!r}")
-        req.kv_scheme = schemes[kv_scheme]
+        req.kv_scheme = _scheme_pb(kv_scheme, "kv_scheme")
     req.kv_value_bits = kv_value_bits
     if num_draft_tokens is not None:
         req.num_draft_tokens = num_draft_tokens
