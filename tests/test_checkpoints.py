@@ -245,31 +245,15 @@ def test_checkpoint_of_another_model_is_refused(shared: Stack) -> None:
 
 
 def test_a_corrupted_prefix_checkpoint_falls_back_to_prefill(stack: Stack) -> None:
+    """Read straight out of the store's data file (docs/store.md, "Direct reads"), a prefix
+    whose chunk fails the store's check is never used: the same tokens as a cold run. (The
+    region route's damage: the next test.)"""
     with EngineClient(stack.engine.address) as engine:
         reference = engine.generate(PROMPT, max_tokens=10, ignore_eos=True)
         assert engine.flush().durable
     stack.engine.stop()
     stack.store.terminate()
     flip_stored_byte(stack.root / "store", chunk=0, at=10)
-    stack.restart_store()
-    stack.engine = stack.start_engine()
-    with EngineClient(stack.engine.address) as engine:
-        got = engine.generate(PROMPT, max_tokens=10, ignore_eos=True)
-        assert got.token_ids == reference.token_ids
-        assert got.usage is not None
-        assert got.usage.cached_prompt_tokens == 0
-        assert engine.stats().checkpoints.restore_failures >= 1
-
-
-def test_a_damaged_chunk_read_directly_falls_back_to_prefill(stack: Stack) -> None:
-    """Read straight out of the store's data file (docs/store.md, "Direct reads"), a prefix
-    whose chunk fails the store's check is never used: the same tokens as a cold run."""
-    with EngineClient(stack.engine.address) as engine:
-        reference = engine.generate(PROMPT, max_tokens=10, ignore_eos=True)
-        assert engine.flush().durable
-    stack.engine.stop()
-    stack.store.terminate()
-    flip_stored_byte(stack.root / "store", chunk=-1, at=10)
     stack.restart_store()
     stack.engine = stack.start_engine("--store-direct-reads", "on")
     with EngineClient(stack.engine.address) as engine:
@@ -303,32 +287,6 @@ def test_damage_in_a_late_part_of_a_progressive_restore_falls_back_to_prefill(
     assert got.usage is not None and got.usage.cached_prompt_tokens == 0
     assert stats.restore_failures >= 1 and stats.prefix_hits_store == 0
     assert stats.shared_memory_reads == 1  # it did go through the region
-
-
-def test_a_turboquant_prefix_record_serves_only_its_own_format(shared: Stack) -> None:
-    """prefix_record_scheme="turboquant" keeps the prompt's prefix as TurboQuant codes
-    (record_codec.py): a fresh engine restores it for a request of the same format only, and
-    refuses bits TurboQuant has no codebook for."""
-    prompt = [(i * 577) % 1900 + 13 for i in range(320)]
-    where = dict(namespace="tq", max_tokens=4, ignore_eos=True, prefix_record_bits=4)
-    with EngineClient(shared.engine.address) as engine:
-        engine.generate(prompt, prefix_record_scheme="turboquant", **where)
-        assert engine.flush().durable
-        with pytest.raises(TandemError) as refused:
-            engine.generate(
-                prompt, **{**where, "prefix_record_bits": 8}, prefix_record_scheme="turboquant"
-            )
-        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    fresh = shared.start_engine()  # an empty local tier: any hit is the store's
-    try:
-        with EngineClient(fresh.address) as engine:
-            affine = engine.generate(prompt, **where)  # 4-bit affine: another format
-            assert affine.usage is not None and affine.usage.cached_prompt_tokens == 0
-            packed = engine.generate(prompt, prefix_record_scheme="turboquant", **where)
-            assert packed.usage is not None and packed.usage.cached_prompt_tokens >= 256
-            assert packed.usage.prefix_source.startswith("store")
-    finally:
-        fresh.stop()
 
 
 def test_resume_of_an_ended_generation_says_how_it_ended(shared: Stack) -> None:
@@ -415,35 +373,47 @@ def test_a_same_host_restore_equals_a_streamed_one(shared: Stack) -> None:
 
 
 def test_a_compressed_prefix_record_serves_only_requests_that_ask_for_it(shared: Stack) -> None:
-    """prefix_record_bits=8 keeps the prompt's prefix in the store as 8-bit KV codes: a
-    fraction of the exact record's bytes, restored by a fresh engine for a request with the
-    same bits, and never for one that asked for the exact prefix."""
+    """prefix_record_bits=8 keeps the prompt's prefix in the store as 8-bit KV codes (and
+    prefix_record_scheme="turboquant" as TurboQuant codes): a fraction of the exact record's
+    bytes, restored by a fresh engine for a request of the same format, and never for one
+    that asked for the exact prefix or for another format."""
     prompt = [(i * 389) % 1900 + 11 for i in range(320)]
     where = dict(namespace="packed", max_tokens=4, ignore_eos=True)
+    turboquant = dict(prefix_record_bits=4, prefix_record_scheme="turboquant")
     with EngineClient(shared.engine.address) as engine:
         engine.generate(prompt, prefix_record_bits=8, **where)
+        engine.generate(prompt, **turboquant, **where)  # 4-bit TurboQuant codes
         assert engine.flush().durable
         with pytest.raises(TandemError) as refused:
             engine.generate(prompt, prefix_record_bits=3, **where)
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(TandemError) as no_codebook:  # TurboQuant takes 4, 3 or 2 bits
+            engine.generate(prompt, prefix_record_bits=8, prefix_record_scheme="turboquant")
+        assert no_codebook.value.code == grpc.StatusCode.INVALID_ARGUMENT
     fresh = shared.start_engine()  # an empty local tier: any hit is the store's
     try:
         with EngineClient(fresh.address) as engine:
             exact = engine.generate(prompt, **where)
             assert exact.usage is not None and exact.usage.cached_prompt_tokens == 0
             assert exact.usage.prefix_miss_reason == "no stored prefix"
+            affine4 = engine.generate(prompt, prefix_record_bits=4, **where)  # not TurboQuant's
+            assert affine4.usage is not None and affine4.usage.cached_prompt_tokens == 0
             assert engine.flush().durable  # now the exact record is kept too
         again = shared.start_engine()
         try:
             with EngineClient(again.address) as engine:
                 packed = engine.generate(prompt, prefix_record_bits=8, **where)
+                rotated = engine.generate(prompt, **turboquant, **where)
             assert packed.usage is not None and packed.usage.cached_prompt_tokens >= 256
             assert packed.usage.prefix_source == "store: region"
+            assert rotated.usage is not None and rotated.usage.cached_prompt_tokens >= 256
         finally:
             again.stop()
     finally:
         fresh.stop()
     with StoreClient(f"127.0.0.1:{shared.port}") as store:
         sizes = sorted(r.payload_bytes for r in store.list_all(kind="prefix", namespace="packed"))
-    # float32 KV: 1 byte a value plus a float32 scale and bias per 64, against 4 bytes
-    assert len(sizes) == 2 and sizes[0] < 0.3 * sizes[1], sizes
+    # float32 KV: 4-bit TurboQuant ~1/8 of the exact bytes (a 4-byte norm per head vector),
+    # 4-bit affine ~1/6, 8-bit affine 1 byte a value plus a scale and bias per 64, of 4 bytes
+    assert len(sizes) == 4 and sizes[2] < 0.3 * sizes[3], sizes
+    assert sizes[0] < 0.15 * sizes[3], sizes

@@ -53,7 +53,8 @@ def test_malformed_requests_are_invalid_argument_on_every_store_rpc(
         *_methods(store_pb2.DESCRIPTOR, "Store"),
         *_methods(store_pb2.DESCRIPTOR, "StoreAdmin"),
     ]
-    assert len(methods) == 17  # 10 Store (PutMany, Flush, Delete, the regions pair) + 7 StoreAdmin
+    # 11 Store (PutMany, Flush, Delete, the regions pair, ReleaseDirect) + 7 StoreAdmin
+    assert len(methods) == 18
     _all_invalid(store.address, methods)
 
 
