@@ -8,26 +8,26 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 
 from store_service.admin import StoreAdmin
-from store_service.errors import Corrupt, InvalidRequest, Overloaded, Precondition, status_on_error
+from store_service.errors import InvalidRequest, status_on_error
 from store_service.fair_share import GET, PUT, BulkCallLimit
 from store_service.metrics import TRANSFERS, TransferPath
 from store_service.put_session import IdleLimited
 from store_service.put_spec import PutSpec
 from store_service.records import RecordFilter, all_tensors
-from store_service.region_copy import copy_in_parts, progress_part_bytes, region_payload
+from store_service.region_copy import region_payload
+from store_service.same_host_gets import caller, get_direct, get_into_region
 from store_service.storage import now_ms
 from store_service.store import CheckpointStore
 from store_service.wire import (
     LookupQuery,
     PutResult,
     PutStreams,
-    direct_placement_pb,
     get_piece_bytes,
     parse_put_request,
     put_chunks,
@@ -40,7 +40,6 @@ from tandem_wire.auth import PermissionDenied, current, namespace_for
 from tandem_wire.chunks import encode_chunk
 from tandem_wire.pb import store_pb2, store_pb2_grpc
 from tandem_wire.service import Access
-from tandem_wire.tls import is_loopback_peer
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -174,7 +173,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         if next(chunks, None) is not None:
             raise InvalidRequest("a Put whose payload is in a region carries no chunks")
         region = self.store.regions.get(
-            _caller(context), header.region, now_ms(), header.region_registration
+            caller(context), header.region, now_ms(), header.region_registration
         )
         try:
             sizes = [t.nbytes for t in all_tensors(header.checkpoint)]
@@ -211,11 +210,12 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         namespace = namespace_for(request.namespace)
         self.bulk_limit.enter(context, GET)
         if request.region and not request.header_only:
+            owner = caller(context)
             if request.direct:
-                placed = yield from self._get_direct(request, namespace, context)
+                placed = yield from get_direct(self.store, request, namespace, owner)
                 if placed:
                     return
-            placed = yield from self._get_into_region(request, namespace, context)
+            placed = yield from get_into_region(self.store, request, namespace, owner)
             if placed:
                 return
         started = time.perf_counter()
@@ -225,88 +225,6 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             # Chunks leave as ready wire bytes; serialize_response passes them on.
             yield from self.store.read_payload(record, piece, encode_chunk)
             TRANSFERS.get(TransferPath.STREAM, time.perf_counter() - started, record.payload_bytes)
-
-    def _get_into_region(
-        self, request: store_pb2.GetRequest, namespace: str, context: grpc.ServicerContext
-    ) -> Generator[store_pb2.GetResponse, None, bool]:
-        """Writes the payload into the caller's region and answers header + placement;
-        returns False (sending nothing) when it does not fit and may be streamed instead.
-        Progressive: the header first, then a progress message per verified part."""
-        started = time.perf_counter()
-        region = self.store.regions.get(
-            _caller(context), request.region, now_ms(), request.region_registration
-        )
-        parts: Generator[int, None, None] | None = None
-        try:
-            record = self.store.open_record(namespace, request.key)
-            offset, span = request.region_offset, request.region_bytes
-            if request.stream_if_larger and not region.fits(offset, span, record.payload_bytes):
-                return False
-            parts = copy_in_parts(
-                self.store.state.storage,
-                record,
-                region,
-                offset,
-                span,
-                self.store.quarantine,
-                self.store.regions.copy_threads,
-                part_bytes=progress_part_bytes(record.payload_bytes) if request.progressive else 0,
-            )
-            if request.progressive:
-                yield store_pb2.GetResponse(header=record.header)
-                for verified in parts:
-                    progress = store_pb2.RegionProgress(verified_bytes=verified)
-                    yield store_pb2.GetResponse(progress=progress)
-            else:
-                # Verified into the region before anything is answered: a damaged chunk is
-                # DATA_LOSS, never a header saying the bytes are there.
-                for _ in parts:
-                    pass
-        finally:
-            if parts is not None:
-                parts.close()  # a caller gone mid-copy: the part being copied ends first
-            self.store.regions.done(region)
-        TRANSFERS.get(TransferPath.REGION, time.perf_counter() - started, record.payload_bytes)
-        if not request.progressive:
-            yield store_pb2.GetResponse(header=record.header)
-        placed = store_pb2.RegionPlacement(
-            region=region.name, offset=offset, payload_bytes=record.payload_bytes
-        )
-        yield store_pb2.GetResponse(placed=placed)
-        return True
-
-    def _get_direct(
-        self, request: store_pb2.GetRequest, namespace: str, context: grpc.ServicerContext
-    ) -> Generator[store_pb2.GetResponse, None, bool]:
-        """A direct Get (direct_reads.py): the header, where the chunks lie in the data file
-        (under a lease), then the whole payload as verified once every chunk passed its
-        check. False (nothing sent): the caller's region did not take the data file, or the
-        lease table is full; the Get goes through the region instead."""
-        started = time.perf_counter()
-        region = self.store.regions.get(
-            _caller(context), request.region, now_ms(), request.region_registration
-        )
-        try:
-            given = region.data_file
-        finally:
-            self.store.regions.done(region)
-        if not given or not self.store.direct.enabled:
-            return False
-        record = self.store.open_record(namespace, request.key)
-        try:
-            placement = self.store.direct.place(record)
-        except Overloaded:
-            return False
-        except Corrupt as exc:
-            self.store.quarantine(record, str(exc))
-            raise
-        yield store_pb2.GetResponse(header=record.header)
-        yield store_pb2.GetResponse(direct=direct_placement_pb(placement))
-        self.store.direct.check(placement, record, self.store.quarantine)
-        progress = store_pb2.RegionProgress(verified_bytes=record.payload_bytes)
-        yield store_pb2.GetResponse(progress=progress)
-        TRANSFERS.get(TransferPath.DIRECT, time.perf_counter() - started, record.payload_bytes)
-        return True
 
     @rpc_errors
     def ReleaseDirect(
@@ -364,7 +282,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             else ""
         )
         lease = self.store.regions.register(
-            _caller(context), region_request(request), now_ms(), data_file_refused=refused
+            caller(context), region_request(request), now_ms(), data_file_refused=refused
         )
         return region_lease_pb(lease)
 
@@ -372,7 +290,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     def UnregisterRegion(
         self, request: store_pb2.UnregisterRegionRequest, context: grpc.ServicerContext
     ) -> store_pb2.UnregisterRegionResponse:
-        self.store.regions.unregister(_caller(context), request.name)
+        self.store.regions.unregister(caller(context), request.name)
         return store_pb2.UnregisterRegionResponse()
 
 
@@ -382,14 +300,6 @@ def _delete(admin: StoreAdmin, request: store_pb2.DeleteRequest) -> store_pb2.De
     freed = admin.delete(namespace, request.key, request.force)
     _mutation("delete", namespace, request.key, freed_bytes=freed)
     return store_pb2.DeleteResponse(freed_bytes=freed)
-
-
-def _caller(context: grpc.ServicerContext) -> str:
-    """Whose regions a call may name: its principal's (auth), and only from this host."""
-    if not is_loopback_peer(context.peer()):
-        raise Precondition("shared-memory regions are for callers on the store's host")
-    principal = current()
-    return principal.name if principal is not None else ""
 
 
 class StoreAdminServicer(store_pb2_grpc.StoreAdminServicer):

@@ -1,0 +1,116 @@
+"""The same-host Gets (docs/store.md): a payload copied into the caller's region, or placed for
+the caller to read straight out of the data file (direct_reads.py). Each answers False, having
+sent nothing, when the Get should take the next route instead (the servicer streams last)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+
+import grpc
+
+from store_service.errors import Corrupt, Overloaded, Precondition
+from store_service.metrics import TRANSFERS, TransferPath
+from store_service.region_copy import copy_in_parts, progress_part_bytes
+from store_service.storage import now_ms
+from store_service.store import CheckpointStore
+from store_service.wire import direct_placement_pb
+from tandem_wire.auth import current
+from tandem_wire.pb import store_pb2
+from tandem_wire.tls import is_loopback_peer
+
+Answers = Generator[store_pb2.GetResponse, None, bool]
+
+
+def caller(context: grpc.ServicerContext) -> str:
+    """Whose regions a call may name: its principal's (auth), and only from this host."""
+    if not is_loopback_peer(context.peer()):
+        raise Precondition("shared-memory regions are for callers on the store's host")
+    principal = current()
+    return principal.name if principal is not None else ""
+
+
+def get_into_region(
+    store: CheckpointStore, request: store_pb2.GetRequest, namespace: str, owner: str
+) -> Answers:
+    """Writes the payload into the caller's region and answers header + placement;
+    returns False (sending nothing) when it does not fit and may be streamed instead.
+    Progressive: the header first, then a progress message per verified part."""
+    started = time.perf_counter()
+    region = store.regions.get(owner, request.region, now_ms(), request.region_registration)
+    parts: Generator[int, None, None] | None = None
+    try:
+        record = store.open_record(namespace, request.key)
+        offset, span = request.region_offset, request.region_bytes
+        if request.stream_if_larger and not region.fits(offset, span, record.payload_bytes):
+            return False
+        parts = copy_in_parts(
+            store.state.storage,
+            record,
+            region,
+            offset,
+            span,
+            store.quarantine,
+            store.regions.copy_threads,
+            part_bytes=progress_part_bytes(record.payload_bytes) if request.progressive else 0,
+        )
+        if request.progressive:
+            yield store_pb2.GetResponse(header=record.header)
+            for verified in parts:
+                progress = store_pb2.RegionProgress(verified_bytes=verified)
+                yield store_pb2.GetResponse(progress=progress)
+        else:
+            # Verified into the region before anything is answered: a damaged chunk is
+            # DATA_LOSS, never a header saying the bytes are there.
+            for _ in parts:
+                pass
+    finally:
+        if parts is not None:
+            parts.close()  # a caller gone mid-copy: the part being copied ends first
+        store.regions.done(region)
+    TRANSFERS.get(TransferPath.REGION, time.perf_counter() - started, record.payload_bytes)
+    if not request.progressive:
+        yield store_pb2.GetResponse(header=record.header)
+    placed = store_pb2.RegionPlacement(
+        region=region.name, offset=offset, payload_bytes=record.payload_bytes
+    )
+    yield store_pb2.GetResponse(placed=placed)
+    return True
+
+
+def get_direct(
+    store: CheckpointStore, request: store_pb2.GetRequest, namespace: str, owner: str
+) -> Answers:
+    """A direct Get (direct_reads.py): the header, where the chunks lie in the data file
+    (under a lease), then the whole payload as verified once every chunk passed its check.
+    False (nothing sent): the caller's region did not take the data file, or the lease table
+    is full; the Get goes through the region instead."""
+    started = time.perf_counter()
+    region = store.regions.get(owner, request.region, now_ms(), request.region_registration)
+    try:
+        given = region.data_file
+    finally:
+        store.regions.done(region)
+    if not given or not store.direct.enabled:
+        return False
+    record = store.open_record(namespace, request.key)
+    try:
+        placement = store.direct.place(record)
+    except Overloaded:
+        return False
+    except Corrupt as exc:
+        store.quarantine(record, str(exc))
+        raise
+    try:
+        yield store_pb2.GetResponse(header=record.header)
+        yield store_pb2.GetResponse(direct=direct_placement_pb(placement))
+        store.direct.check(placement, record, store.quarantine)
+    except BaseException:
+        # No verdict will be sent (a bad chunk, or the caller went away): nothing may be
+        # read under the lease, so it ends now rather than at its TTL.
+        store.direct.release(placement.lease)
+        raise
+    progress = store_pb2.RegionProgress(verified_bytes=record.payload_bytes)
+    yield store_pb2.GetResponse(progress=progress)
+    TRANSFERS.get(TransferPath.DIRECT, time.perf_counter() - started, record.payload_bytes)
+    return True
