@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_service.protocol.kv_codec import KVCodec, Scheme, checked_codec
+from engine_service.store_flags import add_store_link_args
 from tandem_wire.registry import ValkeyTarget
 from tandem_wire.server_flags import (
     AuthFlags,
@@ -81,10 +82,7 @@ class EngineConfig:
     store_token_file: str = ""
     # Same-host data plane (docs/store.md): bytes of shared memory for restores; 0 = off.
     store_region_bytes: int = -1  # -1: sized for the backend (checkpoints.region_bytes)
-    # With a region: read restores straight out of the store's data file when it gives it
-    # (direct reads, docs/store.md), else have the store copy them into the region. "auto":
-    # direct on MLX-CUDA (0.73-0.82x the region's hit time on the H200), the region on the
-    # CPU (where direct measured 1.10x: its two host copies run on the MLX thread).
+    # Restores read out of the store's data file (engine_service/store_flags.py says when).
     store_direct_reads: str = "auto"
     spill_batch_records: int = 32  # checkpoint Puts sent in one PutMany (1: one Put each)
     # Prometheus /metrics (front/metrics.py) on HOST:PORT; "" = off.
@@ -322,35 +320,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         default=ENV.flag("LOG_PROMPTS"),
         help="put each prompt's token ids in its request log line (they are user data)",
     )
-    p.add_argument("--store-tls-ca", default=ENV("STORE_TLS_CA", ""), help="the store's CA")
-    p.add_argument("--store-tls-cert", default=ENV("STORE_TLS_CERT", ""), help="client cert")
-    p.add_argument("--store-tls-key", default=ENV("STORE_TLS_KEY", ""), help="client key")
-    p.add_argument(
-        "--store-token-file",
-        default=ENV("STORE_TOKEN_FILE", ""),
-        help="file holding the bearer token the engine presents to the store",
-    )
-    p.add_argument(
-        "--store-region-bytes",
-        type=int,
-        default=ENV.integer("STORE_REGION_BYTES", -1),
-        help="shared memory the store writes restores into when it is on this host (0: off; "
-        "-1: 256 MiB, 8 GiB with MLX-CUDA, at most half of /dev/shm's free space)",
-    )
-    p.add_argument(
-        "--store-direct-reads",
-        choices=("auto", "on", "off"),
-        default=ENV("STORE_DIRECT_READS", "auto"),
-        help="with a region, read restores straight out of the store's data file when the "
-        "store gives it (a principal of every namespace); off: the store copies them into "
-        "the region; auto (default): on with MLX-CUDA, off on the CPU",
-    )
-    p.add_argument(
-        "--spill-batch-records",
-        type=int,
-        default=ENV.integer("SPILL_BATCH_RECORDS", 32),
-        help="checkpoint records queued together that leave in one PutMany (1: one Put each)",
-    )
+    add_store_link_args(p, ENV)
     add_metrics_arg(p, ENV)
     add_valkey_args(
         p, ENV, "announce", "a Valkey cluster to announce this engine in, for gateways' --discover"
