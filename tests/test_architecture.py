@@ -254,6 +254,7 @@ FRONT_MAY_IMPORT = (
     "engine_service.protocol",
     "engine_service.errors",
     "engine_service.config",
+    "engine_service.store_flags",  # config.py's store-link flags
     "engine_service.blas",
     "engine_service.transformers_import",
     "engine_service.model.loaded",
