@@ -203,7 +203,7 @@ def bench_local_hit(loaded, tokens: int, repeat: int) -> dict:  # noqa: ANN001
 
     def ours() -> float:
         start = time.perf_counter()
-        restored = manager.prefixes.materialize(plan)
+        restored, _ = manager.prefixes.materialize(plan)
         assert restored is not None
         mx.eval([c.state for c in restored])
         return time.perf_counter() - start

@@ -26,6 +26,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 # isort: on
 
+from engine_service.checkpoints import direct_landing  # noqa: E402
 from engine_service.checkpoints.device_landing import (  # noqa: E402
     as_they_arrive,
     host_array,
@@ -80,6 +81,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=896)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--gather-blocks",
+        default="",
+        help="also the direct landing with each of these GATHER_BLOCKS (e.g. 256,512,4096)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tandem-direct-") as tmp:
         port = free_port()
@@ -142,6 +148,17 @@ def main() -> None:
                     f"  direct / region median {statistics.median(paired):.2f}"
                     f" ({min(paired):.2f}-{max(paired):.2f})"
                 )
+                for blocks in [int(b) for b in args.gather_blocks.split(",") if b]:
+                    direct_landing.GATHER_BLOCKS = blocks
+                    took = [
+                        land(direct, landing, b"big", big.payload_bytes)[2][-1]
+                        for _ in range(args.rounds + 1)
+                    ][1:]
+                    best = statistics.median(took)
+                    print(
+                        f"  direct, GATHER_BLOCKS {blocks}: {best * 1e3:.1f} ms,"
+                        f" {gb / best:.1f} GB/s"
+                    )
                 landing.close()
                 direct.close()
         finally:

@@ -15,7 +15,7 @@ import struct
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from google.protobuf.message import DecodeError
 
@@ -101,6 +101,13 @@ class ChunkSlot:
 def chunk_layout(sizes: list[int], chunk_bytes: int) -> list[ChunkSlot]:
     """Splits each tensor into stored chunks; a chunk never spans two tensors, so its
     stored CRC can be the tensor's running CRC (one checksum pass on put and on get)."""
+    return list(_layout(tuple(sizes), chunk_bytes))
+
+
+@lru_cache(maxsize=256)
+def _layout(sizes: tuple[int, ...], chunk_bytes: int) -> tuple[ChunkSlot, ...]:
+    """Remembered: records of one model and length share their shapes, and a large one's
+    layout costs milliseconds to build for every Get."""
     slots: list[ChunkSlot] = []
     offset = 0
     for tensor, size in enumerate(sizes):
@@ -108,7 +115,7 @@ def chunk_layout(sizes: list[int], chunk_bytes: int) -> list[ChunkSlot]:
             length = min(chunk_bytes, size - start)
             slots.append(ChunkSlot(len(slots), tensor, offset + start, length, start == 0))
         offset += size
-    return slots
+    return tuple(slots)
 
 
 def chain_lengths(block_size: int, token_count: int, count: int) -> list[int]:

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -343,8 +344,8 @@ def test_a_local_prefix_hit_reuses_the_captured_arrays(tiny: LoadedModel) -> Non
     plan = reuse.find(prompt, "ns", list(tiny.layout))
     assert isinstance(plan, PrefixPlan) and plan.source == "local" and plan.matched == 128
     assert plan.local is not None
-    restored = reuse.materialize(plan)
-    assert restored is not None
+    restored, unconfirmed = reuse.materialize(plan)
+    assert restored is not None and unconfirmed is None
     # The very arrays the local tier holds: no copy through host memory.
     assert restored[0].keys is plan.local.arrays["l0.0"]
     assert reuse.counters.snapshot().local_hits == 1
@@ -370,6 +371,65 @@ def inprocess_store(tmp_path: Path) -> Iterator[str]:
     finally:
         server.stop(None).wait()
         store.close()
+
+
+def test_a_direct_hit_used_before_its_verdict_counts_only_once_confirmed(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """A direct store hit (docs/store.md, "Direct reads") materialized with confirm_later:
+    its caches are usable at once and count nothing yet; after use, `confirm` counts the hit
+    when the store's check passed and the lease held, and refuses it (the scheduler then
+    recomputes the row) when the lease lapsed first."""
+    store = CheckpointStore(StoreConfig(data_dir=tmp_path / "store", direct_read_ttl_s=60))
+    server, port, _ = create_server(store, "127.0.0.1:0")
+    server.start()
+    address, layout = f"127.0.0.1:{port}", list(tiny.layout)
+    prompt = [(i * 37) % 1900 + 3 for i in range(200)]
+    writer = CheckpointManager(tiny, CheckpointSettings(store=address))
+    reader = CheckpointManager(tiny, CheckpointSettings(store=address))  # nothing local
+    try:
+        caches = make_prompt_cache(tiny.model)
+        tiny.model(mx.array([prompt[:129]]), cache=caches)
+        writer.prefixes.save(caches, prompt[:128], "ns", layout)
+        assert writer.flush().durable
+        rest = mx.array([prompt[128:140]])
+        want = tiny.model(rest, cache=restore_from(writer, prompt, layout))
+
+        plan = reader.prefixes.find(prompt, "ns", layout)
+        assert isinstance(plan, PrefixPlan) and plan.route == "direct"
+        restored, read = reader.prefixes.materialize(plan, confirm_later=True)
+        assert restored is not None and read is not None
+        assert reader.counters.snapshot().store_hits == 0  # not yet
+        got = tiny.model(rest, cache=restored)
+        assert reader.prefixes.confirm(read)
+        assert mx.array_equal(got, want).item()
+        assert reader.counters.snapshot().store_hits == 1
+
+        store.direct.ttl_s = 0.05  # the next lease lapses before it is confirmed
+        plan = reader.prefixes.find(prompt, "ns", layout)
+        assert isinstance(plan, PrefixPlan) and plan.hold is not None
+        arrival = plan.hold.arrival
+        _wait_for(lambda: arrival.verified == arrival.total, "the store's verdict")
+        _wait_for(lambda: store.direct.counts()[1] >= 1, "the lease's lapse")
+        restored, read = reader.prefixes.materialize(plan, confirm_later=True)
+        assert restored is not None and read is not None
+        assert not reader.prefixes.confirm(read)
+        stats = reader.counters.snapshot()
+        assert stats.store_hits == 1 and stats.restore_failures == 1
+    finally:
+        reader.close()
+        writer.close()
+        server.stop(None).wait()
+        store.close()
+
+
+def restore_from(manager: CheckpointManager, prompt: list[int], layout: list[str]) -> list[Any]:
+    """The prompt's prefix restored from the manager's own local tier."""
+    plan = manager.prefixes.find(prompt, "ns", layout)
+    assert isinstance(plan, PrefixPlan) and plan.local is not None
+    caches, _ = manager.prefixes.materialize(plan)
+    assert caches is not None
+    return caches
 
 
 def test_resume_reads_only_the_segments_its_manifest_lists(

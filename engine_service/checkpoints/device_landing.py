@@ -168,8 +168,7 @@ class PinnedLanding(Landing):
             self._file_pins = FilePins(self._cuda, self.settle)
         wanted = [(t, hold.chunks(t)) for t in tensors]
         pulled = self._file_pins.arrays(wanted, hold.data_file)
-        if pulled:
-            self._pending.append(next(iter(pulled.values())))
+        self._pending.extend(pulled.values())  # views of one buffer per launched group
         for tensor in tensors:
             if id(tensor) not in pulled:
                 pulled[id(tensor)] = host_array(joined(tensor, hold.segments(tensor)))

@@ -7,6 +7,11 @@ data file, -> one MLX array.
   GPU read every chunk of a tensor straight from those pages into a fresh MLX array: one DMA
   from the page cache, no host copy at all (../shared/gpu/README.md measured 52 GB/s for it).
   Registered blocks stay pinned, up to `PIN_LIMIT` bytes (least recently used let go first).
+  The record is gathered in groups of consecutive tensors (a layer or two: payload order is
+  the model's), each launched on a stream of its own (`mx.new_stream`) and evaluated
+  asynchronously, so the first forward pass, on the generation stream, starts on layer 0
+  while later layers are still crossing PCIe (MLX makes it wait on each group's event; LMCache
+  pipelines its layer-wise loads the same way).
   Pinning costs ~30 ms a GiB (the pages are faulted in and locked), so a thread registers the
   file's new whole blocks as it grows (a record is put, then restored later), off the
   restore's path; a restore registers what is still missing itself.
@@ -40,6 +45,10 @@ CUDA_HOST_REGISTER_MAPPED = 0x02
 CUDA_HOST_REGISTER_READ_ONLY = 0x08
 THREADS_PER_BLOCK = 256
 MAX_BLOCKS_PER_CHUNK = 64
+# Thread blocks one launch uses at most: PCIe, not the SMs, bounds a gather, so it leaves most
+# of the GPU to the forward pass it overlaps (4 loads in flight per thread keep the link busy).
+GATHER_BLOCKS = 512
+GROUP_BYTES = 64 << 20  # consecutive tensors gathered by one launch (at least one tensor)
 # p holds, per chunk: (device address of its bytes, its offset in the output, 16-byte words).
 _GATHER_SOURCE = """
   size_t chunk = blockIdx.y;
@@ -47,9 +56,12 @@ _GATHER_SOURCE = """
   uint4* dst = reinterpret_cast<uint4*>(out + p[chunk * 3 + 1]);
   size_t n16 = (size_t)p[chunk * 3 + 2];
   size_t stride = (size_t)gridDim.x * blockDim.x;
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += stride) {
-    dst[i] = src[i];
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n16; i += 4 * stride) {
+    uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
+    dst[i] = a; dst[i + stride] = b; dst[i + 2 * stride] = c; dst[i + 3 * stride] = d;
   }
+  for (; i < n16; i += stride) { dst[i] = src[i]; }
 """
 
 
@@ -70,6 +82,21 @@ def joined(tensor: Tensor, segments: list[memoryview]) -> Tensor:
     else:
         data = b""
     return Tensor(tensor.name, tensor.dtype, tensor.shape, data)
+
+
+def _groups(
+    tensors: list[tuple[Tensor, list[tuple[int, int]]]], group_bytes: int
+) -> list[list[tuple[Tensor, list[tuple[int, int]]]]]:
+    """Consecutive tensors in groups of about group_bytes (a group holds at least one)."""
+    groups: list[list[tuple[Tensor, list[tuple[int, int]]]]] = [[]]
+    size = 0
+    for item in tensors:
+        if groups[-1] and size + item[0].nbytes > group_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += item[0].nbytes
+    return groups
 
 
 class BlockPins:
@@ -172,6 +199,7 @@ class FilePins:
         self._cuda = cuda
         self.blocks = BlockPins(cuda, settle)
         self._grower: threading.Thread | None = None
+        self._stream: Any = None  # the gather stream (made on the MLX thread)
         self._stop = threading.Event()
         self._kernel: Any = mx.fast.cuda_kernel(
             name="tandem_gather_pinned",
@@ -184,9 +212,10 @@ class FilePins:
         self, tensors: list[tuple[Tensor, list[tuple[int, int]]]], file: DataFile
     ) -> dict[int, mx.array]:
         """The tensors (with their chunks: file offset, length) pulled by the GPU from the
-        file's pages in one launch, into one buffer each array is a view of: id(tensor) ->
-        array. Tensors with an unaligned chunk are left out, and all are when the pages
-        cannot be registered: the caller copies those through the host."""
+        file's pages, a group of consecutive tensors per launch on the gather stream, each
+        array a view of its group's buffer: id(tensor) -> array. Tensors with an unaligned
+        chunk are left out, and all are when the pages cannot be registered: the caller
+        copies those through the host."""
         usable = [
             (t, chunks)
             for t, chunks in tensors
@@ -202,12 +231,23 @@ class FilePins:
                 file, [c for _, chunks in usable for c in chunks]
             ):
                 return {}
-        # Registered pages are read at their host addresses (checked at registration).
-        device = file.base
+        if self._stream is None:  # MLX streams belong to the thread that made them
+            self._stream = mx.new_stream(mx.gpu)
+        arrays: dict[int, mx.array] = {}
+        with mx.stream(self._stream):
+            for group in _groups(usable, GROUP_BYTES):
+                arrays.update(self._gather_group(group, file.base))
+        return arrays
+
+    def _gather_group(
+        self, group: list[tuple[Tensor, list[tuple[int, int]]]], device: int
+    ) -> dict[int, mx.array]:
+        """One launch: the group's tensors into one buffer (registered pages are read at
+        their host addresses, checked at registration)."""
         table: list[int] = []
         placed: list[tuple[Tensor, int]] = []
         at = longest = 0
-        for tensor, chunks in usable:
+        for tensor, chunks in group:
             placed.append((tensor, at))
             for offset, length in chunks:
                 table += [device + offset, at, length // 16]
@@ -231,12 +271,17 @@ class FilePins:
             raise RuntimeError("the gather read other bytes than the host holds")
 
     def _gather(self, table: list[int], nbytes: int, longest: int) -> mx.array:
-        per_chunk = min(MAX_BLOCKS_PER_CHUNK, -(-(longest // 16) // THREADS_PER_BLOCK))
+        chunks = len(table) // 3
+        per_chunk = min(
+            MAX_BLOCKS_PER_CHUNK,
+            -(-(longest // 16) // THREADS_PER_BLOCK),
+            max(1, GATHER_BLOCKS // chunks),
+        )
         outputs: list[mx.array] = self._kernel(
             inputs=[mx.array(np.array(table, np.uint64))],
             output_shapes=[(nbytes,)],
             output_dtypes=[mx.uint8],
-            grid=(per_chunk * THREADS_PER_BLOCK, len(table) // 3, 1),
+            grid=(per_chunk * THREADS_PER_BLOCK, chunks, 1),
             threadgroup=(THREADS_PER_BLOCK, 1, 1),
         )
         return outputs[0]

@@ -171,14 +171,18 @@ class CheckpointManager:
     def has_store(self) -> bool:
         return self.store is not None
 
-    def prefix_start(self, job: Job) -> StartingPoint:
+    def prefix_start(self, job: Job, confirm_later: bool = False) -> StartingPoint:
         """Where a fresh prompt starts (MLX thread): its cached prefix restored, or why it
         reused none; for caches that cannot be trimmed, a snapshot on the way
-        (checkpoints/prefix_snapshots.py)."""
+        (checkpoints/prefix_snapshots.py). confirm_later: a direct store hit may come back
+        unconfirmed (prefix_reuse.py); the caller confirms it after the row's first step."""
         r, plan = job.request, job.plan
         caches, cached, reason = None, 0, _miss_reason(plan, len(r.prompt))
+        unconfirmed = None
         if isinstance(plan, PrefixPlan):
-            caches = self.prefixes.materialize(plan)
+            # A snapshot is taken from the caches at once: from confirmed bytes only.
+            later = confirm_later and not self.snapshots.due(r, plan.matched)
+            caches, unconfirmed = self.prefixes.materialize(plan, later)
             if caches is None:
                 reason = "not restorable"
             else:
@@ -193,7 +197,9 @@ class CheckpointManager:
             caches = self.snapshots.take(r, caches, cached, k)
             return StartingPoint(r.prompt[k:], r.prompt[:k], caches, cached, reason, source)
         if caches is not None:
-            return StartingPoint(r.prompt[cached:], r.prompt[:cached], caches, cached, "", source)
+            return StartingPoint(
+                r.prompt[cached:], r.prompt[:cached], caches, cached, "", source, unconfirmed
+            )
         return StartingPoint(r.prompt, [], None, 0, reason)
 
     def add_prefill_time(self, seconds: float) -> None:
@@ -251,8 +257,11 @@ class CheckpointManager:
         return self.spill.flush(timeout)
 
 
-def starting_point(job: Job, checkpoints: CheckpointManager | None) -> StartingPoint:
-    """Restores a job's checkpoint, if it has one (MLX thread), and says what to feed."""
+def starting_point(
+    job: Job, checkpoints: CheckpointManager | None, confirm_later: bool = False
+) -> StartingPoint:
+    """Restores a job's checkpoint, if it has one (MLX thread), and says what to feed
+    (confirm_later: CheckpointManager.prefix_start)."""
     r, plan = job.request, job.plan
     if isinstance(plan, ResumePlan) and checkpoints is not None:
         # The restored cache holds prompt + generated; the pending token is fed next and
@@ -267,7 +276,7 @@ def starting_point(job: Job, checkpoints: CheckpointManager | None) -> StartingP
         return StartingPoint([plan.pending], [*r.prompt, *plan.generated], caches, len(r.prompt))
     if checkpoints is None:
         return StartingPoint(r.prompt, [], None, 0, "prefix reuse off")
-    return checkpoints.prefix_start(job)
+    return checkpoints.prefix_start(job, confirm_later)
 
 
 def _miss_reason(plan: Plan, prompt_tokens: int) -> PrefixMissReason:

@@ -11,6 +11,12 @@ prompt that finds nothing gets a `PrefixMiss` saying why.
 
 `find` runs on the core's planning pool (it may call the store); `materialize` and `save` on the MLX
 thread.
+
+A hit read directly out of the store's data file may be used before the store's verdict
+(`confirm_later`): its gather is only queued, the row's first forward pass runs over it (the
+two overlap on MLX-CUDA), and the scheduler `confirm`s the read after that step, before any
+token of the row leaves: the check passed and the lease held, or the row starts again by
+recompute. No token ever comes from bytes the store did not vouch for.
 """
 
 from __future__ import annotations
@@ -53,6 +59,15 @@ ARRIVAL_TIMEOUT_S = 30.0
 # Prefix keys already spilled, remembered up to this many (a miss only costs a Put the store
 # answers with ALREADY_EXISTS).
 SAVED_KEYS = 100_000
+
+
+@dataclass(frozen=True)
+class UnconfirmedRead:
+    """A direct store hit whose arrays are in use before the store's verdict on them."""
+
+    plan: PrefixPlan
+    hold: DirectHold
+    spent_s: float  # the read's time so far: its Get and making its caches, not the step's
 
 
 @dataclass(frozen=True)
@@ -228,47 +243,98 @@ class PrefixReuse:
             route=read.route,
         )
 
-    def materialize(self, plan: PrefixPlan) -> list[Any] | None:
-        """Caches for a plan (MLX thread), trimmed to the matched length; None: prefill."""
+    def materialize(
+        self, plan: PrefixPlan, confirm_later: bool = False
+    ) -> tuple[list[Any] | None, UnconfirmedRead | None]:
+        """Caches for a plan (MLX thread), trimmed to the matched length; None: prefill.
+        With confirm_later, a direct read's caches come back unconfirmed (and uncounted)
+        with what `confirm` needs once they were used."""
         start = time.perf_counter()
+        unconfirmed = None
         try:
             if plan.local is not None:
                 caches = restore_captured(plan.local, plan.layout)
                 held = plan.local.tokens
             else:
                 assert plan.stored is not None
-                caches = self._restore_stored(plan)
+                later = confirm_later and isinstance(plan.hold, DirectHold)
+                caches = self._restore_stored(plan, later)
                 held = int(plan.stored.metadata.get("tokens", plan.matched))
+                if later:
+                    assert isinstance(plan.hold, DirectHold)
+                    spent = plan.fetch_s + time.perf_counter() - start
+                    unconfirmed = UnconfirmedRead(plan, plan.hold, spent)
             if held > plan.matched:
                 if plan.exact or not can_trim_prompt_cache(caches):
-                    return None
+                    if unconfirmed is not None:
+                        self._let_go(unconfirmed.hold)
+                    return None, None
                 trim_prompt_cache(caches, held - plan.matched)
         except (Precondition, KeyError, ValueError, TandemError) as exc:
             log.warning("prefix checkpoint not restorable, prefilling instead: %s", exc)
             self.counters.add(restore_failures=1)
-            return None
-        seconds = plan.fetch_s + time.perf_counter() - start
+            if unconfirmed is not None:
+                self._let_go(unconfirmed.hold)
+            return None, None
+        if unconfirmed is None:
+            self._count_hit(plan, plan.fetch_s + time.perf_counter() - start)
+        return caches, unconfirmed
+
+    def confirm(self, read: UnconfirmedRead) -> bool:
+        """After the step that used a direct read's caches (MLX thread): True when the store
+        passed its bytes and the lease held until the gather had read them (then the hit
+        counts); False: the row must start again from its tokens."""
+        start = time.perf_counter()
+        arrival = read.hold.arrival
+        why = ""
+        try:
+            arrival.wait(arrival.total, ARRIVAL_TIMEOUT_S)
+        except TandemError as exc:
+            why = str(exc)
+        held = self._let_go(read.hold)
+        if not why and not held:
+            why = "its lease lapsed before the gather had read it"
+        if why:
+            log.warning("a direct store hit is recomputed instead: %s", why)
+            self.counters.add(restore_failures=1)
+            return False
+        self._count_hit(read.plan, read.spent_s + time.perf_counter() - start)
+        return True
+
+    def _let_go(self, hold: DirectHold) -> bool:
+        """Waits for every gather issued (the arrays own their bytes), then ends the lease;
+        whether it held."""
+        self.landing.settle()
+        return hold.release() is not False
+
+    def _count_hit(self, plan: PrefixPlan, seconds: float) -> None:
         if plan.local is not None:
             self.counters.add(local_hits=1, restore_seconds=seconds)
-        else:
-            self.counters.add(store_hits=1, restored_bytes=plan.nbytes, restore_seconds=seconds)
-            self.counters.observe_restore(plan.nbytes, seconds)
-            self.cost.observe_restore(plan.nbytes, plan.matched, seconds)
-        return caches
+            return
+        self.counters.add(store_hits=1, restored_bytes=plan.nbytes, restore_seconds=seconds)
+        self.counters.observe_restore(plan.nbytes, seconds)
+        self.cost.observe_restore(plan.nbytes, plan.matched, seconds)
 
-    def _restore_stored(self, plan: PrefixPlan) -> list[Any]:
+    def _restore_stored(self, plan: PrefixPlan, confirm_later: bool) -> list[Any]:
         """A store read's caches. A direct read's bytes count only once the store's check
-        passed and its lease held until the arrays owned them (DataLoss otherwise)."""
+        passed and its lease held until the arrays owned them (DataLoss otherwise); with
+        confirm_later, its gather is only queued and `confirm` decides after the step."""
         assert plan.stored is not None
         hold = plan.hold
+        arrays = as_they_arrive(self.landing, plan.stored, hold, ARRIVAL_TIMEOUT_S)
+        if confirm_later:
+            assert isinstance(hold, DirectHold)
+            if hold.arrival.error is not None:  # the store's verdict came first: a miss
+                self._let_go(hold)
+                raise hold.arrival.error
+            try:
+                return restore(plan.stored.metadata, plan.stored.tensors, plan.layout, arrays)
+            except BaseException:
+                self._let_go(hold)
+                raise
         held = True
         try:
-            caches = restore(
-                plan.stored.metadata,
-                plan.stored.tensors,
-                plan.layout,
-                as_they_arrive(self.landing, plan.stored, hold, ARRIVAL_TIMEOUT_S),
-            )
+            caches = restore(plan.stored.metadata, plan.stored.tensors, plan.layout, arrays)
             if isinstance(hold, DirectHold):
                 hold.arrival.wait(hold.arrival.total, ARRIVAL_TIMEOUT_S)
         finally:  # the arrays own their bytes before the span (or the lease) is given back

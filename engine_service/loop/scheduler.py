@@ -26,7 +26,7 @@ from engine_service.loop.admissions import gather_burst
 from engine_service.loop.commands import Cancel, Park, Restored, Submit, Unpark
 from engine_service.loop.compiled_decode import CompiledDecode
 from engine_service.loop.inbox import SchedulerInbox
-from engine_service.loop.jobs import Job, StartingPoint
+from engine_service.loop.jobs import Job, StartingPoint, Unconfirmed
 from engine_service.loop.limits import Limits
 from engine_service.loop.new_rows import NewRows
 from engine_service.loop.parking import Parking
@@ -114,6 +114,7 @@ class Scheduler(SchedulerInbox):
         self.deliver = deliver
         self._outbox: list[tuple[Sink, list[Event]]] = []
         self._waiting: collections.deque[Job] = collections.deque()
+        self._unconfirmed: list[Unconfirmed] = []  # direct store hits in their first step
         self._rows: dict[int, Job] = {}
         self._by_id: dict[str, Job] = {}
         self._preemption = Preemption(limits.park)
@@ -145,7 +146,7 @@ class Scheduler(SchedulerInbox):
         self._preemption.forget(job)
         self._admissions.leave(job.request.request_id)
 
-    def starting_point(self, job: Job) -> StartingPoint:
+    def starting_point(self, job: Job, confirm_later: bool = False) -> StartingPoint:
         if job.recompute:  # its batch failed under it (loop/row_isolation.py)
             job.recompute = False
             return recompute_point(job)
@@ -153,7 +154,7 @@ class Scheduler(SchedulerInbox):
         if parked is not None:
             ckpt = self.checkpoints
             return restart_point(job, parked, ckpt.generations.materialize if ckpt else None)
-        return starting_point(job, self.checkpoints)
+        return starting_point(job, self.checkpoints, confirm_later)
 
     # -- the engine thread -------------------------------------------------------------------
 
@@ -194,6 +195,7 @@ class Scheduler(SchedulerInbox):
             self._expire_idle()
             if self._rows:
                 self._step()
+            self._confirm_reads()  # any whose rows ended before a step ran over them
             if self._speculating():
                 self._step_speculative()
             self._publish_counts()
@@ -288,15 +290,19 @@ class Scheduler(SchedulerInbox):
         for job in batch:
             fresh = not job.tokens and not job.recompute  # not a row coming back
             try:
-                start = self.starting_point(job)
+                start = self.starting_point(job, confirm_later=True)
                 rows.add(job, start)
             except Exception as exc:  # a checkpoint that cannot be restored ends its request
                 log.exception("restoring %s failed", job.request.request_id)
                 self._end_failed(job, f"restoring the checkpoint failed: {exc}", Corrupt)
                 continue
+            started = None
             if fresh:
                 cached, why = start.cached_prompt_tokens, start.prefix_miss_reason
                 started = Started(len(job.request.prompt), cached, why, start.prefix_source)
+            if start.unconfirmed is not None:  # Started is said once the read is confirmed
+                self._unconfirmed.append(Unconfirmed(job, start.unconfirmed, started))
+            elif started is not None:
                 self.emit(job, [started])
         if not rows.jobs:
             return
@@ -320,8 +326,10 @@ class Scheduler(SchedulerInbox):
             _, responses = self._bg.next()
         except Exception:  # a row the model fails on must not end the rows beside it
             log.exception("a batch step of %d rows failed; trying each alone", len(self._rows))
+            self._confirm_reads(step_failed=True)
             self._isolate()
             return
+        self._confirm_reads()
         self._masks.settle(self._rows)
         if not responses:
             return
@@ -355,6 +363,30 @@ class Scheduler(SchedulerInbox):
             self._stats.add_step(len(responses), time.monotonic())
             if self._stats.steps_total % KV_BYTES_EVERY == 0:  # a sum over layers: not each step
                 self._stats.kv_cache_bytes = batch_cache_bytes(self._bg)
+
+    def _confirm_reads(self, step_failed: bool = False) -> None:
+        """Direct store hits used unconfirmed (checkpoints/prefix_reuse.py), after the step
+        that ran over them and before any token of theirs leaves: a read the store did not
+        vouch for takes its row out of the batch to start again by recompute."""
+        pending, self._unconfirmed = self._unconfirmed, []
+        for item in pending:
+            assert self.checkpoints is not None
+            job, live = item.job, self._by_id.get(item.job.request.request_id) is item.job
+            if self.checkpoints.prefixes.confirm(item.read):
+                if live and item.started is not None:
+                    self.emit(job, [item.started])
+                continue
+            self.checkpoints.counters.miss("not restorable")
+            if not live:  # ended meanwhile (a deadline): nothing to start again
+                continue
+            if job.uid in self._rows:
+                if not step_failed:  # a failed step's batch is replaced whole
+                    self._bg.remove([job.uid])
+                del self._rows[job.uid]
+            job.uid, job.recompute, job.plan = -1, True, None
+            self._waiting.appendleft(job)
+            if item.started is not None:
+                self.emit(job, [Started(item.started.prompt_tokens, 0, "not restorable")])
 
     def _expire_idle(self) -> None:
         timeout = self.limits.park.idle_timeout_s
