@@ -101,6 +101,22 @@ def raw_from_memory(loaded, base: list[int], turn: list[int]) -> float:  # noqa:
     return time.perf_counter() - start
 
 
+def phase_medians(log: Path, marker: str) -> str:
+    """The medians of the "NAME VALUE" phases on the log's lines holding marker (the
+    engine's and store's debug lines for direct hits), the first (warm-up) line left out."""
+    rows = [
+        line.split(marker, 1)[1]
+        for line in log.read_text(errors="replace").splitlines()
+        if marker in line
+    ][1:]
+    phases: dict[str, list[float]] = {}
+    for row in rows:
+        for part in row.split("(")[0].split(","):
+            name, _, value = part.strip().rpartition(" ")
+            phases.setdefault(name, []).append(float(value))
+    return ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in phases.items())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tandem-tiny")
@@ -126,6 +142,8 @@ def main() -> None:
         store = start_store_on(
             root / "store",
             port,
+            "--log-level",  # the direct Gets' phases (phase_medians)
+            "debug",
             "--sync-mode",
             "none",
             "--capacity-bytes",
@@ -144,6 +162,8 @@ def main() -> None:
                 str(16 << 30),
                 "--store-direct-reads",
                 "on" if route == "direct" else "off",
+                "--log-level",
+                "debug",
                 log_dir=root / route,
             )
             for route in routes
@@ -193,6 +213,9 @@ def main() -> None:
             for engine in engines.values():
                 engine.stop()
             store.stop()
+        if "direct" in routes:
+            engine_phases = phase_medians(root / "direct" / "engine.log", "direct hit phases (ms):")
+            store_phases = phase_medians(root / "store-store.log", "direct Get phases (ms):")
     print(
         f"{args.model} on {mx.default_device()}, {args.tokens} + 16 tokens, {args.pairs} rounds,"
         f" records {args.record_bits or 'exact'}{'-bit' if args.record_bits else ''}:"
@@ -210,6 +233,8 @@ def main() -> None:
                 f"    cold prefill {statistics.median(colds) * 1e3:.1f} ms; cold / hit median"
                 f" {statistics.median(gain):.2f} ({min(gain):.2f}-{max(gain):.2f})"
             )
+    if "direct" in routes:
+        print(f"  direct hits' phases, medians (ms): engine {engine_phases}; store {store_phases}")
     if len(routes) == 2:
         paired = [a / b for a, b in zip(hits[routes[0]], hits[routes[1]], strict=True)]
         print(

@@ -68,6 +68,7 @@ class UnconfirmedRead:
     plan: PrefixPlan
     hold: DirectHold
     spent_s: float  # the read's time so far: its Get and making its caches, not the step's
+    made_at: float = 0.0  # time.perf_counter() when its caches were made
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,7 @@ class PrefixReuse:
                 if later:
                     assert isinstance(plan.hold, DirectHold)
                     spent = plan.fetch_s + time.perf_counter() - start
-                    unconfirmed = UnconfirmedRead(plan, plan.hold, spent)
+                    unconfirmed = UnconfirmedRead(plan, plan.hold, spent, time.perf_counter())
             if held > plan.matched:
                 if plan.exact or not can_trim_prompt_cache(caches):
                     if unconfirmed is not None:
@@ -291,7 +292,17 @@ class PrefixReuse:
             arrival.wait(arrival.total, ARRIVAL_TIMEOUT_S)
         except TandemError as exc:
             why = str(exc)
+        verdict = time.perf_counter()
         held = self._let_go(read.hold)
+        log.debug(  # where a direct hit's time went (bench/hit_floor_bench.py reads this)
+            "direct hit phases (ms): get %.1f, caches %.1f, step %.1f, verdict %.1f, "
+            "settle and release %.1f",
+            read.plan.fetch_s * 1e3,
+            (read.spent_s - read.plan.fetch_s) * 1e3,
+            (start - read.made_at) * 1e3,
+            (verdict - start) * 1e3,
+            (time.perf_counter() - verdict) * 1e3,
+        )
         if not why and not held:
             why = "its lease lapsed before the gather had read it"
         if why:
