@@ -15,6 +15,7 @@ import functools
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,8 +31,15 @@ BACKLOG = 16  # records waiting; more are not warmed (a Get still works, a bit s
 
 
 class MapWarmer:
-    def __init__(self, storage: LmdbStorage) -> None:
+    def __init__(
+        self,
+        storage: LmdbStorage,
+        walked: Callable[[StoredRecord, list[memoryview]], object] | None = None,
+    ) -> None:
         self._storage = storage
+        # Told each warmed record's chunks (inside the read transaction): direct reads
+        # remember where they lie (direct_reads.py).
+        self._walked = walked
         self._queue: queue.Queue[StoredRecord | None] = queue.Queue(BACKLOG)
         self._thread = threading.Thread(target=self._run, name="map-warmer", daemon=True)
         self._thread.start()
@@ -49,17 +57,28 @@ class MapWarmer:
     def _run(self) -> None:
         while (record := self._queue.get()) is not None:
             try:
-                touch = functools.partial(_touch, storage=self._storage, record=record)
+                touch = functools.partial(
+                    _touch, storage=self._storage, record=record, walked=self._walked
+                )
                 self._storage.read(touch, buffers=True)
             except StorageError as exc:  # closing, or a damaged file the Get will report
                 log.debug("warming record %d skipped: %s", record.record_id, exc)
 
 
-def _touch(txn: Any, storage: LmdbStorage, record: StoredRecord) -> None:
+def _touch(
+    txn: Any,
+    storage: LmdbStorage,
+    record: StoredRecord,
+    walked: Callable[[StoredRecord, list[memoryview]], object] | None,
+) -> None:
     chunks = storage.db["chunks"]
+    buffers = []
     for slot in record.slots:
         buf = txn.get(chunk_key(record.record_id, slot.index), db=chunks)
-        if buf is None:
-            return  # replaced or removed meanwhile
+        if buf is None or len(buf) != slot.length:
+            return  # replaced or removed meanwhile (or damaged: the Get will say)
         # One byte per page: the fault maps it (and its neighbours); nothing is copied.
         np.frombuffer(buf, np.uint8)[::PAGE].max(initial=0)
+        buffers.append(memoryview(buf))
+    if walked is not None:
+        walked(record, buffers)

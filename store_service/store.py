@@ -80,7 +80,6 @@ class CheckpointStore:
             address = config.region_socket or default_address()
             self.region_socket = RegionSocket(address, self._hand_over)
             self.regions.socket = address
-        self.warmer = MapWarmer(self.state.storage)  # prefixes' pages mapped for region Gets
         # Same-host callers of every namespace may read the data file themselves.
         self.direct = DirectReads(
             self.state.storage,
@@ -88,6 +87,8 @@ class CheckpointStore:
             config.max_direct_reads,
             self.regions.copy_threads,
         )
+        # Prefixes' pages mapped for region Gets, and their places kept for direct ones.
+        self.warmer = MapWarmer(self.state.storage, self.direct.remember)
         if self.direct.enabled:
             self.regions.open_data_file = self.direct.open_file
 

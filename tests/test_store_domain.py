@@ -439,3 +439,43 @@ def test_direct_read_leases_end_once_and_a_late_check_quarantines_nothing(
         StoreAdmin(store).compact()  # needs every transaction ended: the lapsed one is
     finally:
         store.close()
+
+
+def test_a_direct_read_answers_from_where_the_chunks_were_found_before(tmp_path: Path) -> None:
+    """Where a record's chunks lie is learnt once (store_service/direct_reads.py): the next
+    direct read answers from it, the same places holding the same bytes, and passes its
+    check; a record replaced under its key is never placed from its predecessor's places
+    (the old one is gone: Aborted; the new one's bytes are its own)."""
+    store = open_store(tmp_path / "store", capacity_bytes=1 << 20)
+    try:
+        put(store, make_checkpoint(b"d", {"k": 50 * KiB, "v": 30 * KiB}))
+        old = store.open_record("", b"d")
+        placements = []
+        for _ in range(2):
+            placement = store.direct.place(old)
+            store.direct.check(placement, old, store.quarantine)
+            assert store.direct.release(placement.lease)
+            placements.append(placement)
+        assert placements[0].chunk_offsets == placements[1].chunk_offsets
+        data = (tmp_path / "store" / "data.mdb").read_bytes()
+        read = b"".join(
+            data[o : o + n]
+            for o, n in zip(placements[1].chunk_offsets, placements[1].chunk_lengths, strict=True)
+        )
+        assert read == payload(store, b"d")
+
+        put(store, make_checkpoint(b"d", {"k": 40 * KiB, "v": 40 * KiB}))  # random anew
+        with pytest.raises(Aborted):
+            store.direct.place(old)
+        new = store.open_record("", b"d")
+        placement = store.direct.place(new)
+        store.direct.check(placement, new, store.quarantine)
+        assert store.direct.release(placement.lease)
+        data = (tmp_path / "store" / "data.mdb").read_bytes()
+        read = b"".join(
+            data[o : o + n]
+            for o, n in zip(placement.chunk_offsets, placement.chunk_lengths, strict=True)
+        )
+        assert read == payload(store, b"d")
+    finally:
+        store.close()

@@ -162,7 +162,7 @@ class PinnedLanding(Landing):
         return typed
 
     def direct(self, tensors: list[Tensor], hold: DirectHold) -> dict[int, mx.array]:
-        """Pulled by the GPU straight from the data file's pages in one launch
+        """Pulled by the GPU straight from the data file's pages, a launch per group of layers
         (direct_landing.py); what it cannot pull is copied through the host."""
         if self._file_pins is None:  # made by warm()
             self._file_pins = FilePins(self._cuda, self.settle)
@@ -306,9 +306,7 @@ def as_they_arrive(
     for a tensor whose bytes never arrive. A direct Get's tensors are read at once, while the
     store checks them: the caller waits for its verdict before using them."""
     if isinstance(hold, DirectHold):
-        arrays = landing.direct(stored.all_tensors(), hold)
-        for array in arrays.values():
-            landing.start(array)
+        arrays = landing.direct(stored.all_tensors(), hold)  # started as they are made
         return lambda tensor: arrays[id(tensor)]
     arrival = hold.arrival if hold is not None else None
     if arrival is None:

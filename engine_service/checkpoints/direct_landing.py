@@ -48,7 +48,10 @@ MAX_BLOCKS_PER_CHUNK = 64
 # Thread blocks one launch uses at most: PCIe, not the SMs, bounds a gather, so it leaves most
 # of the GPU to the forward pass it overlaps (4 loads in flight per thread keep the link busy).
 GATHER_BLOCKS = 512
-GROUP_BYTES = 64 << 20  # consecutive tensors gathered by one launch (at least one tensor)
+# A record is gathered in about this many launches of consecutive tensors (each at least
+# MIN_GROUP_BYTES): each is evaluated on its own, and an evaluation costs ~0.5 ms on the host.
+GROUPS = 8
+MIN_GROUP_BYTES = 64 << 20
 # p holds, per chunk: (device address of its bytes, its offset in the output, 16-byte words).
 _GATHER_SOURCE = """
   size_t chunk = blockIdx.y;
@@ -213,9 +216,9 @@ class FilePins:
     ) -> dict[int, mx.array]:
         """The tensors (with their chunks: file offset, length) pulled by the GPU from the
         file's pages, a group of consecutive tensors per launch on the gather stream, each
-        array a view of its group's buffer: id(tensor) -> array. Tensors with an unaligned
-        chunk are left out, and all are when the pages cannot be registered: the caller
-        copies those through the host."""
+        array a view of its group's buffer, all started: id(tensor) -> array. Tensors with
+        an unaligned chunk are left out, and all are when the pages cannot be registered:
+        the caller copies those through the host."""
         usable = [
             (t, chunks)
             for t, chunks in tensors
@@ -234,9 +237,14 @@ class FilePins:
         if self._stream is None:  # MLX streams belong to the thread that made them
             self._stream = mx.new_stream(mx.gpu)
         arrays: dict[int, mx.array] = {}
+        total = sum(t.nbytes for t, _ in usable)
         with mx.stream(self._stream):
-            for group in _groups(usable, GROUP_BYTES):
-                arrays.update(self._gather_group(group, file.base))
+            for group in _groups(usable, max(MIN_GROUP_BYTES, total // GROUPS)):
+                pulled = self._gather_group(group, file.base)
+                # Started now, in the model's layer order, each group with its own event:
+                # the forward pass waits for the group holding its layer, not for all.
+                mx.async_eval(list(pulled.values()))
+                arrays.update(pulled)
         return arrays
 
     def _gather_group(
