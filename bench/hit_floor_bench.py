@@ -214,7 +214,9 @@ def main() -> None:
                 engine.stop()
             store.stop()
         if "direct" in routes:
-            engine_phases = phase_medians(root / "direct" / "engine.log", "direct hit phases (ms):")
+            engine_log = root / "direct" / "engine.log"
+            engine_phases = phase_medians(engine_log, "direct hit phases (ms):")
+            gather_phases = phase_medians(engine_log, "direct gather phases (ms):")
             store_phases = phase_medians(root / "store-store.log", "direct Get phases (ms):")
     print(
         f"{args.model} on {mx.default_device()}, {args.tokens} + 16 tokens, {args.pairs} rounds,"
@@ -235,6 +237,7 @@ def main() -> None:
             )
     if "direct" in routes:
         print(f"  direct hits' phases, medians (ms): engine {engine_phases}; store {store_phases}")
+        print(f"    of its caches (MLX-CUDA): {gather_phases}")
     if len(routes) == 2:
         paired = [a / b for a, b in zip(hits[routes[0]], hits[routes[1]], strict=True)]
         print(

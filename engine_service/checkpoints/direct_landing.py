@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Protocol
 
@@ -229,11 +230,15 @@ class FilePins:
         if self._grower is None:
             self._grower = threading.Thread(target=self._grow, name="file-pins", daemon=True)
             self._grower.start()
+        started = time.perf_counter()
         with self.blocks.lock:
+            pinned_before = self.blocks.pinned()
             if self.blocks.failed or not self.blocks.ensure(
                 file, [c for _, chunks in usable for c in chunks]
             ):
                 return {}
+            registered = self.blocks.pinned() - pinned_before
+        ensured = time.perf_counter()
         if self._stream is None:  # MLX streams belong to the thread that made them
             self._stream = mx.new_stream(mx.gpu)
         arrays: dict[int, mx.array] = {}
@@ -245,6 +250,12 @@ class FilePins:
                 # the forward pass waits for the group holding its layer, not for all.
                 mx.async_eval(list(pulled.values()))
                 arrays.update(pulled)
+        log.debug(  # where a direct gather's host time went (bench/hit_floor_bench.py reads it)
+            "direct gather phases (ms): pins %.1f, launches %.1f, MiB registered %d",
+            (ensured - started) * 1e3,
+            (time.perf_counter() - ensured) * 1e3,
+            registered >> 20,
+        )
         return arrays
 
     def _gather_group(
