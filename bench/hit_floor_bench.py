@@ -237,7 +237,8 @@ def main() -> None:
             )
     if "direct" in routes:
         print(f"  direct hits' phases, medians (ms): engine {engine_phases}; store {store_phases}")
-        print(f"    of its caches (MLX-CUDA): {gather_phases}")
+        if gather_phases:  # MLX-CUDA only
+            print(f"    of its caches: {gather_phases}")
     if len(routes) == 2:
         paired = [a / b for a, b in zip(hits[routes[0]], hits[routes[1]], strict=True)]
         print(
