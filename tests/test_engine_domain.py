@@ -45,6 +45,7 @@ from store_service.config import StoreConfig
 from store_service.server import create_server
 from store_service.store import CheckpointStore
 from tandem_client import Checkpoint, StoreClient, Tensor
+from tandem_client.direct import DirectHold
 from tandem_client.errors import PutManyFailed, TandemError
 from tandem_client.errors import Unavailable as StoreUnavailable
 from tandem_client.records import PutItem
@@ -407,7 +408,7 @@ def test_a_direct_hit_used_before_its_verdict_counts_only_once_confirmed(
 
         store.direct.ttl_s = 0.05  # the next lease lapses before it is confirmed
         plan = reader.prefixes.find(prompt, "ns", layout)
-        assert isinstance(plan, PrefixPlan) and plan.hold is not None
+        assert isinstance(plan, PrefixPlan) and isinstance(plan.hold, DirectHold)
         arrival = plan.hold.arrival
         _wait_for(lambda: arrival.verified == arrival.total, "the store's verdict")
         _wait_for(lambda: store.direct.counts()[1] >= 1, "the lease's lapse")
