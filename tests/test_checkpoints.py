@@ -212,6 +212,17 @@ def test_store_down_does_not_stop_generation_and_flush_reports_durability(shared
         flushed = engine.flush()
         assert flushed.durable and flushed.flushed > 0
         assert (flushed.failed, flushed.missing) == (0, 0)
+        # The prompt's prefix, kept only locally while the store was down, reaches the store
+        # once the prompt runs again: a fresh engine restores it from there.
+        engine.generate(PROMPT, max_tokens=4, ignore_eos=True)
+        assert engine.flush().durable
+    fresh = shared.start_engine()
+    try:
+        with EngineClient(fresh.address) as engine:
+            again = engine.generate(PROMPT, max_tokens=4, ignore_eos=True)
+        assert again.usage is not None and again.usage.prefix_source == "store: region"
+    finally:
+        fresh.stop()
 
 
 def test_checkpoint_of_another_model_is_refused(shared: Stack) -> None:

@@ -330,22 +330,22 @@ class PrefixReuse:
         """A store read's caches. A direct read's bytes count only once the store's check
         passed and its lease held until the arrays owned them (DataLoss otherwise); with
         confirm_later, its gather is only queued and `confirm` decides after the step."""
-        assert plan.stored is not None
-        hold = plan.hold
-        arrays = as_they_arrive(self.landing, plan.stored, hold, ARRIVAL_TIMEOUT_S)
+        stored, hold = plan.stored, plan.hold
+        assert stored is not None
         if confirm_later:
             assert isinstance(hold, DirectHold)
-            if hold.arrival.error is not None:  # the store's verdict came first: a miss
-                self._let_go(hold)
-                raise hold.arrival.error
             try:
-                return restore(plan.stored.metadata, plan.stored.tensors, plan.layout, arrays)
+                if hold.arrival.error is not None:  # the store's verdict came first: a miss
+                    raise hold.arrival.error
+                arrays = as_they_arrive(self.landing, stored, hold, ARRIVAL_TIMEOUT_S)
+                return restore(stored.metadata, stored.tensors, plan.layout, arrays)
             except BaseException:
                 self._let_go(hold)
                 raise
         held = True
         try:
-            caches = restore(plan.stored.metadata, plan.stored.tensors, plan.layout, arrays)
+            arrays = as_they_arrive(self.landing, stored, hold, ARRIVAL_TIMEOUT_S)
+            caches = restore(stored.metadata, stored.tensors, plan.layout, arrays)
             if isinstance(hold, DirectHold):
                 hold.arrival.wait(hold.arrival.total, ARRIVAL_TIMEOUT_S)
         finally:  # the arrays own their bytes before the span (or the lease) is given back
@@ -369,7 +369,7 @@ class PrefixReuse:
             return  # untrimmable: an exact snapshot was kept during prefill (prefix_snapshots)
         scope = self.scope(namespace, layout, record)
         key = prefix_key(scope, prompt)
-        if key in self.local or key in self._saved_keys:
+        if self._kept(key):
             return
         trim_prompt_cache(row_caches, 1)
         where = Destination(key, scope, namespace, layout, record)
@@ -389,9 +389,15 @@ class PrefixReuse:
             return
         scope = self.scope(namespace, layout, record)
         key = prefix_key(scope, tokens)
-        if key not in self.local and key not in self._saved_keys:
+        if not self._kept(key):
             where = Destination(key, scope, namespace, layout, record)
             self._keep(where, caches, tokens, trimmable=False)
+
+    def _kept(self, key: bytes) -> bool:
+        """Whether a prefix is kept already: sent to the store (or on its way), or, with no
+        store, in the local tier. One whose Put failed (the store was down) is kept again by
+        the next prompt that computes it, though the local tier still holds it."""
+        return key in self._saved_keys if self.spill is not None else key in self.local
 
     def _keep(
         self, where: Destination, caches: list[Any], prompt: list[int], trimmable: bool
