@@ -50,7 +50,8 @@ MAX_BLOCKS_PER_CHUNK = 64
 # of the GPU to the forward pass it overlaps (4 loads in flight per thread keep the link busy).
 GATHER_BLOCKS = 512
 # A record is gathered in about this many launches of consecutive tensors (each at least
-# MIN_GROUP_BYTES): each is evaluated on its own, and an evaluation costs ~0.5 ms on the host.
+# MIN_GROUP_BYTES), each evaluated on its own: a launch and its evaluation cost ~2 ms of host
+# time on the H200's (docs/performance.md), traded against finer overlap.
 GROUPS = 8
 MIN_GROUP_BYTES = 64 << 20
 # p holds, per chunk: (device address of its bytes, its offset in the output, 16-byte words).
