@@ -10,7 +10,7 @@ from engine_service.checkpoints.attachments import CapturedAttachment
 from engine_service.checkpoints.cache_records import CapturedCache
 from engine_service.checkpoints.prefix_reuse import UnconfirmedRead
 from engine_service.core.plans import Plan, ResumePlan
-from engine_service.protocol.events import PrefixMissReason, PrefixSource, Sink, Started
+from engine_service.protocol.events import PrefixMissReason, PrefixSource, Sink
 from engine_service.protocol.requests import GenerationRequest
 from engine_service.sampling.constraints import ConstrainedRow
 
@@ -99,13 +99,3 @@ class StartingPoint:
     prefix_source: PrefixSource = ""  # where what it reused came from
     # A direct store hit in use before the store's verdict: confirmed after the first step.
     unconfirmed: UnconfirmedRead | None = None
-
-
-@dataclass(frozen=True)
-class Unconfirmed:
-    """A row admitted over a direct store hit still to be confirmed, and the Started it
-    says once it is (None: a row coming back, which says none)."""
-
-    job: Job
-    read: UnconfirmedRead
-    started: Started | None

@@ -15,7 +15,6 @@ import queue
 import time
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from engine_service.checkpoints.manager import CheckpointManager, starting_point
@@ -25,12 +24,14 @@ from engine_service.errors import Corrupt, EngineError, InvalidRequest, ModelFai
 from engine_service.loop.admissions import gather_burst
 from engine_service.loop.commands import Cancel, Park, Restored, Submit, Unpark
 from engine_service.loop.compiled_decode import CompiledDecode
+from engine_service.loop.idle_buffers import IdleBuffers
 from engine_service.loop.inbox import SchedulerInbox
-from engine_service.loop.jobs import Job, StartingPoint, Unconfirmed
+from engine_service.loop.jobs import Job, StartingPoint
 from engine_service.loop.limits import Limits
 from engine_service.loop.new_rows import NewRows
 from engine_service.loop.parking import Parking
 from engine_service.loop.preemption import Preemption, restart_point
+from engine_service.loop.read_confirmations import ReadConfirmations
 from engine_service.loop.row_isolation import isolate, recompute_point
 from engine_service.loop.step_checkpoints import StepCheckpoints
 from engine_service.loop.warmup import WarmUpFailed, warm_up
@@ -57,8 +58,6 @@ KV_BYTES_EVERY = 16  # steps between readings of the batch's KV bytes (Stats.kv_
 
 # An idle engine receiving a burst gathers it for at most this many admission windows.
 GATHER_WINDOWS = 25
-# How long the loop stays idle before MLX's cached buffers go back (mx.clear_cache).
-IDLE_RELEASE_S = 1.0
 
 
 def deliver_directly(outbox: list[tuple[Sink, list[Event]]]) -> None:
@@ -114,7 +113,7 @@ class Scheduler(SchedulerInbox):
         self.deliver = deliver
         self._outbox: list[tuple[Sink, list[Event]]] = []
         self._waiting: collections.deque[Job] = collections.deque()
-        self._unconfirmed: list[Unconfirmed] = []  # direct store hits in their first step
+        self._unconfirmed = ReadConfirmations()  # direct store hits in their first step
         self._rows: dict[int, Job] = {}
         self._by_id: dict[str, Job] = {}
         self._preemption = Preemption(limits.park)
@@ -171,20 +170,11 @@ class Scheduler(SchedulerInbox):
             self._ready.set()
             return
         self._ready.set()
-        idle_since: float | None = 0.0  # None: the buffers went back since the last work
+        buffers = IdleBuffers()  # MLX's cached buffers go back after a while idle
         while True:
             idle = not self._rows and not self._waiting and not self._speculating()
-            if not idle:
-                idle_since = 0.0
-            elif idle_since == 0.0:
-                idle_since = time.monotonic()
+            if buffers.tick(idle):
                 self._stats.kv_cache_bytes = 0
-            elif idle_since is not None and time.monotonic() - idle_since >= IDLE_RELEASE_S:
-                # Nothing has run for a while: the buffers MLX cached for the batch go back to
-                # the device (a GPU may be shared). Not at once: a client's next turn, a
-                # moment later, would fault all of its pages in again (~5 ms at 4k tokens).
-                mx.clear_cache()
-                idle_since = None
             waiting_before = len(self._waiting)
             if not self._drain_inbox(block=idle):
                 break
@@ -301,7 +291,7 @@ class Scheduler(SchedulerInbox):
                 cached, why = start.cached_prompt_tokens, start.prefix_miss_reason
                 started = Started(len(job.request.prompt), cached, why, start.prefix_source)
             if start.unconfirmed is not None:  # Started is said once the read is confirmed
-                self._unconfirmed.append(Unconfirmed(job, start.unconfirmed, started))
+                self._unconfirmed.add(job, start.unconfirmed, started)
             elif started is not None:
                 self.emit(job, [started])
         if not rows.jobs:
@@ -365,28 +355,27 @@ class Scheduler(SchedulerInbox):
                 self._stats.kv_cache_bytes = batch_cache_bytes(self._bg)
 
     def _confirm_reads(self, step_failed: bool = False) -> None:
-        """Direct store hits used unconfirmed (checkpoints/prefix_reuse.py), after the step
-        that ran over them and before any token of theirs leaves: a read the store did not
-        vouch for takes its row out of the batch to start again by recompute."""
-        pending, self._unconfirmed = self._unconfirmed, []
-        for item in pending:
-            assert self.checkpoints is not None
-            job, live = item.job, self._by_id.get(item.job.request.request_id) is item.job
-            if self.checkpoints.prefixes.confirm(item.read):
-                if live and item.started is not None:
-                    self.emit(job, [item.started])
-                continue
-            self.checkpoints.counters.miss("not restorable")
-            if not live:  # ended meanwhile (a deadline): nothing to start again
-                continue
-            if job.uid in self._rows:
-                if not step_failed:  # a failed step's batch is replaced whole
+        """Direct store hits used unconfirmed, after the step that ran over them and before
+        any token of theirs leaves (loop/read_confirmations.py)."""
+        if not self._unconfirmed:
+            return
+        ckpt = self.checkpoints
+        assert ckpt is not None
+        for outcome in self._unconfirmed.confirm_all(ckpt.prefixes, ckpt.counters, self._by_id):
+            job = outcome.job
+            if outcome.recompute:  # out of the batch (a failed step's is replaced whole)
+                if job.uid in self._rows and not step_failed:
                     self._bg.remove([job.uid])
-                del self._rows[job.uid]
-            job.uid, job.recompute, job.plan = -1, True, None
-            self._waiting.appendleft(job)
-            if item.started is not None:
-                self.emit(job, [Started(item.started.prompt_tokens, 0, "not restorable")])
+                self._rows.pop(job.uid, None)
+                job.plan = None
+                self._start_again(job)
+            if outcome.started is not None:
+                self.emit(job, [outcome.started])
+
+    def _start_again(self, job: Job) -> None:
+        """Back to the front of the queue, to start again from its tokens (recompute)."""
+        job.uid, job.recompute = -1, True
+        self._waiting.appendleft(job)
 
     def _expire_idle(self) -> None:
         timeout = self.limits.park.idle_timeout_s
@@ -424,13 +413,12 @@ class Scheduler(SchedulerInbox):
         self._masks.settle(self._rows)
         verdicts = isolate(self.loaded.model, jobs, self._new_batch_generator)
         for verdict in reversed(verdicts):
-            verdict.job.uid = -1
             if verdict.culprit:
+                verdict.job.uid = -1
                 why = f"the model failed on this request: {verdict.failure}"
                 self._end_failed(verdict.job, why, ModelFailed, keep_checkpoint=True)
             else:
-                verdict.job.recompute = True
-                self._waiting.appendleft(verdict.job)
+                self._start_again(verdict.job)
         with self._lock:
             self._stats.isolated_failures_total += sum(v.culprit for v in verdicts)
 
