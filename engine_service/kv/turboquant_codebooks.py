@@ -14,7 +14,8 @@ import numpy as np
 
 # gaussian_codebook's values at the codec's bit widths, as lloyd_max_codebook computes them
 # (1-1.6 s each, paid by every engine that probes TurboQuant at start-up otherwise);
-# tests/test_turboquant.py recomputes them: a checkpoint's codes decode with exactly these.
+# tests/test_turboquant.py recomputes them (to ~1e-15: numpy's exp can differ by an ulp from one
+# CPU's SIMD path to another's): a checkpoint's codes decode with exactly these, everywhere.
 FROZEN_CODEBOOKS: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {
     2: (
         (
@@ -98,8 +99,8 @@ def gaussian_codebook(bits: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
 @functools.lru_cache(maxsize=8)
 def lloyd_max_codebook(bits: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Lloyd-Max centroids of N(0, 1) at b bits and the boundaries between them (midpoints),
-    by Lloyd's iteration over a fine grid of the density: deterministic, the same on every
-    machine (a checkpoint's codes must decode alike everywhere)."""
+    by Lloyd's iteration over a fine grid of the density. Equal on every machine to ~1e-15
+    only (numpy's exp varies by an ulp between SIMD paths): codes decode with FROZEN_CODEBOOKS."""
     grid = np.linspace(-8.0, 8.0, 400_001)
     weight = np.exp(-0.5 * grid**2)
     levels = 2**bits
