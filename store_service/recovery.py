@@ -58,14 +58,20 @@ def recover(state: StoreState) -> None:
         index.touch(info.ikey, info.last_access_ms)  # restore LRU order
     index.take_dirty_access()
     now = now_ms()
-    stale = []
+    stale, live = [], []
     for lease in contents.leases:
         if lease.expires_ms > now and index.get(lease.ikey) is not None:
             index.add_lease(lease)
+            live.append(lease)
         else:
             stale.append(lease.lease_id)
     stale.extend(lease_id.decode(errors="replace") for lease_id in contents.bad_leases)
-    storage.submit(lambda txn: tables.delete_leases(txn, db, stale))
+
+    def drop_stale(txn: Any) -> None:
+        tables.delete_leases(txn, db, stale)
+        tables.index_lease_owners(txn, db, live)
+
+    storage.submit(drop_stale)
     state.next_record_id = max([contents.last_chunk_id, *live_ids]) + 1
     orphans = storage.write(lambda txn: tables.collect_orphans(txn, db, live_ids), sync=True)
     state.counters.orphans_collected = orphans

@@ -37,7 +37,19 @@ T = TypeVar("T")
 # One named sub-database per record kind (fixed-width keys, see records.py).
 # `damaged`: header values that failed their checksum or did not parse, kept as they were
 # (record key -> raw value) for an operator; their chunks are collected as orphans.
-TABLES = ("headers", "chunks", "access", "leases", "prefix_index", "quarantine", "damaged")
+# `lease_owners`: record key -> the ids of its leases, so that deleting a record finds its
+# leases without reading every lease (rebuilt from `leases` at every start, recovery.py).
+TABLES = (
+    "headers",
+    "chunks",
+    "access",
+    "leases",
+    "prefix_index",
+    "quarantine",
+    "damaged",
+    "lease_owners",
+)
+DUPSORT_TABLES = frozenset({"prefix_index", "lease_owners"})
 MIN_MAP_SIZE = 4 << 20
 # What a full disk answers a write with (EIO too: some devices report a full disk so).
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
@@ -121,7 +133,7 @@ class LmdbStorage:
                 max_readers=512,
             )
             self.db = {
-                name: self.env.open_db(name.encode(), dupsort=(name == "prefix_index"))
+                name: self.env.open_db(name.encode(), dupsort=name in DUPSORT_TABLES)
                 for name in TABLES
             }
         except lmdb.Error as exc:

@@ -138,19 +138,15 @@ def delete_record(
     txn.delete(ikey, db=db[table])
     txn.delete(ikey, db=db["access"])
     if not keep_leases:
-        # Scan rather than ask the index: it may already have forgotten the record.
-        stale = [k for k, v in txn.cursor(db=db["leases"]) if _lease_of(k, v) in (ikey, None)]
-        for lease_id in stale:
-            txn.delete(lease_id, db=db["leases"])
+        # From the table, not the index: the index may already have forgotten the record.
+        # (Reading every lease here made each delete cost O(leases): 43k lease decodes for
+        # 1.6k deletes in an 8-stream checkpointed decode, a third of the store's CPU.)
+        owners = txn.cursor(db=db["lease_owners"])
+        if owners.set_key(ikey):
+            for lease_id in list(owners.iternext_dup()):
+                txn.delete(lease_id, db=db["leases"])
+            txn.delete(ikey, db=db["lease_owners"])  # all of its ids
     return record
-
-
-def _lease_of(lease_id: bytes, raw: bytes) -> bytes | None:
-    """The record a lease protects; None for a damaged lease (dropped with the record)."""
-    try:
-        return Lease.decode(lease_id, raw).ikey
-    except Corrupt:
-        return None
 
 
 def is_current(txn: Any, db: Tables, record: StoredRecord) -> bool:
@@ -176,12 +172,30 @@ def quarantine_record(txn: Any, db: Tables, record: StoredRecord) -> StoredRecor
 
 
 def put_lease(txn: Any, db: Tables, lease: Lease) -> None:
-    txn.put(lease.lease_id.encode(), lease.encode(), db=db["leases"])
+    lease_id = lease.lease_id.encode()
+    txn.put(lease_id, lease.encode(), db=db["leases"])
+    txn.put(lease.ikey, lease_id, db=db["lease_owners"])  # a duplicate pair is stored once
 
 
 def delete_leases(txn: Any, db: Tables, lease_ids: list[str]) -> None:
-    for lease_id in lease_ids:
-        txn.delete(lease_id.encode(), db=db["leases"])
+    for text in lease_ids:
+        lease_id = text.encode()
+        raw = txn.get(lease_id, db=db["leases"])
+        if raw is None:
+            continue
+        try:
+            txn.delete(Lease.decode(lease_id, raw).ikey, lease_id, db=db["lease_owners"])
+        except Corrupt:
+            pass  # a damaged lease names no record; the next start's rebuild drops its entry
+        txn.delete(lease_id, db=db["leases"])
+
+
+def index_lease_owners(txn: Any, db: Tables, leases: list[Lease]) -> None:
+    """`lease_owners` made again from the live leases (every start: a store file written
+    before the table existed gets it, and a damaged lease's stray entry goes)."""
+    txn.drop(db["lease_owners"], delete=False)
+    for lease in leases:
+        txn.put(lease.ikey, lease.lease_id.encode(), db=db["lease_owners"])
 
 
 def write_access(txn: Any, db: Tables, last_access: dict[bytes, int]) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import pytest
 
 from store_service.admin import StoreAdmin
@@ -27,6 +28,7 @@ from store_service.errors import (
 )
 from store_service.put_spec import PutSpec
 from store_service.records import (
+    Lease,
     RecordFilter,
     chunk_layout,
     normalize_namespace,
@@ -477,5 +479,57 @@ def test_a_direct_read_answers_from_where_the_chunks_were_found_before(tmp_path:
             for o, n in zip(placement.chunk_offsets, placement.chunk_lengths, strict=True)
         )
         assert read == payload(store, b"d")
+    finally:
+        store.close()
+
+
+def _stored_leases(store: CheckpointStore) -> dict[str, bytes]:
+    """Lease id -> the record key it protects, as LMDB holds them (not the index)."""
+    db = store.state.storage.db
+
+    def read(txn: Any) -> dict[str, bytes]:
+        return {
+            bytes(k).decode(): Lease.decode(bytes(k), bytes(v)).ikey
+            for k, v in txn.cursor(db=db["leases"])
+        }
+
+    return store.state.storage.read(read)
+
+
+def test_a_delete_takes_its_records_leases_and_no_other_even_in_a_file_older_than_lease_owners(
+    tmp_path: Path,
+) -> None:
+    """Deleting a record drops its leases from LMDB through `lease_owners` (not by reading
+    every lease); a file written before that table existed gets it at start-up."""
+    data_dir = tmp_path / "store"
+    store = open_store(data_dir, capacity_bytes=64 << 20)
+    for name in (b"a", b"b"):
+        put(store, make_checkpoint(name, {"kv_int8": 1000}))
+    a1 = store.pin("", b"a", ttl_s=600, holder="engine", lease_id="")
+    a2 = store.pin("", b"a", ttl_s=600, holder="engine", lease_id="")
+    b1 = store.pin("", b"b", ttl_s=600, holder="engine", lease_id="")
+    store.close()
+    # As a store file of before the table: no `lease_owners` at all.
+    env = lmdb.open(str(data_dir), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.drop(env.open_db(b"lease_owners", txn=txn, dupsort=True), delete=True)
+    env.close()
+
+    store = open_store(data_dir, capacity_bytes=64 << 20)
+    try:
+        ikey_a, ikey_b = (store.open_record("", k).ikey for k in (b"a", b"b"))
+        assert _stored_leases(store) == {
+            a1.lease_id: ikey_a,
+            a2.lease_id: ikey_a,
+            b1.lease_id: ikey_b,
+        }
+        store.unpin("", b"a", a2.lease_id)
+        assert StoreAdmin(store).delete("", b"a", force=True) > 0  # bytes freed
+        assert _stored_leases(store) == {b1.lease_id: ikey_b}
+    finally:
+        store.close()
+    store = open_store(data_dir, capacity_bytes=64 << 20)
+    try:
+        assert [x.lease_id for x in StoreAdmin(store).inspect("", b"b").leases] == [b1.lease_id]
     finally:
         store.close()
