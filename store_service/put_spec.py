@@ -66,7 +66,7 @@ class PutSpec:
             raise InvalidRequest("header.kind is required")
         if header.kind not in tensors_pb2.RecordKind.values():
             raise InvalidRequest(f"header.kind {header.kind} is not a RecordKind")
-        if any(t < 0 for t in header.token_ids):
+        if header.token_ids and min(header.token_ids) < 0:
             raise InvalidRequest("header.token_ids must be >= 0")
         check_label("pin_holder", pin_holder)
         check_label("header.model_id", header.model_id)
