@@ -76,12 +76,16 @@ def dtype_name(a: mx.array) -> str:
     return str(a.dtype).removeprefix("mlx.core.")
 
 
-def capture(caches: list[Any], tokens: int, wait: bool = True, prefix: str = "") -> CapturedCache:
+def capture(
+    caches: list[Any], tokens: int, wait: bool = True, prefix: str = "", schedule: bool = True
+) -> CapturedCache:
     """Snapshot caches on the MLX thread.
 
     wait=False schedules the copies (mx.async_eval) and returns at once: they are computed
     alongside the next decode step instead of stalling it; call `settle` before reading.
-    prefix: prepended to tensor names (attachments share a record with the caches).
+    schedule=False (with wait=False) leaves even that to the caller, who schedules many
+    captures' arrays at once. prefix: prepended to tensor names (attachments share a record
+    with the caches).
     """
     arrays: dict[str, mx.array] = {}
     dtypes: dict[str, str] = {}
@@ -114,7 +118,7 @@ def capture(caches: list[Any], tokens: int, wait: bool = True, prefix: str = "")
         )
     if wait:
         mx.eval(list(arrays.values()))
-    else:
+    elif schedule:
         mx.async_eval(list(arrays.values()))
     return CapturedCache(arrays, dtypes, skeleton, [layout_codec(c) for c in caches], tokens)
 

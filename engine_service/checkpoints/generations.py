@@ -27,7 +27,13 @@ from mlx_lm.models import cache as cache_lib
 
 from engine_service.checkpoints.attachments import CapturedAttachment, check_attachment
 from engine_service.checkpoints.attachments import find as find_attachment
-from engine_service.checkpoints.cache_records import capture, check_restorable, restore, settle
+from engine_service.checkpoints.cache_records import (
+    CapturedCache,
+    capture,
+    check_restorable,
+    restore,
+    settle,
+)
 from engine_service.checkpoints.device_landing import Landing
 from engine_service.checkpoints.generation_meta import (
     ENDED,
@@ -116,13 +122,21 @@ class GenerationCheckpoints:
 
     def capture(self, job: Job, row_caches: list[Any]) -> PendingSnapshot:
         """Starts a snapshot of a batch row (no wait: the copies run with the next step)."""
-        r = job.request
-        held = len(r.prompt) + len(job.tokens)
+        held = self.held(job)
         segment = None
-        if segmentable(r.layout):
-            segment = self._next_segment(job, held)
+        if segmentable(job.request.layout):
+            segment = self.next_segment(job)
             row_caches = _positions(row_caches, segment.start)
-        captured = capture(row_caches, held, wait=False)
+        return self.pending(job, capture(row_caches, held, wait=False), segment)
+
+    @staticmethod
+    def held(job: Job) -> int:
+        """The positions a running job's caches hold."""
+        return len(job.request.prompt) + len(job.tokens)
+
+    @staticmethod
+    def pending(job: Job, captured: CapturedCache, segment: Segment | None) -> PendingSnapshot:
+        """A capture taken now, waiting for its pending token."""
         job.last_checkpoint_at = len(job.tokens)
         return PendingSnapshot(captured, list(job.tokens), segment)
 
@@ -135,7 +149,9 @@ class GenerationCheckpoints:
         captured = capture(caches, held, wait=False)
         return PendingSnapshot(captured, job.tokens[:-1], None, list(attachments))
 
-    def _next_segment(self, job: Job, held: int) -> Segment:
+    def next_segment(self, job: Job) -> Segment:
+        """What a segmentable job's next snapshot holds (it advances the chain: capture it)."""
+        held = self.held(job)
         chain = job.chain
         with self._lock:
             broken = self._broken.get(job.checkpoint_key) == chain.first

@@ -197,6 +197,43 @@ class BatchQuantizedKVCache(BatchWrites, BatchState, BaseCache):
                 return row
         return PlainRow(codec)
 
+    def holds_plain(self, rows: list[int]) -> bool:
+        """Whether these rows are all held plain, in one plane group (cut_plain can cut them)."""
+        return self._plain_group(rows) is not None
+
+    def row_offset(self, row: int) -> int:
+        """The positions a row holds, from the host copies (no device read)."""
+        return self._written - self._lp[row]
+
+    def _plain_group(self, rows: list[int]) -> PlaneGroup | None:
+        group = next((g for g in self._groups if g.storage == PLAIN), None)
+        if group is None or self._right_padding_to_roll is not None:
+            return None
+        return group if all(r in group.rows for r in rows) else None
+
+    def cut_plain(
+        self, rows: list[int], starts: list[int]
+    ) -> list[tuple[mx.array, mx.array]] | None:
+        """Rows' own positions [start, offset) as (keys, values) of shape (1, heads, offset -
+        start, width), or None when a row is not held plain.
+
+        Rows whose first column is the same share one copy per plane (a slice of consecutive
+        rows, else a gather), and each row's pair is a view of it: a row of a row-major copy
+        is contiguous, so it needs no copy of its own (checkpoints/segment_capture.py)."""
+        group = self._plain_group(rows)
+        if group is None:
+            return None
+        by_column: dict[int, list[int]] = {}
+        for row, start in zip(rows, starts, strict=True):
+            by_column.setdefault(self._lp[row] + start, []).append(row)
+        cut: dict[int, tuple[mx.array, mx.array]] = {}
+        for column, members in by_column.items():
+            local = [group.rows.index(r) for r in members]
+            keys, values = (_rows_copy(p, local, column, self._written) for p in group.planes)
+            for i, row in enumerate(members):
+                cut[row] = (keys[i : i + 1], values[i : i + 1])
+        return [cut[r] for r in rows]
+
     # -- mlx-lm's cache contract -------------------------------------------------------------
 
     def row_storage(self, idx: int) -> Storage:
@@ -262,6 +299,13 @@ class TurboQuantRow(TurboQuantLayer):
     BatchQuantizedKVCache. It only ever runs inside a batch."""
 
     batch_type = BatchQuantizedKVCache
+
+
+def _rows_copy(plane: mx.array, local: list[int], first: int, end: int) -> mx.array:
+    """Plane rows `local` (ascending), columns [first, end), in one row-major copy."""
+    if local == list(range(local[0], local[-1] + 1)):
+        return mx.contiguous(plane[local[0] : local[-1] + 1, :, first:end])
+    return mx.take(plane[:, :, first:end], mx.array(local, dtype=mx.int32), axis=0)
 
 
 def adopt_row(cache: Any, codec: KVCodec) -> Any:

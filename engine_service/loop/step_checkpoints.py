@@ -18,8 +18,9 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator
 
 from engine_service.checkpoints.manager import CheckpointManager
+from engine_service.checkpoints.segment_capture import capture_together
 from engine_service.loop.jobs import Job
-from engine_service.model.mlx_compat import pending_tokens
+from engine_service.model.mlx_compat import pending_tokens, running_batch
 
 # Generation snapshots are taken on steps that are multiples of this (see capture_due).
 CHECKPOINT_ALIGN = 8
@@ -72,12 +73,23 @@ class StepCheckpoints:
         Extracting a row from mlx-lm's batch cache evaluates the batch's padding, a sync with
         the step in flight; rows captured one at a time paid it each (~11% of decode at 8
         streams every 16 tokens), rows captured together pay it once (~4%). A checkpoint is
-        therefore up to CHECKPOINT_ALIGN - 1 tokens later than its interval.
+        therefore up to CHECKPOINT_ALIGN - 1 tokens later than its interval. Plain KV rows are
+        cut from the batch together (checkpoints/segment_capture.py), the others row by row.
         """
         if not self._due or step % CHECKPOINT_ALIGN:
             return
         jobs = [job for uid, job in self._due.items() if uid in rows]
         self._due = {}
+        batch = running_batch(bg)
+        if batch is not None:
+            together = capture_together(
+                self.checkpoints.generations, jobs, list(batch.uids), list(batch.prompt_cache)
+            )
+            for job in jobs:
+                job.snapshot = together.get(job.uid, job.snapshot)
+            jobs = [job for job in jobs if job.uid not in together]
+        if not jobs:
+            return
         extracted = bg.extract_cache([job.uid for job in jobs])
         for job in jobs:
             found = extracted.get(job.uid)
