@@ -249,13 +249,20 @@ class PutSession:
         self._inflight_bytes -= nbytes
         future.result()  # a write error surfaces here
 
-    def finish(self) -> None:
-        """Checks the payload is complete and waits until every chunk is written."""
+    def finish(self) -> list[tuple[bytes, bytes]]:
+        """Checks the payload is complete and waits until every chunk is written; returns
+        the chunks of a put that never filled a group, unwritten: the commit writes them in
+        its own transaction (a small record then costs the writer one transaction, not two,
+        and a failed commit leaves no chunk behind)."""
         if self.received != self.total:
             raise InvalidRequest(f"payload ended at {self.received} of {self.total} bytes")
+        if not self.wrote_any:
+            pending, self._group, self._group_bytes = self._group, [], 0
+            return pending
         self._flush_group()
         while self._inflight:
             self._wait_oldest()
+        return []
 
     def drain(self) -> None:
         """Waits for queued writes, ignoring their errors (before cleaning up)."""

@@ -145,7 +145,7 @@ class CheckpointStore:
 
     def commit_put(self, session: PutSession) -> PutResult:
         """Makes a complete put visible in one transaction, replacing any old record."""
-        session.finish()
+        unwritten = session.finish()
         st, spec, now = self.state, session.spec, now_ms()
         record = StoredRecord(
             session.record_id,
@@ -163,6 +163,8 @@ class CheckpointStore:
             if spec.if_absent and tables.read_header(txn, db, spec.ikey)[0] is not None:
                 raise AlreadyExists("a record with this key exists")
             old = tables.delete_record(txn, db, spec.ikey, keep_leases=True)
+            for chunk_key_, value in unwritten:
+                txn.put(chunk_key_, value, db=db["chunks"])
             tables.write_record(txn, db, record, lease)
             return old
 
