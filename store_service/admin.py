@@ -92,6 +92,29 @@ class StoreAdmin:
             self.store.tier.delete(ikey, namespace, info.payload_bytes)
         return info.payload_bytes
 
+    def delete_many(self, namespace: str, keys: list[bytes], force: bool) -> list[RecordInfo]:
+        """Removes the records of these keys that exist, in one transaction; returns them.
+
+        Raises:
+            Precondition: one is pinned and force is not set (nothing is removed).
+        """
+        st = self.state
+        namespace = normalize_namespace(namespace)
+        ikeys = list(dict.fromkeys(record_key(namespace, key) for key in keys))
+        with st.mutex:
+            gone = [info for info in map(st.index.get, ikeys) if info is not None]
+            now = now_ms()
+            if not force and any(st.index.is_pinned(info.ikey, now) for info in gone):
+                raise Precondition("a record is pinned by a lease; use force to delete it anyway")
+            for info in gone:
+                st.index.remove(info.ikey)
+        if gone:
+            self._delete_from_disk(gone)
+        if self.store.tier is not None:
+            for info in gone:
+                self.store.tier.delete(info.ikey, namespace, info.payload_bytes)
+        return gone
+
     def purge(self, flt: RecordFilter, include_pinned: bool, dry_run: bool) -> Purged:
         """Removes every record matching flt (pinned ones only with include_pinned)."""
         st = self.state

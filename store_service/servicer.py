@@ -69,6 +69,9 @@ def store_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:
             "Unpin": unary(servicer.Unpin, store_pb2.UnpinRequest, store_pb2.UnpinResponse),
             "Flush": unary(servicer.Flush, store_pb2.FlushRequest, store_pb2.FlushResponse),
             "Delete": unary(servicer.Delete, store_pb2.DeleteRequest, store_pb2.DeleteResponse),
+            "DeleteMany": unary(
+                servicer.DeleteMany, store_pb2.DeleteManyRequest, store_pb2.DeleteManyResponse
+            ),
             "RegisterRegion": unary(
                 servicer.RegisterRegion,
                 store_pb2.RegisterRegionRequest,
@@ -271,6 +274,22 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         return _delete(self.admin, request)
 
     @rpc_errors
+    def DeleteMany(
+        self, request: store_pb2.DeleteManyRequest, context: grpc.ServicerContext
+    ) -> store_pb2.DeleteManyResponse:
+        if len(request.keys) > MAX_DELETE_KEYS:
+            raise InvalidRequest(f"{len(request.keys)} keys; DeleteMany takes {MAX_DELETE_KEYS}")
+        namespace = namespace_for(request.namespace)
+        gone = self.admin.delete_many(namespace, list(request.keys), request.force)
+        for info in gone:
+            _mutation("delete", namespace, info.key, freed_bytes=info.payload_bytes)
+        return store_pb2.DeleteManyResponse(
+            freed_bytes=sum(info.payload_bytes for info in gone),
+            deleted=len(gone),
+            missing=len(set(request.keys)) - len(gone),
+        )
+
+    @rpc_errors
     def RegisterRegion(
         self, request: store_pb2.RegisterRegionRequest, context: grpc.ServicerContext
     ) -> store_pb2.RegisterRegionResponse:
@@ -389,6 +408,7 @@ class StoreAdminServicer(store_pb2_grpc.StoreAdminServicer):
 
 
 mutations_log = logging.getLogger("tandem.store.mutations")
+MAX_DELETE_KEYS = 4096  # one DeleteMany: one transaction, one hold of the index's mutex
 
 
 def _mutation(action: str, namespace: str, key: bytes, **fields: Any) -> None:

@@ -186,6 +186,7 @@ class FakeSink:
         self.down = False
         self.flushes = 0
         self.batches: list[int] = []  # records per put_many call
+        self.delete_batches: list[tuple[str, int]] = []  # (namespace, keys) per delete_many
         self.log: list[str] = []
 
     def put(
@@ -216,6 +217,12 @@ class FakeSink:
     def delete(self, key: bytes, namespace: str = "", *, force: bool = False) -> int:
         self.deletes.append(key)
         self.log.append("delete " + key.decode())
+        return 0
+
+    def delete_many(self, keys: list[bytes], namespace: str = "", *, force: bool = False) -> int:
+        self.delete_batches.append((namespace, len(keys)))
+        for key in keys:
+            self.delete(key, namespace, force=force)
         return 0
 
     def flush(self) -> bool:
@@ -297,11 +304,17 @@ def test_puts_queued_together_leave_in_one_call_and_keep_their_order() -> None:
         spill.put(_put(b"p%d" % i, 10))
     spill.delete(b"p0", "default")  # a delete ends a batch: it keeps its place
     spill.put(_put(b"last", 10))
+    # Deletes back to back of one namespace leave together, in order.
+    for key, namespace in [(b"d0", "a"), (b"d1", "a"), (b"d2", "a"), (b"d3", "b")]:
+        spill.delete(key, namespace)
+    spill.put(_put(b"after", 10))
     sink.gate.set()
     result = spill.flush()
-    assert sink.puts == [b"first", b"p0", b"p1", b"p2", b"p3", b"p4", b"last"]
-    assert sink.batches == [5] and sink.deletes == [b"p0"]
-    assert result.durable and result.flushed == 7
+    assert sink.puts == [b"first", b"p0", b"p1", b"p2", b"p3", b"p4", b"last", b"after"]
+    assert sink.batches == [5] and sink.deletes == [b"p0", b"d0", b"d1", b"d2", b"d3"]
+    assert sink.delete_batches == [("a", 3)]  # p0 and d3 went alone
+    assert sink.log.index("delete d3") < sink.log.index("put after")
+    assert result.durable and result.flushed == 8
 
 
 def test_spill_queue_counts_failures_and_skips_unwanted_puts() -> None:

@@ -165,6 +165,18 @@ def test_bad_payloads_are_rejected_and_leave_nothing(
     with pytest.raises(AlreadyExists):
         put(core, make_checkpoint(b"taken", {"a_int8": 20}), if_absent=True)
     assert len(payload(core, b"taken")) == 10
+    # Refused at its commit (the key was taken while it streamed): a small put's chunks were
+    # to be written in that very transaction, so none is left.
+    late = make_checkpoint(b"race", {"a_int8": 30})
+    session = core.begin_put(PutSpec.validated(late.header_pb(), if_absent=True))
+    for offset, data in payload_chunks(late.tensors, 7):
+        session.write(offset, data)
+    put(core, make_checkpoint(b"race", {"a_int8": 40}))
+    with pytest.raises(AlreadyExists):
+        core.commit_put(session)
+    admin.flush()
+    assert admin.stats().chunk_entries == 2  # "taken" and the first "race", one chunk each
+    assert len(payload(core, b"race")) == 40
 
 
 def _prefix(core: CheckpointStore, tokens: list[int], trimmable: bool = True) -> bytes:

@@ -5,7 +5,8 @@ oversized labels, bad region names and lost chunks (issue 32, items 4 and 5).
   port (`--admin-listen`): the engine's generations complete, their checkpoints are deleted
   through the data plane (`Store.Delete`), nothing of them is left pinned, and the spill
   queue counts no failure.
-- `Store.Delete` stays within the caller's namespaces and needs the `store` role.
+- `Store.Delete` and `Store.DeleteMany` stay within the caller's namespaces and need the
+  `store` role; DeleteMany removes all it names or, a record being pinned, nothing.
 - Free-text fields of Put, Pin, Unpin, Lookup and List are bounded (INVALID_ARGUMENT), a
   region name with a NUL byte is INVALID_ARGUMENT, a record whose chunk was lost is
   DATA_LOSS (not ABORTED, which invites a retry).
@@ -89,6 +90,22 @@ def test_the_store_role_alone_completes_and_deletes_the_engines_generations(
             assert _code(lambda: acme.unpin(b"mine", pinned.lease_id)) == (
                 grpc.StatusCode.NOT_FOUND
             )
+            # Store.DeleteMany: the same rules, all or nothing; absent keys are skipped.
+            for key in (b"m1", b"m2"):
+                acme.put(make_checkpoint(key, {"a_int8": 1024}, kind="object"))
+            assert _code(lambda: acme.delete_many([b"theirs"], "b")) == (
+                grpc.StatusCode.PERMISSION_DENIED
+            )
+            assert _code(lambda: gen.delete_many([b"m1"])) == grpc.StatusCode.PERMISSION_DENIED
+            acme.pin(b"m2", ttl_s=600, holder="acme")
+            assert _code(lambda: acme.delete_many([b"m1", b"m2"])) == (
+                grpc.StatusCode.FAILED_PRECONDITION
+            )
+            assert acme.get(b"m1").key == b"m1"  # the refused call removed nothing
+            too_many = [b"k%d" % i for i in range(4097)]
+            assert _code(lambda: acme.delete_many(too_many)) == grpc.StatusCode.INVALID_ARGUMENT
+            assert acme.delete_many([b"m1", b"gone", b"m2", b"m1"], force=True) == 2048
+            assert _code(lambda: acme.get(b"m2")) == grpc.StatusCode.NOT_FOUND
             # The operators' call stays on StoreAdmin (its own port here).
             with StoreClient(admin_address, token=TOKENS["ops"]) as ops:
                 assert ops.admin_delete(b"theirs", "b") == 4096

@@ -40,6 +40,10 @@ class CheckpointSink(Protocol):
 
     def delete(self, key: bytes, namespace: str = "", *, force: bool = False) -> int: ...
 
+    def delete_many(
+        self, keys: list[bytes], namespace: str = "", *, force: bool = False
+    ) -> int: ...
+
     def put_many(self, items: Sequence[PutItem]) -> object: ...
 
     def flush(self) -> bool: ...
@@ -76,6 +80,9 @@ class _Barrier:
 # step's segments and manifests cost one call's overhead, not one each.
 BATCH_RECORDS = 32
 BATCH_BYTES = 64 << 20
+# Deletes queued back to back (a finished generation's segments) leave in one DeleteMany of
+# at most this many keys (the store takes 4096).
+DELETE_BATCH = 256
 
 
 class BatchFailed(TandemError):
@@ -170,8 +177,7 @@ class SpillQueue:
                 item.done.set()
                 continue
             batch: list[Put | Delete] = [item]
-            if isinstance(item, Put):
-                carry = self._more_puts(batch)
+            carry = self._more_puts(batch) if isinstance(item, Put) else self._more_deletes(batch)
             sent = 0
             try:
                 if time.monotonic() < retry_at:
@@ -215,13 +221,32 @@ class SpillQueue:
             nbytes += item.nbytes
         return None
 
+    def _more_deletes(self, batch: list[Put | Delete]) -> _Item | None:
+        """Adds the Deletes of the same namespace queued right behind the first (a finished
+        generation's segments: one DeleteMany); returns the first item that does not belong."""
+        first = batch[0]
+        assert isinstance(first, Delete)
+        while len(batch) < DELETE_BATCH:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return None
+            if not isinstance(item, Delete) or item.namespace != first.namespace:
+                return item
+            batch.append(item)
+        return None
+
     def _send_batch(self, batch: list[Put | Delete]) -> int:
-        """Sends a batch (several Puts: one PutMany call); returns how many items it
-        accounted for. Raises BatchFailed, every item accounted for, when the store refused
-        or could not be reached (the caller backs off)."""
+        """Sends a batch (several Puts: one PutMany call; several Deletes: one DeleteMany);
+        returns how many items it accounted for. Raises BatchFailed, every item accounted
+        for, when the store refused or could not be reached (the caller backs off)."""
         if len(batch) == 1:
             self._send(batch[0])
             return 1
+        if isinstance(batch[0], Delete):
+            keys = [d.key for d in batch if isinstance(d, Delete)]
+            self.sink.delete_many(keys, batch[0].namespace, force=True)
+            return len(batch)
         wanted = []
         for put in batch:
             assert isinstance(put, Put), "batches hold Puts only"

@@ -319,6 +319,18 @@ class StoreClient(SameHostReads, GrpcClient):
         )
         return r.freed_bytes
 
+    def delete_many(self, keys: list[bytes], namespace: str = "", *, force: bool = False) -> int:
+        """Removes several records of one of the caller's namespaces in one call and one store
+        transaction (`Store.DeleteMany`); keys holding nothing are skipped. Returns the bytes
+        freed. FAILED_PRECONDITION (nothing removed) when one is pinned without force."""
+        r: store_pb2.DeleteManyResponse = self._call(
+            lambda: self._store.DeleteMany(
+                store_pb2.DeleteManyRequest(namespace=namespace, keys=keys, force=force),
+                timeout=self.timeout,
+            )
+        )
+        return r.freed_bytes
+
     # -- admin -------------------------------------------------------------------------------
 
     def admin_delete(self, key: bytes, namespace: str = "", *, force: bool = False) -> int:
