@@ -1,23 +1,33 @@
-"""A checkpoint round's segments cut from the batch together (checkpoints/segment_capture.py)
-are the very records the row-by-row path writes: same names, metadata, bytes and chain
-positions, over rows of different lengths, chains that start over, and rows it leaves out."""
+"""A checkpoint round in-process: its segments cut from the batch together
+(checkpoints/segment_capture.py) are the very records the row-by-row path writes (same names,
+metadata, bytes and chain positions, over rows of different lengths, chains that start over,
+and rows it leaves out); its captures are staged as host bytes together
+(checkpoints/host_staging.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as cache_lib
 
-from engine_service.checkpoints.cache_records import settle
+from engine_service.checkpoints.cache_records import capture, settle
+from engine_service.checkpoints.device_landing import PUSH_ALIGN, Landing
 from engine_service.checkpoints.generations import GenerationCheckpoints
+from engine_service.checkpoints.host_staging import HostStaging
 from engine_service.checkpoints.segment_capture import capture_together
 from engine_service.kv.batch_cache import BatchQuantizedKVCache
 from engine_service.loop.jobs import Job, PendingSnapshot
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.requests import GenerationRequest
 from engine_service.protocol.sampling_options import SamplingOptions
+from store_service.config import StoreConfig
+from store_service.server import create_server
+from store_service.store import CheckpointStore
+from tandem_client import StoreClient
+from tandem_client.regions import SharedRegion
 
 LAYERS, HEADS, WIDTH = 3, 2, 8
 PLAIN = ["kv:plain"] * LAYERS
@@ -115,3 +125,67 @@ def test_segments_cut_together_are_the_records_cut_row_by_row() -> None:
 
     # Segments after the first hold only what is new since the row's last one.
     assert [got[0].segment.start, got[0].captured.tokens] == [11, 14]  # type: ignore[union-attr]
+
+
+class _HostPush(Landing):
+    """PinnedLanding's contract without a GPU: the arrays' bytes copied into each span at
+    PUSH_ALIGN steps; the pushes named in `refuse` are refused (None), as a span that does
+    not fit is."""
+
+    kind = "pinned"
+
+    def __init__(self, refuse: set[int]) -> None:
+        self.refuse = refuse
+        self.calls = 0
+
+    def push_many(
+        self, pushes: list[tuple[list[mx.array], memoryview]]
+    ) -> list[list[memoryview] | None]:
+        self.calls += 1
+        out: list[list[memoryview] | None] = []
+        for i, (arrays, span) in enumerate(pushes):
+            if i in self.refuse:
+                out.append(None)
+                continue
+            views, at = [], 0
+            for array in arrays:
+                data = np.array(array).tobytes()
+                span[at : at + len(data)] = data
+                views.append(span[at : at + len(data)])
+                at += -(-len(data) // PUSH_ALIGN) * PUSH_ALIGN
+            out.append(views)
+        return out
+
+
+def test_a_rounds_captures_are_staged_together_each_into_its_own_span(tmp_path: Path) -> None:
+    """HostStaging.tensors_many: one push for the round; each capture's tensors hold its own
+    bytes, a pushed one's in its span (held until sent), a refused one's viewing its arrays,
+    its span given back."""
+    store = CheckpointStore(StoreConfig(data_dir=tmp_path / "store"))
+    server, port, _ = create_server(store, "127.0.0.1:0")
+    server.start()
+    layers = _batch([6, 4, 5], seed=3)
+    captures = [capture([c.extract(row) for c in layers], 9) for row in range(3)]
+    landing = _HostPush(refuse={1})
+    try:
+        with StoreClient(f"127.0.0.1:{port}") as client, SharedRegion(8 << 20) as region:
+            client.attach_region(region)
+            staging = HostStaging(landing, client)
+            staged = staging.tensors_many(captures)
+            assert landing.calls == 1 and staging.pushed == 2
+            for captured, (tensors, _) in zip(captures, staged, strict=True):
+                assert [t.name for t in tensors] == list(captured.arrays)
+                for tensor, array in zip(tensors, captured.arrays.values(), strict=True):
+                    assert bytes(tensor.data) == np.array(array).tobytes()
+            assert [hold is None for _, hold in staged] == [False, True, False]
+            usable = (8 << 20) // 4096 * 4096 - 4096  # all of it past the first page
+            assert client.reserve_span(usable) is None  # two spans still held
+            for _, hold in staged:
+                if hold is not None:
+                    hold.release()
+            whole = client.reserve_span(usable)  # the refused capture's span came back too
+            assert whole is not None
+            whole.release()
+    finally:
+        server.stop(None).wait()
+        store.close()

@@ -139,6 +139,11 @@ def settle(captured: CapturedCache) -> None:
     mx.eval(list(captured.arrays.values()))
 
 
+def settle_all(captures: list[CapturedCache]) -> None:
+    """Waits for several captures' copies at once (MLX thread)."""
+    mx.eval([a for captured in captures for a in captured.arrays.values()])
+
+
 def _live_state(cache: Any) -> Any:
     """The cache's state, without the unused tail of step-grown KV buffers."""
     keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)

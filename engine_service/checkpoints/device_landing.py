@@ -106,6 +106,12 @@ class Landing:
         landing cannot (the caller views the arrays' own memory instead)."""
         return None
 
+    def push_many(
+        self, pushes: list[tuple[list[mx.array], memoryview]]
+    ) -> list[list[memoryview] | None]:
+        """`push` for several captures, each into its own span."""
+        return [None] * len(pushes)
+
     def close(self) -> None:
         pass
 
@@ -178,30 +184,43 @@ class PinnedLanding(Landing):
         """Device -> pinned region: one kernel a tensor writes it into span, ~40 GB/s, where
         a host view of an MLX-CUDA array would migrate it through managed memory (~3 GB/s)
         on the MLX thread. Waits for the copies; returns a view of span per array."""
-        address = np.frombuffer(span, np.uint8).ctypes.data
-        if not self._in_region(address, span.nbytes) or push_bytes(arrays) > span.nbytes:
-            return None
-        if any(a.nbytes % 16 for a in arrays) or address % PUSH_ALIGN:
-            return None
-        views, done, at = [], [], 0
-        for array in arrays:
-            n = array.nbytes
-            target = self._device_base + address + at - self._base
-            (flag,) = self._pusher(
-                inputs=[
-                    mx.contiguous(array).reshape(-1).view(mx.uint8),
-                    mx.array(np.array([target, n // 16], np.uint64)),
-                ],
-                output_shapes=[(1,)],
-                output_dtypes=[mx.uint8],
-                grid=(_threads(n), 1, 1),
-                threadgroup=(THREADS_PER_BLOCK, 1, 1),
-            )
-            done.append(flag)
-            views.append(span[at : at + n])
-            at += -(-n // PUSH_ALIGN) * PUSH_ALIGN
-        mx.eval(done)
-        return views
+        return self.push_many([(arrays, span)])[0]
+
+    def push_many(
+        self, pushes: list[tuple[list[mx.array], memoryview]]
+    ) -> list[list[memoryview] | None]:
+        """Several captures pushed, each into its span, with one wait for all of them: every
+        wait here is a pipeline bubble (the next decode step is already queued ahead of the
+        copies), so a checkpoint round of 8 rows waits once, not 8 times."""
+        out: list[list[memoryview] | None] = []
+        done: list[mx.array] = []
+        for arrays, span in pushes:
+            address = np.frombuffer(span, np.uint8).ctypes.data
+            fits = self._in_region(address, span.nbytes) and push_bytes(arrays) <= span.nbytes
+            if not fits or any(a.nbytes % 16 for a in arrays) or address % PUSH_ALIGN:
+                out.append(None)
+                continue
+            views, at = [], 0
+            for array in arrays:
+                n = array.nbytes
+                target = self._device_base + address + at - self._base
+                (flag,) = self._pusher(
+                    inputs=[
+                        mx.contiguous(array).reshape(-1).view(mx.uint8),
+                        mx.array(np.array([target, n // 16], np.uint64)),
+                    ],
+                    output_shapes=[(1,)],
+                    output_dtypes=[mx.uint8],
+                    grid=(_threads(n), 1, 1),
+                    threadgroup=(THREADS_PER_BLOCK, 1, 1),
+                )
+                done.append(flag)
+                views.append(span[at : at + n])
+                at += -(-n // PUSH_ALIGN) * PUSH_ALIGN
+            out.append(views)
+        if done:
+            mx.eval(done)
+        return out
 
     def start(self, array: mx.array) -> mx.array:
         """Launches the pull behind array now, so it overlaps what the host does next."""

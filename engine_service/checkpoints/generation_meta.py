@@ -1,6 +1,7 @@
 """What a generation checkpoint says about itself: its metadata strings (`GenerationMeta`),
-the digest of the options a resume must share, and the keys and rules of segment chains
-(checkpoints/generations.py has the policy that uses them)."""
+the digest of the options a resume must share, the keys and rules of segment chains, and the
+refusals a record's own fields decide (checkpoints/generations.py has the policy that uses
+them)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 from engine_service.errors import Corrupt, Precondition
 from engine_service.protocol.sampling_options import SamplingOptions
+from tandem_client.records import Checkpoint
 
 # A chain holds at most this many segments before a whole snapshot starts a new one.
 MAX_CHAIN = 16
@@ -110,3 +112,27 @@ def segment_key(key: bytes, index: int) -> bytes:
 def segmentable(layout: list[str]) -> bool:
     """Plain KV caches only grow at the end, so a checkpoint can append what is new."""
     return all(codec == "kv:plain" for codec in layout)
+
+
+# A deterministic engine's model id ends so (checkpoints/manager.py): its checkpoints and
+# prefixes are its mode's alone, and a generation resumes in the mode it started in.
+DETERMINISTIC_SUFFIX = "/deterministic"
+
+
+def model_refusal(made_by: str, serving: str) -> str:
+    """Why a checkpoint made by one model id does not resume on an engine serving another."""
+    if made_by.removesuffix(DETERMINISTIC_SUFFIX) == serving.removesuffix(DETERMINISTIC_SUFFIX):
+        started = "with" if made_by.endswith(DETERMINISTIC_SUFFIX) else "without"
+        return (
+            f"this generation started {started} --deterministic and resumes only on an "
+            f"engine started {started} it"
+        )
+    return f"checkpoint was made by model {made_by!r}; this engine serves {serving!r}"
+
+
+def refuse_ended(record: Checkpoint) -> None:
+    """A tombstone: the generation ended; there is nothing to resume."""
+    ended = record.metadata.get(ENDED)
+    if ended is not None:
+        tokens = record.metadata.get("generated", "?")
+        raise Precondition(f"this generation {ended}; {tokens} tokens (nothing to resume)")

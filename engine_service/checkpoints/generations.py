@@ -32,15 +32,18 @@ from engine_service.checkpoints.cache_records import (
     capture,
     check_restorable,
     restore,
-    settle,
+    settle_all,
 )
 from engine_service.checkpoints.device_landing import Landing
 from engine_service.checkpoints.generation_meta import (
+    DETERMINISTIC_SUFFIX,
     ENDED,
     FETCH_WORKERS,
     MAX_CHAIN,
     GenerationMeta,
+    model_refusal,
     options_digest,
+    refuse_ended,
     segment_key,
     segmentable,
 )
@@ -48,28 +51,15 @@ from engine_service.checkpoints.host_staging import HostStaging
 from engine_service.checkpoints.spill import Put, SpillQueue
 from engine_service.core.plans import ResumePlan
 from engine_service.errors import Corrupt, EngineError, NotFound, Precondition, Unavailable
-from engine_service.loop.jobs import Job, PendingSnapshot, Segment
+from engine_service.loop.jobs import Job, PendingSnapshot, ReadySnapshot, Segment
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.sampling_options import SamplingOptions
 from tandem_client.errors import DataLoss, TandemError
 from tandem_client.errors import NotFound as StoreNotFound
 from tandem_client.identity import generation_key, scope_digest
-from tandem_client.records import Checkpoint
+from tandem_client.records import Checkpoint, Tensor
+from tandem_client.regions import RegionHold
 from tandem_client.store_client import StoreClient
-
-# A deterministic engine's model id ends so (checkpoints/manager.py): its checkpoints and
-# prefixes are its mode's alone, and a generation resumes in the mode it started in.
-DETERMINISTIC_SUFFIX = "/deterministic"
-
-
-def _model_refusal(made_by: str, serving: str) -> str:
-    if made_by.removesuffix(DETERMINISTIC_SUFFIX) == serving.removesuffix(DETERMINISTIC_SUFFIX):
-        started = "with" if made_by.endswith(DETERMINISTIC_SUFFIX) else "without"
-        return (
-            f"this generation started {started} --deterministic and resumes only on an "
-            f"engine started {started} it"
-        )
-    return f"checkpoint was made by model {made_by!r}; this engine serves {serving!r}"
 
 
 class GenerationCheckpoints:
@@ -179,12 +169,33 @@ class GenerationCheckpoints:
     def save(self, job: Job, snapshot: PendingSnapshot, pending: int) -> bool:
         """Queues a snapshot for the store once its pending token is known (MLX thread);
         False when it is not queued."""
+        return self.save_round([ReadySnapshot(job, snapshot, pending)])[0]
+
+    def save_round(self, ready: list[ReadySnapshot]) -> list[bool]:
+        """`save` for the snapshots a step made ready: settled with one wait, staged as host
+        bytes together (on MLX-CUDA one push and one wait for the round, not one per row)."""
         if self.spill is None:
-            return False
+            return [False] * len(ready)
+        settle_all(
+            [r.snapshot.captured for r in ready]
+            + [a.captured for r in ready for a in r.snapshot.attachments]
+        )
+        staged = self.staging.tensors_many([r.snapshot.captured for r in ready])
+        return [
+            self._queue(r.job, r.snapshot, r.pending, tensors, keep)
+            for r, (tensors, keep) in zip(ready, staged, strict=True)
+        ]
+
+    def _queue(
+        self,
+        job: Job,
+        snapshot: PendingSnapshot,
+        pending: int,
+        tensors: list[Tensor],
+        keep: RegionHold | None,
+    ) -> bool:
+        assert self.spill is not None
         r, key = job.request, job.checkpoint_key
-        settle(snapshot.captured)
-        for attachment in snapshot.attachments:
-            settle(attachment.captured)
         meta = GenerationMeta(
             prompt_tokens=len(r.prompt),
             generated=len(snapshot.generated),
@@ -198,13 +209,17 @@ class GenerationCheckpoints:
         captured, segment = snapshot.captured, snapshot.segment
         if segment is None:
             record.metadata = {**meta.to_metadata(), **captured.meta()}
-            record.tensors, keep = self.staging.tensors(captured)
+            record.tensors = tensors
             record.attachments = [a.to_record() for a in snapshot.attachments]
             nbytes = captured.nbytes + sum(a.nbytes for a in snapshot.attachments)
             return self.spill.put(Put(record, nbytes, keep=keep))
-        part = self._record(job, segment_key(key, segment.index), "object", record.token_ids)
+        # A segment carries the tokens of the positions it holds, not the whole sequence: the
+        # manifest has those, and a long prompt's ids in every segment cost the store each
+        # round (a resume reads them from the manifest only).
+        tokens = record.token_ids[segment.start :]
+        part = self._record(job, segment_key(key, segment.index), "object", tokens)
         part.metadata = {**captured.meta(), "segment_of": key.hex(), "start": str(segment.start)}
-        part.tensors, keep = self.staging.tensors(captured)
+        part.tensors = tensors
         chained = dataclasses.replace(meta, chain_first=segment.first, chain_next=segment.index + 1)
         record.metadata = {
             **chained.to_metadata(),
@@ -319,9 +334,9 @@ class GenerationCheckpoints:
             ) from exc
         except TandemError as exc:
             raise _store_failure(exc) from exc
-        _refuse_ended(record)
+        refuse_ended(record)
         if record.model_id != self.model_id:
-            raise Precondition(_model_refusal(record.model_id, self.model_id))
+            raise Precondition(model_refusal(record.model_id, self.model_id))
         if list(record.layout) != layout:
             raise Precondition(
                 f"checkpoint cache layout {list(record.layout)} differs from the request's {layout}"
@@ -340,7 +355,7 @@ class GenerationCheckpoints:
                         "no checkpoint for this request: the generation ended (finished or "
                         "cancelled) and its checkpoint was deleted"
                     ) from None
-                _refuse_ended(now)
+                refuse_ended(now)
                 raise
         # Refuse here, with a status, what the MLX thread could not restore.
         for part in parts:
@@ -388,14 +403,6 @@ class GenerationCheckpoints:
 
         with ThreadPoolExecutor(max_workers=min(FETCH_WORKERS, end - first)) as pool:
             return list(pool.map(fetch, range(first, end)))
-
-
-def _refuse_ended(record: Checkpoint) -> None:
-    """A tombstone: the generation ended; there is nothing to resume."""
-    ended = record.metadata.get(ENDED)
-    if ended is not None:
-        tokens = record.metadata.get("generated", "?")
-        raise Precondition(f"this generation {ended}; {tokens} tokens (nothing to resume)")
 
 
 def _store_failure(exc: TandemError) -> EngineError:

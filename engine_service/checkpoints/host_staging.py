@@ -2,10 +2,10 @@
 
 On MLX-CUDA a host view of a device array migrates it through managed memory, ~3 GB/s on the
 MLX thread (an 8k-token prefix of a 0.6B model: ~300 ms before the next step). With a pinned
-region (checkpoints/device_landing.py) the device pushes the arrays into a span of it instead (~40
-GB/s);
-the span travels with the Put and is given back when the Put item is done. Elsewhere, or when
-no span is free, the tensors view the arrays' own memory (cache_records.to_host, no copy).
+region (checkpoints/device_landing.py) the device pushes the arrays into a span of it instead
+(~40 GB/s), a checkpoint round's captures together with one wait; the span travels with the
+Put and is given back when the Put item is done. Elsewhere, or when no span is free, the
+tensors view the arrays' own memory (cache_records.to_host, no copy).
 """
 
 from __future__ import annotations
@@ -26,18 +26,39 @@ class HostStaging:
     def tensors(self, captured: CapturedCache) -> tuple[list[Tensor], RegionHold | None]:
         """The capture's tensors as host bytes (MLX thread, capture settled), and the span
         holding them when pushed (keep it until they are sent)."""
+        return self.tensors_many([captured])[0]
+
+    def tensors_many(
+        self, captures: list[CapturedCache]
+    ) -> list[tuple[list[Tensor], RegionHold | None]]:
+        """`tensors` for a checkpoint round's captures: pushed together, one wait for all."""
+        holds: list[RegionHold | None] = [None] * len(captures)
         if self.landing.kind == "pinned" and self.store is not None:
-            arrays = list(captured.arrays.values())
-            hold = self.store.reserve_span(push_bytes(arrays))
-            if hold is not None:
-                start = hold.span.offset
-                views = self.landing.push(arrays, hold.region.buf[start : start + hold.span.size])
-                if views is not None:
-                    self.pushed += 1
-                    names = list(captured.arrays)
-                    return [
-                        Tensor(name, captured.dtypes[name], tuple(a.shape), view)
-                        for name, a, view in zip(names, arrays, views, strict=True)
-                    ], hold
-                hold.release()
-        return to_host(captured), None
+            for i, captured in enumerate(captures):
+                holds[i] = self.store.reserve_span(push_bytes(list(captured.arrays.values())))
+        wanted = [i for i, hold in enumerate(holds) if hold is not None]
+        pushes = []
+        for i in wanted:
+            hold = holds[i]
+            assert hold is not None
+            start = hold.span.offset
+            span = hold.region.buf[start : start + hold.span.size]
+            pushes.append((list(captures[i].arrays.values()), span))
+        pushed = dict(zip(wanted, self.landing.push_many(pushes), strict=True))
+        staged: list[tuple[list[Tensor], RegionHold | None]] = []
+        for i, captured in enumerate(captures):
+            views, hold = pushed.get(i), holds[i]
+            if views is None:
+                # Not pushed: the arrays' own memory (on MLX-CUDA a host view migrates them,
+                # which is why this is only the fallback).
+                if hold is not None:
+                    hold.release()
+                staged.append((to_host(captured), None))
+                continue
+            self.pushed += 1
+            tensors = [
+                Tensor(name, captured.dtypes[name], tuple(a.shape), view)
+                for (name, a), view in zip(captured.arrays.items(), views, strict=True)
+            ]
+            staged.append((tensors, hold))
+        return staged

@@ -22,7 +22,8 @@ import grpc
 import mlx.core as mx
 
 from engine_service.checkpoints.device_landing import landing_for
-from engine_service.checkpoints.generations import DETERMINISTIC_SUFFIX, GenerationCheckpoints
+from engine_service.checkpoints.generation_meta import DETERMINISTIC_SUFFIX
+from engine_service.checkpoints.generations import GenerationCheckpoints
 from engine_service.checkpoints.host_staging import HostStaging
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE, PrefixCache
 from engine_service.checkpoints.prefix_reuse import PrefixReuse

@@ -48,6 +48,15 @@ class PendingSnapshot:
 
 
 @dataclass
+class ReadySnapshot:
+    """A pending snapshot whose pending token is now known: ready to be saved."""
+
+    job: Job
+    snapshot: PendingSnapshot
+    pending: int
+
+
+@dataclass
 class Job:
     request: GenerationRequest
     sink: Sink

@@ -347,6 +347,7 @@ class Scheduler(SchedulerInbox):
                 self.finish(job)
             self.emit(job, events)
         if self._step_checkpoints is not None:
+            self._step_checkpoints.save_ready(self._rows)
             self._step_checkpoints.capture_due(self._bg, self._rows, self._stats.steps_total)
         self._parking.step(self._bg, self._rows, self.limits.max_running - self._running())
         with self._lock:

@@ -1,8 +1,9 @@
 """What the engine loop does for checkpoints around each batch step (MLX thread).
 
-After a row's token: a pending generation snapshot is queued now that its pending token is
-known, the row is marked when its next snapshot is due, and its prompt's prefix is marked
-for saving (first token). After the step: the due rows are captured together (capture_due).
+After a row's token: a pending generation snapshot is ready now that its pending token is
+known, the row is marked when its next snapshot is due, and its prompt's prefix is marked for
+saving (first token). After the step's tokens: the ready snapshots are saved together
+(save_ready), then the due rows are captured together (capture_due).
 After the step's events have left: the marked prefixes are saved (save_prefixes), so the
 capture of a long prompt's caches never delays its first token; a checkpointed generation
 takes its first snapshot from the same extraction, so it can be resumed from its first token.
@@ -19,7 +20,7 @@ from mlx_lm.generate import BatchGenerator
 
 from engine_service.checkpoints.manager import CheckpointManager
 from engine_service.checkpoints.segment_capture import capture_together
-from engine_service.loop.jobs import Job
+from engine_service.loop.jobs import Job, ReadySnapshot
 from engine_service.model.mlx_compat import pending_tokens, running_batch
 
 # Generation snapshots are taken on steps that are multiples of this (see capture_due).
@@ -39,6 +40,7 @@ class StepCheckpoints:
         self.checkpoints = checkpoints
         self._due: dict[int, Job] = {}  # rows whose generation checkpoint is due, by uid
         self._prefixes_due: list[PrefixDue] = []
+        self._ready: list[ReadySnapshot] = []  # saved together at the step's end (save_ready)
         # Held from a prefix's first token until the prefix is queued for the store, so a
         # Flush asked after that token covers it (queued_saves).
         self._saving = threading.Lock()
@@ -55,7 +57,7 @@ class StepCheckpoints:
         if job.snapshot is not None:
             snapshot, job.snapshot = job.snapshot, None
             if finished_cache is None:  # a finishing job deletes its checkpoint anyway
-                ckpt.generations.save(job, snapshot, pending=job.tokens[-1])
+                self._ready.append(ReadySnapshot(job, snapshot, pending=job.tokens[-1]))
         if len(job.tokens) == 1 and not job.resumed:
             seconds = time.monotonic() - job.admitted_at
             ckpt.add_prefill_time(seconds)
@@ -66,6 +68,14 @@ class StepCheckpoints:
             self._prefixes_due.append(PrefixDue(job, finished_cache))
         if finished_cache is None and ckpt.generations.due(job):
             self._due[job.uid] = job
+
+    def save_ready(self, rows: dict[int, Job]) -> None:
+        """Saves the snapshots this step's tokens made ready, together (after the step's
+        tokens, before its captures): one wait for the round's copies to host memory."""
+        ready, self._ready = self._ready, []
+        ready = [r for r in ready if rows.get(r.job.uid) is r.job]  # still running
+        if ready:
+            self.checkpoints.generations.save_round(ready)
 
     def capture_due(self, bg: BatchGenerator, rows: dict[int, Job], step: int) -> None:
         """Snapshots every row whose checkpoint is due, together, on aligned steps.
