@@ -6,6 +6,7 @@ and rows it leaves out); its captures are staged as host bytes together
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,18 +16,21 @@ from mlx_lm.models import cache as cache_lib
 
 from engine_service.checkpoints.cache_records import capture, settle
 from engine_service.checkpoints.device_landing import PUSH_ALIGN, Landing
+from engine_service.checkpoints.generation_meta import segment_key
 from engine_service.checkpoints.generations import GenerationCheckpoints
 from engine_service.checkpoints.host_staging import HostStaging
 from engine_service.checkpoints.segment_capture import capture_together
+from engine_service.checkpoints.spill import SpillQueue
 from engine_service.kv.batch_cache import BatchQuantizedKVCache
-from engine_service.loop.jobs import Job, PendingSnapshot
+from engine_service.loop.jobs import Job, PendingSnapshot, ReadySnapshot
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.requests import GenerationRequest
 from engine_service.protocol.sampling_options import SamplingOptions
 from store_service.config import StoreConfig
 from store_service.server import create_server
 from store_service.store import CheckpointStore
-from tandem_client import StoreClient
+from tandem_client import Checkpoint, StoreClient
+from tandem_client.records import PutItem
 from tandem_client.regions import SharedRegion
 
 LAYERS, HEADS, WIDTH = 3, 2, 8
@@ -140,9 +144,10 @@ class _HostPush(Landing):
 
     def push_many(
         self, pushes: list[tuple[list[mx.array], memoryview]]
-    ) -> list[list[memoryview] | None]:
+    ) -> tuple[list[list[memoryview] | None], list[mx.array]]:
         self.calls += 1
         out: list[list[memoryview] | None] = []
+        done: list[mx.array] = []
         for i, (arrays, span) in enumerate(pushes):
             if i in self.refuse:
                 out.append(None)
@@ -153,14 +158,15 @@ class _HostPush(Landing):
                 span[at : at + len(data)] = data
                 views.append(span[at : at + len(data)])
                 at += -(-len(data) // PUSH_ALIGN) * PUSH_ALIGN
+                done.append(mx.array([1], dtype=mx.uint8))  # the device's completion flag
             out.append(views)
-        return out
+        return out, done
 
 
 def test_a_rounds_captures_are_staged_together_each_into_its_own_span(tmp_path: Path) -> None:
-    """HostStaging.tensors_many: one push for the round; each capture's tensors hold its own
-    bytes, a pushed one's in its span (held until sent), a refused one's viewing its arrays,
-    its span given back."""
+    """HostStaging.tensors_many: one push for the round, waited on by the caller; each
+    capture's tensors hold its own bytes, a pushed one's in its span (held until sent), a
+    refused one's viewing its arrays, its span given back."""
     store = CheckpointStore(StoreConfig(data_dir=tmp_path / "store"))
     server, port, _ = create_server(store, "127.0.0.1:0")
     server.start()
@@ -173,14 +179,17 @@ def test_a_rounds_captures_are_staged_together_each_into_its_own_span(tmp_path: 
             staging = HostStaging(landing, client)
             staged = staging.tensors_many(captures)
             assert landing.calls == 1 and staging.pushed == 2
-            for captured, (tensors, _) in zip(captures, staged, strict=True):
+            assert staged.pushes  # not waited on yet: the caller waits a step later
+            staged.wait()
+            assert not staged.pushes
+            for captured, (tensors, _) in zip(captures, staged.tensors, strict=True):
                 assert [t.name for t in tensors] == list(captured.arrays)
                 for tensor, array in zip(tensors, captured.arrays.values(), strict=True):
                     assert bytes(tensor.data) == np.array(array).tobytes()
-            assert [hold is None for _, hold in staged] == [False, True, False]
+            assert [hold is None for _, hold in staged.tensors] == [False, True, False]
             usable = (8 << 20) // 4096 * 4096 - 4096  # all of it past the first page
             assert client.reserve_span(usable) is None  # two spans still held
-            for _, hold in staged:
+            for _, hold in staged.tensors:
                 if hold is not None:
                     hold.release()
             whole = client.reserve_span(usable)  # the refused capture's span came back too
@@ -189,3 +198,69 @@ def test_a_rounds_captures_are_staged_together_each_into_its_own_span(tmp_path: 
     finally:
         server.stop(None).wait()
         store.close()
+
+
+class _Recorder:
+    """The spill queue's sink, recording what reaches it in order (kind and key)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, bytes]] = []
+
+    def put(self, checkpoint: Checkpoint, **_: object) -> object:
+        self.log.append((f"put {checkpoint.kind}", checkpoint.key))
+        return None
+
+    def put_many(self, items: Sequence[PutItem]) -> object:
+        for item in items:
+            self.put(item.checkpoint)
+        return None
+
+    def delete(self, key: bytes, namespace: str = "", *, force: bool = False) -> int:
+        self.log.append(("delete", key))
+        return 0
+
+    def delete_many(self, keys: list[bytes], namespace: str = "", *, force: bool = False) -> int:
+        for key in keys:
+            self.delete(key)
+        return 0
+
+    def flush(self) -> bool:
+        return True
+
+
+def test_a_round_reaches_the_store_a_step_later_and_before_anything_saved_after_it() -> None:
+    """save_round stages a step's snapshots and queues them at the next step (so a GPU's push
+    is waited on after the step behind it): before any later write of the same checkpoints
+    (a save, a tombstone), so records reach the store in the order they were saved."""
+    sink = _Recorder()
+    spill = SpillQueue(sink, capacity_bytes=1 << 30, counters=CheckpointCounters())
+    gens = GenerationCheckpoints("m", CheckpointCounters(), spill=spill)
+    lengths = [5, 7]
+    layers = _batch(lengths, seed=4)
+    jobs = _jobs(lengths, [PLAIN, PLAIN])
+    uids = [0, 1]
+
+    def round_() -> None:
+        got = capture_together(gens, jobs, uids, layers)
+        gens.save_round([ReadySnapshot(job, got[job.uid], 5) for job in jobs])
+
+    round_()
+    assert all(job.checkpointed for job in jobs)  # a job ending now is forgotten
+    assert spill.flush().flushed == 0 and sink.log == []  # staged, not queued
+    gens.save_round([])  # the next step
+    assert spill.flush().flushed == 4
+    kinds = [kind for kind, _ in sink.log]
+    assert kinds == ["put object", "put generation"] * 2  # each segment, then its manifest
+
+    sink.log.clear()
+    for step in range(2):
+        _step(layers, len(lengths), seed=50 + step)
+    _grow(jobs, 2)
+    round_()
+    gens.forget(jobs[0])  # ends before the next step: the round goes first
+    assert spill.flush().durable
+    manifests = [i for i, (kind, _) in enumerate(sink.log) if kind == "put generation"]
+    tombstone = sink.log.index(("put object", jobs[0].checkpoint_key))
+    assert len(manifests) == 2 and max(manifests) < tombstone
+    segments = [segment_key(jobs[0].checkpoint_key, i) for i in (0, 1)]
+    assert sink.log[-2:] == [("delete", key) for key in segments]

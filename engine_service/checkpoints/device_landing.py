@@ -108,9 +108,10 @@ class Landing:
 
     def push_many(
         self, pushes: list[tuple[list[mx.array], memoryview]]
-    ) -> list[list[memoryview] | None]:
-        """`push` for several captures, each into its own span."""
-        return [None] * len(pushes)
+    ) -> tuple[list[list[memoryview] | None], list[mx.array]]:
+        """`push` for several captures, each into its own span, not waited on: the views,
+        and the flags to evaluate before reading them."""
+        return [None] * len(pushes), []
 
     def close(self) -> None:
         pass
@@ -184,14 +185,17 @@ class PinnedLanding(Landing):
         """Device -> pinned region: one kernel a tensor writes it into span, ~40 GB/s, where
         a host view of an MLX-CUDA array would migrate it through managed memory (~3 GB/s)
         on the MLX thread. Waits for the copies; returns a view of span per array."""
-        return self.push_many([(arrays, span)])[0]
+        views, done = self.push_many([(arrays, span)])
+        mx.eval(done)
+        return views[0]
 
     def push_many(
         self, pushes: list[tuple[list[mx.array], memoryview]]
-    ) -> list[list[memoryview] | None]:
-        """Several captures pushed, each into its span, with one wait for all of them: every
-        wait here is a pipeline bubble (the next decode step is already queued ahead of the
-        copies), so a checkpoint round of 8 rows waits once, not 8 times."""
+    ) -> tuple[list[list[memoryview] | None], list[mx.array]]:
+        """Several captures pushed, each into its span, without waiting: the views are
+        written once the returned flags are evaluated. A wait right after a push is a pipeline
+        bubble (the next decode step is queued ahead of the copies); a checkpoint round's
+        pushes are waited on one step later (checkpoints/generations.py)."""
         out: list[list[memoryview] | None] = []
         done: list[mx.array] = []
         for arrays, span in pushes:
@@ -218,9 +222,7 @@ class PinnedLanding(Landing):
                 views.append(span[at : at + n])
                 at += -(-n // PUSH_ALIGN) * PUSH_ALIGN
             out.append(views)
-        if done:
-            mx.eval(done)
-        return out
+        return out, done
 
     def start(self, array: mx.array) -> mx.array:
         """Launches the pull behind array now, so it overlaps what the host does next."""

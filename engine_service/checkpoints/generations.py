@@ -20,6 +20,7 @@ import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -28,6 +29,7 @@ from mlx_lm.models import cache as cache_lib
 from engine_service.checkpoints.attachments import CapturedAttachment, check_attachment
 from engine_service.checkpoints.attachments import find as find_attachment
 from engine_service.checkpoints.cache_records import (
+    CODEC_VERSION,
     CapturedCache,
     capture,
     check_restorable,
@@ -47,7 +49,7 @@ from engine_service.checkpoints.generation_meta import (
     segment_key,
     segmentable,
 )
-from engine_service.checkpoints.host_staging import HostStaging
+from engine_service.checkpoints.host_staging import HostStaging, Staged
 from engine_service.checkpoints.spill import Put, SpillQueue
 from engine_service.core.plans import ResumePlan
 from engine_service.errors import Corrupt, EngineError, NotFound, Precondition, Unavailable
@@ -60,6 +62,14 @@ from tandem_client.identity import generation_key, scope_digest
 from tandem_client.records import Checkpoint, Tensor
 from tandem_client.regions import RegionHold
 from tandem_client.store_client import StoreClient
+
+
+@dataclass
+class _Round:
+    """A step's snapshots, staged as host bytes, waiting to be queued (complete_round)."""
+
+    ready: list[ReadySnapshot]
+    staged: Staged
 
 
 class GenerationCheckpoints:
@@ -78,6 +88,7 @@ class GenerationCheckpoints:
         # How captures become host bytes (through the store's region when attached).
         self.staging = staging if staging is not None else HostStaging(Landing(), None)
         self._lock = threading.Lock()
+        self._round: _Round | None = None  # staged by save_round, queued at the next step
         # Generation key -> first segment of a chain that has a hole (a segment or manifest
         # that did not reach the store): its later records are not sent, its next snapshot
         # starts a new chain.
@@ -169,22 +180,43 @@ class GenerationCheckpoints:
     def save(self, job: Job, snapshot: PendingSnapshot, pending: int) -> bool:
         """Queues a snapshot for the store once its pending token is known (MLX thread);
         False when it is not queued."""
-        return self.save_round([ReadySnapshot(job, snapshot, pending)])[0]
-
-    def save_round(self, ready: list[ReadySnapshot]) -> list[bool]:
-        """`save` for the snapshots a step made ready: settled with one wait, staged as host
-        bytes together (on MLX-CUDA one push and one wait for the round, not one per row)."""
+        self.complete_round()
         if self.spill is None:
-            return [False] * len(ready)
+            return False
+        staged = self._staged([ReadySnapshot(job, snapshot, pending)])
+        staged.wait()
+        ((tensors, keep),) = staged.tensors
+        return self._queue(job, snapshot, pending, tensors, keep)
+
+    def save_round(self, ready: list[ReadySnapshot]) -> None:
+        """`save` for the snapshots a step made ready, staged as host bytes together and
+        queued one step later (complete_round): on MLX-CUDA the round's push into the region
+        is then waited on once the step behind it has run, not while the next step is
+        queued ahead of it (a bubble in the pipeline each round)."""
+        self.complete_round()
+        if self.spill is None or not ready:
+            return
+        for r in ready:
+            r.job.checkpointed = True  # its checkpoint is on its way: forget it if it ends
+        self._round = _Round(ready, self._staged(ready))
+
+    def complete_round(self) -> None:
+        """Queues the round staged last (MLX thread). Every write of this class calls it
+        first, and the loop once a step and whenever a job ends, so the order in which
+        records reach the store is the order they were saved in."""
+        round_, self._round = self._round, None
+        if round_ is None:
+            return
+        round_.staged.wait()
+        for r, (tensors, keep) in zip(round_.ready, round_.staged.tensors, strict=True):
+            self._queue(r.job, r.snapshot, r.pending, tensors, keep)
+
+    def _staged(self, ready: list[ReadySnapshot]) -> Staged:
         settle_all(
             [r.snapshot.captured for r in ready]
             + [a.captured for r in ready for a in r.snapshot.attachments]
         )
-        staged = self.staging.tensors_many([r.snapshot.captured for r in ready])
-        return [
-            self._queue(r.job, r.snapshot, r.pending, tensors, keep)
-            for r, (tensors, keep) in zip(ready, staged, strict=True)
-        ]
+        return self.staging.tensors_many([r.snapshot.captured for r in ready])
 
     def _queue(
         self,
@@ -223,7 +255,7 @@ class GenerationCheckpoints:
         chained = dataclasses.replace(meta, chain_first=segment.first, chain_next=segment.index + 1)
         record.metadata = {
             **chained.to_metadata(),
-            "codec": captured.meta()["codec"],
+            "codec": CODEC_VERSION,  # its segments' (their skeletons are theirs alone)
             "layout": "|".join(r.layout),
         }
 
@@ -267,6 +299,7 @@ class GenerationCheckpoints:
         lease lapses: it lives until the store's LRU evicts it, and is not listed among the
         generations in flight.
         """
+        self.complete_round()
         if self.spill is None:
             return
         key, namespace, spill = job.checkpoint_key, job.request.namespace, self.spill

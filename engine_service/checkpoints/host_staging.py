@@ -10,11 +10,30 @@ tensors view the arrays' own memory (cache_records.to_host, no copy).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
 from engine_service.checkpoints.cache_records import CapturedCache, to_host
 from engine_service.checkpoints.device_landing import Landing, push_bytes
 from tandem_client.records import Tensor
 from tandem_client.regions import RegionHold
 from tandem_client.store_client import StoreClient
+
+
+@dataclass
+class Staged:
+    """A round's captures as host bytes: per capture its tensors and the span holding them
+    (None: they view the arrays' own memory); the device's pushes into those spans are
+    complete once `wait` returned."""
+
+    tensors: list[tuple[list[Tensor], RegionHold | None]]
+    pushes: list[mx.array] = field(default_factory=list)
+
+    def wait(self) -> None:
+        if self.pushes:
+            mx.eval(self.pushes)
+            self.pushes = []
 
 
 class HostStaging:
@@ -26,12 +45,13 @@ class HostStaging:
     def tensors(self, captured: CapturedCache) -> tuple[list[Tensor], RegionHold | None]:
         """The capture's tensors as host bytes (MLX thread, capture settled), and the span
         holding them when pushed (keep it until they are sent)."""
-        return self.tensors_many([captured])[0]
+        staged = self.tensors_many([captured])
+        staged.wait()
+        return staged.tensors[0]
 
-    def tensors_many(
-        self, captures: list[CapturedCache]
-    ) -> list[tuple[list[Tensor], RegionHold | None]]:
-        """`tensors` for a checkpoint round's captures: pushed together, one wait for all."""
+    def tensors_many(self, captures: list[CapturedCache]) -> Staged:
+        """`tensors` for a checkpoint round's captures, pushed together and not waited on
+        (Staged.wait before reading them)."""
         holds: list[RegionHold | None] = [None] * len(captures)
         if self.landing.kind == "pinned" and self.store is not None:
             for i, captured in enumerate(captures):
@@ -44,8 +64,9 @@ class HostStaging:
             start = hold.span.offset
             span = hold.region.buf[start : start + hold.span.size]
             pushes.append((list(captures[i].arrays.values()), span))
-        pushed = dict(zip(wanted, self.landing.push_many(pushes), strict=True))
-        staged: list[tuple[list[Tensor], RegionHold | None]] = []
+        views_of, done = self.landing.push_many(pushes)
+        pushed = dict(zip(wanted, views_of, strict=True))
+        staged = Staged([], done)
         for i, captured in enumerate(captures):
             views, hold = pushed.get(i), holds[i]
             if views is None:
@@ -53,12 +74,12 @@ class HostStaging:
                 # which is why this is only the fallback).
                 if hold is not None:
                     hold.release()
-                staged.append((to_host(captured), None))
+                staged.tensors.append((to_host(captured), None))
                 continue
             self.pushed += 1
             tensors = [
                 Tensor(name, captured.dtypes[name], tuple(a.shape), view)
                 for (name, a), view in zip(captured.arrays.items(), views, strict=True)
             ]
-            staged.append((tensors, hold))
+            staged.tensors.append((tensors, hold))
         return staged

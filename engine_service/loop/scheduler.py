@@ -138,6 +138,10 @@ class Scheduler(SchedulerInbox):
 
     def finish(self, job: Job) -> None:
         """Forgets a job that ended; its generation checkpoint goes unless it is kept."""
+        if self.checkpoints is not None:
+            # A round staged at the last step reaches the store first, before a tombstone
+            # and whatever a resumed generation of the same key writes later.
+            self.checkpoints.generations.complete_round()
         if job.checkpointed and not job.keep_checkpoint and self.checkpoints is not None:
             self.checkpoints.generations.forget(job)
         self._rows.pop(job.uid, None)

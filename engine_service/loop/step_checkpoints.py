@@ -71,11 +71,11 @@ class StepCheckpoints:
 
     def save_ready(self, rows: dict[int, Job]) -> None:
         """Saves the snapshots this step's tokens made ready, together (after the step's
-        tokens, before its captures): one wait for the round's copies to host memory."""
+        tokens, before its captures); they reach the spill queue at the next step."""
         ready, self._ready = self._ready, []
         ready = [r for r in ready if rows.get(r.job.uid) is r.job]  # still running
-        if ready:
-            self.checkpoints.generations.save_round(ready)
+        # Every step: the round staged at the previous one is queued first.
+        self.checkpoints.generations.save_round(ready)
 
     def capture_due(self, bg: BatchGenerator, rows: dict[int, Job], step: int) -> None:
         """Snapshots every row whose checkpoint is due, together, on aligned steps.
