@@ -12,6 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx_lm.models import cache as cache_lib
 
 from engine_service.checkpoints.cache_records import capture, settle
@@ -101,7 +102,8 @@ def _row_by_row(
     return {job.uid: gens.capture(job, [c.extract(job.uid) for c in layers]) for job in jobs}
 
 
-def test_segments_cut_together_are_the_records_cut_row_by_row() -> None:
+@pytest.mark.parametrize("pack", [False, True])
+def test_segments_cut_together_are_the_records_cut_row_by_row(pack: bool) -> None:
     lengths = [5, 9, 3, 9]
     layouts = [PLAIN, PLAIN, PLAIN, ["kv:affine8"] * LAYERS]  # the last is not segmentable
     layers = _batch(lengths, seed=1)
@@ -114,7 +116,7 @@ def test_segments_cut_together_are_the_records_cut_row_by_row() -> None:
         if round_ == 2:  # row 1's chain starts over: its segment begins at another column
             together_jobs[1].chain.covered = alone_jobs[1].chain.covered = 0
         due = [0, 1, 2] if round_ != 3 else [0, 2]  # consecutive rows, then a gather
-        got = capture_together(together_gens, [together_jobs[u] for u in due], uids, layers)
+        got = capture_together(together_gens, [together_jobs[u] for u in due], uids, layers, pack)
         assert sorted(got) == due
         want = _row_by_row(alone_gens, [alone_jobs[u] for u in due], layers)
         for uid in due:
@@ -154,7 +156,7 @@ class _HostPush(Landing):
                 continue
             views, at = [], 0
             for array in arrays:
-                data = np.array(array).tobytes()
+                data = np.array(mx.contiguous(array).reshape(-1).view(mx.uint8)).tobytes()
                 span[at : at + len(data)] = data
                 views.append(span[at : at + len(data)])
                 at += -(-len(data) // PUSH_ALIGN) * PUSH_ALIGN
@@ -264,3 +266,49 @@ def test_a_round_reaches_the_store_a_step_later_and_before_anything_saved_after_
     assert len(manifests) == 2 and max(manifests) < tombstone
     segments = [segment_key(jobs[0].checkpoint_key, i) for i in (0, 1)]
     assert sink.log[-2:] == [("delete", key) for key in segments]
+
+
+def test_a_rounds_segments_move_to_host_memory_as_one_buffer(tmp_path: Path) -> None:
+    """Segments cut together share one stacked buffer: the round is pushed as that one array,
+    into one span every row's tensors view (the span lives while any of them is unsent)."""
+    store = CheckpointStore(StoreConfig(data_dir=tmp_path / "store"))
+    server, port, _ = create_server(store, "127.0.0.1:0")
+    server.start()
+    lengths = [6, 8, 7]
+    layers = _batch(lengths, seed=5)
+    jobs = _jobs(lengths, [PLAIN] * 3)
+    gens = GenerationCheckpoints("m", CheckpointCounters())
+    first = capture_together(gens, jobs, [0, 1, 2], layers, pack=True)
+    # Whole rows at first: three lengths, three columns they start at, three buffers. Then
+    # the new positions of all three start at one column: one buffer.
+    packed = [s.captured.packed for s in first.values()]
+    assert len({id(p.buffer) for p in packed if p is not None}) == 3
+    for step in range(3):
+        _step(layers, len(lengths), seed=60 + step)
+    _grow(jobs, 3)
+    got = capture_together(gens, jobs, [0, 1, 2], layers, pack=True)
+    captures = [got[uid].captured for uid in (0, 1, 2)]
+    pushed: list[int] = []
+
+    class _Counting(_HostPush):
+        def push_many(
+            self, pushes: list[tuple[list[mx.array], memoryview]]
+        ) -> tuple[list[list[memoryview] | None], list[mx.array]]:
+            pushed.extend(len(arrays) for arrays, _ in pushes)
+            return super().push_many(pushes)
+
+    try:
+        with StoreClient(f"127.0.0.1:{port}") as client, SharedRegion(8 << 20) as region:
+            client.attach_region(region)
+            staged = HostStaging(_Counting(refuse=set()), client).tensors_many(captures)
+            staged.wait()
+            assert pushed == [1]  # one array for the whole round
+            holds = {id(hold) for _, hold in staged.tensors}
+            assert len(holds) == 1 and None not in {hold for _, hold in staged.tensors}
+            for captured, (tensors, _) in zip(captures, staged.tensors, strict=True):
+                assert [t.name for t in tensors] == list(captured.arrays)
+                for tensor, array in zip(tensors, captured.arrays.values(), strict=True):
+                    assert bytes(tensor.data) == np.array(array).tobytes()
+    finally:
+        server.stop(None).wait()
+        store.close()

@@ -50,6 +50,15 @@ def cache_class(name: str) -> Any:
 
 
 @dataclass
+class Packed:
+    """Where a capture's arrays lie in one buffer shared with other captures (a checkpoint
+    round's segments, checkpoints/segment_capture.py): moved to host memory once for all."""
+
+    buffer: mx.array
+    offsets: dict[str, int]  # array name -> its byte offset in buffer
+
+
+@dataclass
 class CapturedCache:
     """A snapshot of one sequence's caches: evaluated MLX arrays plus how to rebuild them."""
 
@@ -58,6 +67,7 @@ class CapturedCache:
     skeleton: list[dict[str, Any]]  # per layer: class, meta_state, state skeleton
     layout: list[str]
     tokens: int  # sequence positions the caches hold
+    packed: Packed | None = None  # its arrays are views of a shared buffer
 
     @property
     def nbytes(self) -> int:

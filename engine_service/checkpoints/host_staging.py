@@ -51,35 +51,67 @@ class HostStaging:
 
     def tensors_many(self, captures: list[CapturedCache]) -> Staged:
         """`tensors` for a checkpoint round's captures, pushed together and not waited on
-        (Staged.wait before reading them)."""
-        holds: list[RegionHold | None] = [None] * len(captures)
+        (Staged.wait before reading them). Captures packed into one buffer (a round's
+        segments) are pushed as that buffer, once, into one span they all hold."""
+        units: dict[int, list[int]] = {}  # one push each: a packed buffer, or a capture
+        for i, captured in enumerate(captures):
+            shared = captured.packed
+            units.setdefault(id(shared.buffer) if shared is not None else -1 - i, []).append(i)
+        members = list(units.values())
+        sources = [_source(captures[unit[0]]) for unit in members]
+        holds: list[RegionHold | None] = [None] * len(members)
         if self.landing.kind == "pinned" and self.store is not None:
-            for i, captured in enumerate(captures):
-                holds[i] = self.store.reserve_span(push_bytes(list(captured.arrays.values())))
-        wanted = [i for i, hold in enumerate(holds) if hold is not None]
+            holds = [self.store.reserve_span(push_bytes(arrays)) for arrays in sources]
+        wanted = [u for u, hold in enumerate(holds) if hold is not None]
         pushes = []
-        for i in wanted:
-            hold = holds[i]
+        for u in wanted:
+            hold = holds[u]
             assert hold is not None
             start = hold.span.offset
-            span = hold.region.buf[start : start + hold.span.size]
-            pushes.append((list(captures[i].arrays.values()), span))
+            pushes.append((sources[u], hold.region.buf[start : start + hold.span.size]))
         views_of, done = self.landing.push_many(pushes)
         pushed = dict(zip(wanted, views_of, strict=True))
-        staged = Staged([], done)
-        for i, captured in enumerate(captures):
-            views, hold = pushed.get(i), holds[i]
-            if views is None:
-                # Not pushed: the arrays' own memory (on MLX-CUDA a host view migrates them,
-                # which is why this is only the fallback).
-                if hold is not None:
-                    hold.release()
-                staged.tensors.append((to_host(captured), None))
-                continue
-            self.pushed += 1
-            tensors = [
-                Tensor(name, captured.dtypes[name], tuple(a.shape), view)
-                for (name, a), view in zip(captured.arrays.items(), views, strict=True)
-            ]
-            staged.tensors.append((tensors, hold))
-        return staged
+        tensors: list[tuple[list[Tensor], RegionHold | None]] = [([], None)] * len(captures)
+        for u, unit in enumerate(members):
+            views, hold = pushed.get(u), holds[u]
+            for i in unit:
+                captured = captures[i]
+                if views is None:
+                    # Not pushed: the arrays' own memory (on MLX-CUDA a host view migrates
+                    # them, which is why this is only the fallback).
+                    tensors[i] = (to_host(captured), None)
+                    continue
+                tensors[i] = (_in_span(captured, views), hold)
+                self.pushed += 1
+            if views is None and hold is not None:
+                hold.release()
+        return Staged(tensors, done)
+
+
+def _source(captured: CapturedCache) -> list[mx.array]:
+    """What a push moves for this capture: its shared buffer, or its own arrays."""
+    return (
+        [captured.packed.buffer] if captured.packed is not None else list(captured.arrays.values())
+    )
+
+
+def _in_span(captured: CapturedCache, views: list[memoryview]) -> list[Tensor]:
+    """The capture's tensors viewing the span its push wrote (its arrays', or its shared
+    buffer's, at their offsets)."""
+    arrays = captured.arrays.items()
+    if captured.packed is None:
+        return [
+            Tensor(name, captured.dtypes[name], tuple(a.shape), view)
+            for (name, a), view in zip(arrays, views, strict=True)
+        ]
+    (buffer,) = views
+    offsets = captured.packed.offsets
+    return [
+        Tensor(
+            name,
+            captured.dtypes[name],
+            tuple(a.shape),
+            buffer[offsets[name] : offsets[name] + a.nbytes],
+        )
+        for name, a in arrays
+    ]

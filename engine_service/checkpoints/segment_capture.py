@@ -20,11 +20,11 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as cache_lib
 
-from engine_service.checkpoints.cache_records import CapturedCache, dtype_name
+from engine_service.checkpoints.cache_records import CapturedCache, Packed, dtype_name
 from engine_service.checkpoints.device_landing import WORD_VIEWS
 from engine_service.checkpoints.generation_meta import segmentable
 from engine_service.checkpoints.generations import GenerationCheckpoints
-from engine_service.kv.batch_cache import BatchQuantizedKVCache
+from engine_service.kv.batch_cache import BatchQuantizedKVCache, ColumnCut
 from engine_service.loop.jobs import Job, PendingSnapshot
 from engine_service.model.loading import layout_codec
 
@@ -34,14 +34,24 @@ _KV_LAYOUT = layout_codec(cache_lib.KVCache())
 
 
 def capture_together(
-    generations: GenerationCheckpoints, jobs: list[Job], uids: list[int], layer_caches: list[Any]
+    generations: GenerationCheckpoints,
+    jobs: list[Job],
+    uids: list[int],
+    layer_caches: list[Any],
+    pack: bool | None = None,
 ) -> dict[int, PendingSnapshot]:
     """Snapshots of the jobs this can cut, by uid; uids and layer_caches: the running batch's
-    rows and its cache per layer. The jobs left out have not been touched."""
+    rows and its cache per layer. The jobs left out have not been touched. pack: the round's
+    segments in one buffer (None: when the device pushes captures to the host, MLX-CUDA's
+    pinned region; on the CPU the stacking would only add a graph node per tensor)."""
+    if pack is None:
+        pack = generations.staging.landing.kind == "pinned"
     if not layer_caches or not all(isinstance(c, BatchQuantizedKVCache) for c in layer_caches):
         return {}
-    where = {uid: row for row, uid in enumerate(uids)}
     first = layer_caches[0]
+    if any(c.columns != first.columns for c in layer_caches):
+        return {}  # the layers' rows lie differently: cut row by row
+    where = {uid: row for row, uid in enumerate(uids)}
     chosen = [
         job
         for job in jobs
@@ -52,21 +62,63 @@ def capture_together(
     rows = [where[job.uid] for job in chosen]
     if not chosen or not all(c.holds_plain(rows) for c in layer_caches):
         return {}
-    segments = [generations.next_segment(job) for job in chosen]
-    starts = [segment.start for segment in segments]
-    cuts = [c.cut_plain(rows, starts) for c in layer_caches]
+    by_row = {where[job.uid]: job for job in chosen}
+    segments = {job.uid: generations.next_segment(job) for job in chosen}
+    starts = [segments[job.uid].start for job in chosen]
+    per_layer = [c.plain_columns(rows, starts) for c in layer_caches]
     snapshots: dict[int, PendingSnapshot] = {}
     scheduled: list[mx.array] = []
-    for k, (job, segment) in enumerate(zip(chosen, segments, strict=True)):
-        pairs = []
-        for cut in cuts:
-            assert cut is not None  # holds_plain said so
-            pairs.append(cut[k])
-        captured = plain_capture(pairs, generations.held(job))
-        scheduled.extend(captured.arrays.values())
-        snapshots[job.uid] = generations.pending(job, captured, segment)
+    for g, cut in enumerate(per_layer[0] or []):
+        planes = [p for layer in per_layer for p in _planes(layer, g)]
+        for i, (captured, buffers) in enumerate(_captures(planes, len(cut.rows), pack)):
+            job = by_row[cut.rows[i]]
+            captured.tokens = generations.held(job)
+            scheduled.extend(buffers)
+            snapshots[job.uid] = generations.pending(job, captured, segments[job.uid])
     mx.async_eval(scheduled)
     return snapshots
+
+
+def _planes(layer: list[ColumnCut] | None, group: int) -> tuple[mx.array, mx.array]:
+    assert layer is not None  # holds_plain said so
+    return layer[group].keys, layer[group].values
+
+
+def _captures(
+    planes: list[mx.array], rows: int, pack: bool
+) -> list[tuple[CapturedCache, list[mx.array]]]:
+    """Each row's capture out of a column group's planes (keys and values of every layer,
+    each of shape (rows, heads, columns, width)), with the arrays to evaluate for it.
+
+    Packed (planes of one shape and dtype, the common case), the planes are stacked into one
+    buffer, a copy each into it: every row's tensors are views of it, and the round moves to
+    host memory as one array (on MLX-CUDA one push into the region, not one per tensor).
+    Otherwise each plane is copied on its own and its rows viewed."""
+    if pack and len({(p.shape, p.dtype) for p in planes}) == 1:
+        stacked = mx.stack(planes)  # (2 * layers, rows, heads, columns, width)
+        flat = stacked.reshape(-1, *stacked.shape[2:])  # plane q's row i at q * rows + i
+        plane_bytes = flat[0:1].nbytes
+        out = []
+        for i in range(rows):
+            pairs = [
+                (
+                    flat[q * rows + i : q * rows + i + 1],
+                    flat[(q + 1) * rows + i : (q + 1) * rows + i + 1],
+                )
+                for q in range(0, len(planes), 2)
+            ]
+            captured = plain_capture(pairs, 0)
+            offsets = {name: (q * rows + i) * plane_bytes for q, name in enumerate(captured.arrays)}
+            captured.packed = Packed(flat, offsets)
+            out.append((captured, [flat] if i == 0 else []))
+        return out
+    copies = [mx.contiguous(p) for p in planes]  # a gather's is already: no copy then
+    out = []
+    for i in range(rows):
+        pairs = [(copies[q][i : i + 1], copies[q + 1][i : i + 1]) for q in range(0, len(copies), 2)]
+        captured = plain_capture(pairs, 0)
+        out.append((captured, list(captured.arrays.values())))
+    return out
 
 
 def plain_capture(pairs: list[tuple[mx.array, mx.array]], held: int) -> CapturedCache:

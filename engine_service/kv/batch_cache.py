@@ -36,6 +36,7 @@ state/meta_state kv/batch_state.py's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -55,7 +56,14 @@ from engine_service.kv.rows import PackedLayer, PlainLayer, TurboQuantLayer, cod
 from engine_service.model.mlx_compat import BaseCache, ring_position, set_ring_position
 from engine_service.protocol.kv_codec import PLAIN, PLAIN_KV, KVCodec, Storage, StorageKind
 
-__all__ = ["BatchQuantizedKVCache", "PackedRow", "PlainRow", "TurboQuantRow", "adopt_row"]
+__all__ = [
+    "BatchQuantizedKVCache",
+    "ColumnCut",
+    "PackedRow",
+    "PlainRow",
+    "TurboQuantRow",
+    "adopt_row",
+]
 
 
 class BatchQuantizedKVCache(BatchWrites, BatchState, BaseCache):
@@ -211,28 +219,29 @@ class BatchQuantizedKVCache(BatchWrites, BatchState, BaseCache):
             return None
         return group if all(r in group.rows for r in rows) else None
 
-    def cut_plain(
-        self, rows: list[int], starts: list[int]
-    ) -> list[tuple[mx.array, mx.array]] | None:
-        """Rows' own positions [start, offset) as (keys, values) of shape (1, heads, offset -
-        start, width), or None when a row is not held plain.
+    @property
+    def columns(self) -> tuple[tuple[int, ...], int]:
+        """Where rows lie: each row's left padding and the columns written (host copies)."""
+        return tuple(self._lp), self._written
 
-        Rows whose first column is the same share one copy per plane (a slice of consecutive
-        rows, else a gather), and each row's pair is a view of it: a row of a row-major copy
-        is contiguous, so it needs no copy of its own (checkpoints/segment_capture.py)."""
+    def plain_columns(self, rows: list[int], starts: list[int]) -> list[ColumnCut] | None:
+        """Rows' own positions [start, offset), grouped by the batch column they start at
+        (one group when the rows were checkpointed on the same steps): per group its rows and
+        their keys and values of shape (rows, heads, columns, width), a slice of the batch's
+        planes when the rows are consecutive (no copy yet), else a gather. None when a row is
+        not held plain (checkpoints/segment_capture.py)."""
         group = self._plain_group(rows)
         if group is None:
             return None
         by_column: dict[int, list[int]] = {}
         for row, start in zip(rows, starts, strict=True):
             by_column.setdefault(self._lp[row] + start, []).append(row)
-        cut: dict[int, tuple[mx.array, mx.array]] = {}
+        cuts = []
         for column, members in by_column.items():
             local = [group.rows.index(r) for r in members]
-            keys, values = (_rows_copy(p, local, column, self._written) for p in group.planes)
-            for i, row in enumerate(members):
-                cut[row] = (keys[i : i + 1], values[i : i + 1])
-        return [cut[r] for r in rows]
+            keys, values = (_rows_of(p, local, column, self._written) for p in group.planes)
+            cuts.append(ColumnCut(members, keys, values))
+        return cuts
 
     # -- mlx-lm's cache contract -------------------------------------------------------------
 
@@ -301,10 +310,19 @@ class TurboQuantRow(TurboQuantLayer):
     batch_type = BatchQuantizedKVCache
 
 
-def _rows_copy(plane: mx.array, local: list[int], first: int, end: int) -> mx.array:
-    """Plane rows `local` (ascending), columns [first, end), in one row-major copy."""
+@dataclass
+class ColumnCut:
+    """Batch rows whose segments start at the same column: their keys and values planes."""
+
+    rows: list[int]
+    keys: mx.array  # (rows, heads, columns, width)
+    values: mx.array
+
+
+def _rows_of(plane: mx.array, local: list[int], first: int, end: int) -> mx.array:
+    """Plane rows `local` (ascending), columns [first, end): a slice when consecutive."""
     if local == list(range(local[0], local[-1] + 1)):
-        return mx.contiguous(plane[local[0] : local[-1] + 1, :, first:end])
+        return plane[local[0] : local[-1] + 1, :, first:end]
     return mx.take(plane[:, :, first:end], mx.array(local, dtype=mx.int32), axis=0)
 
 
