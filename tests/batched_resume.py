@@ -8,6 +8,7 @@ from typing import Any
 
 from tandem_client import EngineClient, Generation, GenerationChunk, TandemError
 from tandem_client.store_client import StoreClient
+from tests.servers import generation_progress
 
 
 def logprobs_of(chunks: list[GenerationChunk]) -> list[float]:
@@ -44,7 +45,7 @@ def all_checkpointed(store: StoreClient, prompts: list[list[int]], generated: in
     """Whether every stream's generation checkpoint holds `generated` tokens past its prompt.
     The prompts must be far enough apart in length, and the rows in step, that the n-th
     shortest record is the n-th prompt's."""
-    counts = sorted(r.token_count for r in store.list_all(kind="generation"))
+    counts = sorted(generation_progress(store).values())
     return len(counts) == len(prompts) and all(
         count >= len(p) + generated for count, p in zip(counts, prompts, strict=True)
     )

@@ -342,6 +342,21 @@ class GatewayProcess:
             return self.proc.wait()
 
 
+def generation_progress(store: Any, namespace: str | None = None) -> dict[bytes, int]:
+    """Tokens each generation checkpoint in the store holds, by generation key: its record's,
+    or its chain's newest segment's (a chain's later segments have no manifest of their own,
+    docs/checkpoints.md)."""
+    from engine_service.checkpoints.generation_meta import segment_key
+
+    where = {"namespace": namespace} if namespace is not None else {}
+    segments = {r.key: r.token_count for r in store.list_all(kind="object", **where)}
+    progress = {}
+    for record in store.list_all(kind="generation", **where):
+        chain = (segments.get(segment_key(record.key, i), 0) for i in range(256))
+        progress[record.key] = max(record.token_count, *chain)
+    return progress
+
+
 def kill_after_checkpoint(
     engine_proc: ServiceProcess,
     store: Any,
@@ -364,8 +379,8 @@ def kill_after_checkpoint(
             break
 
     def checkpointed() -> bool:
-        found = store.list_all(kind="generation")
-        return bool(found) and found[0].token_count >= len(prompt) + checkpoint_tokens
+        held = list(generation_progress(store).values())
+        return bool(held) and held[0] >= len(prompt) + checkpoint_tokens
 
     deadline = time.monotonic() + 30
     while not checkpointed():

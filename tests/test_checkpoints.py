@@ -237,8 +237,8 @@ def test_checkpoint_of_another_model_is_refused(shared: Stack) -> None:
         stream.close()  # a disconnect keeps the checkpoint for a resume
         store = StoreClient(f"127.0.0.1:{shared.port}")
         _wait_for(lambda: bool(store.list_all(kind="generation", namespace="moved")))
-        # Every checkpoint rewrites the chain's manifest: let the row go and the spill queue
-        # drain before tampering with it, or a later manifest would undo the change.
+        # A new chain rewrites the manifest: let the row go and the spill queue drain before
+        # tampering with it, or a later manifest would undo the change.
         _wait_for(lambda: engine.stats().running == 0)
         engine.flush()
         (record,) = store.list_all(kind="generation", namespace="moved")

@@ -239,7 +239,7 @@ def test_eight_batched_seeded_streams_killed_resume_alone_exactly(
     prompts = [[rng.randrange(3, 2000) for _ in range(9 + 29 * i)] for i in range(8)]
     requests = [
         dict(
-            max_tokens=40,
+            max_tokens=96,  # long enough to find all eight checkpointed before any ends
             ignore_eos=True,
             temperature=0.9,
             seed=100 + i,
@@ -335,7 +335,8 @@ def test_the_gateway_fails_a_deterministic_stream_over_to_a_deterministic_engine
         *("--engines-file", str(engines_file), "--checkpoint-interval", "4"),
         *("--poll-interval", "0.1", "--failover-wait", "60"),
     )
-    request: dict[str, Any] = dict(max_tokens=48, ignore_eos=True, temperature=0.9, seed=3)
+    # Long enough that the first engine cannot have sent them all before it is killed.
+    request: dict[str, Any] = dict(max_tokens=160, ignore_eos=True, temperature=0.9, seed=3)
     prompt = [(7 * j) % 2000 + 3 for j in range(40)]
     try:
         with EngineClient(default.address) as client:
@@ -349,11 +350,12 @@ def test_the_gateway_fails_a_deterministic_stream_over_to_a_deterministic_engine
             for chunk in client.stream(prompt, **request):
                 tokens += chunk.token_ids
                 if len(tokens) >= 12 and not killed:
-                    everyone = [first.address, default.address, second.address]
-                    engines_file.write_text("\n".join(everyone) + "\n")
-                    gateway.wait_engines(3)
+                    # Killed at once (waiting for the gateway to see the others first let a
+                    # fast engine finish the stream meanwhile); the gateway waits for them.
                     first.kill()
                     killed = True
+                    everyone = [first.address, default.address, second.address]
+                    engines_file.write_text("\n".join(everyone) + "\n")
                 if chunk.usage is not None:
                     failovers = chunk.usage.failovers
         assert failovers == 1

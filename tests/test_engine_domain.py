@@ -17,13 +17,14 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from engine_service.checkpoints.cache_records import CODEC_VERSION, restore, to_host
-from engine_service.checkpoints.generation_meta import GenerationMeta
+from engine_service.checkpoints.generation_meta import MAX_CHAIN, GenerationMeta, segment_key
+from engine_service.checkpoints.generations import GenerationCheckpoints
 from engine_service.checkpoints.manager import CheckpointManager, CheckpointSettings
 from engine_service.checkpoints.prefix_cache import PrefixCache
 from engine_service.checkpoints.prefix_reuse import PrefixReuse
 from engine_service.checkpoints.restore_cost import PROBE_EVERY, RestoreCost
 from engine_service.checkpoints.spill import Put, SpillQueue
-from engine_service.core.plans import PrefixPlan
+from engine_service.core.plans import PrefixPlan, ResumePlan
 from engine_service.errors import (
     AlreadyExists,
     Corrupt,
@@ -446,9 +447,12 @@ def restore_from(manager: CheckpointManager, prompt: list[int], layout: list[str
     return caches
 
 
-def test_resume_reads_only_the_segments_its_manifest_lists(
+def test_resume_reads_the_manifest_then_the_chain_as_far_as_it_runs(
     tiny: LoadedModel, inprocess_store: str
 ) -> None:
+    """A chain's manifest names its first segment only; the later segments say their own
+    state. A resume reads the chain on from the manifest, stops at a gap, and continues
+    exactly from the last segment it could read."""
     # A client that goes away keeps its checkpoint (finished ones are deleted).
     checkpoints = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
     scheduler = Scheduler(tiny, Limits(max_running=2), checkpoints=checkpoints)
@@ -466,18 +470,30 @@ def test_resume_reads_only_the_segments_its_manifest_lists(
     key = gens.key("default", request.prompt, request.sampling, "kept", request.layout)
     with StoreClient(inprocess_store) as store:
         manifest = store.get_header(key)
-        first, end = int(manifest.metadata["chain_first"]), int(manifest.metadata["chain_next"])
-        assert end - first >= 2  # a whole snapshot, then segments appending to it
+        first, listed = int(manifest.metadata["chain_first"]), int(manifest.metadata["chain_next"])
+        assert listed == first + 1  # the chain's first segment, a whole snapshot
         before = store.stats()
         plan = gens.load(key, "default", request.prompt, request.layout)
         after = store.stats()
-    assert len(plan.parts) == end - first
-    assert after.gets - before.gets == 1 + (end - first)  # the manifest and its segments
-    assert after.misses == before.misses  # no probe for a segment that is not there
+        assert plan.chain_first == first and plan.chain_next - first >= 4  # later segments read
+        assert len(plan.parts) == plan.chain_next - first
+        assert after.misses - before.misses == MAX_CHAIN - len(plan.parts)  # probes past it
+        _continues_exactly(tiny, gens, plan, request.prompt)
+
+        # A gap (a later segment lost): the resume stops before it, from an older state.
+        store.delete(segment_key(key, first + 2), "default", force=True)
+        older = gens.load(key, "default", request.prompt, request.layout)
+    assert older.chain_next == first + 2 and len(older.replay) < len(plan.replay)
+    _continues_exactly(tiny, gens, older, request.prompt)
+
+
+def _continues_exactly(
+    tiny: LoadedModel, gens: GenerationCheckpoints, plan: ResumePlan, prompt: list[int]
+) -> None:
+    """The restored caches continue exactly as the uninterrupted generation did."""
     caches = gens.materialize(plan)
-    assert caches[0].offset == len(request.prompt) + len(plan.generated)
-    # The restored caches continue exactly as the uninterrupted generation did.
-    full = _greedy(tiny, request.prompt, len(plan.replay) + 1)
+    assert caches[0].offset == len(prompt) + len(plan.generated)
+    full = _greedy(tiny, prompt, len(plan.replay) + 1)
     assert plan.replay == full[:-1]
     logits = tiny.model(mx.array([[plan.pending]]), cache=caches)
     assert mx.argmax(logits[0, -1]).item() == full[-1]

@@ -53,8 +53,9 @@ def test_malformed_requests_are_invalid_argument_on_every_store_rpc(
         *_methods(store_pb2.DESCRIPTOR, "Store"),
         *_methods(store_pb2.DESCRIPTOR, "StoreAdmin"),
     ]
-    # 11 Store (PutMany, Flush, Delete, the regions pair, ReleaseDirect) + 7 StoreAdmin
-    assert len(methods) == 18
+    # 12 Store (PutMany, Flush, Delete, DeleteMany, the regions pair, ReleaseDirect) + 7
+    # StoreAdmin
+    assert len(methods) == 19
     _all_invalid(store.address, methods)
 
 

@@ -18,46 +18,35 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.models import cache as cache_lib
 
-from engine_service.checkpoints.attachments import CapturedAttachment, check_attachment
-from engine_service.checkpoints.attachments import find as find_attachment
+from engine_service.checkpoints.attachments import CapturedAttachment
 from engine_service.checkpoints.cache_records import (
     CODEC_VERSION,
     CapturedCache,
     capture,
-    check_restorable,
-    restore,
     settle_all,
 )
 from engine_service.checkpoints.device_landing import Landing
+from engine_service.checkpoints.generation_loads import GenerationLoads
 from engine_service.checkpoints.generation_meta import (
     DETERMINISTIC_SUFFIX,
     ENDED,
-    FETCH_WORKERS,
     MAX_CHAIN,
     GenerationMeta,
-    model_refusal,
     options_digest,
-    refuse_ended,
     segment_key,
     segmentable,
 )
 from engine_service.checkpoints.host_staging import HostStaging, Staged
 from engine_service.checkpoints.spill import Put, SpillQueue
 from engine_service.core.plans import ResumePlan
-from engine_service.errors import Corrupt, EngineError, NotFound, Precondition, Unavailable
 from engine_service.loop.jobs import Job, PendingSnapshot, ReadySnapshot, Segment
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.sampling_options import SamplingOptions
-from tandem_client.errors import DataLoss, TandemError
-from tandem_client.errors import NotFound as StoreNotFound
 from tandem_client.identity import generation_key, scope_digest
 from tandem_client.records import Checkpoint, Tensor
 from tandem_client.regions import RegionHold
@@ -84,6 +73,7 @@ class GenerationCheckpoints:
         self.model_id = model_id
         self.counters = counters
         self.store = store
+        self.loads = GenerationLoads(model_id, counters, store)
         self.spill = spill
         # How captures become host bytes (through the store's region when attached).
         self.staging = staging if staging is not None else HostStaging(Landing(), None)
@@ -245,14 +235,17 @@ class GenerationCheckpoints:
             record.attachments = [a.to_record() for a in snapshot.attachments]
             nbytes = captured.nbytes + sum(a.nbytes for a in snapshot.attachments)
             return self.spill.put(Put(record, nbytes, keep=keep))
-        # A segment carries the tokens of the positions it holds, not the whole sequence: the
-        # manifest has those, and a long prompt's ids in every segment cost the store each
-        # round (a resume reads them from the manifest only).
-        tokens = record.token_ids[segment.start :]
-        part = self._record(job, segment_key(key, segment.index), "object", tokens)
-        part.metadata = {**captured.meta(), "segment_of": key.hex(), "start": str(segment.start)}
-        part.tensors = tensors
+        # A segment carries the generation's state when it was taken (its tokens, pending
+        # token, chain): a chain's later segments have no manifest of their own.
+        part = self._record(job, segment_key(key, segment.index), "object", record.token_ids)
         chained = dataclasses.replace(meta, chain_first=segment.first, chain_next=segment.index + 1)
+        part.metadata = {
+            **captured.meta(),
+            **chained.to_metadata(),
+            "segment_of": key.hex(),
+            "start": str(segment.start),
+        }
+        part.tensors = tensors
         record.metadata = {
             **chained.to_metadata(),
             "codec": CODEC_VERSION,  # its segments' (their skeletons are theirs alone)
@@ -268,8 +261,10 @@ class GenerationCheckpoints:
                 self._broken[key] = segment.first
 
         # The segment first, then the manifest naming it: a manifest never lists a segment
-        # that is not stored.
-        for item in (part, record):
+        # that is not stored. Only a chain's first segment has one: a later segment is found
+        # by its index and says itself what state it holds, so a round costs the store one
+        # record a row, not two (load reads the chain on from the manifest).
+        for item in (part, record) if segment.index == segment.first else (part,):
             nbytes = captured.nbytes if item is part else 0
             held = keep if item is part else None
             if not self.spill.put(
@@ -319,28 +314,8 @@ class GenerationCheckpoints:
             self._broken.pop(key, None)
 
     def materialize(self, plan: ResumePlan) -> list[Any]:
-        """The caches of a resume plan (MLX thread): the whole snapshot, or the chain's
-        segments joined in order."""
-        start = time.perf_counter()
-        caches = self._joined(plan)
-        self.counters.observe_restore(plan.nbytes, plan.fetch_s + time.perf_counter() - start)
-        return caches
-
-    def _joined(self, plan: ResumePlan) -> list[Any]:
-        if not plan.chain_next:
-            (whole,) = plan.parts
-            return restore(whole.metadata, whole.tensors, plan.layout)
-        parts = [restore(p.metadata, p.tensors, plan.layout) for p in plan.parts]
-        caches = []
-        for layer in zip(*parts, strict=True):
-            cache = cache_lib.KVCache()
-            cache.keys = mx.concatenate([p.keys[..., : p.offset, :] for p in layer], axis=2)
-            cache.values = mx.concatenate([p.values[..., : p.offset, :] for p in layer], axis=2)
-            cache.offset = sum(p.offset for p in layer)
-            caches.append(cache)
-        return caches
-
-    # -- the planning pool ---------------------------------------------------------------------
+        """The caches of a resume plan (MLX thread): generation_loads.GenerationLoads."""
+        return self.loads.materialize(plan)
 
     def load(
         self,
@@ -350,100 +325,9 @@ class GenerationCheckpoints:
         layout: list[str],
         companions: dict[str, dict[str, str]] | None = None,
     ) -> ResumePlan:
-        """The checkpoint of a generation to resume, checked against the request.
-
-        companions: attachment schema -> metadata it must carry (e.g. the draft model); the
-        ones present are checked here (FAILED_PRECONDITION) and kept in the plan.
-        """
-        if self.store is None:
-            raise Precondition("resume needs an engine started with --store")
-        start = time.perf_counter()
-        try:
-            record = self.store.get(key, namespace)
-        except StoreNotFound as exc:
-            raise NotFound(
-                "no checkpoint for this request (same request_id, prompt, sampling "
-                "options and kv options are needed to resume)"
-            ) from exc
-        except TandemError as exc:
-            raise _store_failure(exc) from exc
-        refuse_ended(record)
-        if record.model_id != self.model_id:
-            raise Precondition(model_refusal(record.model_id, self.model_id))
-        if list(record.layout) != layout:
-            raise Precondition(
-                f"checkpoint cache layout {list(record.layout)} differs from the request's {layout}"
-            )
-        meta = GenerationMeta.from_metadata(record.metadata)
-        if record.token_ids[: meta.prompt_tokens] != list(prompt):
-            raise Precondition("checkpoint prompt differs from the request's")
-        parts = [record]
-        if meta.chain_first is not None and meta.chain_next is not None:
-            try:
-                parts = self._segments(key, namespace, meta.chain_first, meta.chain_next)
-            except NotFound:
-                now = self._reread(key, namespace)  # it may have ended meanwhile
-                if now is None:
-                    raise NotFound(
-                        "no checkpoint for this request: the generation ended (finished or "
-                        "cancelled) and its checkpoint was deleted"
-                    ) from None
-                refuse_ended(now)
-                raise
-        # Refuse here, with a status, what the MLX thread could not restore.
-        for part in parts:
-            check_restorable(part.metadata, part.tensors, layout)
-        kept = []
-        for schema, expect in (companions or {}).items():
-            attachment = find_attachment(record.attachments, schema)
-            if attachment is not None:
-                check_attachment(attachment, schema, len(record.token_ids), expect)
-                kept.append(attachment)
-        self.counters.add(resumes=1)
-        return ResumePlan(
-            key,
-            generated=list(record.token_ids[meta.prompt_tokens :]),
-            pending=meta.pending,
-            layout=layout,
-            parts=parts,
-            chain_first=meta.chain_first or 0,
-            chain_next=meta.chain_next or 0,
-            attachments=kept,
-            fetch_s=time.perf_counter() - start,
-        )
-
-    def _reread(self, key: bytes, namespace: str) -> Checkpoint | None:
-        assert self.store is not None
-        try:
-            return self.store.get_header(key, namespace)
-        except TandemError:
-            return None
-
-    def _segments(self, key: bytes, namespace: str, first: int, end: int) -> list[Checkpoint]:
-        """Exactly the segments a manifest lists, fetched in parallel."""
-        store = self.store
-        assert store is not None
-        if not 0 <= first < end or end - first > MAX_CHAIN:
-            raise Corrupt(f"generation checkpoint lists segments {first}..{end - 1}")
-
-        def fetch(index: int) -> Checkpoint:
-            try:
-                return store.get(segment_key(key, index), namespace)
-            except StoreNotFound as exc:
-                raise NotFound(f"segment {index} of this checkpoint is not in the store") from exc
-            except TandemError as exc:
-                raise _store_failure(exc) from exc
-
-        with ThreadPoolExecutor(max_workers=min(FETCH_WORKERS, end - first)) as pool:
-            return list(pool.map(fetch, range(first, end)))
-
-
-def _store_failure(exc: TandemError) -> EngineError:
-    """What a resume answers when the store could not give it the checkpoint: its bytes are
-    damaged (DATA_LOSS, never tokens), or the store cannot be reached (UNAVAILABLE)."""
-    if isinstance(exc, DataLoss):
-        return Corrupt(f"the checkpoint is damaged in the store: {exc}")
-    return Unavailable(f"the store could not serve the checkpoint: {exc}")
+        """The checkpoint of a generation to resume (the planning pool):
+        generation_loads.GenerationLoads."""
+        return self.loads.load(key, namespace, prompt, layout, companions)
 
 
 def _positions(row_caches: list[Any], start: int) -> list[Any]:

@@ -1,0 +1,201 @@
+"""Resuming a generation: its checkpoint read from the store and checked against the request
+(the planning pool), then its caches rebuilt (the MLX thread).
+
+A whole snapshot is one record under the generation key. A chain (docs/checkpoints.md) is a
+manifest under that key, written with the chain's first segment and naming it, then the
+segments written after it, each found by its index and saying itself the generation's state
+when it was taken (its tokens, pending token): the resume reads the manifest, then the
+chain's segments as far as they run on without a gap, each continuing the one before.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as cache_lib
+
+from engine_service.checkpoints.attachments import check_attachment
+from engine_service.checkpoints.attachments import find as find_attachment
+from engine_service.checkpoints.cache_records import check_restorable, restore
+from engine_service.checkpoints.generation_meta import (
+    FETCH_WORKERS,
+    MAX_CHAIN,
+    GenerationMeta,
+    model_refusal,
+    refuse_ended,
+    segment_key,
+)
+from engine_service.core.plans import ResumePlan
+from engine_service.errors import Corrupt, EngineError, NotFound, Precondition, Unavailable
+from engine_service.protocol.checkpoint_stats import CheckpointCounters
+from tandem_client.errors import DataLoss, TandemError
+from tandem_client.errors import NotFound as StoreNotFound
+from tandem_client.records import Checkpoint
+from tandem_client.store_client import StoreClient
+
+
+class GenerationLoads:
+    def __init__(
+        self, model_id: str, counters: CheckpointCounters, store: StoreClient | None
+    ) -> None:
+        self.model_id = model_id
+        self.counters = counters
+        self.store = store
+
+    def materialize(self, plan: ResumePlan) -> list[Any]:
+        """The caches of a resume plan (MLX thread): the whole snapshot, or the chain's
+        segments joined in order."""
+        start = time.perf_counter()
+        caches = self._joined(plan)
+        self.counters.observe_restore(plan.nbytes, plan.fetch_s + time.perf_counter() - start)
+        return caches
+
+    def _joined(self, plan: ResumePlan) -> list[Any]:
+        if not plan.chain_next:
+            (whole,) = plan.parts
+            return restore(whole.metadata, whole.tensors, plan.layout)
+        parts = [restore(p.metadata, p.tensors, plan.layout) for p in plan.parts]
+        caches = []
+        for layer in zip(*parts, strict=True):
+            cache = cache_lib.KVCache()
+            cache.keys = mx.concatenate([p.keys[..., : p.offset, :] for p in layer], axis=2)
+            cache.values = mx.concatenate([p.values[..., : p.offset, :] for p in layer], axis=2)
+            cache.offset = sum(p.offset for p in layer)
+            caches.append(cache)
+        return caches
+
+    def load(
+        self,
+        key: bytes,
+        namespace: str,
+        prompt: list[int],
+        layout: list[str],
+        companions: dict[str, dict[str, str]] | None = None,
+    ) -> ResumePlan:
+        """The checkpoint of a generation to resume, checked against the request.
+
+        companions: attachment schema -> metadata it must carry (e.g. the draft model); the
+        ones present are checked here (FAILED_PRECONDITION) and kept in the plan.
+        """
+        if self.store is None:
+            raise Precondition("resume needs an engine started with --store")
+        start = time.perf_counter()
+        try:
+            record = self.store.get(key, namespace)
+        except StoreNotFound as exc:
+            raise NotFound(
+                "no checkpoint for this request (same request_id, prompt, sampling "
+                "options and kv options are needed to resume)"
+            ) from exc
+        except TandemError as exc:
+            raise _store_failure(exc) from exc
+        refuse_ended(record)
+        if record.model_id != self.model_id:
+            raise Precondition(model_refusal(record.model_id, self.model_id))
+        if list(record.layout) != layout:
+            raise Precondition(
+                f"checkpoint cache layout {list(record.layout)} differs from the request's {layout}"
+            )
+        meta = GenerationMeta.from_metadata(record.metadata)
+        if record.token_ids[: meta.prompt_tokens] != list(prompt):
+            raise Precondition("checkpoint prompt differs from the request's")
+        parts, tokens = [record], list(record.token_ids)
+        if meta.chain_first is not None and meta.chain_next is not None:
+            try:
+                parts = self._chain(key, namespace, meta.chain_first, meta.chain_next)
+            except NotFound:
+                self._refuse_if_ended(key, namespace)  # it may have ended meanwhile
+                raise
+            listed = meta.chain_next - meta.chain_first
+            for i in range(listed, len(parts)):  # written after the manifest
+                later = parts[i]
+                if _start_of(later) != len(tokens) or later.token_ids[: len(tokens)] != tokens:
+                    parts = parts[:i]  # not the continuation of what is read so far
+                    break
+                meta = GenerationMeta.from_metadata(later.metadata)  # each says its state
+                tokens = list(later.token_ids)
+            if len(parts) > listed:
+                self._refuse_if_ended(key, namespace)  # a tombstone replaced the manifest
+        # Refuse here, with a status, what the MLX thread could not restore.
+        for part in parts:
+            check_restorable(part.metadata, part.tensors, layout)
+        kept = []
+        for schema, expect in (companions or {}).items():
+            attachment = find_attachment(record.attachments, schema)
+            if attachment is not None:
+                check_attachment(attachment, schema, len(record.token_ids), expect)
+                kept.append(attachment)
+        self.counters.add(resumes=1)
+        return ResumePlan(
+            key,
+            generated=tokens[meta.prompt_tokens :],
+            pending=meta.pending,
+            layout=layout,
+            parts=parts,
+            chain_first=meta.chain_first or 0,
+            chain_next=meta.chain_next or 0,
+            attachments=kept,
+            fetch_s=time.perf_counter() - start,
+        )
+
+    def _refuse_if_ended(self, key: bytes, namespace: str) -> None:
+        """Refuses a generation that ended while its checkpoint was being read (a tombstone
+        under its key now, or nothing)."""
+        assert self.store is not None
+        try:
+            now = self.store.get_header(key, namespace)
+        except TandemError:
+            now = None
+        if now is None:
+            raise NotFound(
+                "no checkpoint for this request: the generation ended (finished or "
+                "cancelled) and its checkpoint was deleted"
+            )
+        refuse_ended(now)
+
+    def _chain(self, key: bytes, namespace: str, first: int, listed: int) -> list[Checkpoint]:
+        """The segments of a chain, fetched in parallel: those the manifest lists ([first,
+        listed), each required), then those written after it, as far as they run on without
+        a gap (a chain holds at most MAX_CHAIN)."""
+        store = self.store
+        assert store is not None
+        if not 0 <= first < listed or listed - first > MAX_CHAIN:
+            raise Corrupt(f"generation checkpoint lists segments {first}..{listed - 1}")
+
+        def fetch(index: int) -> Checkpoint | None:
+            try:
+                return store.get(segment_key(key, index), namespace)
+            except StoreNotFound as exc:
+                if index >= listed:
+                    return None  # the chain ends before it
+                raise NotFound(f"segment {index} of this checkpoint is not in the store") from exc
+            except TandemError as exc:
+                raise _store_failure(exc) from exc
+
+        indices = range(first, first + MAX_CHAIN)
+        with ThreadPoolExecutor(max_workers=FETCH_WORKERS) as pool:
+            found = list(pool.map(fetch, indices))
+        chain: list[Checkpoint] = []
+        for segment in found:
+            if segment is None:
+                break
+            chain.append(segment)
+        return chain
+
+
+def _start_of(segment: Checkpoint) -> int:
+    try:
+        return int(segment.metadata["start"])
+    except (KeyError, ValueError) as exc:
+        raise Corrupt(f"a checkpoint segment's metadata is malformed ({exc!r})") from exc
+
+
+def _store_failure(exc: TandemError) -> EngineError:
+    """What a resume answers when the store could not give it the checkpoint: its bytes are
+    damaged (DATA_LOSS, never tokens), or the store cannot be reached (UNAVAILABLE)."""
+    if isinstance(exc, DataLoss):
+        return Corrupt(f"the checkpoint is damaged in the store: {exc}")
+    return Unavailable(f"the store could not serve the checkpoint: {exc}")
