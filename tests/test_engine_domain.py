@@ -473,7 +473,7 @@ def test_resume_reads_the_manifest_then_the_chain_as_far_as_it_runs(
         first, listed = int(manifest.metadata["chain_first"]), int(manifest.metadata["chain_next"])
         assert listed == first + 1  # the chain's first segment, a whole snapshot
         before = store.stats()
-        plan = gens.load(key, "default", request.prompt, request.layout)
+        plan = gens.loads.load(key, "default", request.prompt, request.layout)
         after = store.stats()
         assert plan.chain_first == first and plan.chain_next - first >= 4  # later segments read
         assert len(plan.parts) == plan.chain_next - first
@@ -482,7 +482,7 @@ def test_resume_reads_the_manifest_then_the_chain_as_far_as_it_runs(
 
         # A gap (a later segment lost): the resume stops before it, from an older state.
         store.delete(segment_key(key, first + 2), "default", force=True)
-        older = gens.load(key, "default", request.prompt, request.layout)
+        older = gens.loads.load(key, "default", request.prompt, request.layout)
     assert older.chain_next == first + 2 and len(older.replay) < len(plan.replay)
     _continues_exactly(tiny, gens, older, request.prompt)
 
@@ -491,7 +491,7 @@ def _continues_exactly(
     tiny: LoadedModel, gens: GenerationCheckpoints, plan: ResumePlan, prompt: list[int]
 ) -> None:
     """The restored caches continue exactly as the uninterrupted generation did."""
-    caches = gens.materialize(plan)
+    caches = gens.loads.materialize(plan)
     assert caches[0].offset == len(prompt) + len(plan.generated)
     full = _greedy(tiny, prompt, len(plan.replay) + 1)
     assert plan.replay == full[:-1]
@@ -535,7 +535,7 @@ def test_a_damaged_generation_checkpoint_is_refused_with_a_status(
             )
             store.put(record)
             with pytest.raises(error):
-                gens.load(key, "default", prompt, layout)
+                gens.loads.load(key, "default", prompt, layout)
 
 
 # -- restore or prefill -------------------------------------------------------------------------

@@ -43,7 +43,6 @@ from engine_service.checkpoints.generation_meta import (
 )
 from engine_service.checkpoints.host_staging import HostStaging, Staged
 from engine_service.checkpoints.spill import Put, SpillQueue
-from engine_service.core.plans import ResumePlan
 from engine_service.loop.jobs import Job, PendingSnapshot, ReadySnapshot, Segment
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.sampling_options import SamplingOptions
@@ -312,22 +311,6 @@ class GenerationCheckpoints:
             self.spill.delete(segment_key(key, index), namespace)
         with self._lock:
             self._broken.pop(key, None)
-
-    def materialize(self, plan: ResumePlan) -> list[Any]:
-        """The caches of a resume plan (MLX thread): generation_loads.GenerationLoads."""
-        return self.loads.materialize(plan)
-
-    def load(
-        self,
-        key: bytes,
-        namespace: str,
-        prompt: list[int],
-        layout: list[str],
-        companions: dict[str, dict[str, str]] | None = None,
-    ) -> ResumePlan:
-        """The checkpoint of a generation to resume (the planning pool):
-        generation_loads.GenerationLoads."""
-        return self.loads.load(key, namespace, prompt, layout, companions)
 
 
 def _positions(row_caches: list[Any], start: int) -> list[Any]:

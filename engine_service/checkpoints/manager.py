@@ -239,7 +239,9 @@ class CheckpointManager:
             try:
                 if self.spill is None or not self.spill.wait_sent(60):
                     raise Unavailable("its snapshot did not leave the spill queue")
-                plan = self.generations.load(job.checkpoint_key, r.namespace, r.prompt, r.layout)
+                plan = self.generations.loads.load(
+                    job.checkpoint_key, r.namespace, r.prompt, r.layout
+                )
             except EngineError as exc:
                 done(None, str(exc))
                 return
@@ -273,7 +275,7 @@ def starting_point(
         job.chain.next_index, job.chain.first = plan.chain_next, plan.chain_first
         job.chain.covered = len(r.prompt) + len(plan.generated)
         job.checkpointed = True
-        caches = checkpoints.generations.materialize(plan)
+        caches = checkpoints.generations.loads.materialize(plan)
         return StartingPoint([plan.pending], [*r.prompt, *plan.generated], caches, len(r.prompt))
     if checkpoints is None:
         return StartingPoint(r.prompt, [], None, 0, "prefix reuse off")

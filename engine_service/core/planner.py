@@ -54,7 +54,7 @@ class Planner:
             companions = (
                 {DRAFT_SCHEMA: {"draft_model": self.drafts.model_id}} if req.num_draft else None
             )
-            return gens.load(key, req.namespace, req.prompt, req.layout, companions)
+            return gens.loads.load(key, req.namespace, req.prompt, req.layout, companions)
         if len(req.prompt) > BLOCK_SIZE:
             self.saves_settled(SAVES_WAIT_S)
             return ckpt.prefixes.find(req.prompt, req.namespace, req.layout, req.prefix_record)

@@ -156,7 +156,7 @@ class Scheduler(SchedulerInbox):
         parked = self._preemption.restart_from(job)
         if parked is not None:
             ckpt = self.checkpoints
-            return restart_point(job, parked, ckpt.generations.materialize if ckpt else None)
+            return restart_point(job, parked, ckpt.generations.loads.materialize if ckpt else None)
         return starting_point(job, self.checkpoints, confirm_later)
 
     # -- the engine thread -------------------------------------------------------------------
