@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
@@ -43,6 +44,7 @@ from engine_service.protocol.events import Event, Finished, Started, Token
 from engine_service.protocol.requests import GenerationRequest, stop_token_ids
 from engine_service.protocol.sampling_options import SamplingOptions
 from store_service.config import StoreConfig
+from store_service.records import StoredRecord, chunk_key, record_key
 from store_service.server import create_server
 from store_service.store import CheckpointStore
 from tandem_client import Checkpoint, StoreClient, Tensor
@@ -50,6 +52,7 @@ from tandem_client.direct import DirectHold
 from tandem_client.errors import PutManyFailed, TandemError
 from tandem_client.errors import Unavailable as StoreUnavailable
 from tandem_client.records import PutItem
+from tests.conftest import flip_stored_byte
 
 
 @pytest.fixture(scope="module")
@@ -485,6 +488,72 @@ def test_resume_reads_the_manifest_then_the_chain_as_far_as_it_runs(
         older = gens.loads.load(key, "default", request.prompt, request.layout)
     assert older.chain_next == first + 2 and len(older.replay) < len(plan.replay)
     _continues_exactly(tiny, gens, older, request.prompt)
+
+
+def test_a_damaged_later_segment_ends_the_chain_before_it(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """A chain segment written after the manifest whose bytes are damaged on disk (the store
+    answers DATA_LOSS and sets it aside): the resume starts from the segment before it,
+    exactly, rather than failing. (One the manifest names is DATA_LOSS, as before.)"""
+    data_dir = tmp_path / "store"
+    store = CheckpointStore(StoreConfig(data_dir=data_dir))
+    server, port, _ = create_server(store, "127.0.0.1:0")
+    server.start()
+    address = f"127.0.0.1:{port}"
+    checkpoints = CheckpointManager(tiny, CheckpointSettings(store=address))
+    scheduler = Scheduler(tiny, Limits(max_running=2), checkpoints=checkpoints)
+    scheduler.start()
+    request = _request(tiny, "kept", [7, 8, 9, 10], 4000)
+    request.checkpoint_interval = 8
+    sink = Collector()
+    scheduler.submit(request, sink)
+    _wait_for(lambda: len(sink.tokens) >= 60, "60 tokens of the kept row")
+    scheduler.cancel("kept", keep_checkpoint=True)
+    sink.wait()
+    scheduler.shutdown()
+    assert checkpoints.flush().durable
+    gens = checkpoints.generations
+    key = gens.key("default", request.prompt, request.sampling, "kept", request.layout)
+    whole = gens.loads.load(key, "default", request.prompt, request.layout)
+    assert whole.chain_next - whole.chain_first >= 4
+    damaged = StoredRecord.decode(
+        store.state.storage.read(
+            lambda txn: txn.get(
+                record_key("default", segment_key(key, whole.chain_first + 2)),
+                db=store.state.storage.db["headers"],
+            )
+        )
+    )
+    checkpoints.close()
+    server.stop(None).wait()
+    store.close()
+    chunks = _chunk_order(data_dir)
+    flip_stored_byte(data_dir, chunks.index(chunk_key(damaged.record_id, 0)), 5)
+
+    store = CheckpointStore(StoreConfig(data_dir=data_dir))
+    server, port, _ = create_server(store, "127.0.0.1:0")
+    server.start()
+    checkpoints = CheckpointManager(tiny, CheckpointSettings(store=f"127.0.0.1:{port}"))
+    try:
+        gens = checkpoints.generations
+        older = gens.loads.load(key, "default", request.prompt, request.layout)
+        assert older.chain_next == whole.chain_first + 2
+        _continues_exactly(tiny, gens, older, request.prompt)
+    finally:
+        checkpoints.close()
+        server.stop(None).wait()
+        store.close()
+
+
+def _chunk_order(data_dir: Path) -> list[bytes]:
+    """A closed store's chunk keys in key order (flip_stored_byte's numbering)."""
+    env = lmdb.open(str(data_dir), max_dbs=16, readonly=True, lock=False)
+    try:
+        with env.begin(db=env.open_db(b"chunks", create=False)) as txn:
+            return [bytes(k) for k, _ in txn.cursor()]
+    finally:
+        env.close()
 
 
 def _continues_exactly(

@@ -172,6 +172,10 @@ class GenerationLoads:
                 if index >= listed:
                     return None  # the chain ends before it
                 raise NotFound(f"segment {index} of this checkpoint is not in the store") from exc
+            except DataLoss as exc:
+                if index >= listed:
+                    return None  # damaged (the store set it aside): resume from before it
+                raise _store_failure(exc) from exc
             except TandemError as exc:
                 raise _store_failure(exc) from exc
 
