@@ -77,20 +77,10 @@ class StoreAdmin:
         Raises:
             NotFound: no such record. Precondition: it is pinned and force is not set.
         """
-        st = self.state
-        namespace = normalize_namespace(namespace)
-        ikey = record_key(namespace, key)
-        with st.mutex:
-            info = st.index.get(ikey)
-            if info is None:
-                raise NotFound(f"no record {key.hex()} in namespace {namespace!r}")
-            if not force and st.index.is_pinned(ikey, now_ms()):
-                raise Precondition("record is pinned by a lease; use force to delete it anyway")
-            st.index.remove(ikey)
-        self._delete_from_disk([info])
-        if self.store.tier is not None:  # a finished generation leaves both tiers
-            self.store.tier.delete(ikey, namespace, info.payload_bytes)
-        return info.payload_bytes
+        gone = self.delete_many(namespace, [key], force)
+        if not gone:
+            raise NotFound(f"no record {key.hex()} in namespace {normalize_namespace(namespace)!r}")
+        return gone[0].payload_bytes
 
     def delete_many(self, namespace: str, keys: list[bytes], force: bool) -> list[RecordInfo]:
         """Removes the records of these keys that exist, in one transaction; returns them.
@@ -105,12 +95,12 @@ class StoreAdmin:
             gone = [info for info in map(st.index.get, ikeys) if info is not None]
             now = now_ms()
             if not force and any(st.index.is_pinned(info.ikey, now) for info in gone):
-                raise Precondition("a record is pinned by a lease; use force to delete it anyway")
+                raise Precondition("record is pinned by a lease; use force to delete it anyway")
             for info in gone:
                 st.index.remove(info.ikey)
         if gone:
             self._delete_from_disk(gone)
-        if self.store.tier is not None:
+        if self.store.tier is not None:  # a finished generation leaves both tiers
             for info in gone:
                 self.store.tier.delete(info.ikey, namespace, info.payload_bytes)
         return gone

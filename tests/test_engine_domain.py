@@ -456,21 +456,9 @@ def test_resume_reads_the_manifest_then_the_chain_as_far_as_it_runs(
     """A chain's manifest names its first segment only; the later segments say their own
     state. A resume reads the chain on from the manifest, stops at a gap, and continues
     exactly from the last segment it could read."""
-    # A client that goes away keeps its checkpoint (finished ones are deleted).
     checkpoints = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
-    scheduler = Scheduler(tiny, Limits(max_running=2), checkpoints=checkpoints)
-    scheduler.start()
-    request = _request(tiny, "kept", [7, 8, 9, 10], 4000)
-    request.checkpoint_interval = 8
-    sink = Collector()
-    scheduler.submit(request, sink)
-    _wait_for(lambda: len(sink.tokens) >= 60, "60 tokens of the kept row")
-    scheduler.cancel("kept", keep_checkpoint=True)
-    sink.wait()
-    scheduler.shutdown()
-    assert checkpoints.flush().durable
+    request, key = _kept_generation(tiny, checkpoints)
     gens = checkpoints.generations
-    key = gens.key("default", request.prompt, request.sampling, "kept", request.layout)
     with StoreClient(inprocess_store) as store:
         manifest = store.get_header(key)
         first, listed = int(manifest.metadata["chain_first"]), int(manifest.metadata["chain_next"])
@@ -502,19 +490,8 @@ def test_a_damaged_later_segment_ends_the_chain_before_it(
     server.start()
     address = f"127.0.0.1:{port}"
     checkpoints = CheckpointManager(tiny, CheckpointSettings(store=address))
-    scheduler = Scheduler(tiny, Limits(max_running=2), checkpoints=checkpoints)
-    scheduler.start()
-    request = _request(tiny, "kept", [7, 8, 9, 10], 4000)
-    request.checkpoint_interval = 8
-    sink = Collector()
-    scheduler.submit(request, sink)
-    _wait_for(lambda: len(sink.tokens) >= 60, "60 tokens of the kept row")
-    scheduler.cancel("kept", keep_checkpoint=True)
-    sink.wait()
-    scheduler.shutdown()
-    assert checkpoints.flush().durable
+    request, key = _kept_generation(tiny, checkpoints)
     gens = checkpoints.generations
-    key = gens.key("default", request.prompt, request.sampling, "kept", request.layout)
     whole = gens.loads.load(key, "default", request.prompt, request.layout)
     assert whole.chain_next - whole.chain_first >= 4
     damaged = StoredRecord.decode(
@@ -554,6 +531,26 @@ def _chunk_order(data_dir: Path) -> list[bytes]:
             return [bytes(k) for k, _ in txn.cursor()]
     finally:
         env.close()
+
+
+def _kept_generation(
+    tiny: LoadedModel, checkpoints: CheckpointManager
+) -> tuple[GenerationRequest, bytes]:
+    """A checkpointed generation of 60-odd tokens whose client went away: a client that goes
+    away keeps its checkpoint (finished ones are deleted). Its request and generation key."""
+    scheduler = Scheduler(tiny, Limits(max_running=2), checkpoints=checkpoints)
+    scheduler.start()
+    request = _request(tiny, "kept", [7, 8, 9, 10], 4000)
+    request.checkpoint_interval = 8
+    sink = Collector()
+    scheduler.submit(request, sink)
+    _wait_for(lambda: len(sink.tokens) >= 60, "60 tokens of the kept row")
+    scheduler.cancel("kept", keep_checkpoint=True)
+    sink.wait()
+    scheduler.shutdown()
+    assert checkpoints.flush().durable
+    gens = checkpoints.generations
+    return request, gens.key("default", request.prompt, request.sampling, "kept", request.layout)
 
 
 def _continues_exactly(

@@ -86,16 +86,12 @@ def dtype_name(a: mx.array) -> str:
     return str(a.dtype).removeprefix("mlx.core.")
 
 
-def capture(
-    caches: list[Any], tokens: int, wait: bool = True, prefix: str = "", schedule: bool = True
-) -> CapturedCache:
+def capture(caches: list[Any], tokens: int, wait: bool = True, prefix: str = "") -> CapturedCache:
     """Snapshot caches on the MLX thread.
 
     wait=False schedules the copies (mx.async_eval) and returns at once: they are computed
     alongside the next decode step instead of stalling it; call `settle` before reading.
-    schedule=False (with wait=False) leaves even that to the caller, who schedules many
-    captures' arrays at once. prefix: prepended to tensor names (attachments share a record
-    with the caches).
+    prefix: prepended to tensor names (attachments share a record with the caches).
     """
     arrays: dict[str, mx.array] = {}
     dtypes: dict[str, str] = {}
@@ -128,7 +124,7 @@ def capture(
         )
     if wait:
         mx.eval(list(arrays.values()))
-    elif schedule:
+    else:
         mx.async_eval(list(arrays.values()))
     return CapturedCache(arrays, dtypes, skeleton, [layout_codec(c) for c in caches], tokens)
 

@@ -101,16 +101,12 @@ class Landing:
         id(tensor) -> array."""
         return {id(t): host_array(joined(t, hold.segments(t))) for t in tensors}
 
-    def push(self, arrays: list[mx.array], span: memoryview) -> list[memoryview] | None:
-        """The arrays' bytes written into span (pinned host memory) by the device; None: this
-        landing cannot (the caller views the arrays' own memory instead)."""
-        return None
-
     def push_many(
         self, pushes: list[tuple[list[mx.array], memoryview]]
     ) -> tuple[list[list[memoryview] | None], list[mx.array]]:
-        """`push` for several captures, each into its own span, not waited on: the views,
-        and the flags to evaluate before reading them."""
+        """Each capture's arrays written into its span (pinned host memory) by the device, not
+        waited on: the views (None: this landing cannot, the caller views the arrays' own
+        memory instead), and the flags to evaluate before reading them."""
         return [None] * len(pushes), []
 
     def close(self) -> None:

@@ -5,7 +5,7 @@ the row, slice its segment, copy), each row costs a copy per layer for keys and 
 each a kernel launch on a GPU, and the Python around them: 8 rows of a 28-layer model made 448
 copies a round. Here the rows whose segments start at the same batch column (the common case:
 rows checkpointed on the same steps) share one copy per layer and plane
-(BatchQuantizedKVCache.cut_plain), every row's tensors are views of it, built without the
+(BatchQuantizedKVCache.plain_columns), every row's tensors are views of it, built without the
 generic walk of cache state, and one async_eval schedules the whole round. The records are
 the very ones the row-by-row path writes.
 
@@ -70,10 +70,10 @@ def capture_together(
     scheduled: list[mx.array] = []
     for g, cut in enumerate(per_layer[0] or []):
         planes = [p for layer in per_layer for p in _planes(layer, g)]
-        for i, (captured, buffers) in enumerate(_captures(planes, len(cut.rows), pack)):
-            job = by_row[cut.rows[i]]
-            captured.tokens = generations.held(job)
-            scheduled.extend(buffers)
+        jobs_here = [by_row[row] for row in cut.rows]
+        captures, buffers = _captures(planes, [generations.held(j) for j in jobs_here], pack)
+        scheduled.extend(buffers)
+        for job, captured in zip(jobs_here, captures, strict=True):
             snapshots[job.uid] = generations.pending(job, captured, segments[job.uid])
     mx.async_eval(scheduled)
     return snapshots
@@ -85,47 +85,48 @@ def _planes(layer: list[ColumnCut] | None, group: int) -> tuple[mx.array, mx.arr
 
 
 def _captures(
-    planes: list[mx.array], rows: int, pack: bool
-) -> list[tuple[CapturedCache, list[mx.array]]]:
+    planes: list[mx.array], helds: list[int], pack: bool
+) -> tuple[list[CapturedCache], list[mx.array]]:
     """Each row's capture out of a column group's planes (keys and values of every layer,
-    each of shape (rows, heads, columns, width)), with the arrays to evaluate for it.
+    each of shape (rows, heads, columns, width)); helds: the positions each row holds. Also
+    the arrays to evaluate for them.
 
     Packed (planes of one shape and dtype, the common case), the planes are stacked into one
     buffer, a copy each into it: every row's tensors are views of it, and the round moves to
     host memory as one array (on MLX-CUDA one push into the region, not one per tensor).
     Otherwise each plane is copied on its own and its rows viewed."""
-    if pack and len({(p.shape, p.dtype) for p in planes}) == 1:
-        stacked = mx.stack(planes)  # (2 * layers, rows, heads, columns, width)
-        flat = stacked.reshape(-1, *stacked.shape[2:])  # plane q's row i at q * rows + i
+    rows = len(helds)
+    packed = pack and len({(p.shape, p.dtype) for p in planes}) == 1
+    if packed:
+        flat = mx.stack(planes).reshape(-1, *planes[0].shape[1:])  # plane q, row i: q * rows + i
+        buffers = [flat]
         plane_bytes = flat[0:1].nbytes
-        out = []
-        for i in range(rows):
-            pairs = [
-                (
-                    flat[q * rows + i : q * rows + i + 1],
-                    flat[(q + 1) * rows + i : (q + 1) * rows + i + 1],
-                )
-                for q in range(0, len(planes), 2)
-            ]
-            captured = plain_capture(pairs, 0)
+
+        def row(q: int, i: int) -> mx.array:
+            return flat[q * rows + i : q * rows + i + 1]
+    else:
+        buffers = [mx.contiguous(p) for p in planes]  # a gather's is already: no copy then
+
+        def row(q: int, i: int) -> mx.array:
+            return buffers[q][i : i + 1]
+
+    captures = []
+    for i, held in enumerate(helds):
+        captured = plain_capture(
+            [(row(q, i), row(q + 1, i)) for q in range(0, len(planes), 2)], held
+        )
+        if packed:
             offsets = {name: (q * rows + i) * plane_bytes for q, name in enumerate(captured.arrays)}
-            captured.packed = Packed(flat, offsets)
-            out.append((captured, [flat] if i == 0 else []))
-        return out
-    copies = [mx.contiguous(p) for p in planes]  # a gather's is already: no copy then
-    out = []
-    for i in range(rows):
-        pairs = [(copies[q][i : i + 1], copies[q + 1][i : i + 1]) for q in range(0, len(copies), 2)]
-        captured = plain_capture(pairs, 0)
-        out.append((captured, list(captured.arrays.values())))
-    return out
+            captured.packed = Packed(buffers[0], offsets)
+        captures.append(captured)
+    return captures, buffers
 
 
 def plain_capture(pairs: list[tuple[mx.array, mx.array]], held: int) -> CapturedCache:
     """What cache_records.capture makes of KVCache layers holding these (keys, values),
     built directly: no cache objects, no generic walk of their state, and no copy (each
-    plane is a row of cut_plain's row-major copy, contiguous already). A round of 8 rows of a
-    28-layer model spent ~4 ms of the MLX thread in the generic walk.
+    plane is a row of a row-major copy of the batch's planes, contiguous already). A round of
+    8 rows of a 28-layer model spent ~4 ms of the MLX thread in the generic walk.
     tests/test_segment_capture.py holds the two to the same records."""
     arrays: dict[str, mx.array] = {}
     dtypes: dict[str, str] = {}

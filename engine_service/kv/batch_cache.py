@@ -206,7 +206,7 @@ class BatchQuantizedKVCache(BatchWrites, BatchState, BaseCache):
         return PlainRow(codec)
 
     def holds_plain(self, rows: list[int]) -> bool:
-        """Whether these rows are all held plain, in one plane group (cut_plain can cut them)."""
+        """Whether these rows are all held plain, in one plane group (plain_columns cuts them)."""
         return self._plain_group(rows) is not None
 
     def row_offset(self, row: int) -> int:
