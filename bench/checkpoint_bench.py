@@ -318,8 +318,10 @@ def main() -> None:
             )
 
         stack = {"engine": engine_proc(), "restart": engine_proc, "store": f"127.0.0.1:{port}"}
+        threads = os.environ.get("OPENBLAS_NUM_THREADS", "unset: a thread a core")
         print(
-            f"model {args.model} on {out['device']} (BLAS {out['blas']}), medians of {args.repeat}"
+            f"model {args.model} on {out['device']} (BLAS {out['blas']}, OPENBLAS_NUM_THREADS "
+            f"{threads}), medians of {args.repeat}"
         )
         try:
             with EngineClient(stack["engine"].address) as c:

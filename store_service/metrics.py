@@ -81,6 +81,7 @@ BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(12))  # 1 KiB .. 4 GiB
 class TransferPath(enum.Enum):
     STREAM = "stream"
     REGION = "region"
+    INLINE = "inline"  # a Put's payload inside its one message (Store.PutRecords)
     DIRECT = "direct"  # read by the caller out of the data file (direct_reads.py)
 
 

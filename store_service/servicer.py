@@ -61,6 +61,9 @@ def store_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:
             "PutMany": grpc.stream_unary_rpc_method_handler(
                 servicer.PutMany, parse_put_request, store_pb2.PutManyResponse.SerializeToString
             ),
+            "PutRecords": unary(
+                servicer.PutRecords, store_pb2.PutRecordsRequest, store_pb2.PutManyResponse
+            ),
             "Get": grpc.unary_stream_rpc_method_handler(
                 servicer.Get, store_pb2.GetRequest.FromString, serialize_response
             ),
@@ -148,11 +151,14 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         header: store_pb2.PutHeader,
         chunks: Iterator[tuple[int, Any]],
         context: grpc.ServicerContext,
+        inline: bool = False,
     ) -> PutResult:
-        """One record: its chunks from the stream, or read out of the caller's region."""
+        """One record: its chunks from the stream (or the message: inline), or read out of the
+        caller's region."""
         started = time.perf_counter()
         result = self._put_payload(header, chunks, context)
         path = TransferPath.REGION if header.region else TransferPath.STREAM
+        path = TransferPath.INLINE if inline and not header.region else path
         TRANSFERS.put(path, time.perf_counter() - started, result.payload_bytes)
         _mutation(
             "put",
@@ -202,6 +208,25 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                     results.append(self._put_one(header, chunks, context).to_pb())
             finally:
                 # How many landed: a caller resends only the rest after a failure.
+                context.set_trailing_metadata((("tandem-stored", str(len(results))),))
+        return store_pb2.PutManyResponse(results=results)
+
+    def PutRecords(
+        self, request: store_pb2.PutRecordsRequest, context: grpc.ServicerContext
+    ) -> store_pb2.PutManyResponse:
+        """PutMany's records in one message: each payload inline or in the caller's region.
+        One message needs no idle limit: it is all here before this runs."""
+        results = []
+        with status_on_error(context, "PutRecords"):
+            self.bulk_limit.enter(context, PUT)
+            try:
+                for record in request.records:
+                    header = record.header
+                    header.checkpoint.namespace = namespace_for(header.checkpoint.namespace)
+                    inline = [(0, record.payload)] if record.payload else []
+                    result = self._put_one(header, iter(inline), context, inline=True)
+                    results.append(result.to_pb())
+            finally:
                 context.set_trailing_metadata((("tandem-stored", str(len(results))),))
         return store_pb2.PutManyResponse(results=results)
 

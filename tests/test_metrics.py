@@ -181,12 +181,13 @@ def test_store_metrics_follow_its_records(tmp_path: Path) -> None:
             text = reply.read().decode()
         assert "\ntandem:store_records " in text and "tandem_store_records" not in text
 
-        def delta(name: str) -> float:
-            key = (name, (("path", "stream"),))
+        def delta(name: str, path: str = "stream") -> float:
+            key = (name, (("path", path),))
             return after[key] - before.get(key, 0.0)
 
-        assert delta("tandem:store_put_seconds_count") == 1
-        assert delta("tandem:store_put_bytes_sum") == 4096
+        # A small record's payload travels inside its one message (Store.PutRecords).
+        assert delta("tandem:store_put_seconds_count", "inline") == 1
+        assert delta("tandem:store_put_bytes_sum", "inline") == 4096
         assert delta("tandem:store_get_bytes_count") == 1
         assert 0 < delta("tandem:store_get_seconds_sum") < 30
         region_gets = (("path", "region"),)

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tandem_client import NotFound, StoreClient
+from tandem_client.bulk import INLINE_PAYLOAD_BYTES
 from tandem_client.errors import PutManyFailed
 from tandem_client.identity import block_hashes, scope_digest
 from tandem_client.records import PutItem
@@ -180,10 +181,13 @@ def test_namespaces_isolate_records_with_the_same_key(client: StoreClient) -> No
     assert [r.namespace for r in client.list_all(namespace="tenant-b")] == ["tenant-b"]
 
 
+# Small records travel in one PutRecords message, larger ones stream through PutMany: both
+# keep the same order and the same count on a failure.
+@pytest.mark.parametrize("size", [3000, INLINE_PAYLOAD_BYTES + 1], ids=["inline", "streamed"])
 def test_put_many_stores_records_in_order_and_says_how_many_on_a_failure(
-    client: StoreClient,
+    client: StoreClient, size: int
 ) -> None:
-    records = [make_checkpoint(b"batch-%d" % i, {"kv_int8": 3000 + i}) for i in range(3)]
+    records = [make_checkpoint(b"batch-%d" % i, {"kv_int8": size + i}) for i in range(3)]
     results = client.put_many([PutItem(r) for r in records])
     assert [r.key for r in results] == [b"batch-0", b"batch-1", b"batch-2"]
     for record in records:

@@ -5,8 +5,9 @@ oversized labels, bad region names and lost chunks (issue 32, items 4 and 5).
   port (`--admin-listen`): the engine's generations complete, their checkpoints are deleted
   through the data plane (`Store.Delete`), nothing of them is left pinned, and the spill
   queue counts no failure.
-- `Store.Delete` and `Store.DeleteMany` stay within the caller's namespaces and need the
-  `store` role; DeleteMany removes all it names or, a record being pinned, nothing.
+- `Store.Delete`, `Store.DeleteMany` and `Store.PutRecords` stay within the caller's
+  namespaces and need the `store` role; DeleteMany removes all it names or, a record being
+  pinned, nothing.
 - Free-text fields of Put, Pin, Unpin, Lookup and List are bounded (INVALID_ARGUMENT), a
   region name with a NUL byte is INVALID_ARGUMENT, a record whose chunk was lost is
   DATA_LOSS (not ABORTED, which invites a retry).
@@ -26,6 +27,7 @@ import pytest
 from store_service.records import StoredRecord, chunk_key, record_key
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import TandemError
+from tandem_client.records import PutItem
 from tandem_client.regions import SharedRegion
 from tandem_wire.auth import token_sha256
 from tandem_wire.limits import MAX_LABEL_CHARS
@@ -106,6 +108,14 @@ def test_the_store_role_alone_completes_and_deletes_the_engines_generations(
             assert _code(lambda: acme.delete_many(too_many)) == grpc.StatusCode.INVALID_ARGUMENT
             assert acme.delete_many([b"m1", b"gone", b"m2", b"m1"], force=True) == 2048
             assert _code(lambda: acme.get(b"m2")) == grpc.StatusCode.NOT_FOUND
+            # Store.PutRecords (small records in one message): the same rules.
+            other = PutItem(make_checkpoint(b"p1", {"a_int8": 512}, kind="object", namespace="b"))
+            assert _code(lambda: acme.put_many([other])) == grpc.StatusCode.PERMISSION_DENIED
+            own = PutItem(make_checkpoint(b"p2", {"a_int8": 512}, kind="object"))
+            assert _code(lambda: gen.put_many([own])) == grpc.StatusCode.PERMISSION_DENIED
+            assert _code(lambda: writer.get(b"p1", "b")) == grpc.StatusCode.NOT_FOUND
+            assert acme.put_many([own])[0].key == b"p2"
+            assert acme.delete(b"p2") == 512
             # The operators' call stays on StoreAdmin (its own port here).
             with StoreClient(admin_address, token=TOKENS["ops"]) as ops:
                 assert ops.admin_delete(b"theirs", "b") == 4096

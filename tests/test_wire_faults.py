@@ -53,9 +53,9 @@ def test_malformed_requests_are_invalid_argument_on_every_store_rpc(
         *_methods(store_pb2.DESCRIPTOR, "Store"),
         *_methods(store_pb2.DESCRIPTOR, "StoreAdmin"),
     ]
-    # 12 Store (PutMany, Flush, Delete, DeleteMany, the regions pair, ReleaseDirect) + 7
-    # StoreAdmin
-    assert len(methods) == 19
+    # 13 Store (PutMany, PutRecords, Flush, Delete, DeleteMany, the regions pair,
+    # ReleaseDirect) + 7 StoreAdmin
+    assert len(methods) == 20
     _all_invalid(store.address, methods)
 
 

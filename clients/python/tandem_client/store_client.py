@@ -22,6 +22,7 @@ from tandem_client.bulk import (
     bulk_methods,
     payload_chunks,
     put_messages,
+    put_records_request,
     receive,
 )
 from tandem_client.channel import GrpcClient
@@ -101,6 +102,8 @@ class StoreClient(SameHostReads, GrpcClient):
         self._store = store_pb2_grpc.StoreStub(self._channel)
         # Bulk paths with hand-encoded chunks (see wire.py).
         self._put, self._get, self._put_many = bulk_methods(self._channel)
+        self._put_records = self._store.PutRecords
+        self._put_records_known = True  # False once a store answered UNIMPLEMENTED (older)
         self._admin = store_pb2_grpc.StoreAdminStub(self._channel)
 
     # -- data plane --------------------------------------------------------------------------
@@ -124,6 +127,15 @@ class StoreClient(SameHostReads, GrpcClient):
         """Stores a checkpoint (with a region attached, its payload goes through the region:
         the store reads and checks it there instead of receiving chunks)."""
         placed, hold = self._place_for_put(checkpoint)
+        item = PutItem(checkpoint, if_absent, pin_ttl_s, pin_holder)
+        if self._put_records_known and put_records_request([item], [placed]) is not None:
+            try:
+                return self._put_placed([item], [(placed, hold)], chunk_bytes)[0]
+            except PutManyFailed as exc:
+                raise exc.cause from None
+            finally:
+                if hold is not None:
+                    hold.release()
 
         def requests_again() -> Iterator[store_pb2.PutRequest | bytes]:
             return put_messages(checkpoint, if_absent, pin_ttl_s, pin_holder, chunk_bytes, placed)
@@ -157,25 +169,33 @@ class StoreClient(SameHostReads, GrpcClient):
                 raise TypeError(f"put_many takes PutItem values, not {type(i).__name__}")
         placements = [self._place_for_put(i.checkpoint) for i in items]
         try:
-            try:
-                return self._put_many_once(items, placements, chunk_bytes)
-            except PutManyFailed as exc:
-                if not isinstance(exc.cause, NotFound) or not self._forgot_region(exc.cause):
-                    raise
-                done = exc.stored  # those landed; the rest go again, the region known again
-            try:
-                rest = self._put_many_once(items[done:], placements[done:], chunk_bytes)
-            except PutManyFailed as again:
-                raise PutManyFailed(again.cause, done + again.stored) from None
-            # Their answers were lost with the first call: what the client knows of them.
-            known = [
-                PutResult(i.checkpoint.key, i.checkpoint.payload_bytes, False, "") for i in items
-            ]
-            return known[:done] + rest
+            return self._put_placed(items, placements, chunk_bytes)
         finally:
             for _, hold in placements:
                 if hold is not None:
                     hold.release()
+
+    def _put_placed(
+        self,
+        items: Sequence[PutItem],
+        placements: Sequence[tuple[RegionPut | None, object]],
+        chunk_bytes: int,
+    ) -> list[PutResult]:
+        """put_many once its payloads are placed, sent again once if the store had forgotten
+        the region (it restarted)."""
+        try:
+            return self._put_many_once(items, placements, chunk_bytes)
+        except PutManyFailed as exc:
+            if not isinstance(exc.cause, NotFound) or not self._forgot_region(exc.cause):
+                raise
+            done = exc.stored  # those landed; the rest go again, the region known again
+        try:
+            rest = self._put_many_once(items[done:], placements[done:], chunk_bytes)
+        except PutManyFailed as again:
+            raise PutManyFailed(again.cause, done + again.stored) from None
+        # Their answers were lost with the first call: what the client knows of them.
+        known = [PutResult(i.checkpoint.key, i.checkpoint.payload_bytes, False, "") for i in items]
+        return known[:done] + rest
 
     def _put_many_once(
         self,
@@ -183,20 +203,35 @@ class StoreClient(SameHostReads, GrpcClient):
         placements: Sequence[tuple[RegionPut | None, object]],
         chunk_bytes: int,
     ) -> list[PutResult]:
+        """One PutRecords call when every payload is in the region or small (no stream), else
+        one PutMany; a store that has no PutRecords (older) is sent PutMany from then on."""
+
         def messages() -> Iterator[store_pb2.PutRequest | bytes]:
             for i, (placed, _) in zip(items, placements, strict=True):
                 yield from put_messages(
                     i.checkpoint, i.if_absent, i.pin_ttl_s, i.pin_holder, chunk_bytes, placed
                 )
 
+        one_message = None
+        if self._put_records_known:
+            one_message = put_records_request(items, [placed for placed, _ in placements])
         with self._bulk_slot():
             try:
-                r: store_pb2.PutManyResponse = self._put_many(messages(), timeout=self.timeout)
+                r: store_pb2.PutManyResponse = (
+                    self._put_records(one_message, timeout=self.timeout)
+                    if one_message is not None
+                    else self._put_many(messages(), timeout=self.timeout)
+                )
+                return [
+                    PutResult(x.key, x.payload_bytes, x.replaced, x.lease_id) for x in r.results
+                ]
             except grpc.RpcError as exc:
-                trailing = dict(exc.trailing_metadata() or ())
-                stored = int(trailing.get("tandem-stored", "0"))
-                raise PutManyFailed(from_rpc_error(exc), stored) from None
-        return [PutResult(x.key, x.payload_bytes, x.replaced, x.lease_id) for x in r.results]
+                if one_message is None or exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    trailing = dict(exc.trailing_metadata() or ())
+                    stored = int(trailing.get("tandem-stored", "0"))
+                    raise PutManyFailed(from_rpc_error(exc), stored) from None
+        self._put_records_known = False  # nothing was stored: all go again as PutMany
+        return self._put_many_once(items, placements, chunk_bytes)
 
     def get(self, key: bytes, namespace: str = "", *, max_chunk_bytes: int = 0) -> Checkpoint:
         """The checkpoint with its tensors' bytes, each tensor's CRC checked end to end (or,

@@ -1,0 +1,148 @@
+"""Store.PutRecords: records whose payload is small, or in the caller's region already, in one
+message (no stream). The Python client sends put() and put_many() that way when they can.
+
+- Small records (attachments and leases included) read back byte for byte, counted on the
+  `inline` path; a batch holding a record too large to go inline streams whole (PutMany).
+- A bad record (a short payload, a checksum that does not match, a payload beside a region)
+  is INVALID_ARGUMENT; the records before it are stored and counted in `tandem-stored`, none
+  after it.
+- A store of the release before (its servicer without PutRecords) is sent PutMany.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from store_service.config import StoreConfig, SyncMode
+from store_service.fair_share import BulkCallLimit, BulkLimits
+from store_service.metrics import TRANSFERS
+from store_service.servicer import StoreServicer, store_handler
+from store_service.store import CheckpointStore
+from tandem_client import NotFound, StoreClient
+from tandem_client.bulk import INLINE_PAYLOAD_BYTES, put_records_request
+from tandem_client.records import Attachment, PutItem, Tensor
+from tandem_wire.pb import store_pb2, store_pb2_grpc
+from tests.conftest import make_checkpoint
+from tests.servers import InProcessStore
+
+
+def _puts(path: str) -> float:
+    """Puts the store has counted on a transfer path (one registry per process)."""
+    value = TRANSFERS.registry.get_sample_value("tandem:store_put_bytes_count", {"path": path})
+    return value or 0.0
+
+
+def test_small_records_travel_inline_and_read_back_exact(client: StoreClient) -> None:
+    records = [
+        make_checkpoint(b"small-%d" % i, {"k_int8": 4000 + i, "v_bf16": 2048}) for i in range(5)
+    ]
+    records[1].attachments = [
+        Attachment("image/v1", [Tensor("pixels", "uint8", (3, 64), bytes(range(192)))], {"a": "b"})
+    ]
+    inline, streamed = _puts("inline"), _puts("stream")
+    results = client.put_many(
+        [
+            PutItem(r, pin_ttl_s=60, pin_holder="test") if i == 2 else PutItem(r)
+            for i, r in enumerate(records)
+        ]
+    )
+    alone = make_checkpoint(b"alone", {"k_int8": 100})
+    assert client.put(alone).key == b"alone"
+    assert _puts("inline") - inline == 6 and _puts("stream") == streamed
+    assert [r.key for r in results] == [r.key for r in records]
+    assert results[2].lease_id and not results[0].lease_id
+    for record in [*records, alone]:
+        got = client.get(record.key)
+        assert [bytes(t.data) for t in got.all_tensors()] == [
+            bytes(memoryview(t.data).cast("B")) for t in record.all_tensors()
+        ]
+    assert client.get(b"small-1").attachments[0].metadata == {"a": "b"}
+    assert client.inspect(b"small-2").leases
+
+
+def test_a_batch_holding_a_large_record_streams_whole(client: StoreClient) -> None:
+    small = make_checkpoint(b"s", {"k_int8": 1000})
+    large = make_checkpoint(b"l", {"k_int8": INLINE_PAYLOAD_BYTES + 1})
+    assert put_records_request([PutItem(small), PutItem(large)], [None, None]) is None
+    inline, streamed = _puts("inline"), _puts("stream")
+    client.put_many([PutItem(small), PutItem(large)])
+    assert _puts("stream") - streamed == 2 and _puts("inline") == inline
+    assert bytes(client.get(b"l").tensors[0].data) == bytes(large.tensors[0].data)
+
+
+def _bad_records() -> dict[str, store_pb2.InlineRecord]:
+    record = make_checkpoint(b"bad", {"k_int8": 512})
+    request = put_records_request([PutItem(record)], [None])
+    assert request is not None
+    good = request.records[0]
+    short, flipped, both = (store_pb2.InlineRecord() for _ in range(3))
+    for bad in (short, flipped, both):
+        bad.CopyFrom(good)
+    short.payload = good.payload[:-1]
+    flipped.payload = bytes([good.payload[0] ^ 1]) + good.payload[1:]
+    both.header.region = "some-region"
+    both.header.region_offsets.append(0)
+    return {"short": short, "checksum": flipped, "region and payload": both}
+
+
+@pytest.mark.parametrize("case", ["short", "checksum", "region and payload"])
+def test_a_bad_record_is_invalid_argument_and_keeps_the_ones_before_it(
+    store: InProcessStore, client: StoreClient, case: str
+) -> None:
+    before, after = (make_checkpoint(k, {"k_int8": 256}) for k in (b"before", b"after"))
+    request = put_records_request([PutItem(before), PutItem(after)], [None, None])
+    assert request is not None
+    request.records.insert(1, _bad_records()[case])
+    with grpc.insecure_channel(store.address) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            store_pb2_grpc.StoreStub(channel).PutRecords(request, timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    assert dict(refused.value.trailing_metadata() or ())["tandem-stored"] == "1"
+    assert client.get(b"before").key == b"before"
+    for key in (b"bad", b"after"):
+        with pytest.raises(NotFound):
+            client.get(key)
+
+
+class _WithoutPutRecords(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc is untyped
+    """The store's own handlers less PutRecords: what a store of the release before serves."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+        self.inner = inner
+
+    def service(self, details: grpc.HandlerCallDetails) -> Any:
+        if details.method.endswith("/PutRecords"):
+            return None
+        return self.inner.service(details)
+
+
+@pytest.fixture
+def older_store(tmp_path: Path) -> Iterator[str]:
+    store = CheckpointStore(StoreConfig(data_dir=tmp_path / "old", sync_mode=SyncMode.COMMIT))
+    server = grpc.server(ThreadPoolExecutor(8))
+    handler = store_handler(StoreServicer(store, BulkCallLimit(BulkLimits.for_workers(8, 0, 0, 0))))
+    server.add_generic_rpc_handlers((_WithoutPutRecords(handler),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(grace=5).wait()
+        store.close()
+
+
+def test_a_store_without_put_records_is_sent_put_many(older_store: str) -> None:
+    records = [make_checkpoint(b"old-%d" % i, {"k_int8": 700 + i}) for i in range(3)]
+    streamed = _puts("stream")
+    with StoreClient(older_store) as client:
+        client.put_many([PutItem(r) for r in records[:2]])
+        client.put(records[2])
+        assert _puts("stream") - streamed == 3
+        for record in records:
+            assert bytes(client.get(record.key).tensors[0].data) == bytes(record.tensors[0].data)
