@@ -25,7 +25,7 @@ from store_service.metrics import TRANSFERS
 from store_service.servicer import StoreServicer, store_handler
 from store_service.store import CheckpointStore
 from tandem_client import NotFound, StoreClient
-from tandem_client.bulk import INLINE_PAYLOAD_BYTES, put_records_request
+from tandem_client.bulk import INLINE_PAYLOAD_BYTES, fits_one_message, put_records_request
 from tandem_client.records import Attachment, PutItem, Tensor
 from tandem_wire.pb import store_pb2, store_pb2_grpc
 from tests.conftest import make_checkpoint
@@ -69,7 +69,7 @@ def test_small_records_travel_inline_and_read_back_exact(client: StoreClient) ->
 def test_a_batch_holding_a_large_record_streams_whole(client: StoreClient) -> None:
     small = make_checkpoint(b"s", {"k_int8": 1000})
     large = make_checkpoint(b"l", {"k_int8": INLINE_PAYLOAD_BYTES + 1})
-    assert put_records_request([PutItem(small), PutItem(large)], [None, None]) is None
+    assert not fits_one_message([PutItem(small), PutItem(large)], [None, None])
     inline, streamed = _puts("inline"), _puts("stream")
     client.put_many([PutItem(small), PutItem(large)])
     assert _puts("stream") - streamed == 2 and _puts("inline") == inline
@@ -78,9 +78,7 @@ def test_a_batch_holding_a_large_record_streams_whole(client: StoreClient) -> No
 
 def _bad_records() -> dict[str, store_pb2.InlineRecord]:
     record = make_checkpoint(b"bad", {"k_int8": 512})
-    request = put_records_request([PutItem(record)], [None])
-    assert request is not None
-    good = request.records[0]
+    good = put_records_request([PutItem(record)], [None]).records[0]
     short, flipped, both = (store_pb2.InlineRecord() for _ in range(3))
     for bad in (short, flipped, both):
         bad.CopyFrom(good)
@@ -97,7 +95,6 @@ def test_a_bad_record_is_invalid_argument_and_keeps_the_ones_before_it(
 ) -> None:
     before, after = (make_checkpoint(k, {"k_int8": 256}) for k in (b"before", b"after"))
     request = put_records_request([PutItem(before), PutItem(after)], [None, None])
-    assert request is not None
     request.records.insert(1, _bad_records()[case])
     with grpc.insecure_channel(store.address) as channel:
         with pytest.raises(grpc.RpcError) as refused:

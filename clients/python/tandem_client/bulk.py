@@ -107,14 +107,17 @@ INLINE_PAYLOAD_BYTES = 256 << 10
 INLINE_CALL_BYTES = 4 * MiB
 
 
+def fits_one_message(items: Sequence[PutItem], placements: Sequence[RegionPut | None]) -> bool:
+    """Whether these PutItems go in one PutRecords message (placements: where each payload
+    lies in the region, or None); otherwise PutMany streams them."""
+    inline = [i.checkpoint.payload_bytes for i, p in zip(items, placements, strict=True) if not p]
+    return all(n <= INLINE_PAYLOAD_BYTES for n in inline) and sum(inline) <= INLINE_CALL_BYTES
+
+
 def put_records_request(
     items: Sequence[PutItem], placements: Sequence[RegionPut | None]
-) -> store_pb2.PutRecordsRequest | None:
-    """One PutRecords message for these PutItems (placements: where each payload lies in the
-    region, or None), or None when they do not all fit one (PutMany streams them then)."""
-    inline = [i.checkpoint.payload_bytes for i, p in zip(items, placements, strict=True) if not p]
-    if any(n > INLINE_PAYLOAD_BYTES for n in inline) or sum(inline) > INLINE_CALL_BYTES:
-        return None
+) -> store_pb2.PutRecordsRequest:
+    """The PutRecords message of PutItems that fit one (fits_one_message)."""
     request = store_pb2.PutRecordsRequest()
     for item, placed in zip(items, placements, strict=True):
         record = request.records.add()

@@ -20,6 +20,7 @@ from tandem_client.bulk import (
     PayloadAssembler,
     RegionPut,
     bulk_methods,
+    fits_one_message,
     payload_chunks,
     put_messages,
     put_records_request,
@@ -128,7 +129,7 @@ class StoreClient(SameHostReads, GrpcClient):
         the store reads and checks it there instead of receiving chunks)."""
         placed, hold = self._place_for_put(checkpoint)
         item = PutItem(checkpoint, if_absent, pin_ttl_s, pin_holder)
-        if self._put_records_known and put_records_request([item], [placed]) is not None:
+        if self._put_records_known and fits_one_message([item], [placed]):
             try:
                 return self._put_placed([item], [(placed, hold)], chunk_bytes)[0]
             except PutManyFailed as exc:
@@ -212,9 +213,10 @@ class StoreClient(SameHostReads, GrpcClient):
                     i.checkpoint, i.if_absent, i.pin_ttl_s, i.pin_holder, chunk_bytes, placed
                 )
 
+        places = [placed for placed, _ in placements]
         one_message = None
-        if self._put_records_known:
-            one_message = put_records_request(items, [placed for placed, _ in placements])
+        if self._put_records_known and fits_one_message(items, places):
+            one_message = put_records_request(items, places)
         with self._bulk_slot():
             try:
                 r: store_pb2.PutManyResponse = (
