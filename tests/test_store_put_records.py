@@ -2,7 +2,8 @@
 message (no stream). The Python client sends put() and put_many() that way when they can.
 
 - Small records (attachments and leases included) read back byte for byte, counted on the
-  `inline` path; a batch holding a record too large to go inline streams whole (PutMany).
+  `inline` path; a batch holding a record too large to go inline, or headers that would take
+  the message past its bound, streams whole (PutMany).
 - A bad record (a short payload, a checksum that does not match, a payload beside a region)
   is INVALID_ARGUMENT; the records before it are stored and counted in `tandem-stored`, none
   after it.
@@ -76,9 +77,25 @@ def test_a_batch_holding_a_large_record_streams_whole(client: StoreClient) -> No
     assert bytes(client.get(b"l").tensors[0].data) == bytes(large.tensors[0].data)
 
 
+def test_records_whose_headers_overflow_one_message_stream(client: StoreClient) -> None:
+    """Small payloads, but token-id lists that would take one message past the store's limit
+    (a long generation's later segments carry all of its tokens)."""
+    records = [make_checkpoint(b"long-%d" % i, {"k_int8": 64}) for i in range(4)]
+    for record in records:
+        record.token_ids = list(range(1 << 20, (1 << 20) + 600_000))
+    assert fits_one_message([PutItem(r) for r in records], [None] * 4)
+    assert put_records_request([PutItem(r) for r in records], [None] * 4) is None
+    inline, streamed = _puts("inline"), _puts("stream")
+    client.put_many([PutItem(r) for r in records])
+    assert _puts("stream") - streamed == 4 and _puts("inline") == inline
+    assert client.get(b"long-3").token_ids[-1] == (1 << 20) + 599_999
+
+
 def _bad_records() -> dict[str, store_pb2.InlineRecord]:
     record = make_checkpoint(b"bad", {"k_int8": 512})
-    good = put_records_request([PutItem(record)], [None]).records[0]
+    request = put_records_request([PutItem(record)], [None])
+    assert request is not None
+    good = request.records[0]
     short, flipped, both = (store_pb2.InlineRecord() for _ in range(3))
     for bad in (short, flipped, both):
         bad.CopyFrom(good)
@@ -95,6 +112,7 @@ def test_a_bad_record_is_invalid_argument_and_keeps_the_ones_before_it(
 ) -> None:
     before, after = (make_checkpoint(k, {"k_int8": 256}) for k in (b"before", b"after"))
     request = put_records_request([PutItem(before), PutItem(after)], [None, None])
+    assert request is not None
     request.records.insert(1, _bad_records()[case])
     with grpc.insecure_channel(store.address) as channel:
         with pytest.raises(grpc.RpcError) as refused:

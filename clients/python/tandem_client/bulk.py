@@ -105,6 +105,9 @@ def put_messages(
 # message limit, its headers beside them.
 INLINE_PAYLOAD_BYTES = 256 << 10
 INLINE_CALL_BYTES = 4 * MiB
+# The most one PutRecords message may be, headers included (long token-id lists add up): the
+# store's limit less a margin.
+ONE_MESSAGE_BYTES = 6 * MiB
 
 
 def fits_one_message(items: Sequence[PutItem], placements: Sequence[RegionPut | None]) -> bool:
@@ -116,8 +119,9 @@ def fits_one_message(items: Sequence[PutItem], placements: Sequence[RegionPut | 
 
 def put_records_request(
     items: Sequence[PutItem], placements: Sequence[RegionPut | None]
-) -> store_pb2.PutRecordsRequest:
-    """The PutRecords message of PutItems that fit one (fits_one_message)."""
+) -> store_pb2.PutRecordsRequest | None:
+    """The PutRecords message of PutItems whose payloads fit one (fits_one_message); None
+    when their headers make it larger than ONE_MESSAGE_BYTES."""
     request = store_pb2.PutRecordsRequest()
     for item, placed in zip(items, placements, strict=True):
         record = request.records.add()
@@ -133,7 +137,7 @@ def put_records_request(
             record.payload = b"".join(
                 memoryview(t.data).cast("B") for t in item.checkpoint.all_tensors()
             )
-    return request
+    return request if request.ByteSize() <= ONE_MESSAGE_BYTES else None
 
 
 def _serialize(message: Any) -> bytes:
