@@ -7,11 +7,14 @@ message (no stream). The Python client sends put() and put_many() that way when 
 - A bad record (a short payload, a checksum that does not match, a payload beside a region)
   is INVALID_ARGUMENT; the records before it are stored and counted in `tandem-stored`, none
   after it.
-- A store of the release before (its servicer without PutRecords) is sent PutMany.
+- A store of the release before (its servicer without PutRecords) is sent PutMany, by the
+  sync and the asyncio client.
+- The asyncio client's put_many keeps the same order and count on a failure.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,8 +28,9 @@ from store_service.fair_share import BulkCallLimit, BulkLimits
 from store_service.metrics import TRANSFERS
 from store_service.servicer import StoreServicer, store_handler
 from store_service.store import CheckpointStore
-from tandem_client import NotFound, StoreClient
+from tandem_client import AsyncStoreClient, NotFound, PutResult, StoreClient
 from tandem_client.bulk import INLINE_PAYLOAD_BYTES, fits_one_message, put_records_request
+from tandem_client.errors import PutManyFailed
 from tandem_client.records import Attachment, PutItem, Tensor
 from tandem_wire.pb import store_pb2, store_pb2_grpc
 from tests.conftest import make_checkpoint
@@ -153,11 +157,44 @@ def older_store(tmp_path: Path) -> Iterator[str]:
 
 
 def test_a_store_without_put_records_is_sent_put_many(older_store: str) -> None:
-    records = [make_checkpoint(b"old-%d" % i, {"k_int8": 700 + i}) for i in range(3)]
+    records = [make_checkpoint(b"old-%d" % i, {"k_int8": 700 + i}) for i in range(5)]
     streamed = _puts("stream")
     with StoreClient(older_store) as client:
         client.put_many([PutItem(r) for r in records[:2]])
         client.put(records[2])
-        assert _puts("stream") - streamed == 3
+
+        async def asynchronously() -> None:
+            async with AsyncStoreClient(older_store) as aclient:
+                await aclient.put_many([PutItem(records[3])])
+                await aclient.put(records[4])
+
+        asyncio.run(asynchronously())
+        assert _puts("stream") - streamed == 5
         for record in records:
             assert bytes(client.get(record.key).tensors[0].data) == bytes(record.tensors[0].data)
+
+
+def test_the_asyncio_client_puts_many_alike(store: InProcessStore, client: StoreClient) -> None:
+    small = [make_checkpoint(b"a-%d" % i, {"k_int8": 900 + i}) for i in range(3)]
+    large = make_checkpoint(b"a-large", {"k_int8": INLINE_PAYLOAD_BYTES + 5})
+    inline, streamed = _puts("inline"), _puts("stream")
+
+    async def run() -> tuple[list[PutResult], PutResult, PutManyFailed]:
+        async with AsyncStoreClient(store.address) as aclient:
+            many = await aclient.put_many([PutItem(r) for r in small])
+            alone = await aclient.put(large)
+            again = [PutItem(make_checkpoint(b"a-new", {"k_int8": 8})), PutItem(small[1], True)]
+            with pytest.raises(PutManyFailed) as refused:
+                await aclient.put_many([*again, PutItem(make_checkpoint(b"a-never", {"k": 8}))])
+            return many, alone, refused.value
+
+    many, alone, refused = asyncio.run(run())
+    assert [r.key for r in many] == [b"a-0", b"a-1", b"a-2"] and alone.key == b"a-large"
+    assert refused.stored == 1 and refused.code is not None
+    assert refused.code.name == "ALREADY_EXISTS"
+    assert _puts("inline") - inline == 4 and _puts("stream") - streamed == 1
+    for record in [*small, large]:
+        assert bytes(client.get(record.key).tensors[0].data) == bytes(record.tensors[0].data)
+    assert client.get(b"a-new").key == b"a-new"
+    with pytest.raises(NotFound):
+        client.get(b"a-never")

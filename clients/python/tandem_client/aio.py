@@ -14,11 +14,13 @@ from tandem_client.bulk import (
     MAX_MESSAGE_BYTES,
     PayloadAssembler,
     bulk_methods,
+    fits_one_message,
     put_messages,
+    put_records_request,
 )
 from tandem_client.channel import AsyncGrpcClient
 from tandem_client.engine_client import Generation, GenerationChunk, Prompt, generate_request
-from tandem_client.errors import from_rpc_error
+from tandem_client.errors import PutManyFailed, from_rpc_error
 from tandem_client.failover import (
     FAILOVER_WAIT_S,
     AddressedStubs,
@@ -29,6 +31,7 @@ from tandem_client.failover import (
 from tandem_client.records import (
     Checkpoint,
     LookupResult,
+    PutItem,
     PutResult,
     RecordSummary,
     kind_to_pb,
@@ -158,7 +161,8 @@ class AsyncStoreClient(AsyncGrpcClient):
         )
         self._store = store_pb2_grpc.StoreStub(self._channel)
         self._admin = store_pb2_grpc.StoreAdminStub(self._channel)
-        self._put, self._get, _ = bulk_methods(self._channel)
+        self._put, self._get, self._put_many = bulk_methods(self._channel)
+        self._put_records_known = True  # False once a store answered UNIMPLEMENTED (older)
 
     async def put(
         self,
@@ -169,10 +173,50 @@ class AsyncStoreClient(AsyncGrpcClient):
         pin_holder: str = "",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> PutResult:
+        """Stores a checkpoint: a small one in one PutRecords message, a larger one streamed."""
+        item = PutItem(checkpoint, if_absent, pin_ttl_s, pin_holder)
+        if self._put_records_known and fits_one_message([item], [None]):
+            try:
+                return (await self.put_many([item], chunk_bytes))[0]
+            except PutManyFailed as exc:
+                raise exc.cause from None
         # grpc.aio takes a plain iterator as a request stream too.
         requests = put_messages(checkpoint, if_absent, pin_ttl_s, pin_holder, chunk_bytes)
         r = await self._call(self._put(requests, timeout=self.timeout))
         return PutResult(r.key, r.payload_bytes, r.replaced, r.lease_id)
+
+    async def put_many(
+        self, items: Sequence[PutItem], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    ) -> builtins.list[PutResult]:
+        """Several records in one call, stored in order, each atomically: one PutRecords
+        message when they are small, else a PutMany stream (as StoreClient.put_many).
+        Raises PutManyFailed saying how many landed."""
+        for i in items:
+            if not isinstance(i, PutItem):
+                raise TypeError(f"put_many takes PutItem values, not {type(i).__name__}")
+        places = [None] * len(items)
+        one_message = None
+        if self._put_records_known and fits_one_message(items, places):
+            one_message = put_records_request(items, places)
+        try:
+            if one_message is not None:
+                r = await self._store.PutRecords(one_message, timeout=self.timeout)
+            else:
+                messages = (
+                    m
+                    for i in items
+                    for m in put_messages(
+                        i.checkpoint, i.if_absent, i.pin_ttl_s, i.pin_holder, chunk_bytes
+                    )
+                )
+                r = await self._put_many(messages, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            if one_message is None or exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                stored = int(dict(exc.trailing_metadata() or ()).get("tandem-stored", "0"))
+                raise PutManyFailed(from_rpc_error(exc), stored) from None
+            self._put_records_known = False  # nothing was stored: all go again as PutMany
+            return await self.put_many(items, chunk_bytes)
+        return [PutResult(x.key, x.payload_bytes, x.replaced, x.lease_id) for x in r.results]
 
     async def get(self, key: bytes, namespace: str = "") -> Checkpoint:
         return await self._retry_unavailable(lambda: self._get_once(key, namespace))
