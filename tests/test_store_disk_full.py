@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem_client import StoreClient
-from tandem_client.errors import ResourceExhausted
+from tandem_client import Checkpoint, StoreClient
+from tandem_client.errors import PutManyFailed, ResourceExhausted
+from tandem_client.records import PutItem
 from tests.conftest import make_checkpoint, payload_crc
 from tests.servers import ROOT
 
@@ -40,8 +41,11 @@ def small_disk(tmp_path: Path) -> Iterator[tuple[Path, list[str]]]:
             subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+# Records of 1 MiB stream (Put); of 128 KiB go four a call in one PutRecords message, whose
+# failure says how many of the four landed.
+@pytest.mark.parametrize("inline", [False, True], ids=["streamed", "inline"])
 def test_a_full_disk_is_resource_exhausted_and_loses_nothing(
-    small_disk: tuple[Path, list[str]],
+    small_disk: tuple[Path, list[str]], inline: bool
 ) -> None:
     disk, prefix = small_disk
     proc = subprocess.Popen(
@@ -58,13 +62,16 @@ def test_a_full_disk_is_resource_exhausted_and_loses_nothing(
         line = proc.stdout.readline()
         assert "listening on" in line, line
         address = line.strip().rsplit(" ", 1)[-1]
-        stored = []
+        stored: list[Checkpoint] = []
         with StoreClient(address) as client:
             with pytest.raises(ResourceExhausted) as full:
-                for i in range(64):  # 64 x 1 MiB > 24 MiB
-                    record = make_checkpoint(f"r{i}".encode(), {"t_int8": 1 << 20})
-                    client.put(record)
-                    stored.append(record)
+                if inline:
+                    _fill_inline(client, stored)
+                else:
+                    for i in range(64):  # 64 x 1 MiB > 24 MiB
+                        record = make_checkpoint(f"r{i}".encode(), {"t_int8": 1 << 20})
+                        client.put(record)
+                        stored.append(record)
             assert "disk full" in str(full.value) and str(disk / "s") in str(full.value)
             assert len(stored) >= 4
             assert proc.poll() is None  # still up
@@ -79,3 +86,17 @@ def test_a_full_disk_is_resource_exhausted_and_loses_nothing(
             proc.stdout.close()
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def _fill_inline(client: StoreClient, stored: list[Checkpoint]) -> None:
+    """Calls of four 128 KiB records until the disk is full; raises its ResourceExhausted."""
+    for call in range(64):  # 64 x 512 KiB > 24 MiB
+        records = [
+            make_checkpoint(f"r{call}.{i}".encode(), {"t_int8": 128 << 10}) for i in range(4)
+        ]
+        try:
+            client.put_many([PutItem(r) for r in records])
+        except PutManyFailed as failed:
+            stored.extend(records[: failed.stored])
+            raise failed.cause from None
+        stored.extend(records)
