@@ -12,7 +12,8 @@
    tokens: how many targets' tokens, and how many of their log-probabilities bit for bit,
    equal their solo run. Off: mlx-lm's own batch rows, as before the mode. On: as the engine
    runs it, the engine's batch rows with decode steps of up to 8 rows compiled, so solo runs
-   step compiled and batches of 32 and 128 eagerly.
+   step compiled and batches of 32 and 128 eagerly (on the CPU, where each row attends alone,
+   every step is eager).
 3. cost: decode tokens/s at --streams rows, interleaved over --pairs rounds, all warmed:
    mlx-lm's BatchGenerator as loaded (the anchor), the engine's default (its batch rows, steps
    of up to 8 rows compiled) and the engine's deterministic mode (the same, deterministic).
@@ -63,10 +64,11 @@ COMPILED_MAX_BATCH = 8  # the engine's default --compiled-decode-max-batch
 
 
 def engine_side(model: Any, rows: int, kernel: bool) -> Any:
-    """The model as the engine's scheduler steps it (loop/scheduler.py)."""
-    """The engine's deterministic model as its scheduler steps it (loop/scheduler.py); kernel:
+    """The engine's deterministic model as its scheduler steps it (loop/scheduler.py): small
+    batches compiled, except where its rows attend alone (the CPU: every step eager); kernel:
     --deterministic-matmul kernel."""
-    return CompiledDecode(DeterministicModel(model, rows, kernel), COMPILED_MAX_BATCH)
+    deterministic = DeterministicModel(model, rows, kernel)
+    return CompiledDecode(deterministic, COMPILED_MAX_BATCH if deterministic.compiles else 0)
 
 
 def row_caches(model: Any, prompts: list[list[int]]) -> list[list[Any]] | None:

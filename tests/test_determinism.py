@@ -22,6 +22,8 @@ from typing import Any
 import grpc
 import mlx.core as mx
 import pytest
+from mlx.nn.layers.containers import Sequential
+from mlx.nn.layers.linear import Linear
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -30,7 +32,12 @@ from engine_service.kv import row_attention
 from engine_service.kv.batch_cache import adopt_row
 from engine_service.loop.compiled_decode import CompiledDecode
 from engine_service.model.determinism_probe import NotRowInvariant, check_row_invariant
-from engine_service.model.deterministic import DeterministicModel
+from engine_service.model.deterministic import (
+    CPU_BLOCK_ROWS,
+    CPU_ROWS,
+    DeterministicModel,
+    cpu_rows,
+)
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
 from engine_service.protocol.kv_codec import KVCodec
@@ -73,10 +80,10 @@ def _logprobs(model: Any, prompts: list[list[int]]) -> list[list[mx.array]]:
     return [out[uid] for uid in uids]
 
 
-def _rows_alone_equal_rows_batched(loaded: LoadedModel) -> None:
+def _rows_alone_equal_rows_batched(loaded: LoadedModel, rows_alone: bool | None = None) -> None:
     rng = random.Random(3)
     prompts = [[rng.randrange(3, loaded.vocab_size) for _ in range(5 + 7 * i)] for i in range(8)]
-    model = DeterministicModel(loaded.model)
+    model = DeterministicModel(loaded.model, rows_alone=rows_alone)
     together = _logprobs(model, prompts)
     for prompt, batched in zip(prompts, together, strict=True):
         (alone,) = _logprobs(model, [prompt])
@@ -85,10 +92,13 @@ def _rows_alone_equal_rows_batched(loaded: LoadedModel) -> None:
             assert mx.array_equal(a, b).item(), f"step {step} of a {len(prompt)}-token row"
 
 
+# Decode attention a row at a time (the CPU's default) and in chunks from each row's start
+# (what a compiled step runs, and the algorithm of the GPU's kernel).
+@pytest.mark.parametrize("rows_alone", [True, False], ids=["rows alone", "chunks"])
 def test_rows_alone_and_in_a_batch_of_eight_have_bit_identical_logits(
-    engine_data_dir: Path,
+    engine_data_dir: Path, rows_alone: bool
 ) -> None:
-    _rows_alone_equal_rows_batched(load_model("tandem-tiny", engine_data_dir))
+    _rows_alone_equal_rows_batched(load_model("tandem-tiny", engine_data_dir), rows_alone)
 
 
 def test_row_attention_over_long_rows_is_batch_invariant_and_close_to_sdpa(
@@ -169,9 +179,39 @@ def test_a_model_whose_rows_see_each_other_fails_the_start_up_probe(
     engine_data_dir: Path,
 ) -> None:
     tiny = load_model("tandem-tiny", engine_data_dir)
-    assert check_row_invariant(tiny.model, 0, CompiledDecode)  # the real one passes, compiled too
+    # The real one passes: as the CPU runs it (rows attending alone, eager steps), and with the
+    # chunked attention a compiled step runs (as on GPUs), compiled too.
+    assert not check_row_invariant(tiny.model, 0, CompiledDecode)  # eager: nothing compiled
+    assert check_row_invariant(tiny.model, 0, CompiledDecode, rows_alone=False)
     with pytest.raises(NotRowInvariant, match="not batch-invariant"):
         check_row_invariant(_RowMixing(tiny.model))
+    with pytest.raises(NotRowInvariant, match="not batch-invariant"):
+        check_row_invariant(_RowMixing(tiny.model), rows_alone=False)
+
+
+class _Peeking(Linear):
+    """A projection whose rows see the block they are in (its first row added to each): what
+    a BLAS whose kernels treat a row by its place in the block would look like."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y: mx.array = super().__call__(x)
+        return y + 1e-3 * y[:1]
+
+
+def test_cpu_row_blocks_only_where_every_projection_keeps_a_rows_bits(
+    engine_data_dir: Path,
+) -> None:
+    """On the CPU the projections run in blocks of CPU_BLOCK_ROWS rows when each of the model's
+    projections gives a row the same bits at every place of such a block, else a row a call;
+    either way the rows above are alone and batched bit-identical."""
+    tiny = load_model("tandem-tiny", engine_data_dir)
+    chosen = cpu_rows(tiny.model)
+    assert DeterministicModel(tiny.model).rows == chosen
+    assert chosen in (CPU_BLOCK_ROWS, CPU_ROWS)
+    peeking = Sequential(Linear(64, 64), _Peeking(64, 32))
+    assert cpu_rows(peeking) == CPU_ROWS
+    plain = Sequential(Linear(64, 64), Linear(64, 32))
+    assert cpu_rows(plain) == chosen  # what the tiny model's Linears got
 
 
 def test_compiled_decode_steps_give_the_eager_steps_bits(engine_data_dir: Path) -> None:
@@ -182,7 +222,7 @@ def test_compiled_decode_steps_give_the_eager_steps_bits(engine_data_dir: Path) 
     tiny = load_model("tandem-tiny", engine_data_dir)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, tiny.vocab_size) for _ in range(5 + 37 * i)] for i in range(8)]
-    eager = DeterministicModel(tiny.model)
+    eager = DeterministicModel(tiny.model, rows_alone=False)  # the chunks: they compile
     compiled = CompiledDecode(eager, max_batch=4)  # past 4 rows the batch steps eagerly
     together = _logprobs(compiled, prompts)
     batched_compiled = compiled.compiled_steps  # while the first rows joined
@@ -196,7 +236,7 @@ def test_compiled_decode_steps_give_the_eager_steps_bits(engine_data_dir: Path) 
     def perturbed(model: Any) -> CompiledDecode:
         return CompiledDecode(_Nudged(model))
 
-    assert not check_row_invariant(tiny.model, 0, perturbed)
+    assert not check_row_invariant(tiny.model, 0, perturbed, rows_alone=False)
 
 
 class _Nudged:

@@ -39,6 +39,7 @@ from engine_service.loop.compiled_decode import CompiledDecode
 from engine_service.loop.scheduler import Scheduler
 from engine_service.loop.warmup import WarmUpFailed
 from engine_service.model.determinism_probe import NotRowInvariant, check_row_invariant
+from engine_service.model.deterministic import rows_alone_by_default
 from engine_service.model.invariant_matmul_cuda import AVAILABLE as KERNEL_AVAILABLE
 from engine_service.model.loading import IncompatibleDraft, load_draft, load_model
 from engine_service.protocol.channel import (
@@ -266,6 +267,9 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
         kernel = config.deterministic_matmul == "kernel"
         if kernel and not KERNEL_AVAILABLE:
             log.warning("--deterministic-matmul kernel runs on MLX-CUDA only: row blocks here")
+        if compiled_max_batch and rows_alone_by_default():
+            log.info("deterministic mode: each row attends alone on this device; steps eager")
+            compiled, compiled_max_batch = None, 0
         if not check_row_invariant(loaded.model, config.deterministic_rows, compiled, kernel):
             if compiled_max_batch:
                 log.warning(

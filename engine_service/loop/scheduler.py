@@ -87,6 +87,8 @@ class Scheduler(SchedulerInbox):
         model: Any = loaded.model
         if deterministic_rows is not None:
             model = DeterministicModel(loaded.model, deterministic_rows, deterministic_kernel)
+            if not model.compiles:  # its rows attend alone: steps eager (kv/row_attention.py)
+                compiled_decode_max_batch = 0
         if compiled_decode_max_batch > 0:
             model = CompiledDecode(model, compiled_decode_max_batch)
         # Structured output: constrained rows' masks, all rows of a step together.

@@ -36,20 +36,22 @@ def check_row_invariant(
     rows: int = 0,
     compiled: Callable[[Any], Any] | None = None,
     matmul_kernel: bool = False,
+    rows_alone: bool | None = None,
 ) -> bool:
     """Raises NotRowInvariant unless every layer's cache is mlx-lm's plain KVCache (the row
     attention of kv/row_attention.py reads all of a row's keys, so windows and recurrent
     states are out of its reach) and the probe row's logits are the same bits alone and
     beside seven others (what else the forward pass does: mixture-of-experts layers, for one,
     group a batch's tokens by expert). Returns whether `compiled` (a compiled decode step
-    around the deterministic model) gives those bits too, alone and beside the others."""
+    around the deterministic model) gives those bits too, alone and beside the others (False
+    for a model whose rows attend alone: it steps eagerly)."""
     kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)} - {"KVCache"})
     if kinds:
         raise NotRowInvariant(
             f"--deterministic needs a plain KV cache in every layer; this model keeps "
             f"{', '.join(kinds)}"
         )
-    eager = DeterministicModel(model, rows, matmul_kernel)
+    eager = DeterministicModel(model, rows, matmul_kernel, rows_alone)
     alone = _probe_logits(eager, [_TARGET])
     if not _same(alone, _probe_logits(eager, [*_OTHERS, _TARGET])):
         raise NotRowInvariant(
@@ -57,7 +59,7 @@ def check_row_invariant(
             "differ alone and beside others: mixture-of-experts routing or attention that "
             "does not go through mlx-lm's scaled_dot_product_attention)"
         )
-    if compiled is None:
+    if compiled is None or not eager.compiles:
         return False
     step = compiled(eager)
     agree = _same(alone, _probe_logits(step, [_TARGET]))

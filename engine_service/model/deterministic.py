@@ -11,8 +11,9 @@ Where the bits of a row depended on its batch (bench/batch_invariance.py, docs/d
 - attention: in a batch a row's keys sit after its left padding, which shifts them inside the
   reduction blocks. Here each row attends over its own keys only: a decode step reduces each
   row's keys in chunks counted from its own first key (one kernel on MLX-CUDA,
-  kv/row_attention_cuda.py; the same algorithm in MLX ops elsewhere, kv/row_attention.py), a
-  prefill chunk runs row by row with the padding sliced off;
+  kv/row_attention_cuda.py; the same algorithm in MLX ops elsewhere, kv/row_attention.py) or,
+  on the CPU, runs each row alone through SDPA (`rows_alone`: eager steps); a prefill chunk
+  runs row by row with the padding sliced off;
 - prefill: the engine prefills one row at a time, at fixed chunk boundaries from the row's
   start (BatchGenerator's prefill_batch_size 1), so a prompt's KV is the same however it was
   scheduled.
@@ -49,15 +50,75 @@ from engine_service.model.invariant_matmul_cuda import applies, invariant_matmul
 
 # Rows per matmul block in a decode step: the batch is cut into blocks of this many (the last
 # one zero-padded). On a GPU one block of 128 covers a batch of up to 128 in one call that
-# reads the weights once, as the batch's own call would. On the CPU a row's bits also depend
-# on its place inside the block (OpenBLAS's kernels treat row panels differently), so each
-# row is its own call there.
+# reads the weights once, as the batch's own call would. On the CPU a row's bits may also
+# depend on its place inside a block (OpenBLAS's kernels for some CPUs treat row panels
+# differently): blocks of CPU_BLOCK_ROWS where every projection of the model gives a row the
+# same bits at every place of such a block (checked at start: cpu_rows), else a call a row.
 GPU_ROWS = 128
+CPU_BLOCK_ROWS = 8
 CPU_ROWS = 1
 
 
-def default_rows() -> int:
-    return CPU_ROWS if mx.default_device() == mx.cpu else GPU_ROWS
+def default_rows(model: Any = None) -> int:
+    if mx.default_device() != mx.cpu:
+        return GPU_ROWS
+    return CPU_ROWS if model is None else cpu_rows(model)
+
+
+def cpu_rows(model: Any) -> int:
+    """CPU_BLOCK_ROWS when each of the model's distinct projections gives a probe row the
+    same bits at every place of a block of that many rows, beside random rows, as alone among
+    zero rows; else CPU_ROWS (the start-up probe checks the whole model again after)."""
+    if not hasattr(model, "named_modules"):  # not an mlx module: nothing is known of it
+        return CPU_ROWS
+    projections = _projections(model)
+    return CPU_BLOCK_ROWS if all(_keeps_rows(p, CPU_BLOCK_ROWS) for p in projections) else CPU_ROWS
+
+
+def _projections(model: Any) -> list[Callable[[mx.array], mx.array]]:
+    """One call per distinct projection kind and weight shape: Linear, QuantizedLinear and a
+    tied embedding's as_linear, as a decode step calls them."""
+    found: dict[tuple[Any, ...], Callable[[mx.array], mx.array]] = {}
+    for _, module in model.named_modules():
+        weight = module.get("weight") if hasattr(module, "get") else None
+        if weight is None:
+            continue
+        kind = (type(module).__name__, tuple(weight.shape), weight.dtype)
+        if isinstance(module, Linear | QuantizedLinear):
+            found.setdefault(kind, module)
+        elif isinstance(module, Embedding | QuantizedEmbedding):
+            found.setdefault(kind, module.as_linear)
+    return list(found.values())
+
+
+def _keeps_rows(project: Callable[[mx.array], mx.array], rows: int) -> bool:
+    """Whether a probe row's output is the same bits at each place of a block of `rows` rows
+    as alone (the block's other rows zero)."""
+    width, dtype = _input_of(project)
+    probe = mx.random.normal((1, 1, width), dtype, key=mx.random.key(7))
+    others = mx.random.normal((rows, 1, width), dtype, key=mx.random.key(8))
+    alone = project(mx.concatenate([probe, mx.zeros((rows - 1, 1, width), dtype)]))[0]
+    for place in range(rows):
+        block = mx.concatenate([others[:place], probe, others[place + 1 :]])
+        if not mx.array_equal(project(block)[place], alone).item():
+            return False
+    return True
+
+
+def _input_of(project: Any) -> tuple[int, mx.Dtype]:
+    """The width and dtype of what a decode step feeds this projection."""
+    layer = getattr(project, "__self__", project)  # as_linear: its embedding
+    weight = layer["weight"]
+    if isinstance(layer, QuantizedLinear | QuantizedEmbedding):
+        return int(weight.shape[-1] * 32 // layer.bits), layer["scales"].dtype
+    return int(weight.shape[-1]), weight.dtype
+
+
+def rows_alone_by_default() -> bool:
+    """Whether a decode step's rows attend one at a time (eagerly) rather than through the
+    chunked algorithm a compiled step can run: on the CPU, where the chunks in MLX ops cost
+    the mode most of its throughput at 8-32 streams (docs/determinism.md)."""
+    return bool(mx.default_device() == mx.cpu)
 
 
 def _in_blocks(call: Callable[[mx.array], mx.array], x: mx.array, rows: int) -> mx.array:
@@ -136,7 +197,13 @@ def left_padding(cache: list[Any] | None, batch: int) -> Paddings:
 class DeterministicModel:
     """The model as BatchGenerator calls it, each call batch-invariant (module docstring)."""
 
-    def __init__(self, model: Any, rows: int = 0, matmul_kernel: bool = False) -> None:
+    def __init__(
+        self,
+        model: Any,
+        rows: int = 0,
+        matmul_kernel: bool = False,
+        rows_alone: bool | None = None,
+    ) -> None:
         if rows < 0:
             raise ValueError("deterministic rows must be >= 1 (0: the default)")
         _install()
@@ -144,14 +211,22 @@ class DeterministicModel:
         # matmul_kernel on MLX-CUDA: the invariant kernel for plain 16-bit projections (blocks
         # of `rows` for the others); else blocks of `rows` for all.
         self.matmul_kernel = matmul_kernel and KERNEL_AVAILABLE
-        self.rows = rows or default_rows()
+        self.rows = rows or default_rows(model)
+        # Decode attention a row at a time through SDPA (steps eager only, `compiles` False),
+        # else the chunked algorithm, which compiles (None: rows_alone_by_default()).
+        self.rows_alone = rows_alone_by_default() if rows_alone is None else rows_alone
+
+    @property
+    def compiles(self) -> bool:
+        """Whether a compiled decode step (loop/compiled_decode.py) may wrap this model."""
+        return not self.rows_alone
 
     def __getattr__(self, name: str) -> Any:  # layers, make_cache, args...: the model's
         return getattr(self.model, name)
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> Any:
         pads = left_padding(cache, inputs.shape[0])
-        with deterministic_call(self.rows, pads, self.matmul_kernel):
+        with deterministic_call(self.rows, pads, self.matmul_kernel, self.rows_alone):
             return self.model(inputs, cache=cache, **kwargs)
 
 
