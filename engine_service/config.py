@@ -357,7 +357,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         "--deterministic-rows",
         type=int,
         default=ENV.integer("DETERMINISTIC_ROWS", 0),
-        help="rows per decode matmul block in deterministic mode (0: 128 on a GPU, 1 on CPU)",
+        help="rows per decode matmul block in deterministic mode (0: 128 on a GPU; on the CPU 8 "
+        "where the model's projections keep a row's bits at every place of such a block, else 1)",
     )
     p.add_argument(
         "--deterministic-matmul",
