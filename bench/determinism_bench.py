@@ -22,7 +22,7 @@
 
     python bench/determinism_bench.py [--model qwen3-0.6b-shape] [--batches 8,32,128]
         [--tokens 256] [--streams 1,8,32,128] [--pairs 3] [--skip-agreement]
-        [--probe-zoo qwen3_moe]
+        [--probe-zoo qwen3_moe] [--attention auto|alone|chunks]
 """
 
 from __future__ import annotations
@@ -63,11 +63,11 @@ TARGETS = 8
 COMPILED_MAX_BATCH = 8  # the engine's default --compiled-decode-max-batch
 
 
-def engine_side(model: Any, rows: int, kernel: bool) -> Any:
+def engine_side(model: Any, rows: int, kernel: bool, alone: bool | None = None) -> Any:
     """The engine's deterministic model as its scheduler steps it (loop/scheduler.py): small
     batches compiled, except where its rows attend alone (the CPU: every step eager); kernel:
     --deterministic-matmul kernel."""
-    deterministic = DeterministicModel(model, rows, kernel)
+    deterministic = DeterministicModel(model, rows, kernel, alone)
     return CompiledDecode(deterministic, COMPILED_MAX_BATCH if deterministic.compiles else 0)
 
 
@@ -162,12 +162,14 @@ def probe(loaded: Any, zoo: list[str], root: Path, kernel: bool) -> None:
         print(f"probe, {name}: {verdict} ({time.perf_counter() - start:.1f} s)")
 
 
-def agreement(loaded: Any, batches: list[int], tokens: int, kernel: bool) -> None:
+def agreement(
+    loaded: Any, batches: list[int], tokens: int, kernel: bool, alone: bool | None = None
+) -> None:
     rng = random.Random(0)
     vocab = loaded.vocab_size
     targets = [[rng.randrange(3, vocab) for _ in range(16 + 23 * i)] for i in range(TARGETS)]
     for mode in ("off", "on"):
-        model = engine_side(loaded.model, 0, kernel) if mode == "on" else loaded.model
+        model = engine_side(loaded.model, 0, kernel, alone) if mode == "on" else loaded.model
         prefill = 1 if mode == "on" else 8
         for seeded in (False, True):
             seeds = list(range(1_000, 1_000 + TARGETS)) if seeded else None
@@ -229,12 +231,20 @@ def decode_rate(model: Any, prompts: list[list[int]], tokens: int, prefill: int)
     return produced / seconds
 
 
-def cost(loaded: Any, streams: list[int], tokens: int, pairs: int, rows: int, kernel: bool) -> None:
+def cost(
+    loaded: Any,
+    streams: list[int],
+    tokens: int,
+    pairs: int,
+    rows: int,
+    kernel: bool,
+    alone: bool | None = None,
+) -> None:
     rng = random.Random(1)
     sides = {
         "mlx-lm": loaded.model,
         "default": CompiledDecode(loaded.model, COMPILED_MAX_BATCH),
-        "deterministic": engine_side(loaded.model, rows, kernel),
+        "deterministic": engine_side(loaded.model, rows, kernel, alone),
     }
     # Rows join 8 at a time on every side. What is timed is decode with every row in; the
     # engine's deterministic mode prefills one row at a time, which is not timed here. And on
@@ -300,9 +310,16 @@ def main() -> None:
     parser.add_argument("--skip-agreement", action="store_true")
     parser.add_argument("--rows", type=int, default=0, help="decode matmul block (0: default)")
     parser.add_argument("--kernel", action="store_true", help="--deterministic-matmul kernel")
+    parser.add_argument(
+        "--attention",
+        choices=["auto", "alone", "chunks"],
+        default="auto",
+        help="--deterministic-attention: rows alone (eager steps) or chunks (compiled steps)",
+    )
     parser.add_argument("--probe-zoo", default="", help="zoo shapes to probe, comma-separated")
     parser.add_argument("--transposed", action="store_true", help="an experiment: see below")
     args = parser.parse_args()
+    alone = None if args.attention == "auto" else args.attention == "alone"
     if args.transposed:
         DeterministicModel(mx.array(0))  # the mode's patches go in first, then this over them
         use_transposed_matmuls()
@@ -313,11 +330,16 @@ def main() -> None:
     kernel_check()
     if not args.skip_agreement:
         print("agreement with solo runs (8 target rows inside each batch):")
-        agreement(loaded, [int(b) for b in args.batches.split(",")], args.tokens, args.kernel)
-    rows = DeterministicModel(loaded.model, args.rows).rows
-    print(f"cost, {args.cost_tokens} decode tokens a stream, {args.pairs} ABAB pairs, {rows} rows:")
+        agreement(
+            loaded, [int(b) for b in args.batches.split(",")], args.tokens, args.kernel, alone
+        )
+    side = DeterministicModel(loaded.model, args.rows, rows_alone=alone)
+    print(
+        f"cost, {args.cost_tokens} decode tokens a stream, {args.pairs} ABAB pairs, {side.rows} "
+        f"rows, attention {'a row alone' if side.rows_alone else 'in chunks'}:"
+    )
     streams = [int(s) for s in args.streams.split(",")]
-    cost(loaded, streams, args.cost_tokens, args.pairs, args.rows, args.kernel)
+    cost(loaded, streams, args.cost_tokens, args.pairs, args.rows, args.kernel, alone)
 
 
 if __name__ == "__main__":

@@ -119,6 +119,18 @@ class EngineConfig:
     # Decode projections on MLX-CUDA: "blocks" (padded row blocks: cuBLAS) or "kernel"
     # (model/invariant_matmul_cuda.py: as fast as a GEMV for a few rows, slower at many).
     deterministic_matmul: str = "blocks"
+    # Decode attention: "alone" (each row through SDPA, eager steps), "chunks" (the chunked
+    # algorithm, which compiles) or "auto" (alone on the CPU; kv/row_attention.py).
+    deterministic_attention: str = "auto"
+
+    @property
+    def deterministic_rows_alone(self) -> bool | None:
+        """DeterministicModel's rows_alone (None: the device's default)."""
+        return (
+            None
+            if self.deterministic_attention == "auto"
+            else (self.deterministic_attention == "alone")
+        )
 
     @property
     def kv_codec(self) -> KVCodec:
@@ -367,6 +379,13 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         help="deterministic projections on MLX-CUDA: padded row blocks (best at many streams) "
         "or the invariant kernel (best at few; docs/determinism.md)",
     )
+    p.add_argument(
+        "--deterministic-attention",
+        choices=["auto", "alone", "chunks"],
+        default=ENV("DETERMINISTIC_ATTENTION", "auto"),
+        help="deterministic decode attention: each row alone through SDPA (steps eager), in "
+        "chunks from each row's start (steps compile), or auto: alone on the CPU",
+    )
     a = p.parse_args(argv)
     try:
         for flag, spec in (("--model", a.model), ("--draft-model", a.draft_model)):
@@ -417,6 +436,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             deterministic=a.deterministic,
             deterministic_rows=a.deterministic_rows,
             deterministic_matmul=a.deterministic_matmul,
+            deterministic_attention=a.deterministic_attention,
             announce=a.announce,
             announce_password_file=a.announce_password_file,
             announce_address=a.announce_address,

@@ -265,6 +265,10 @@ def test_deterministic_mode_refuses_a_draft_model_and_kv_codecs() -> None:
     assert kernel.deterministic_matmul == "kernel"
     with pytest.raises(SystemExit):
         parse_args(["--deterministic", "--deterministic-matmul", "gemv"])
+    assert config.deterministic_rows_alone is None  # the device's default
+    for choice, alone in (("alone", True), ("chunks", False)):
+        chosen = parse_args(["--deterministic", "--deterministic-attention", choice])
+        assert chosen.deterministic_rows_alone is alone
 
 
 def test_eight_batched_seeded_streams_killed_resume_alone_exactly(

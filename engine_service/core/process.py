@@ -267,10 +267,12 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
         kernel = config.deterministic_matmul == "kernel"
         if kernel and not KERNEL_AVAILABLE:
             log.warning("--deterministic-matmul kernel runs on MLX-CUDA only: row blocks here")
-        if compiled_max_batch and rows_alone_by_default():
-            log.info("deterministic mode: each row attends alone on this device; steps eager")
+        alone = config.deterministic_rows_alone
+        if compiled_max_batch and (rows_alone_by_default() if alone is None else alone):
+            log.info("deterministic mode: each row's decode attention runs alone; steps eager")
             compiled, compiled_max_batch = None, 0
-        if not check_row_invariant(loaded.model, config.deterministic_rows, compiled, kernel):
+        rows = config.deterministic_rows
+        if not check_row_invariant(loaded.model, rows, compiled, kernel, alone):
             if compiled_max_batch:
                 log.warning(
                     "deterministic mode: the compiled decode step does not give the eager "
@@ -296,6 +298,7 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
         grammars=Grammars.for_model(loaded, CompileBudget(config.constraint_compile_timeout_s)),
         deterministic_rows=config.deterministic_rows if config.deterministic else None,
         deterministic_kernel=config.deterministic_matmul == "kernel",
+        deterministic_rows_alone=config.deterministic_rows_alone,
     )
     scheduler.start(warm=config.warmup)
     drafts = DraftSupport(draft.model_id if draft else "", config.num_draft_tokens)

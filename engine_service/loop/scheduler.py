@@ -79,6 +79,7 @@ class Scheduler(SchedulerInbox):
         grammars: Grammars | None = None,
         deterministic_rows: int | None = None,
         deterministic_kernel: bool = False,
+        deterministic_rows_alone: bool | None = None,
     ) -> None:
         self.loaded = loaded
         # The batch's model: batch-invariant rows (model/deterministic.py; None: off), decode
@@ -86,7 +87,9 @@ class Scheduler(SchedulerInbox):
         self.deterministic = deterministic_rows is not None
         model: Any = loaded.model
         if deterministic_rows is not None:
-            model = DeterministicModel(loaded.model, deterministic_rows, deterministic_kernel)
+            model = DeterministicModel(
+                loaded.model, deterministic_rows, deterministic_kernel, deterministic_rows_alone
+            )
             if not model.compiles:  # its rows attend alone: steps eager (kv/row_attention.py)
                 compiled_decode_max_batch = 0
         if compiled_decode_max_batch > 0:
