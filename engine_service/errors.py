@@ -6,6 +6,7 @@
     ├── AlreadyExists           ALREADY_EXISTS     request id already running
     ├── Overloaded              RESOURCE_EXHAUSTED admission limits
     ├── Precondition            FAILED_PRECONDITION wrong model, layout, setup
+    │   └── GenerationEnded                        a resume of an ended generation
     ├── Unavailable             UNAVAILABLE        shutting down
     ├── Corrupt                 DATA_LOSS          a stored checkpoint that cannot be read
     ├── DeadlineExceeded        DEADLINE_EXCEEDED  the client's deadline passed
@@ -42,6 +43,14 @@ class Overloaded(EngineError):
 
 class Precondition(EngineError):
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class GenerationEnded(Precondition):
+    """A resume of a generation that ended (its tombstone): nothing to resume."""
+
+    def __init__(self, message: str, generated: int | None = None) -> None:
+        super().__init__(message)
+        self.generated = generated  # what it emitted in all, where the tombstone says
 
 
 class Unavailable(EngineError):

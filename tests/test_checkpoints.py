@@ -302,7 +302,8 @@ def test_damage_in_a_late_part_of_a_progressive_restore_falls_back_to_prefill(
 
 def test_resume_of_an_ended_generation_says_how_it_ended(shared: Stack) -> None:
     """A generation that finished (or was cancelled) leaves a tombstone: a resume answers
-    FAILED_PRECONDITION with how it ended and its token count, never NOT_FOUND nor tokens."""
+    FAILED_PRECONDITION with how it ended and its token count, never NOT_FOUND nor tokens;
+    one claiming to hold more tokens than it emitted is INVALID_ARGUMENT."""
     with EngineClient(shared.engine.address) as engine:
         ended_in = dict(namespace="ended")
         request = dict(
@@ -331,6 +332,12 @@ def test_resume_of_an_ended_generation_says_how_it_ended(shared: Stack) -> None:
             engine.generate(PROMPT[:80], resume=True, **request)
         assert cancelled.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "this generation was cancelled;" in str(cancelled.value)
+        # Holding more than it ever emitted is the request's error, ended or not.
+        emitted = int(str(cancelled.value).split("cancelled; ")[1].split(" ")[0])
+        with pytest.raises(TandemError) as overclaimed:
+            engine.generate(PROMPT[:80], resume=True, tokens_held=emitted + 5, **request)
+        assert overclaimed.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"tokens_held {emitted + 5} exceeds the {emitted} tokens" in str(overclaimed.value)
 
         # Tombstones are not generations in flight, and carry no cache.
         with StoreClient(f"127.0.0.1:{shared.port}") as store:

@@ -9,7 +9,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from engine_service.errors import Corrupt, Precondition
+from engine_service.errors import Corrupt, GenerationEnded, Precondition
 from engine_service.protocol.sampling_options import SamplingOptions
 from tandem_client.records import Checkpoint
 
@@ -135,4 +135,7 @@ def refuse_ended(record: Checkpoint) -> None:
     ended = record.metadata.get(ENDED)
     if ended is not None:
         tokens = record.metadata.get("generated", "?")
-        raise Precondition(f"this generation {ended}; {tokens} tokens (nothing to resume)")
+        raise GenerationEnded(
+            f"this generation {ended}; {tokens} tokens (nothing to resume)",
+            int(tokens) if tokens.isdigit() else None,
+        )

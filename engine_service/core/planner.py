@@ -13,6 +13,7 @@ from engine_service.checkpoints.attachments import DRAFT_SCHEMA
 from engine_service.checkpoints.manager import CheckpointManager
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE
 from engine_service.core.plans import Plan
+from engine_service.errors import GenerationEnded, InvalidRequest
 from engine_service.protocol.requests import DraftSupport, GenerationRequest
 
 # How long a prefix lookup waits for the prefixes whose first token is out to be kept: at
@@ -54,7 +55,18 @@ class Planner:
             companions = (
                 {DRAFT_SCHEMA: {"draft_model": self.drafts.model_id}} if req.num_draft else None
             )
-            return gens.loads.load(key, req.namespace, req.prompt, req.layout, companions)
+            try:
+                return gens.loads.load(key, req.namespace, req.prompt, req.layout, companions)
+            except GenerationEnded as ended:
+                # A claim of more tokens than the generation ever emitted is the request's
+                # error, whether it ended before this resume or ends during it
+                # (front/response_stream.py says the same then).
+                if ended.generated is not None and req.tokens_held > ended.generated:
+                    raise InvalidRequest(
+                        f"tokens_held {req.tokens_held} exceeds the {ended.generated} tokens "
+                        "this generation emits; resume with the count of tokens received"
+                    ) from ended
+                raise
         if len(req.prompt) > BLOCK_SIZE:
             self.saves_settled(SAVES_WAIT_S)
             return ckpt.prefixes.find(req.prompt, req.namespace, req.layout, req.prefix_record)
