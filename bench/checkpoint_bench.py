@@ -50,7 +50,12 @@ from engine_service import blas  # noqa: E402
 from engine_service.model.loading import load_model  # noqa: E402
 from tandem_client import EngineClient, StoreClient  # noqa: E402
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc  # noqa: E402
-from tests.servers import free_port, start_engine, start_store_on  # noqa: E402
+from tests.servers import (  # noqa: E402
+    free_port,
+    generation_progress,
+    start_engine,
+    start_store_on,
+)
 
 
 def _ttft(
@@ -130,9 +135,9 @@ def bench_resume(stack: dict, vocab: int, tokens: int) -> dict:
         # has it, as a crash after that point would find it.
         deadline = time.monotonic() + 120
         with StoreClient(stack["store"]) as store:
-            while not any(
-                r.token_count >= len(prompt) + received for r in store.list_all(kind="generation")
-            ):
+            # A chain's later segments have no manifest of their own: its newest segment's
+            # count is the generation's (generation_progress).
+            while max(generation_progress(store).values(), default=0) < len(prompt) + received:
                 assert time.monotonic() < deadline, "no checkpoint covering the held tokens"
                 client.flush()
                 time.sleep(0.05)
