@@ -83,16 +83,14 @@ class Scheduler(SchedulerInbox):
     ) -> None:
         self.loaded = loaded
         # The batch's model: batch-invariant rows (model/deterministic.py; None: off), decode
-        # steps of small batches compiled (loop/compiled_decode.py), or as loaded.
+        # steps of small batches compiled (loop/compiled_decode.py; not a deterministic model
+        # whose rows attend alone: it steps eagerly), or as loaded.
         self.deterministic = deterministic_rows is not None
         model: Any = loaded.model
         if deterministic_rows is not None:
-            model = DeterministicModel(
-                loaded.model, deterministic_rows, deterministic_kernel, deterministic_rows_alone
-            )
-            if not model.compiles:  # its rows attend alone: steps eager (kv/row_attention.py)
-                compiled_decode_max_batch = 0
-        if compiled_decode_max_batch > 0:
+            rows, kernel, alone = deterministic_rows, deterministic_kernel, deterministic_rows_alone
+            model = DeterministicModel(loaded.model, rows, kernel, alone)
+        if compiled_decode_max_batch > 0 and getattr(model, "compiles", True):
             model = CompiledDecode(model, compiled_decode_max_batch)
         # Structured output: constrained rows' masks, all rows of a step together.
         self._masks = BatchMasks(model, loaded.vocab_size, lambda: running_batch(self._bg))
