@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -463,12 +464,16 @@ def test_resume_reads_the_manifest_then_the_chain_as_far_as_it_runs(
         manifest = store.get_header(key)
         first, listed = int(manifest.metadata["chain_first"]), int(manifest.metadata["chain_next"])
         assert listed == first + 1  # the chain's first segment, a whole snapshot
-        before = store.stats()
+        before, routes = store.stats(), gens.loads.store.read_routes
         plan = gens.loads.load(key, "default", request.prompt, request.layout)
         after = store.stats()
         assert plan.chain_first == first and plan.chain_next - first >= 4  # later segments read
         assert len(plan.parts) == plan.chain_next - first
         assert after.misses - before.misses == MAX_CHAIN - len(plan.parts)  # probes past it
+        # Headers first, then each payload into a span of its size: the manifest and every
+        # segment through the region, none streamed for want of a free span.
+        read = Counter(gens.loads.store.read_routes) - Counter(routes)
+        assert read == Counter(region=1 + len(plan.parts))
         _continues_exactly(tiny, gens, plan, request.prompt)
 
         # A gap (a later segment lost): the resume stops before it, from an older state.

@@ -105,19 +105,15 @@ class GenerationLoads:
         parts, tokens = [record], list(record.token_ids)
         if meta.chain_first is not None and meta.chain_next is not None:
             try:
-                parts = self._chain(key, namespace, meta.chain_first, meta.chain_next)
+                parts = self._chain(key, namespace, meta.chain_first, meta.chain_next, tokens)
             except NotFound:
                 self._refuse_if_ended(key, namespace)  # it may have ended meanwhile
                 raise
-            listed = meta.chain_next - meta.chain_first
-            for i in range(listed, len(parts)):  # written after the manifest
-                later = parts[i]
-                if _start_of(later) != len(tokens) or later.token_ids[: len(tokens)] != tokens:
-                    parts = parts[:i]  # not the continuation of what is read so far
-                    break
-                meta = GenerationMeta.from_metadata(later.metadata)  # each says its state
-                tokens = list(later.token_ids)
-            if len(parts) > listed:
+            later = parts[meta.chain_next - meta.chain_first :]  # written after the manifest
+            for segment in later:
+                meta = GenerationMeta.from_metadata(segment.metadata)  # each says its state
+                tokens = list(segment.token_ids)
+            if later:
                 self._refuse_if_ended(key, namespace)  # a tombstone replaced the manifest
         # Refuse here, with a status, what the MLX thread could not restore.
         for part in parts:
@@ -156,38 +152,100 @@ class GenerationLoads:
             )
         refuse_ended(now)
 
-    def _chain(self, key: bytes, namespace: str, first: int, listed: int) -> list[Checkpoint]:
-        """The segments of a chain, fetched in parallel: those the manifest lists ([first,
-        listed), each required), then those written after it, as far as they run on without
-        a gap (a chain holds at most MAX_CHAIN)."""
+    def _chain(
+        self, key: bytes, namespace: str, first: int, listed: int, listed_tokens: list[int]
+    ) -> list[Checkpoint]:
+        """The segments of a chain: those the manifest lists ([first, listed), each
+        required), then those written after it, as far as they run on without a gap, each
+        continuing the tokens before it (listed_tokens: the manifest's); a chain holds at
+        most MAX_CHAIN.
+
+        Two rounds of parallel reads: every candidate's header (small, no payload), then the
+        payloads of the segments that continue the chain, each into a region span of its own
+        size. Reading payloads blindly cost a resume the misses' round trips and, with spans
+        of an unknown size, region spans too large for several to be lent at once: those
+        reads streamed over gRPC instead (a 0.6B model's resume after 1,000 tokens on an
+        H200: 218 ms, against 100 ms before chains)."""
         store = self.store
         assert store is not None
         if not 0 <= first < listed or listed - first > MAX_CHAIN:
             raise Corrupt(f"generation checkpoint lists segments {first}..{listed - 1}")
-
-        def fetch(index: int) -> Checkpoint | None:
-            try:
-                return store.get(segment_key(key, index), namespace)
-            except StoreNotFound as exc:
-                if index >= listed:
-                    return None  # the chain ends before it
-                raise NotFound(f"segment {index} of this checkpoint is not in the store") from exc
-            except DataLoss as exc:
-                if index >= listed:
-                    return None  # damaged (the store set it aside): resume from before it
-                raise _store_failure(exc) from exc
-            except TandemError as exc:
-                raise _store_failure(exc) from exc
-
-        indices = range(first, first + MAX_CHAIN)
+        listed_count = listed - first
         with ThreadPoolExecutor(max_workers=FETCH_WORKERS) as pool:
-            found = list(pool.map(fetch, indices))
-        chain: list[Checkpoint] = []
-        for segment in found:
-            if segment is None:
-                break
-            chain.append(segment)
-        return chain
+            headers = list(
+                pool.map(
+                    lambda i: self._segment(key, namespace, i, i < listed, header_only=True),
+                    range(first, first + MAX_CHAIN),
+                )
+            )
+            run = _continuing(_gapless(headers), listed_count, listed_tokens)
+            parts = list(
+                pool.map(
+                    lambda i: self._segment(
+                        key, namespace, first + i, i < listed_count, size_hint=_payload(run[i])
+                    ),
+                    range(len(run)),
+                )
+            )
+        return _continuing(_gapless(parts), listed_count, listed_tokens)
+
+    def _segment(
+        self,
+        key: bytes,
+        namespace: str,
+        index: int,
+        required: bool,
+        *,
+        header_only: bool = False,
+        size_hint: int = 0,
+    ) -> Checkpoint | None:
+        """Segment `index` of a chain (its header only, or whole); None where an optional
+        one (written after the manifest) is missing or damaged: the chain ends before it."""
+        store = self.store
+        assert store is not None
+        seg_key = segment_key(key, index)
+        try:
+            if header_only:
+                return store.get_header(seg_key, namespace)
+            return store.get(seg_key, namespace, size_hint=size_hint)
+        except StoreNotFound as exc:
+            if not required:
+                return None
+            raise NotFound(f"segment {index} of this checkpoint is not in the store") from exc
+        except DataLoss as exc:
+            if not required:
+                return None  # damaged (the store set it aside): resume from before it
+            raise _store_failure(exc) from exc
+        except TandemError as exc:
+            raise _store_failure(exc) from exc
+
+
+def _gapless(segments: list[Checkpoint | None]) -> list[Checkpoint]:
+    """The segments up to the first one missing."""
+    run: list[Checkpoint] = []
+    for segment in segments:
+        if segment is None:
+            break
+        run.append(segment)
+    return run
+
+
+def _continuing(chain: list[Checkpoint], listed: int, tokens: list[int]) -> list[Checkpoint]:
+    """The chain as far as each segment written after the manifest (from index `listed`
+    on) continues the tokens before it (`tokens`: the manifest's, then each segment's): it
+    starts where they end and repeats them. One that does not is another run's."""
+    for i in range(listed, len(chain)):
+        later = chain[i]
+        if _start_of(later) != len(tokens) or later.token_ids[: len(tokens)] != tokens:
+            return chain[:i]
+        tokens = later.token_ids
+    return chain
+
+
+def _payload(header: Checkpoint) -> int:
+    """A record's payload bytes, from its header: what its region span must hold."""
+    tensors = [*header.tensors, *(t for a in header.attachments for t in a.tensors)]
+    return sum(t.nbytes for t in tensors)
 
 
 def _start_of(segment: Checkpoint) -> int:

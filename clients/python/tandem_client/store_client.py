@@ -113,15 +113,19 @@ class StoreClient(SameHostReads, StorePuts, GrpcClient):
         self._reads = None
         super().close()
 
-    def get(self, key: bytes, namespace: str = "", *, max_chunk_bytes: int = 0) -> Checkpoint:
+    def get(
+        self, key: bytes, namespace: str = "", *, max_chunk_bytes: int = 0, size_hint: int = 0
+    ) -> Checkpoint:
         """The checkpoint with its tensors' bytes, each tensor's CRC checked end to end (or,
-        with a region attached, by the store as it wrote them into the region)."""
+        with a region attached, by the store as it wrote them into the region). size_hint:
+        the payload's size when known (from its header), so a region span that fits it is
+        taken rather than a default one."""
         if max_chunk_bytes:
             with self._bulk_slot():
                 return self._retry_unavailable(
                     lambda: self._call(lambda: self._get_streamed(key, namespace, max_chunk_bytes))
                 )
-        read = self.get_routed(key, namespace)
+        read = self.get_routed(key, namespace, size_hint=size_hint)
         if read.hold is not None:  # copied out: the span is free again once this returns
             own_tensors(read.checkpoint)
             read.hold.release()
