@@ -112,15 +112,20 @@ def bench_ttft(
     return rows
 
 
-def bench_resume(stack: dict, vocab: int, tokens: int) -> dict:
+def bench_resume(stack: dict, vocab: int, tokens: int, samples: int = 1) -> dict:
+    """A generation killed after `tokens` tokens, resumed on a fresh engine: the time to its
+    first new token against the time its tokens took to generate. Each further sample kills
+    the engine again under the resumed stream and resumes it once more (the checkpoint may
+    then be ahead of what the client holds: the engine replays from it)."""
     prompt = random_prompt(64, vocab, seed=5)
     request = dict(
-        max_tokens=tokens * 4,  # still running when it is killed
+        max_tokens=tokens * 8,  # still running when it is killed
         ignore_eos=True,
         checkpoint_interval=tokens // 4,
         request_id="crash-me",
     )
     engine = stack["engine"]
+    firsts: list[float] = []
     with EngineClient(engine.address, timeout=1800) as client:
         start = time.perf_counter()
         received = 0
@@ -130,36 +135,48 @@ def bench_resume(stack: dict, vocab: int, tokens: int) -> dict:
             if received >= tokens:
                 break
         regenerate_s = time.perf_counter() - start  # prompt + `tokens` generated
-        # The snapshot covering what the client holds is taken at the next interval (up to
-        # tokens // 4 more, on an aligned step) and queued a step later: wait until the store
-        # has it, as a crash after that point would find it.
-        deadline = time.monotonic() + 120
-        with StoreClient(stack["store"]) as store:
-            # A chain's later segments have no manifest of their own: its newest segment's
-            # count is the generation's (generation_progress).
-            while max(generation_progress(store).values(), default=0) < len(prompt) + received:
-                assert time.monotonic() < deadline, "no checkpoint covering the held tokens"
-                client.flush()
-                time.sleep(0.05)
-    engine.kill()
-    engine = stack["restart"]()
-    with EngineClient(engine.address, timeout=1800) as client:
-        # Warm the fresh engine's kernels (first use compiles on a GPU), as a replacement
-        # engine that already serves traffic would be.
-        client.generate(prompt, max_tokens=4, ignore_eos=True, namespace="warm-up")
-        start = time.perf_counter()
-        first_new = None
-        for chunk in client.stream(prompt, resume=True, tokens_held=received, **request):
-            if chunk.token_ids:
-                first_new = time.perf_counter() - start
-                break
+        _wait_covered(stack["store"], client, len(prompt) + received)
+    for _ in range(samples):
+        engine.kill()
+        engine = stack["restart"]()
+        with EngineClient(engine.address, timeout=1800) as client:
+            # Warm the fresh engine's kernels (first use compiles on a GPU), as a replacement
+            # engine that already serves traffic would be.
+            client.generate(prompt, max_tokens=4, ignore_eos=True, namespace="warm-up")
+            start = time.perf_counter()
+            stream = client.stream(prompt, resume=True, tokens_held=received, **request)
+            for chunk in stream:
+                if chunk.token_ids:
+                    firsts.append(time.perf_counter() - start)
+                    break
+            _wait_covered(stack["store"], client, len(prompt) + received)
     stack["engine"] = engine
+    first_new = statistics.median(firsts)
     print(
-        f"  resume after {received} tokens: {first_new * 1e3:.1f} ms to the first new token; "
-        f"regenerating them took {regenerate_s * 1e3:.0f} ms "
-        f"({regenerate_s / first_new:.0f}x)"
+        f"  resume after {received} tokens: {first_new * 1e3:.1f} ms to the first new token "
+        f"(median of {len(firsts)}: {', '.join(f'{x * 1e3:.1f}' for x in firsts)}); "
+        f"regenerating them took {regenerate_s * 1e3:.0f} ms ({regenerate_s / first_new:.0f}x)"
     )
-    return {"tokens": received, "resume_first_token_s": first_new, "regenerate_s": regenerate_s}
+    return {
+        "tokens": received,
+        "resume_first_token_s": first_new,
+        "samples_s": firsts,
+        "regenerate_s": regenerate_s,
+    }
+
+
+def _wait_covered(store_address: str, client: EngineClient, tokens: int) -> None:
+    """Until the store holds a checkpoint of at least `tokens` tokens (prompt included), as
+    a crash after that point would find it. The snapshot covering what the client holds is
+    taken at the next interval and queued a step later."""
+    deadline = time.monotonic() + 120
+    with StoreClient(store_address) as store:
+        # A chain's later segments have no manifest of their own: its newest segment's
+        # count is the generation's (generation_progress).
+        while max(generation_progress(store).values(), default=0) < tokens:
+            assert time.monotonic() < deadline, "no checkpoint covering the held tokens"
+            client.flush()
+            time.sleep(0.05)
 
 
 def bench_batched_resume(stack: dict, vocab: int, streams: int, tokens: int) -> dict:
@@ -350,7 +367,7 @@ def main() -> None:
                     print("\n".join(x for x in lines if "WARN" in x or "ERROR" in x)[-3000:])
             if "resume" not in skip:
                 print("resume after an engine crash vs regenerating:")
-                out["resume"] = bench_resume(stack, vocab, args.resume_tokens)
+                out["resume"] = bench_resume(stack, vocab, args.resume_tokens, args.repeat)
             if "batched" not in skip:
                 print("resume under continuous batching (8 streams, seeded):")
                 out["batched_resume"] = bench_batched_resume(stack, vocab, 8, 64)
