@@ -53,11 +53,15 @@ def engine_hit(
     namespace: str,
     think_s: float = 0.0,
     bits: int = 0,
+    scheme: str | None = None,
 ) -> float:
     """The follow-up's time to first token, its prefix saved to the store first (and think_s
     of a user's pause between the answer and the next turn); bits: the prefix record
-    compressed to 8 or 4 bits (0: exact)."""
-    where = dict(ignore_eos=True, namespace=namespace, prefix_record_bits=bits)
+    compressed to 8 or 4 bits (0: exact); scheme: the codes' scheme ("affine", the default,
+    or "turboquant": 4, 3 or 2 bits)."""
+    where = dict(
+        ignore_eos=True, namespace=namespace, prefix_record_bits=bits, prefix_record_scheme=scheme
+    )
     client.generate(base, max_tokens=1, **where)
     client.flush()  # the prefix is in the store
     time.sleep(think_s)
@@ -133,6 +137,12 @@ def main() -> None:
     parser.add_argument(
         "--record-bits", type=int, default=0, help="prefix records as 8- or 4-bit codes"
     )
+    parser.add_argument(
+        "--record-scheme",
+        choices=["affine", "turboquant"],
+        default=None,
+        help="the --record-bits codes' scheme (turboquant: 4, 3 or 2 bits)",
+    )
     args = parser.parse_args()
     routes = args.routes.split(",")
     with tempfile.TemporaryDirectory(prefix="tandem-hit-floor-") as tmp:
@@ -182,7 +192,15 @@ def main() -> None:
                 base = random_prompt(args.tokens, vocab, seed=7_000 + r)
                 turn = random_prompt(16, vocab, seed=r)
                 got = {
-                    k: engine_hit(c, base, turn, f"{k}-{r}", args.think_s, args.record_bits)
+                    k: engine_hit(
+                        c,
+                        base,
+                        turn,
+                        f"{k}-{r}",
+                        args.think_s,
+                        args.record_bits,
+                        args.record_scheme,
+                    )
                     for k, c in clients.items()
                 }
                 raw = raw_from_memory(loaded, base, turn)
@@ -220,7 +238,8 @@ def main() -> None:
             store_phases = phase_medians(root / "store-store.log", "direct Get phases (ms):")
     print(
         f"{args.model} on {mx.default_device()}, {args.tokens} + 16 tokens, {args.pairs} rounds,"
-        f" records {args.record_bits or 'exact'}{'-bit' if args.record_bits else ''}:"
+        f" records {args.record_bits or 'exact'}{'-bit' if args.record_bits else ''}"
+        f"{' ' + args.record_scheme if args.record_bits and args.record_scheme else ''}:"
         f" raw mlx-lm from memory {statistics.median(raws) * 1e3:.1f} ms"
     )
     for k in routes:
