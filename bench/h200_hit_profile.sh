@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 37 on the lent H200, after `. .whl2/device-setup.sh` and the project's other wheels
+# (../shared/gpu/README.md; py-spy among them for part p). Part r: resume after 1,000 tokens,
+# 3 samples (a chain's headers, then its payloads in spans of their size). Part p: the 0.6B
+# shape's 8k store hit with py-spy sampling every process of the bench (engine front, core,
+# store) to find the ~25 ms of a hit outside its logged phases. Part t: the same hit with
+# 4-bit TurboQuant prefix records (the engine's path, not only the in-process restore).
+# Part c: decode with a checkpoint every 16 tokens against off, 24 ABBA pairs.
+# Writes text under $OUT.
+set -u
+out=${OUT:-/tmp}
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader; nproc
+hit="python3 bench/hit_floor_bench.py --cold --routes direct --model qwen3-0.6b-shape"
+for part in ${1:-r p t}; do
+  case "$part" in
+    r)
+      timeout 200 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape --repeat 3 \
+        --skip ttft,batched,decode,restore,floor,local 2>&1 | tee "$out/resume.txt"
+      ;;
+    p)
+      timeout 200 py-spy record --subprocesses --idle --threads -r 250 -f raw \
+        -o "$out/hit_8k_profile.txt" -- $hit --tokens 8192 --pairs 5 --think-s 0.5 \
+        2>&1 | tee "$out/hit_8k_profiled.txt"
+      ;;
+    t)
+      timeout 150 $hit --tokens 8192 --pairs 4 --think-s 0.5 --record-bits 4 \
+        --record-scheme turboquant 2>&1 | tee "$out/hit_8k_tq4.txt"
+      ;;
+    c)
+      timeout 400 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape --repeat 24 \
+        --skip ttft,resume,batched,restore,floor,local 2>&1 | tee "$out/checkpoint_cost.txt"
+      ;;
+  esac
+done
