@@ -474,7 +474,13 @@ def test_resume_reads_the_manifest_then_the_chain_as_far_as_it_runs(
         # segment through the region, none streamed for want of a free span.
         read = Counter(gens.loads.store.read_routes) - Counter(routes)
         assert read == Counter(region=1 + len(plan.parts))
+        # The segments' tensors view their spans until the arrays are made, then give them
+        # back: none is left lent.
+        reads = gens.loads.store._reads
+        assert reads is not None and len(plan.holds) == len(plan.parts)
+        assert reads.free_bytes < reads.usable
         _continues_exactly(tiny, gens, plan, request.prompt)
+        assert reads.free_bytes == reads.usable and all(h.released for h in plan.holds)
 
         # A gap (a later segment lost): the resume stops before it, from an older state.
         store.delete(segment_key(key, first + 2), "default", force=True)
@@ -522,6 +528,9 @@ def test_a_damaged_later_segment_ends_the_chain_before_it(
         older = gens.loads.load(key, "default", request.prompt, request.layout)
         assert older.chain_next == whole.chain_first + 2
         _continues_exactly(tiny, gens, older, request.prompt)
+        # The segments read after the damaged one were given back, unused.
+        reads = gens.loads.store._reads
+        assert reads is not None and reads.free_bytes == reads.usable
     finally:
         checkpoints.close()
         server.stop(None).wait()

@@ -11,7 +11,8 @@ chain's segments as far as they run on without a gap, each continuing the one be
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -20,6 +21,7 @@ from mlx_lm.models import cache as cache_lib
 from engine_service.checkpoints.attachments import check_attachment
 from engine_service.checkpoints.attachments import find as find_attachment
 from engine_service.checkpoints.cache_records import check_restorable, restore
+from engine_service.checkpoints.device_landing import Landing
 from engine_service.checkpoints.generation_meta import (
     FETCH_WORKERS,
     MAX_CHAIN,
@@ -31,33 +33,49 @@ from engine_service.checkpoints.generation_meta import (
 from engine_service.core.plans import ResumePlan
 from engine_service.errors import Corrupt, EngineError, NotFound, Precondition, Unavailable
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
+from tandem_client.direct import DirectHold
 from tandem_client.errors import DataLoss, TandemError
 from tandem_client.errors import NotFound as StoreNotFound
 from tandem_client.records import Checkpoint
+from tandem_client.regions import RegionHold
 from tandem_client.store_client import StoreClient
 
 
 class GenerationLoads:
     def __init__(
-        self, model_id: str, counters: CheckpointCounters, store: StoreClient | None
+        self,
+        model_id: str,
+        counters: CheckpointCounters,
+        store: StoreClient | None,
+        landing: Landing | None = None,
     ) -> None:
         self.model_id = model_id
         self.counters = counters
         self.store = store
+        # How a segment's bytes, left in the shared-memory region, become arrays: pulled by
+        # the GPU from the pinned region on MLX-CUDA (43 GB/s against mx.array's 2.4), one
+        # host copy elsewhere.
+        self.landing = landing if landing is not None else Landing()
 
     def materialize(self, plan: ResumePlan) -> list[Any]:
         """The caches of a resume plan (MLX thread): the whole snapshot, or the chain's
-        segments joined in order."""
+        segments joined in order. The plan's region spans are given back once the arrays
+        own their bytes."""
         start = time.perf_counter()
-        caches = self._joined(plan)
+        try:
+            caches = self._joined(plan)
+            self.landing.settle()
+        finally:
+            plan.release()
         self.counters.observe_restore(plan.nbytes, plan.fetch_s + time.perf_counter() - start)
         return caches
 
     def _joined(self, plan: ResumePlan) -> list[Any]:
+        to_array = self.landing.array
         if not plan.chain_next:
             (whole,) = plan.parts
-            return restore(whole.metadata, whole.tensors, plan.layout)
-        parts = [restore(p.metadata, p.tensors, plan.layout) for p in plan.parts]
+            return restore(whole.metadata, whole.tensors, plan.layout, to_array)
+        parts = [restore(p.metadata, p.tensors, plan.layout, to_array) for p in plan.parts]
         caches = []
         for layer in zip(*parts, strict=True):
             cache = cache_lib.KVCache()
@@ -103,27 +121,35 @@ class GenerationLoads:
         if record.token_ids[: meta.prompt_tokens] != list(prompt):
             raise Precondition("checkpoint prompt differs from the request's")
         parts, tokens = [record], list(record.token_ids)
-        if meta.chain_first is not None and meta.chain_next is not None:
-            try:
-                parts = self._chain(key, namespace, meta.chain_first, meta.chain_next, tokens)
-            except NotFound:
-                self._refuse_if_ended(key, namespace)  # it may have ended meanwhile
-                raise
-            later = parts[meta.chain_next - meta.chain_first :]  # written after the manifest
-            for segment in later:
-                meta = GenerationMeta.from_metadata(segment.metadata)  # each says its state
-                tokens = list(segment.token_ids)
-            if later:
-                self._refuse_if_ended(key, namespace)  # a tombstone replaced the manifest
-        # Refuse here, with a status, what the MLX thread could not restore.
-        for part in parts:
-            check_restorable(part.metadata, part.tensors, layout)
-        kept = []
-        for schema, expect in (companions or {}).items():
-            attachment = find_attachment(record.attachments, schema)
-            if attachment is not None:
-                check_attachment(attachment, schema, len(record.token_ids), expect)
-                kept.append(attachment)
+        holds: list[RegionHold] = []
+        try:
+            if meta.chain_first is not None and meta.chain_next is not None:
+                try:
+                    held = self._chain(key, namespace, meta.chain_first, meta.chain_next, tokens)
+                except NotFound:
+                    self._refuse_if_ended(key, namespace)  # it may have ended meanwhile
+                    raise
+                parts = [part.checkpoint for part in held]
+                holds = [part.hold for part in held if part.hold is not None]
+                later = parts[meta.chain_next - meta.chain_first :]  # after the manifest
+                for segment in later:
+                    meta = GenerationMeta.from_metadata(segment.metadata)  # each says its state
+                    tokens = list(segment.token_ids)
+                if later:
+                    self._refuse_if_ended(key, namespace)  # a tombstone replaced the manifest
+            # Refuse here, with a status, what the MLX thread could not restore.
+            for part in parts:
+                check_restorable(part.metadata, part.tensors, layout)
+            kept = []
+            for schema, expect in (companions or {}).items():
+                attachment = find_attachment(record.attachments, schema)
+                if attachment is not None:
+                    check_attachment(attachment, schema, len(record.token_ids), expect)
+                    kept.append(attachment)
+        except BaseException:
+            for hold in holds:
+                hold.release()
+            raise
         self.counters.add(resumes=1)
         return ResumePlan(
             key,
@@ -135,6 +161,7 @@ class GenerationLoads:
             chain_next=meta.chain_next or 0,
             attachments=kept,
             fetch_s=time.perf_counter() - start,
+            holds=holds,
         )
 
     def _refuse_if_ended(self, key: bytes, namespace: str) -> None:
@@ -154,7 +181,7 @@ class GenerationLoads:
 
     def _chain(
         self, key: bytes, namespace: str, first: int, listed: int, listed_tokens: list[int]
-    ) -> list[Checkpoint]:
+    ) -> list[HeldSegment]:
         """The segments of a chain: those the manifest lists ([first, listed), each
         required), then those written after it, as far as they run on without a gap, each
         continuing the tokens before it (listed_tokens: the manifest's); a chain holds at
@@ -162,10 +189,11 @@ class GenerationLoads:
 
         Two rounds of parallel reads: every candidate's header (small, no payload), then the
         payloads of the segments that continue the chain, each into a region span of its own
-        size. Reading payloads blindly cost a resume the misses' round trips and, with spans
-        of an unknown size, region spans too large for several to be lent at once: those
-        reads streamed over gRPC instead (a 0.6B model's resume after 1,000 tokens on an
-        H200: 218 ms, against 100 ms before chains)."""
+        size, where they stay (each part's hold) until materialize() lands them. Reading
+        payloads blindly cost a resume the misses' round trips and, with spans of an unknown
+        size, region spans too large for several to be lent at once: those reads streamed
+        over gRPC instead (a 0.6B model's resume after 1,000 tokens on an H200: 218 ms,
+        against 100 ms before chains)."""
         store = self.store
         assert store is not None
         if not 0 <= first < listed or listed - first > MAX_CHAIN:
@@ -179,15 +207,23 @@ class GenerationLoads:
                 )
             )
             run = _continuing(_gapless(headers), listed_count, listed_tokens)
-            parts = list(
-                pool.map(
-                    lambda i: self._segment(
-                        key, namespace, first + i, i < listed_count, size_hint=_payload(run[i])
-                    ),
-                    range(len(run)),
+            futures = [
+                pool.submit(
+                    self._segment,
+                    key,
+                    namespace,
+                    first + i,
+                    i < listed_count,
+                    size_hint=_payload(part.checkpoint),
                 )
-            )
-        return _continuing(_gapless(parts), listed_count, listed_tokens)
+                for i, part in enumerate(run)
+            ]
+        parts = _all_or_released(futures)
+        chain = _continuing(_gapless(parts), listed_count, listed_tokens)
+        for part in parts[len(chain) :]:
+            if part is not None and part.hold is not None:
+                part.hold.release()
+        return chain
 
     def _segment(
         self,
@@ -198,16 +234,19 @@ class GenerationLoads:
         *,
         header_only: bool = False,
         size_hint: int = 0,
-    ) -> Checkpoint | None:
-        """Segment `index` of a chain (its header only, or whole); None where an optional
-        one (written after the manifest) is missing or damaged: the chain ends before it."""
+    ) -> HeldSegment | None:
+        """Segment `index` of a chain (its header only, or whole, its payload left in the
+        region where it was placed); None where an optional one (written after the manifest)
+        is missing or damaged: the chain ends before it."""
         store = self.store
         assert store is not None
         seg_key = segment_key(key, index)
         try:
             if header_only:
-                return store.get_header(seg_key, namespace)
-            return store.get(seg_key, namespace, size_hint=size_hint)
+                return HeldSegment(store.get_header(seg_key, namespace), None)
+            checkpoint, hold = store.get_held(seg_key, namespace, size_hint=size_hint)
+            assert not isinstance(hold, DirectHold)  # only progressive Gets read directly
+            return HeldSegment(checkpoint, hold)
         except StoreNotFound as exc:
             if not required:
                 return None
@@ -220,9 +259,39 @@ class GenerationLoads:
             raise _store_failure(exc) from exc
 
 
-def _gapless(segments: list[Checkpoint | None]) -> list[Checkpoint]:
+@dataclass(frozen=True)
+class HeldSegment:
+    """A chain segment read, and the region span its tensors view (None: they own their
+    bytes, or it is a header)."""
+
+    checkpoint: Checkpoint
+    hold: RegionHold | None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.checkpoint.token_ids
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return self.checkpoint.metadata
+
+
+def _all_or_released(futures: list[Future[HeldSegment | None]]) -> list[HeldSegment | None]:
+    """The reads' results (all done); when one failed, the others' spans are given back
+    before its error is raised."""
+    failure = next((f.exception() for f in futures if f.exception() is not None), None)
+    if failure is None:
+        return [f.result() for f in futures]
+    for future in futures:
+        part = future.result() if future.exception() is None else None
+        if part is not None and part.hold is not None:
+            part.hold.release()
+    raise failure
+
+
+def _gapless(segments: list[HeldSegment | None]) -> list[HeldSegment]:
     """The segments up to the first one missing."""
-    run: list[Checkpoint] = []
+    run: list[HeldSegment] = []
     for segment in segments:
         if segment is None:
             break
@@ -230,7 +299,7 @@ def _gapless(segments: list[Checkpoint | None]) -> list[Checkpoint]:
     return run
 
 
-def _continuing(chain: list[Checkpoint], listed: int, tokens: list[int]) -> list[Checkpoint]:
+def _continuing(chain: list[HeldSegment], listed: int, tokens: list[int]) -> list[HeldSegment]:
     """The chain as far as each segment written after the manifest (from index `listed`
     on) continues the tokens before it (`tokens`: the manifest's, then each segment's): it
     starts where they end and repeats them. One that does not is another run's."""
@@ -248,7 +317,7 @@ def _payload(header: Checkpoint) -> int:
     return sum(t.nbytes for t in tensors)
 
 
-def _start_of(segment: Checkpoint) -> int:
+def _start_of(segment: HeldSegment) -> int:
     try:
         return int(segment.metadata["start"])
     except (KeyError, ValueError) as exc:

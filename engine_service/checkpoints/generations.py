@@ -72,10 +72,10 @@ class GenerationCheckpoints:
         self.model_id = model_id
         self.counters = counters
         self.store = store
-        self.loads = GenerationLoads(model_id, counters, store)
         self.spill = spill
         # How captures become host bytes (through the store's region when attached).
         self.staging = staging if staging is not None else HostStaging(Landing(), None)
+        self.loads = GenerationLoads(model_id, counters, store, self.staging.landing)
         self._lock = threading.Lock()
         self._round: _Round | None = None  # staged by save_round, queued at the next step
         # Generation key -> first segment of a chain that has a hole (a segment or manifest

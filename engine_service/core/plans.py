@@ -90,6 +90,13 @@ class ResumePlan:
     chain_next: int = 0
     attachments: list[Attachment] = field(default_factory=list)  # checked companions
     fetch_s: float = 0.0
+    # The region spans the parts' tensors still view (given back once they are arrays, or
+    # by release() when the plan is dropped unused).
+    holds: list[RegionHold] = field(default_factory=list)
+
+    def release(self) -> None:
+        for hold in self.holds:
+            hold.release()
 
     @property
     def replay(self) -> list[int]:

@@ -205,6 +205,7 @@ class CoreService:
                 _release(plan)
                 return
             if req.finished_by(replay):
+                _release(plan)
                 self.outbox.send(Accepted(command.call, replay, submitted=False))
                 return
             try:
@@ -248,8 +249,11 @@ class CoreService:
 
 
 def _release(plan: Plan) -> None:
+    """Gives back the region spans of a plan that will not be materialized."""
     if isinstance(plan, PrefixPlan) and plan.hold is not None:
         plan.hold.release()
+    elif isinstance(plan, ResumePlan):
+        plan.release()
 
 
 def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
