@@ -464,7 +464,9 @@ def test_resume_reads_the_manifest_then_the_chain_as_far_as_it_runs(
         manifest = store.get_header(key)
         first, listed = int(manifest.metadata["chain_first"]), int(manifest.metadata["chain_next"])
         assert listed == first + 1  # the chain's first segment, a whole snapshot
-        before, routes = store.stats(), gens.loads.store.read_routes
+        engine_store = gens.loads.store
+        assert engine_store is not None
+        before, routes = store.stats(), engine_store.read_routes
         plan = gens.loads.load(key, "default", request.prompt, request.layout)
         after = store.stats()
         assert plan.chain_first == first and plan.chain_next - first >= 4  # later segments read
@@ -472,11 +474,11 @@ def test_resume_reads_the_manifest_then_the_chain_as_far_as_it_runs(
         assert after.misses - before.misses == MAX_CHAIN - len(plan.parts)  # probes past it
         # Headers first, then each payload into a span of its size: the manifest and every
         # segment through the region, none streamed for want of a free span.
-        read = Counter(gens.loads.store.read_routes) - Counter(routes)
+        read = Counter(engine_store.read_routes) - Counter(routes)
         assert read == Counter(region=1 + len(plan.parts))
         # The segments' tensors view their spans until the arrays are made, then give them
         # back: none is left lent.
-        reads = gens.loads.store._reads
+        reads = engine_store._reads
         assert reads is not None and len(plan.holds) == len(plan.parts)
         assert reads.free_bytes < reads.usable
         _continues_exactly(tiny, gens, plan, request.prompt)
@@ -529,6 +531,7 @@ def test_a_damaged_later_segment_ends_the_chain_before_it(
         assert older.chain_next == whole.chain_first + 2
         _continues_exactly(tiny, gens, older, request.prompt)
         # The segments read after the damaged one were given back, unused.
+        assert gens.loads.store is not None
         reads = gens.loads.store._reads
         assert reads is not None and reads.free_bytes == reads.usable
     finally:
