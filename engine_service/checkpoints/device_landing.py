@@ -93,6 +93,10 @@ class Landing:
         """Starts making array now, not when it is first needed (host copies are made)."""
         return array
 
+    def arrays(self, tensors: list[Tensor]) -> dict[int, mx.array]:
+        """A record's tensors as arrays, id(tensor) -> array (a host copy each here)."""
+        return {id(t): host_array(t) for t in tensors}
+
     def settle(self) -> None:
         """Host copies are complete when made."""
 
@@ -144,11 +148,17 @@ class PinnedLanding(Landing):
         return self._base <= address and address + nbytes <= self._base + self.region.size
 
     def array(self, tensor: Tensor) -> mx.array:
-        data = memoryview(tensor.data)
-        nbytes = data.nbytes
-        address = np.frombuffer(data, np.uint8).ctypes.data if nbytes else 0
+        nbytes = tensor.nbytes
+        address = _address(tensor)
         if not nbytes or address % 16 or nbytes % 16 or not self._in_region(address, nbytes):
             return host_array(tensor)  # not a pinned, 16-byte-aligned span: one host copy
+        typed: mx.array = (
+            self._pull(address, nbytes).view(getattr(mx, tensor.dtype)).reshape(tensor.shape)
+        )
+        return typed
+
+    def _pull(self, address: int, nbytes: int) -> mx.array:
+        """nbytes (a multiple of 16) of the pinned region from address, as a uint8 array."""
         (raw,) = self._kernel(
             inputs=[
                 mx.array(
@@ -161,8 +171,29 @@ class PinnedLanding(Landing):
             threadgroup=(THREADS_PER_BLOCK, 1, 1),
         )
         self._pending.append(raw)
-        typed: mx.array = raw.view(getattr(mx, tensor.dtype)).reshape(tensor.shape)
-        return typed
+        return raw  # type: ignore[no-any-return]
+
+    def arrays(self, tensors: list[Tensor]) -> dict[int, mx.array]:
+        """A record's tensors lying together in the region (a placed Get's payload) pulled by
+        one launch over their whole extent, each array a view of that buffer: a launch costs
+        the host about as much as pulling a few MB, so a record of many small tensors (a
+        chain segment: 2 per layer, a few hundred KB each) would cost more a tensor at a time
+        than through mx.array. Anything else is pulled (or copied) a tensor at a time."""
+        placed = [(t, _address(t)) for t in tensors if t.nbytes]
+        low = min((a for _, a in placed), default=0)
+        high = max((a + t.nbytes for t, a in placed), default=0)
+        extent = -(-(high - low) // 16) * 16
+        together = extent <= 2 * sum(t.nbytes for t, _ in placed)  # not scattered
+        whole = placed and together and low % 16 == 0 and self._in_region(low, extent)
+        if not whole or any((a - low) % 16 for _, a in placed):
+            return {id(t): self.array(t) for t in tensors}
+        raw = self._pull(low, extent)
+        out = {
+            id(t): raw[a - low : a - low + t.nbytes].view(getattr(mx, t.dtype)).reshape(t.shape)
+            for t, a in placed
+        }
+        out.update({id(t): self.array(t) for t in tensors if not t.nbytes})
+        return out
 
     def direct(self, tensors: list[Tensor], hold: DirectHold) -> dict[int, mx.array]:
         """Pulled by the GPU straight from the data file's pages, a launch per group of layers
@@ -251,6 +282,12 @@ class PinnedLanding(Landing):
         if self._file_pins is not None:
             self._file_pins.close()
         self._cuda.unregister(self._base)
+
+
+def _address(tensor: Tensor) -> int:
+    """Where a tensor's bytes lie in this process's memory (0 for none)."""
+    data = memoryview(tensor.data)
+    return np.frombuffer(data, np.uint8).ctypes.data if data.nbytes else 0
 
 
 def landing_for(region: SharedRegion | None) -> Landing:

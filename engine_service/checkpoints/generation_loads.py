@@ -71,11 +71,10 @@ class GenerationLoads:
         return caches
 
     def _joined(self, plan: ResumePlan) -> list[Any]:
-        to_array = self.landing.array
         if not plan.chain_next:
             (whole,) = plan.parts
-            return restore(whole.metadata, whole.tensors, plan.layout, to_array)
-        parts = [restore(p.metadata, p.tensors, plan.layout, to_array) for p in plan.parts]
+            return self._restored(whole, plan.layout)
+        parts = [self._restored(p, plan.layout) for p in plan.parts]
         caches = []
         for layer in zip(*parts, strict=True):
             cache = cache_lib.KVCache()
@@ -84,6 +83,11 @@ class GenerationLoads:
             cache.offset = sum(p.offset for p in layer)
             caches.append(cache)
         return caches
+
+    def _restored(self, part: Checkpoint, layout: list[str]) -> list[Any]:
+        """A record's caches, its tensors landed together (one pull on MLX-CUDA)."""
+        arrays = self.landing.arrays(part.tensors)
+        return restore(part.metadata, part.tensors, layout, lambda t: arrays[id(t)])
 
     def load(
         self,

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from engine_service.checkpoints.attachments import CapturedAttachment
 from engine_service.checkpoints.cache_records import CapturedCache
 from engine_service.checkpoints.prefix_reuse import UnconfirmedRead
-from engine_service.core.plans import Plan, ResumePlan
+from engine_service.core.plans import Plan, PrefixPlan, ResumePlan
 from engine_service.protocol.events import PrefixMissReason, PrefixSource, Sink
 from engine_service.protocol.requests import GenerationRequest
 from engine_service.sampling.constraints import ConstrainedRow
@@ -74,6 +74,7 @@ class Job:
     # When the core received it (time.monotonic): a burst is gathered from arrivals, so a
     # request that spent its window being planned (a store read) is not held for it again.
     arrived_at: float = field(default_factory=time.monotonic)
+    planned_at: float = field(default_factory=time.monotonic)  # handed to the MLX thread
     recompute: bool = False  # starts again from its tokens alone (its batch step failed)
     turn_start: int = 0  # len(tokens) when it last got its slot (loop/turns.py)
     # How it ended, for the tombstone a resume reads (checkpoints/generations.forget).
@@ -85,6 +86,22 @@ class Job:
 
     def admit(self) -> None:
         self.admitted_at = time.monotonic()
+
+    def first_token_phases(self) -> str:
+        """Where its time to a first token (now) went inside the core: planning (its store
+        reads), waiting for the MLX thread, then restore, prefill and the step to it; after
+        the way it started (a store hit, a local one, a resume, a prefill)."""
+        now = time.monotonic()
+        plan = self.plan
+        if isinstance(plan, PrefixPlan):
+            start = "store hit" if plan.stored is not None else "local hit"
+        else:
+            start = "resume" if isinstance(plan, ResumePlan) else "prefill"
+        return (
+            f"{start} (ms): plan {(self.planned_at - self.arrived_at) * 1e3:.1f}, "
+            f"wait {(self.admitted_at - self.planned_at) * 1e3:.1f}, "
+            f"restore and step {(now - self.admitted_at) * 1e3:.1f}"
+        )
 
     @property
     def remaining(self) -> int:
