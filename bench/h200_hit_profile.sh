@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Issue 37 on the lent H200, after `. .whl2/device-setup.sh` and the project's other wheels
-# (../shared/gpu/README.md; py-spy among them for part p). Part r: resume after 1,000 tokens,
-# 3 samples (a chain's headers, then its payloads in spans of their size). Part p: the 0.6B
+# (../shared/gpu/README.md; py-spy and pytest among them). Part g: the resume tests on
+# MLX-CUDA (a chain's segments pulled from the pinned region, each by one launch). Part r:
+# resume after 1,000 tokens, 3 samples (a chain's headers, then its payloads in spans of
+# their size, landed from the region), and 8 batched streams resumed after a SIGKILL,
+# checked against their uninterrupted runs. Part p: the 0.6B
 # shape's 8k store hit with py-spy sampling every process of the bench (engine front, core,
 # store) to find the ~25 ms of a hit outside its logged phases. Part t: the same hit with
 # 4-bit TurboQuant prefix records (the engine's path, not only the in-process restore).
@@ -11,11 +14,15 @@ set -u
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader; nproc
 hit="python3 bench/hit_floor_bench.py --cold --routes direct --model qwen3-0.6b-shape"
-for part in ${1:-r p t}; do
+for part in ${1:-g r p t}; do
   case "$part" in
+    g)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_engine_domain.py \
+        -k "chain or segment or resume" 2>&1 | tail -15 | tee "$out/gpu_tests.txt"
+      ;;
     r)
-      timeout 200 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape --repeat 3 \
-        --skip ttft,batched,decode,restore,floor,local 2>&1 | tee "$out/resume.txt"
+      timeout 240 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape --repeat 3 \
+        --skip ttft,decode,restore,floor,local 2>&1 | tee "$out/resume.txt"
       ;;
     p)
       timeout 200 py-spy record --subprocesses --idle --threads -r 250 -f raw \

@@ -121,6 +121,17 @@ def phase_medians(log: Path, marker: str) -> str:
     return ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in phases.items())
 
 
+def front_ttfts(log: Path) -> list[float]:
+    """The engine front's time to first token of each store hit it logged (its request
+    lines), the first (warm-up) left out."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if int(fields.get("cached_tokens", "0") or 0) > 0 and "ttft_s" in fields:
+            out.append(float(fields["ttft_s"]))
+    return out[1:] or out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tandem-tiny")
@@ -236,6 +247,8 @@ def main() -> None:
             engine_phases = phase_medians(engine_log, "direct hit phases (ms):")
             gather_phases = phase_medians(engine_log, "direct gather phases (ms):")
             store_phases = phase_medians(root / "store-store.log", "direct Get phases (ms):")
+            first_token = phase_medians(engine_log, "first token phases, store hit (ms):")
+            front_ttft = statistics.median(front_ttfts(engine_log)) * 1e3
     print(
         f"{args.model} on {mx.default_device()}, {args.tokens} + 16 tokens, {args.pairs} rounds,"
         f" records {args.record_bits or 'exact'}{'-bit' if args.record_bits else ''}"
@@ -256,6 +269,10 @@ def main() -> None:
             )
     if "direct" in routes:
         print(f"  direct hits' phases, medians (ms): engine {engine_phases}; store {store_phases}")
+        print(
+            f"    in the core, arrival to first token: {first_token}; the front's time to"
+            f" first token {front_ttft:.1f} ms"
+        )
         if gather_phases:  # MLX-CUDA only
             print(f"    of its caches: {gather_phases}")
     if len(routes) == 2:
