@@ -25,9 +25,11 @@ for part in ${1:-g r p t}; do
         --skip ttft,decode,restore,floor,local 2>&1 | tee "$out/resume.txt"
       ;;
     p)
-      timeout 200 py-spy record --subprocesses --idle --threads -r 250 -f raw \
-        -o "$out/hit_8k_profile.txt" -- $hit --tokens 8192 --pairs 5 --think-s 0.5 \
-        2>&1 | tee "$out/hit_8k_profiled.txt"
+      # CPU samples only (--idle floods the file: 84 MB at 250 Hz), summarized here.
+      timeout 200 py-spy record --subprocesses --threads -r 100 -f raw \
+        -o /tmp/hit_8k_profile.txt -- $hit --tokens 8192 --pairs 4 --think-s 0.5 \
+        2>&1 | grep -v 'behind in sampling' | tee "$out/hit_8k_profiled.txt"
+      python3 bench/profile_summary.py /tmp/hit_8k_profile.txt > "$out/hit_8k_profile.txt"
       ;;
     t)
       timeout 150 $hit --tokens 8192 --pairs 4 --think-s 0.5 --record-bits 4 \

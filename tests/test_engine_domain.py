@@ -478,11 +478,13 @@ def test_resume_reads_the_manifest_then_the_chain_as_far_as_it_runs(
         assert read == Counter(region=1 + len(plan.parts))
         # The segments' tensors view their spans until the arrays are made, then give them
         # back: none is left lent.
+        # (Other spans may come and go meanwhile: MLX-CUDA stages checkpoint captures there.)
         reads = engine_store._reads
         assert reads is not None and len(plan.holds) == len(plan.parts)
-        assert reads.free_bytes < reads.usable
+        lent = sum(h.span.size for h in plan.holds)
+        free = reads.free_bytes
         _continues_exactly(tiny, gens, plan, request.prompt)
-        assert reads.free_bytes == reads.usable and all(h.released for h in plan.holds)
+        assert reads.free_bytes >= free + lent and all(h.released for h in plan.holds)
 
         # A gap (a later segment lost): the resume stops before it, from an older state.
         store.delete(segment_key(key, first + 2), "default", force=True)
@@ -533,7 +535,7 @@ def test_a_damaged_later_segment_ends_the_chain_before_it(
         # The segments read after the damaged one were given back, unused.
         assert gens.loads.store is not None
         reads = gens.loads.store._reads
-        assert reads is not None and reads.free_bytes == reads.usable
+        assert reads is not None and reads.free_bytes + reads.retired_bytes == reads.usable
     finally:
         checkpoints.close()
         server.stop(None).wait()
