@@ -8,7 +8,10 @@
 # shape's 8k store hit with py-spy sampling every process of the bench (engine front, core,
 # store) to find the ~25 ms of a hit outside its logged phases. Part t: the same hit with
 # 4-bit TurboQuant prefix records (the engine's path, not only the in-process restore).
-# Part c: decode with a checkpoint every 16 tokens against off, 24 ABBA pairs.
+# Part c: decode with a checkpoint every 16 tokens against off, 24 ABBA pairs. Part n: the
+# 8k hit with MLX's CUDA graphs off (MLX_USE_CUDA_GRAPHS=0), for the gather launches' host
+# time: MLX-CUDA adds each kernel to a graph it instantiates or updates at each evaluation,
+# the suspect for ~2 ms a launch group.
 # Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
@@ -34,6 +37,12 @@ for part in ${1:-g r p t}; do
     t)
       timeout 150 $hit --tokens 8192 --pairs 4 --think-s 0.5 --record-bits 4 \
         --record-scheme turboquant 2>&1 | tee "$out/hit_8k_tq4.txt"
+      ;;
+    n)
+      for graphs in 1 0; do
+        MLX_USE_CUDA_GRAPHS=$graphs timeout 150 $hit --tokens 8192 --pairs 4 --think-s 0.5 \
+          2>&1 | grep -v '^  round' | tee "$out/hit_8k_graphs$graphs.txt"
+      done
       ;;
     c)
       timeout 400 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape --repeat 24 \
