@@ -247,7 +247,8 @@ class GenerationLoads:
         seg_key = segment_key(key, index)
         try:
             if header_only:
-                return HeldSegment(store.get_header(seg_key, namespace), None)
+                header = store.get_header(seg_key, namespace, retry_unavailable=True)
+                return HeldSegment(header, None)
             checkpoint, hold = store.get_held(seg_key, namespace, size_hint=size_hint)
             assert not isinstance(hold, DirectHold)  # only progressive Gets read directly
             return HeldSegment(checkpoint, hold)

@@ -87,6 +87,13 @@ class Job:
     def admit(self) -> None:
         self.admitted_at = time.monotonic()
 
+    @property
+    def at_first_new_token(self) -> bool:
+        """Whether the token just added is the first this process generated for it (a
+        resumed job starts with the tokens its checkpoint replays)."""
+        replayed = len(self.plan.replay) if isinstance(self.plan, ResumePlan) else 0
+        return len(self.tokens) == replayed + 1
+
     def first_token_phases(self) -> str:
         """Where its time to a first token (now) went inside the core: planning (its store
         reads), waiting for the MLX thread, then restore, prefill and the step to it; after

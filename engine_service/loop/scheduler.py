@@ -335,7 +335,7 @@ class Scheduler(SchedulerInbox):
             if job is None:
                 continue  # removed (cancelled) while its token was in flight
             job.tokens.append(r.token)
-            if len(job.tokens) == 1:  # bench/hit_floor_bench.py reads these phases
+            if job.at_first_new_token:  # bench/hit_floor_bench.py reads these phases
                 log.debug("first token phases, %s", job.first_token_phases())
             extra = requested_logprobs(r.logprobs, r.token, job.request.sampling.logprobs)
             events: list[Event] = [Token(r.token, *extra)]

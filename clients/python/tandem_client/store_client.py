@@ -170,13 +170,22 @@ class StoreClient(SameHostReads, StorePuts, GrpcClient):
     def _bulk_slot(self) -> contextlib.AbstractContextManager[object]:
         return self._bulk if self._bulk is not None else contextlib.nullcontext()
 
-    def get_header(self, key: bytes, namespace: str = "") -> Checkpoint:
+    def get_header(
+        self, key: bytes, namespace: str = "", *, retry_unavailable: bool = False
+    ) -> Checkpoint:
+        """The record's header (its tensors' specs, no bytes). retry_unavailable: retried
+        while the store is UNAVAILABLE, as get() is (off for a probe that should answer at
+        once)."""
+        request = store_pb2.GetRequest(namespace=namespace, key=key, header_only=True)
+
+        def read() -> Checkpoint:
+            stream = self._store.Get(request, timeout=self.timeout)
+            return Checkpoint.from_header(next(iter(stream)).header)
+
         with self._bulk_slot():
-            stream = self._store.Get(
-                store_pb2.GetRequest(namespace=namespace, key=key, header_only=True),
-                timeout=self.timeout,
-            )
-            return self._call(lambda: Checkpoint.from_header(next(iter(stream)).header))
+            if retry_unavailable:
+                return self._retry_unavailable(lambda: self._call(read))
+            return self._call(read)
 
     def lookup(
         self,
