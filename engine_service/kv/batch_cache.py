@@ -176,11 +176,16 @@ class BatchQuantizedKVCache(BatchWrites, BatchState, BaseCache):
         formats: dict[Storage, list[int]] = {}
         for row, cache in enumerate(caches):
             formats.setdefault(storage_of(cache), []).append(row)
+        # Room for a step's worth of positions: the rows' next tokens (a hit's new turn, the
+        # first decode steps) are written in place, not by regrowing every plane.
+        columns = width + cls.step
         for storage, rows in formats.items():
             batch._groups.append(
-                PlaneGroup.gather(storage, rows, caches, padding, lengths, width, batch._shape)
+                PlaneGroup.gather(
+                    storage, rows, caches, padding, lengths, width, batch._shape, columns
+                )
             )
-        batch._written = batch._cap = width
+        batch._written, batch._cap = width, columns
         batch._sync_positions()
         return batch
 

@@ -120,13 +120,33 @@ class PlaneGroup:
         lengths: list[int],
         width: int,
         shape: tuple[int, int, int, str],
+        columns: int = 0,
     ) -> PlaneGroup:
         """The batch rows `rows` of solo caches stored as `storage`, right-aligned at `width`
-        columns (packed rows keep their bytes)."""
+        columns, in planes of `columns` (>= width; 0: width) so that the next positions fit
+        without regrowing them (packed rows keep their bytes).
+
+        Rows of several lengths are written into zero planes (one copy); without the room,
+        the first step regrew every plane, a second copy of the whole cache (two rows of 4k
+        positions of a 0.6B model on the CPU: 1,066 ms merged and stepped, 493 ms with the
+        room). A lone row that fills the width is its tensors followed by the empty columns,
+        one copy: MLX elides a write that covers a whole zero plane, so it cost one copy
+        before too (at the regrow)."""
         heads, kdim, vdim = shape[:3]
         dtype = getattr(mx, shape[3])
-        keys = zeros_like_storage(storage, len(rows), heads, width, kdim, dtype)
-        values = zeros_like_storage(storage, len(rows), heads, width, vdim, dtype, values=True)
+        columns = max(columns, width)
+        if len(rows) == 1 and padding[rows[0]] == 0 and caches[rows[0]].keys is not None:
+            cache, n = caches[rows[0]], lengths[rows[0]]
+            src_k = [cache.keys] if storage == PLAIN else list(cache.keys)
+            src_v = [cache.values] if storage == PLAIN else list(cache.values)
+            return cls(
+                storage,
+                rows,
+                [_followed_by_room(p, n, columns) for p in src_k],
+                [_followed_by_room(p, n, columns) for p in src_v],
+            )
+        keys = zeros_like_storage(storage, len(rows), heads, columns, kdim, dtype)
+        values = zeros_like_storage(storage, len(rows), heads, columns, vdim, dtype, values=True)
         for local, row in enumerate(rows):
             cache, p, n = caches[row], padding[row], lengths[row]
             if cache.keys is None:
@@ -208,6 +228,15 @@ def turboquant_planes(
     """A TurboQuant group's keys or values planes as the codec's type."""
     codec = codec_for(dim, storage.value_bits if values else storage.bits)
     return TurboQuantPlanes(planes[0], planes[1], codec)
+
+
+def _followed_by_room(plane: mx.array, n: int, columns: int) -> mx.array:
+    """A row's first n columns, then zero columns up to `columns`: one new array."""
+    head = plane[..., :n, :]
+    if columns == n:
+        return head
+    room = mx.zeros((*plane.shape[:2], columns - n, plane.shape[3]), dtype=plane.dtype)
+    return mx.concatenate([head, room], axis=2)
 
 
 def zeros_like_storage(
