@@ -251,9 +251,11 @@ async def _decode(address: str, prompts: list[list[int]], tokens: int, interval:
         return sum(counts) / (time.perf_counter() - start)
 
 
-def bench_decode(address: str, vocab: int, repeat: int) -> list[dict]:
+def bench_decode(address: str, vocab: int, repeat: int, tokens: int = 256) -> list[dict]:
     """Off and on runs alternate, and the cost is the median of the pairs' ratios: this box's
-    speed drifts by tens of percent between runs, which separate blocks would mistake for cost."""
+    speed drifts by tens of percent between runs, which separate blocks would mistake for cost.
+    Prints the pairs' interquartile range beside their extremes (a lent GPU's rare stalls
+    swing single pairs by tens of percent)."""
     rows = []
     for streams in (1, 8):
         prompts = [random_prompt(64, vocab, seed=1000 + i) for i in range(streams)]
@@ -263,18 +265,20 @@ def bench_decode(address: str, vocab: int, repeat: int) -> list[dict]:
         for pair in range(repeat):
             # ABBA: the side that runs first alternates, so a drift within a pair cancels.
             for interval in (0, 16) if pair % 2 == 0 else (16, 0):
-                tps = asyncio.run(_decode(address, prompts, 256, interval))
+                tps = asyncio.run(_decode(address, prompts, tokens, interval))
                 (ons if interval else offs).append(tps)
         costs = [1 - on / off for off, on in zip(offs, ons, strict=True)]
         cost = statistics.median(costs)
+        low, _, high = statistics.quantiles(costs, n=4) if len(costs) > 1 else (cost,) * 3
         off, on = statistics.median(offs), statistics.median(ons)
         rows.append(
             {"streams": streams, "off_tps": off, "interval16_tps": on, "cost": cost, "costs": costs}
         )
         print(
             f"  {streams} stream(s): off {off:7.0f} tok/s   every 16 tokens {on:7.0f} tok/s   "
-            f"cost {100 * cost:5.1f}% ({100 * min(costs):.1f} to {100 * max(costs):.1f}; median "
-            f"of {repeat} paired runs, ABBA)"
+            f"cost {100 * cost:5.1f}% (quartiles {100 * low:.1f} to {100 * high:.1f}, extremes "
+            f"{100 * min(costs):.1f} to {100 * max(costs):.1f}; median of {repeat} paired runs "
+            f"of {tokens} tokens a stream, ABBA)"
         )
     return rows
 
@@ -286,6 +290,9 @@ def main() -> None:
     parser.add_argument("--resume-tokens", type=int, default=1000)
     parser.add_argument("--restore-tokens", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--decode-tokens", type=int, default=256, help="tokens a stream in each decode-cost run"
+    )
     parser.add_argument(
         "--region-bytes",
         type=int,
@@ -373,7 +380,9 @@ def main() -> None:
                 out["batched_resume"] = bench_batched_resume(stack, vocab, 8, 64)
             if "decode" not in skip:
                 print("decode with generation checkpoints every 16 tokens vs off:")
-                out["decode"] = bench_decode(stack["engine"].address, vocab, args.repeat)
+                out["decode"] = bench_decode(
+                    stack["engine"].address, vocab, args.repeat, args.decode_tokens
+                )
             if "restore" not in skip:
                 stack["engine"].stop()
                 loaded = load_model(spec, root)

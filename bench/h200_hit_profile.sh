@@ -8,7 +8,7 @@
 # shape's 8k store hit with py-spy sampling every process of the bench (engine front, core,
 # store) to find the ~25 ms of a hit outside its logged phases. Part t: the same hit with
 # 4-bit TurboQuant prefix records (the engine's path, not only the in-process restore).
-# Part c: decode with a checkpoint every 16 tokens against off, 24 ABBA pairs. Part n: the
+# Part c: decode with a checkpoint every 16 tokens against off, 16 ABBA pairs of 512 tokens. Part n: the
 # 8k hit with MLX's CUDA graphs off (MLX_USE_CUDA_GRAPHS=0), for the gather launches' host
 # time: MLX-CUDA adds each kernel to a graph it instantiates or updates at each evaluation,
 # the suspect for ~2 ms a launch group.
@@ -45,8 +45,11 @@ for part in ${1:-g r p t}; do
       done
       ;;
     c)
-      timeout 400 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape --repeat 24 \
-        --skip ttft,resume,batched,restore,floor,local 2>&1 | tee "$out/checkpoint_cost.txt"
+      # Runs of 512 tokens a stream: a lent GPU's rare stalls swung 256-token pairs by tens
+      # of percent (24 pairs, 2026-12-05).
+      timeout 450 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape --repeat 16 \
+        --decode-tokens 512 --skip ttft,resume,batched,restore,floor,local \
+        2>&1 | tee "$out/checkpoint_cost.txt"
       ;;
   esac
 done
