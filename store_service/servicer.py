@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import grpc
 
 from store_service.admin import StoreAdmin
-from store_service.errors import InvalidRequest, status_on_error
+from store_service.errors import Corrupt, InvalidRequest, NotFound, status_on_error
 from store_service.fair_share import GET, PUT, BulkCallLimit
 from store_service.metrics import TRANSFERS, TransferPath
 from store_service.put_session import IdleLimited
@@ -43,6 +43,9 @@ from tandem_wire.service import Access
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# Keys one GetHeaders call may name (a checkpoint chain probes 16).
+MAX_HEADER_KEYS = 64
+
 
 def store_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:
     """The generated registration, with the bulk (de)serializers on Put and Get."""
@@ -66,6 +69,9 @@ def store_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:
             ),
             "Get": grpc.unary_stream_rpc_method_handler(
                 servicer.Get, store_pb2.GetRequest.FromString, serialize_response
+            ),
+            "GetHeaders": unary(
+                servicer.GetHeaders, store_pb2.GetHeadersRequest, store_pb2.GetHeadersResponse
             ),
             "Lookup": unary(servicer.Lookup, store_pb2.LookupRequest, store_pb2.LookupResponse),
             "Pin": unary(servicer.Pin, store_pb2.PinRequest, store_pb2.PinResponse),
@@ -253,6 +259,25 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             # Chunks leave as ready wire bytes; serialize_response passes them on.
             yield from self.store.read_payload(record, piece, encode_chunk)
             TRANSFERS.get(TransferPath.STREAM, time.perf_counter() - started, record.payload_bytes)
+
+    @rpc_errors
+    def GetHeaders(
+        self, request: store_pb2.GetHeadersRequest, context: grpc.ServicerContext
+    ) -> store_pb2.GetHeadersResponse:
+        if len(request.keys) > MAX_HEADER_KEYS:
+            raise InvalidRequest(f"at most {MAX_HEADER_KEYS} keys a call, not {len(request.keys)}")
+        namespace = namespace_for(request.namespace)
+        out = store_pb2.GetHeadersResponse()
+        for key in request.keys:
+            found = out.headers.add()
+            try:
+                found.header.CopyFrom(self.store.open_record(namespace, key).header)
+                found.found = True
+            except NotFound:
+                pass
+            except Corrupt:
+                found.damaged = True
+        return out
 
     @rpc_errors
     def ReleaseDirect(

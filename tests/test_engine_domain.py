@@ -536,6 +536,12 @@ def test_a_damaged_later_segment_ends_the_chain_before_it(
         assert gens.loads.store is not None
         reads = gens.loads.store._reads
         assert reads is not None and reads.free_bytes + reads.retired_bytes == reads.usable
+        # Quarantined now: its header probe says so, and a resume still stops before it.
+        (probe,) = gens.loads.store.get_headers([segment_key(key, whole.chain_first + 2)])
+        assert probe.checkpoint is None and probe.damaged
+        again = gens.loads.load(key, "default", request.prompt, request.layout)
+        assert again.chain_next == whole.chain_first + 2
+        again.release()
     finally:
         checkpoints.close()
         server.stop(None).wait()

@@ -5,9 +5,9 @@ oversized labels, bad region names and lost chunks (issue 32, items 4 and 5).
   port (`--admin-listen`): the engine's generations complete, their checkpoints are deleted
   through the data plane (`Store.Delete`), nothing of them is left pinned, and the spill
   queue counts no failure.
-- `Store.Delete`, `Store.DeleteMany` and `Store.PutRecords` stay within the caller's
-  namespaces and need the `store` role; DeleteMany removes all it names or, a record being
-  pinned, nothing.
+- `Store.Delete`, `Store.DeleteMany`, `Store.PutRecords` and `Store.GetHeaders` stay within
+  the caller's namespaces and need the `store` role; DeleteMany removes all it names or, a
+  record being pinned, nothing.
 - Free-text fields of Put, Pin, Unpin, Lookup and List are bounded (INVALID_ARGUMENT), a
   region name with a NUL byte is INVALID_ARGUMENT, a record whose chunk was lost is
   DATA_LOSS (not ABORTED, which invites a retry).
@@ -115,6 +115,12 @@ def test_the_store_role_alone_completes_and_deletes_the_engines_generations(
             assert _code(lambda: gen.put_many([own])) == grpc.StatusCode.PERMISSION_DENIED
             assert _code(lambda: writer.get(b"p1", "b")) == grpc.StatusCode.NOT_FOUND
             assert acme.put_many([own])[0].key == b"p2"
+            # Store.GetHeaders: within the caller's namespaces, with the store role.
+            found = acme.get_headers([b"p2", b"gone"])
+            assert [h.checkpoint is not None for h in found] == [True, False]
+            denied = grpc.StatusCode.PERMISSION_DENIED
+            assert _code(lambda: acme.get_headers([b"p1"], "b")) == denied
+            assert _code(lambda: gen.get_headers([b"p2"])) == denied
             assert acme.delete(b"p2") == 512
             # The operators' call stays on StoreAdmin (its own port here).
             with StoreClient(admin_address, token=TOKENS["ops"]) as ops:

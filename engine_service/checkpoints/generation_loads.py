@@ -36,7 +36,7 @@ from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from tandem_client.direct import DirectHold
 from tandem_client.errors import DataLoss, TandemError
 from tandem_client.errors import NotFound as StoreNotFound
-from tandem_client.records import Checkpoint
+from tandem_client.records import Checkpoint, HeaderRead
 from tandem_client.regions import RegionHold
 from tandem_client.store_client import StoreClient
 
@@ -191,9 +191,10 @@ class GenerationLoads:
         continuing the tokens before it (listed_tokens: the manifest's); a chain holds at
         most MAX_CHAIN.
 
-        Two rounds of parallel reads: every candidate's header (small, no payload), then the
-        payloads of the segments that continue the chain, each into a region span of its own
-        size, where they stay (each part's hold) until materialize() lands them. Reading
+        Two rounds: every candidate's header in one call (GetHeaders, no payloads), then, in
+        parallel, the payloads of the segments that continue the chain, each into a region
+        span of its own size, where they stay (each part's hold) until materialize() lands
+        them. Reading
         payloads blindly cost a resume the misses' round trips and, with spans of an unknown
         size, region spans too large for several to be lent at once: those reads streamed
         over gRPC instead (a 0.6B model's resume after 1,000 tokens on an H200: 218 ms,
@@ -203,14 +204,14 @@ class GenerationLoads:
         if not 0 <= first < listed or listed - first > MAX_CHAIN:
             raise Corrupt(f"generation checkpoint lists segments {first}..{listed - 1}")
         listed_count = listed - first
+        indices = range(first, first + MAX_CHAIN)
+        try:
+            reads = store.get_headers([segment_key(key, i) for i in indices], namespace)
+        except TandemError as exc:
+            raise _store_failure(exc) from exc
+        headers = [_header(read, i, i < listed) for read, i in zip(reads, indices, strict=True)]
+        run = _continuing(_gapless(headers), listed_count, listed_tokens)
         with ThreadPoolExecutor(max_workers=FETCH_WORKERS) as pool:
-            headers = list(
-                pool.map(
-                    lambda i: self._segment(key, namespace, i, i < listed, header_only=True),
-                    range(first, first + MAX_CHAIN),
-                )
-            )
-            run = _continuing(_gapless(headers), listed_count, listed_tokens)
             futures = [
                 pool.submit(
                     self._segment,
@@ -236,19 +237,15 @@ class GenerationLoads:
         index: int,
         required: bool,
         *,
-        header_only: bool = False,
         size_hint: int = 0,
     ) -> HeldSegment | None:
-        """Segment `index` of a chain (its header only, or whole, its payload left in the
-        region where it was placed); None where an optional one (written after the manifest)
-        is missing or damaged: the chain ends before it."""
+        """Segment `index` of a chain, its payload left in the region where it was placed;
+        None where an optional one (written after the manifest) is missing or damaged: the
+        chain ends before it."""
         store = self.store
         assert store is not None
         seg_key = segment_key(key, index)
         try:
-            if header_only:
-                header = store.get_header(seg_key, namespace, retry_unavailable=True)
-                return HeldSegment(header, None)
             checkpoint, hold = store.get_held(seg_key, namespace, size_hint=size_hint)
             assert not isinstance(hold, DirectHold)  # only progressive Gets read directly
             return HeldSegment(checkpoint, hold)
@@ -279,6 +276,18 @@ class HeldSegment:
     @property
     def metadata(self) -> dict[str, str]:
         return self.checkpoint.metadata
+
+
+def _header(read: HeaderRead, index: int, required: bool) -> HeldSegment | None:
+    """A chain segment's header as read, or None where an optional one is missing or
+    damaged; a required one (the manifest lists it) missing is NOT_FOUND, damaged DATA_LOSS."""
+    if read.checkpoint is not None:
+        return HeldSegment(read.checkpoint, None)
+    if not required:
+        return None
+    if read.damaged:
+        raise Corrupt(f"segment {index} of this checkpoint is damaged in the store")
+    raise NotFound(f"segment {index} of this checkpoint is not in the store")
 
 
 def _all_or_released(futures: list[Future[HeldSegment | None]]) -> list[HeldSegment | None]:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and readers
     )
     from tandem_client.store_client import (
         Checkpoint,
+        HeaderRead,
         LookupResult,
         PutResult,
         RecordSummary,
@@ -48,6 +49,7 @@ _HOME = {
     "TandemError": "errors",
     "Unavailable": "errors",
     "Checkpoint": "store_client",
+    "HeaderRead": "store_client",
     "LookupResult": "store_client",
     "PutResult": "store_client",
     "RecordSummary": "store_client",
@@ -66,6 +68,7 @@ __all__ = [
     "Generation",
     "GenerationChunk",
     "InvalidArgument",
+    "HeaderRead",
     "LookupResult",
     "NotFound",
     "PutResult",

@@ -153,6 +153,15 @@ class PutResult:
 
 
 @dataclass(frozen=True)
+class HeaderRead:
+    """One key of StoreClient.get_headers: its header (checkpoint without tensor bytes), or
+    None when the namespace holds no such record; damaged: it is quarantined."""
+
+    checkpoint: Checkpoint | None
+    damaged: bool = False
+
+
+@dataclass(frozen=True)
 class LookupResult:
     found: bool
     key: bytes

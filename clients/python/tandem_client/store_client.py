@@ -26,10 +26,12 @@ from tandem_client.bulk import (
 from tandem_client.channel import GrpcClient
 from tandem_client.data_file import DataFile
 from tandem_client.direct import DirectHold
+from tandem_client.errors import DataLoss, NotFound, TandemError
 from tandem_client.progressive import own_tensors
 from tandem_client.records import (
     Attachment,
     Checkpoint,
+    HeaderRead,
     Inspection,
     Kind,
     Lease,
@@ -53,6 +55,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "Attachment",
     "Checkpoint",
+    "HeaderRead",
     "Inspection",
     "Kind",
     "Lease",
@@ -102,6 +105,7 @@ class StoreClient(SameHostReads, StorePuts, GrpcClient):
         self._put, self._get, self._put_many = bulk_methods(self._channel)
         self._put_records = self._store.PutRecords
         self._put_records_known = True
+        self._get_headers_known = True  # False once a store answered UNIMPLEMENTED
         self._admin = store_pb2_grpc.StoreAdminStub(self._channel)
 
     # -- data plane --------------------------------------------------------------------------
@@ -186,6 +190,35 @@ class StoreClient(SameHostReads, StorePuts, GrpcClient):
             if retry_unavailable:
                 return self._retry_unavailable(lambda: self._call(read))
             return self._call(read)
+
+    def get_headers(self, keys: Sequence[bytes], namespace: str = "") -> list[HeaderRead]:
+        """The headers of several records of one namespace, in order, in one call (at most
+        64 keys); each found, missing or damaged. Retried while the store is UNAVAILABLE; a
+        store without GetHeaders (an older release) is asked a Get a key from then on."""
+        if self._get_headers_known:
+            request = store_pb2.GetHeadersRequest(namespace=namespace, keys=list(keys))
+            try:
+                get_headers = self._store.GetHeaders
+                answer: store_pb2.GetHeadersResponse = self._retry_unavailable(
+                    lambda: self._call(lambda: get_headers(request, timeout=self.timeout))
+                )
+                return [
+                    HeaderRead(Checkpoint.from_header(h.header) if h.found else None, h.damaged)
+                    for h in answer.headers
+                ]
+            except TandemError as exc:
+                if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self._get_headers_known = False
+        return [self._header_read(key, namespace) for key in keys]
+
+    def _header_read(self, key: bytes, namespace: str) -> HeaderRead:
+        try:
+            return HeaderRead(self.get_header(key, namespace, retry_unavailable=True))
+        except NotFound:
+            return HeaderRead(None)
+        except DataLoss:
+            return HeaderRead(None, damaged=True)
 
     def lookup(
         self,
