@@ -30,7 +30,8 @@ SEED = int(os.environ.get("TANDEM_SOAK_SEED", "7"))  # the kill moments (`make s
 METRICS_PORT = free_port()
 ENGINES = 2  # one killed, the other takes its streams over
 STREAMS = 8
-TOKENS = 64  # 8 checkpoints each (the gateway's --checkpoint-interval 8)
+CHECKPOINT_INTERVAL = 8  # the gateway's --checkpoint-interval
+TOKENS = 64  # 8 checkpoints each
 SAMPLING = {"temperature": 0.9, "top_p": 0.95}
 
 
@@ -81,7 +82,7 @@ def cluster(
             "--metrics-listen",
             f"127.0.0.1:{METRICS_PORT}",
             "--checkpoint-interval",
-            "8",
+            str(CHECKPOINT_INTERVAL),
             "--poll-interval",
             "0.2",
             "--failover-wait",

@@ -20,7 +20,14 @@ import pytest
 from store_service.tier.local_cluster import LocalCluster
 from tandem_client import EngineClient
 from tests.servers import GatewayProcess, ServiceProcess, free_port, start_engine, start_store_on
-from tests.test_gateway_failover import STREAMS, TOKENS, Stream, start_streams, stream_problems
+from tests.test_gateway_failover import (
+    CHECKPOINT_INTERVAL,
+    STREAMS,
+    TOKENS,
+    Stream,
+    start_streams,
+    stream_problems,
+)
 from tests.tier_stack import start_cluster, tier_args
 
 KILLS = int(os.environ.get("TANDEM_NODE_KILLS", "1"))
@@ -92,7 +99,7 @@ def nodes(
             [n.engine.address for n in started if n.engine is not None],
             root / "gateway.log",
             "--checkpoint-interval",
-            "8",
+            str(CHECKPOINT_INTERVAL),
             "--poll-interval",
             "0.2",
             "--failover-wait",
@@ -162,6 +169,11 @@ def test_a_lost_node_loses_no_stream(nodes: tuple[GatewayProcess, list[Node]]) -
                 loads.append(engine.stats().running)
         victim = pair[max(range(len(pair)), key=lambda i: loads[i])]
         survivor = pair[1 - pair.index(victim)]
+        # The victim's checkpoints so far in the tier before the loss (its store's Flush
+        # drains the write-behind queue): one still queued would be regenerated (exactly),
+        # not resumed, and the count of resumes below could not tell that from a failure.
+        with _engine(victim) as engine:
+            assert engine.flush().durable
         before = _resumes(survivor)
         victim.lose()
         for t in threads:
