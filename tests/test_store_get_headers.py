@@ -10,20 +10,16 @@ chain's 16 candidate segments with it, tests/test_engine_domain.py).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
-from store_service.config import StoreConfig, SyncMode
-from store_service.fair_share import BulkCallLimit, BulkLimits
-from store_service.servicer import MAX_HEADER_KEYS, StoreServicer, store_handler
-from store_service.store import CheckpointStore
+from store_service.servicer import MAX_HEADER_KEYS
 from tandem_client import StoreClient
 from tandem_client.errors import InvalidArgument
 from tests.conftest import make_checkpoint
+from tests.older_store import serve_store_without
 
 
 def _same_header(got: Any, want: Any) -> None:
@@ -56,31 +52,10 @@ def test_more_than_the_bound_of_keys_is_invalid_argument(client: StoreClient) ->
         client.get_headers([b"k%d" % i for i in range(MAX_HEADER_KEYS + 1)])
 
 
-class _WithoutGetHeaders(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc is untyped
-    """The store's own handlers less GetHeaders: what a store of the release before serves."""
-
-    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
-        self.inner = inner
-
-    def service(self, details: grpc.HandlerCallDetails) -> Any:
-        if details.method.endswith("/GetHeaders"):
-            return None
-        return self.inner.service(details)
-
-
 @pytest.fixture
 def older_store(tmp_path: Path) -> Iterator[str]:
-    store = CheckpointStore(StoreConfig(data_dir=tmp_path / "old", sync_mode=SyncMode.COMMIT))
-    server = grpc.server(ThreadPoolExecutor(8))
-    handler = store_handler(StoreServicer(store, BulkCallLimit(BulkLimits.for_workers(8, 0, 0, 0))))
-    server.add_generic_rpc_handlers((_WithoutGetHeaders(handler),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.stop(grace=5).wait()
-        store.close()
+    with serve_store_without(tmp_path / "old", "GetHeaders") as address:
+        yield address
 
 
 def test_a_store_without_get_headers_is_asked_a_get_a_key(older_store: str) -> None:

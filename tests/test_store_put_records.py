@@ -16,24 +16,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 
-from store_service.config import StoreConfig, SyncMode
-from store_service.fair_share import BulkCallLimit, BulkLimits
 from store_service.metrics import TRANSFERS
-from store_service.servicer import StoreServicer, store_handler
-from store_service.store import CheckpointStore
 from tandem_client import AsyncStoreClient, NotFound, PutResult, StoreClient
 from tandem_client.bulk import INLINE_PAYLOAD_BYTES, fits_one_message, put_records_request
 from tandem_client.errors import PutManyFailed
 from tandem_client.records import Attachment, PutItem, Tensor
 from tandem_wire.pb import store_pb2, store_pb2_grpc
 from tests.conftest import make_checkpoint
+from tests.older_store import serve_store_without
 from tests.servers import InProcessStore
 
 
@@ -129,31 +124,10 @@ def test_a_bad_record_is_invalid_argument_and_keeps_the_ones_before_it(
             client.get(key)
 
 
-class _WithoutPutRecords(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc is untyped
-    """The store's own handlers less PutRecords: what a store of the release before serves."""
-
-    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
-        self.inner = inner
-
-    def service(self, details: grpc.HandlerCallDetails) -> Any:
-        if details.method.endswith("/PutRecords"):
-            return None
-        return self.inner.service(details)
-
-
 @pytest.fixture
 def older_store(tmp_path: Path) -> Iterator[str]:
-    store = CheckpointStore(StoreConfig(data_dir=tmp_path / "old", sync_mode=SyncMode.COMMIT))
-    server = grpc.server(ThreadPoolExecutor(8))
-    handler = store_handler(StoreServicer(store, BulkCallLimit(BulkLimits.for_workers(8, 0, 0, 0))))
-    server.add_generic_rpc_handlers((_WithoutPutRecords(handler),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.stop(grace=5).wait()
-        store.close()
+    with serve_store_without(tmp_path / "old", "PutRecords") as address:
+        yield address
 
 
 def test_a_store_without_put_records_is_sent_put_many(older_store: str) -> None:
