@@ -18,7 +18,8 @@ from store_service.admin import StoreAdmin
 from store_service.config import StoreConfig, parse_args
 from store_service.errors import StorageError
 from store_service.fair_share import BulkCallLimit, BulkLimits
-from store_service.servicer import StoreAdminServicer, StoreServicer, store_handler
+from store_service.handlers import store_handler
+from store_service.servicer import StoreAdminServicer, StoreServicer
 from store_service.store import CheckpointStore
 from tandem_wire.auth import Authenticator, AuthFileError, Role
 from tandem_wire.lifetime import follow_supervisor

@@ -14,7 +14,8 @@ import grpc
 
 from store_service.config import StoreConfig, SyncMode
 from store_service.fair_share import BulkCallLimit, BulkLimits
-from store_service.servicer import StoreServicer, store_handler
+from store_service.handlers import store_handler
+from store_service.servicer import StoreServicer
 from store_service.store import CheckpointStore
 
 

@@ -32,6 +32,7 @@ PB_ALLOWED = {
         "store_service.records",
         "store_service.put_spec",
         "store_service.servicer",
+        "store_service.handlers",  # the servicer's method table, split out of it
         "store_service.same_host_gets",  # the servicer's same-host Gets: their answers
         "store_service.server",
     },
