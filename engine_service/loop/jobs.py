@@ -10,7 +10,7 @@ from engine_service.checkpoints.attachments import CapturedAttachment
 from engine_service.checkpoints.cache_records import CapturedCache
 from engine_service.checkpoints.prefix_reuse import UnconfirmedRead
 from engine_service.core.plans import Plan, PrefixPlan, ResumePlan
-from engine_service.protocol.events import PrefixMissReason, PrefixSource, Sink
+from engine_service.protocol.events import Finished, PrefixMissReason, PrefixSource, Sink
 from engine_service.protocol.requests import GenerationRequest
 from engine_service.sampling.constraints import ConstrainedRow
 
@@ -86,6 +86,16 @@ class Job:
 
     def admit(self) -> None:
         self.admitted_at = time.monotonic()
+
+    def finished_by(self, reason: str, token: int) -> Finished:
+        """What its stream says when its last token (just added) ended it: a stop token
+        ("stop") or its token budget ("length"). A constrained row whose matcher failed mid-
+        row (a parser limit) allows only EOS: that is a stop too, marked incomplete."""
+        stop = token if reason == "stop" else None
+        cut = self.constrained is not None and not self.constrained.complete(self.tokens)
+        return Finished(
+            "stop" if stop is not None else "length", stop_token=stop, constraint_incomplete=cut
+        )
 
     @property
     def at_first_new_token(self) -> bool:

@@ -343,16 +343,7 @@ class Scheduler(SchedulerInbox):
                 finished_cache = r.prompt_cache if r.finish_reason is not None else None
                 self._step_checkpoints.after_token(job, self._bg, finished_cache)
             if r.finish_reason is not None:
-                stop = r.token if r.finish_reason == "stop" else None
-                # Also a stop: a matcher that failed mid-row (a parser limit) allows only EOS.
-                cut = job.constrained is not None and not job.constrained.complete(job.tokens)
-                events.append(
-                    Finished(
-                        "stop" if stop is not None else "length",
-                        stop_token=stop,
-                        constraint_incomplete=cut,
-                    )
-                )
+                events.append(job.finished_by(r.finish_reason, r.token))
                 self.finish(job)
             self.emit(job, events)
         if self._step_checkpoints is not None:
