@@ -14,12 +14,12 @@ from typing import Any, TypeVar
 import grpc
 
 from store_service.admin import StoreAdmin
-from store_service.errors import Corrupt, InvalidRequest, NotFound, status_on_error
+from store_service.errors import Corrupt, InvalidRequest, status_on_error
 from store_service.fair_share import GET, PUT, BulkCallLimit
 from store_service.metrics import TRANSFERS, TransferPath
 from store_service.put_session import IdleLimited
 from store_service.put_spec import PutSpec
-from store_service.records import RecordFilter, all_tensors
+from store_service.records import RecordFilter, StoredRecord, all_tensors
 from store_service.region_copy import region_payload
 from store_service.same_host_gets import caller, get_direct, get_into_region
 from store_service.storage import now_ms
@@ -213,15 +213,13 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             raise InvalidRequest(f"at most {MAX_HEADER_KEYS} keys a call, not {len(request.keys)}")
         namespace = namespace_for(request.namespace)
         out = store_pb2.GetHeadersResponse()
-        for key in request.keys:
+        for record in self.store.open_records(namespace, list(request.keys)):
             found = out.headers.add()
-            try:
-                found.header.CopyFrom(self.store.open_record(namespace, key).header)
+            if isinstance(record, StoredRecord):
+                found.header.CopyFrom(record.header)
                 found.found = True
-            except NotFound:
-                pass
-            except Corrupt:
-                found.damaged = True
+            else:
+                found.damaged = isinstance(record, Corrupt)
         return out
 
     @rpc_errors

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from store_service import tables
@@ -211,6 +211,18 @@ class CheckpointStore:
         self.capacity.release(session.record_id)
 
     # -- get ---------------------------------------------------------------------------------
+
+    def open_records(
+        self, namespace: str, keys: Sequence[bytes]
+    ) -> list[StoredRecord | NotFound | Corrupt]:
+        """Each key's record, or why there is none, in the keys' order (Store.GetHeaders)."""
+        out: list[StoredRecord | NotFound | Corrupt] = []
+        for key in keys:
+            try:
+                out.append(self.open_record(namespace, key))
+            except (NotFound, Corrupt) as exc:
+                out.append(exc)
+        return out
 
     def open_record(self, namespace: str, key: bytes) -> StoredRecord:
         """The header of a record (it becomes the most recently used).

@@ -1,5 +1,6 @@
-"""In-process batches over the engine's KV rows (adopt_row), for tests comparing a row in a
-batch with the same request alone."""
+"""In-process batches over the engine's KV rows (adopt_row) in the engine's generator (its
+first tokens from the prompts' last chunks: model/folded_prefill.py), for tests comparing a
+row in a batch with the same request alone, or with the engine."""
 
 from __future__ import annotations
 
@@ -14,8 +15,29 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine_service.kv.batch_cache import adopt_row
+from engine_service.model.folded_prefill import FoldingBatchGenerator
+from engine_service.model.last_positions import LastPositions
 from engine_service.protocol.kv_codec import KVCodec
 from tandem_client.errors import TandemError
+
+
+def engine_generator(model: Any, batch: int) -> BatchGenerator:
+    """The engine's generator (loop/scheduler.py makes it so), rows of `batch` at once."""
+    positions = LastPositions.probe(model)
+    return FoldingBatchGenerator(
+        model, positions, completion_batch_size=batch, prefill_batch_size=batch
+    )
+
+
+def insert(
+    bg: BatchGenerator, prompts: list[list[int]], n: int, caches: list[Any], codecs: list[KVCodec]
+) -> list[int]:
+    """bg.insert, with quantized rows' last prompt token kept a step of its own, as the engine
+    keeps it (loop/new_rows.py)."""
+    uids: list[int] = bg.insert(prompts, max_tokens=[n] * len(prompts), caches=caches)
+    if isinstance(bg, FoldingBatchGenerator):
+        bg.keep_apart([u for u, c in zip(uids, codecs, strict=True) if c.quantized])
+    return uids
 
 
 def batched(
@@ -23,9 +45,9 @@ def batched(
 ) -> tuple[list[list[int]], list[list[Any]]]:
     """The requests as one continuous batch over BatchQuantizedKVCache rows: tokens and
     logprobs of each, in order."""
-    bg = BatchGenerator(model, completion_batch_size=16, prefill_batch_size=16)
+    bg = engine_generator(model, 16)
     caches = [[adopt_row(c, codec) for c in make_prompt_cache(model)] for codec in codecs]
-    uids = bg.insert(prompts, max_tokens=[n] * len(prompts), caches=caches)
+    uids = insert(bg, prompts, n, caches, codecs)
     tokens: dict[int, list[int]] = {u: [] for u in uids}
     logprobs: dict[int, list[Any]] = {u: [] for u in uids}
     while any(len(v) < n for v in tokens.values()):
@@ -46,9 +68,9 @@ def remove_after(
 ) -> tuple[list[int], list[Any], list[int]]:
     """Runs the requests as one batch until request `index` has `tokens` tokens, then takes
     it out with its caches: (its tokens, its layer caches, the history they hold)."""
-    bg = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+    bg = engine_generator(model, 8)
     rows = [[adopt_row(c, k) for c in make_prompt_cache(model)] for k in codecs]
-    uids = bg.insert(prompts, max_tokens=[60] * len(prompts), caches=rows)
+    uids = insert(bg, prompts, 60, rows, codecs)
     got: list[int] = []
     while len(got) < tokens:
         got += [r.token for r in bg.next()[1] if r.uid == uids[index]]
@@ -58,9 +80,9 @@ def remove_after(
 
 def decoding_batch(model: Any, prompt: list[int], codec: KVCodec) -> BatchGenerator:
     """A batch already decoding one request (three steps in): for rows to join."""
-    bg = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+    bg = engine_generator(model, 8)
     caches = [[adopt_row(c, codec) for c in make_prompt_cache(model)]]
-    bg.insert([prompt], max_tokens=[60], caches=caches)
+    insert(bg, [prompt], 60, caches, [codec])
     for _ in range(3):
         bg.next()
     return bg

@@ -41,6 +41,7 @@ class Stream:
     grpc: bool  # else SSE through the OpenAI-compatible front
     tokens: list[int] = field(default_factory=list)
     text: str = ""
+    received: int = 0  # tokens (gRPC) or events (SSE) so far
     failovers: int = -1
     error: str = ""
 
@@ -110,6 +111,7 @@ def _run_grpc(address: str | EngineClient, s: Stream, progress: list[int]) -> No
             ):
                 s.tokens += chunk.token_ids
                 s.text += chunk.text
+                s.received += len(chunk.token_ids)
                 progress[0] += len(chunk.token_ids)
                 if chunk.usage is not None:
                     s.failovers = chunk.usage.failovers
@@ -143,6 +145,7 @@ def _run_sse(http: str, s: Stream, progress: list[int]) -> None:
                     return
                 if event["choices"]:
                     s.text += event["choices"][0]["text"]
+                    s.received += 1
                     progress[0] += 1
                 if event.get("usage"):
                     s.failovers = event["usage"]["failovers"]
@@ -191,8 +194,10 @@ class GatewayFronts(Protocol):
 
 def start_streams(gateway: GatewayFronts, at: int) -> tuple[list[Stream], list[threading.Thread]]:
     """STREAMS streams through the gateway, even ones over gRPC and odd ones over SSE, each
-    on its own thread; returns once they have produced `at` tokens together (or after 120 s,
-    when the threads' own errors tell what went wrong)."""
+    on its own thread; returns once they have produced `at` tokens together and each stream
+    its first (an engine checkpoints a generation at its first token, so every stream can be
+    resumed from then on), or after 120 s, when the threads' own errors tell what went
+    wrong."""
     streams = [Stream(i, grpc=i % 2 == 0) for i in range(STREAMS)]
     progress = [0]
     threads = [
@@ -205,7 +210,11 @@ def start_streams(gateway: GatewayFronts, at: int) -> tuple[list[Stream], list[t
     for t in threads:
         t.start()
     deadline = time.monotonic() + 120
-    while progress[0] < at and time.monotonic() < deadline:
+
+    def started() -> bool:
+        return all(s.received or s.error or s.failovers >= 0 for s in streams)
+
+    while (progress[0] < at or not started()) and time.monotonic() < deadline:
         time.sleep(0.01)
     return streams, threads
 

@@ -347,3 +347,27 @@ def test_a_record_written_again_leaves_no_chunks_behind(tmp_path: Path, cluster)
         assert len(chunks) == 2  # the last record's two 1 MiB chunks only
         with StoreClient(b.address) as node_b:
             assert _same_payload(node_b.get(b"again", "t"), last)
+
+
+def test_headers_only_in_the_tier_come_over_in_one_call(tmp_path: Path, cluster) -> None:  # noqa: ANN001
+    """A resume after a node's loss probes its chain with one GetHeaders on another node: the
+    segments only the tier holds are brought over (in parallel, TieredStore.open_records),
+    each answered found, in the order asked; a key nobody stored stays missing, and another
+    tenant's key is never found."""
+    segments = [
+        make_checkpoint(b"seg-%d" % i, {"k": 200_000 + i}, kind="generation", namespace="team-a")
+        for i in range(6)
+    ]
+    with two_nodes(tmp_path, cluster) as (a, b), StoreClient(a.address) as node_a:
+        for segment in segments:
+            node_a.put(segment)  # generations are written through
+        keys = [b"seg-3", b"nobody", *[s.key for s in segments]]
+        with StoreClient(b.address) as node_b:
+            reads = node_b.get_headers(keys, "team-a")
+            assert [r.checkpoint is not None for r in reads] == [True, False] + [True] * 6
+            for key, read in zip(keys, reads, strict=True):
+                assert read.checkpoint is None or read.checkpoint.key == key
+            assert node_b.stats().tier.hits == 6
+            assert _same_payload(node_b.get(b"seg-5", "team-a"), segments[5])
+            assert node_b.stats().tier.hits == 6  # now local
+            assert all(r.checkpoint is None for r in node_b.get_headers(keys, "team-b"))

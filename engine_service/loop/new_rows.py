@@ -10,6 +10,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine_service.kv.batch_cache import adopt_row
 from engine_service.loop.jobs import Job, StartingPoint
+from engine_service.model.folded_prefill import FoldingBatchGenerator
 from engine_service.sampling.constraints import Grammars
 from engine_service.sampling.samplers import make_processors, make_sampler
 
@@ -66,5 +67,7 @@ class NewRows:
         )
         for job, uid in zip(self.jobs, uids, strict=True):
             job.uid = uid
+            if job.request.kv.quantized and isinstance(bg, FoldingBatchGenerator):
+                bg.keep_apart([uid])  # as mlx-lm's QuantizedKVCache (model/folded_prefill.py)
             if job.constrained is not None:
                 job.constrained.uid = uid

@@ -36,6 +36,8 @@ from engine_service.loop.row_isolation import isolate, recompute_point
 from engine_service.loop.step_checkpoints import StepCheckpoints
 from engine_service.loop.warmup import WarmUpFailed, warm_up
 from engine_service.model.deterministic import DeterministicModel
+from engine_service.model.folded_prefill import FoldingBatchGenerator
+from engine_service.model.last_positions import LastPositions
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.mlx_compat import batch_cache_bytes, running_batch
 from engine_service.protocol.events import (
@@ -124,10 +126,18 @@ class Scheduler(SchedulerInbox):
             self, self._preemption, checkpoints, self._waiting, self._by_id, self._inbox.put
         )
         self._bg: BatchGenerator  # made on the engine thread: MLX streams are per thread
+        # Probed with the first batch generator, on the engine thread (False: refused).
+        self._last_positions: LastPositions | bool | None = None
 
     def _new_batch_generator(self) -> BatchGenerator:
-        return BatchGenerator(
+        # A prompt's last chunk gives its first token (model/folded_prefill.py); not in
+        # deterministic mode, where a prompt's last token is a step of its own.
+        if self._last_positions is None and not self.deterministic:
+            self._last_positions = LastPositions.probe(self._batch_model) or False
+        positions = self._last_positions
+        return FoldingBatchGenerator(
             self._batch_model,
+            positions if isinstance(positions, LastPositions) else None,
             completion_batch_size=self.limits.max_running,
             prefill_batch_size=min(self.limits.prefill_batch_size, self.limits.max_running),
             prefill_step_size=self.limits.prefill_step_size,

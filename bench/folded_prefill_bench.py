@@ -1,0 +1,106 @@
+"""Time to the first token: mlx-lm's BatchGenerator against the engine's folding one (ABAB).
+
+A: mlx-lm's `BatchGenerator`: it prefills a prompt but its last token, then runs that token as
+   a decode step of its own whose logits give the first token.
+B: `FoldingBatchGenerator` (engine_service/loop/folded_prefill.py): a short last chunk carries
+   the last token and gives the first token itself, one forward pass fewer.
+
+Each round: --rows rows of --turn new tokens, each after a --prefix-token cache already in
+memory (a store hit's shape; --prefix 0: a short cold prompt), deep-copied for each side, to
+the first token of every row. The first round warms both and is dropped. Prints each side's
+median and the median of the paired ratios B / A with their spread.
+
+    python bench/folded_prefill_bench.py [--model tandem-tiny] [--prefix 4096] [--turn 16]
+        [--rows 1] [--pairs 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
+
+# isort: off
+import engine_service  # noqa: E402, F401  (the fast BLAS must load before mlx)
+
+import mlx.core as mx  # noqa: E402
+# isort: on
+
+from mlx_lm.generate import BatchGenerator  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from bench.engine_bench import model_spec  # noqa: E402
+from engine_service.loop.folded_prefill import FoldingBatchGenerator  # noqa: E402
+from engine_service.model.loading import load_model  # noqa: E402
+
+
+def first_tokens(generator: BatchGenerator, turns: list[list[int]], caches: list[Any]) -> float:
+    """Seconds from insert to every row's first token."""
+    start = time.perf_counter()
+    generator.insert(turns, max_tokens=[2] * len(turns), caches=caches)
+    left = len(turns)
+    while left:
+        left -= sum(1 for r in generator.next()[1] if r.finish_reason is None)
+    elapsed = time.perf_counter() - start
+    generator.close()
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tandem-tiny")
+    ap.add_argument("--prefix", type=int, default=4096)
+    ap.add_argument("--turn", type=int, default=16)
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--pairs", type=int, default=9)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = load_model(model_spec(args.model, Path(tmp)), Path(tmp))
+    model, vocab = loaded.model, loaded.vocab_size
+    rng = random.Random(0)
+    prefixes = []
+    for _ in range(args.rows):
+        cache = make_prompt_cache(model)
+        tokens = [rng.randrange(3, vocab - 1) for _ in range(args.prefix)]
+        for at in range(0, args.prefix, 2048):
+            model(mx.array([tokens[at : at + 2048]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        prefixes.append(cache)
+
+    def copies() -> list[Any]:
+        out = [[copy.deepcopy(c) for c in cache] for cache in prefixes]
+        mx.eval([c.state for cache in out for c in cache])
+        return out
+
+    upstream: list[float] = []
+    folded: list[float] = []
+    for r in range(args.pairs + 1):
+        turns = [[rng.randrange(3, vocab - 1) for _ in range(args.turn)] for _ in prefixes]
+        a = first_tokens(BatchGenerator(model), turns, copies() if args.prefix else [])
+        folding = FoldingBatchGenerator(model)
+        b = first_tokens(folding, turns, copies() if args.prefix else [])
+        assert folding.folded_rows == args.rows, "the last chunk did not fold: --turn too long"
+        print(f"  round {r}: mlx-lm {a * 1e3:8.1f} ms, folded {b * 1e3:8.1f} ms")
+        if r:  # the first round warms both up
+            upstream.append(a)
+            folded.append(b)
+    ratios = sorted(b / a for a, b in zip(upstream, folded, strict=True))
+    print(
+        f"{args.model} on {mx.default_device()}, {args.rows} row(s) of {args.turn} tokens after"
+        f" {args.prefix}, {args.pairs} pairs: mlx-lm {statistics.median(upstream) * 1e3:.1f} ms,"
+        f" folded {statistics.median(folded) * 1e3:.1f} ms to the first token; folded / mlx-lm"
+        f" median {statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+    )
+
+
+if __name__ == "__main__":
+    main()

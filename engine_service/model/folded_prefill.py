@@ -1,0 +1,220 @@
+"""The first token from the last prompt chunk's own forward pass.
+
+mlx-lm's BatchGenerator prefills a prompt but its last token, then feeds that token as a decode
+step of its own whose logits give the first token: before its first token a prompt costs its
+chunks plus one more forward pass over the whole cache, and one more loop iteration. vLLM and
+SGLang sample the first token from the prefill's own last position.
+
+`FoldingBatchGenerator` does that: a row's last token rides in its last chunk, the chunk's
+logits at the row's last position (computed there only: model/last_positions.py) become the
+row's first step, and the decode step over the last token is skipped. mlx-lm's
+`GenerationBatch` still runs that first step's sampling, logits processors (constraints,
+penalties) and bookkeeping: it is given a model that answers its first call with those logits
+(`_FirstStep`). So a folded row leaves the prompt batch in the state mlx-lm's own would after
+its first step: the cache holds the whole prompt, the first token sampled, the row's token
+list ending with the prompt's last token.
+
+Whether a row folds depends on the row alone (its last chunk has room for the last token), not
+on the rows beside it. Not at all for a model `LastPositions.probe` refuses, nor in
+deterministic mode, where a prompt's last token is a step of its own by contract
+(checkpoints/prefix_reuse.py `aligned`).
+
+Pinned to mlx-lm 0.32.2 like model/mlx_compat.py, and for the same reason it reads mlx-lm's
+private names: `_next` is upstream's `BatchGenerator._next` with the fold added (marked);
+tests/test_folded_prefill.py checks its tokens against mlx-lm's own generator.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+
+from engine_service.model.last_positions import LastPositions
+
+
+class _Folding:
+    """The batch's model as the prompt batch calls it: on a folding step, its logits only at
+    the folding rows' last positions, kept for `_fold`."""
+
+    def __init__(self, model: Any, positions: LastPositions) -> None:
+        self.model = model
+        self.positions = positions
+        self.rows: list[int] = []  # this step's folding rows and their last positions
+        self.at: list[int] = []
+        self.output: mx.array | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.rows:
+            return self.model(*args, **kwargs)
+        with self.positions.only(self.rows, self.at):
+            self.output = self.model(*args, **kwargs)
+        return self.output
+
+    def take(self) -> mx.array | None:
+        out, self.output, self.rows, self.at = self.output, None, [], []
+        return out
+
+
+class _FirstStep:
+    """The model of a folded batch's first step: that step's logits, computed by the chunk."""
+
+    def __init__(self, logits: mx.array) -> None:
+        self.logits = logits
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        return self.logits
+
+
+class FoldingBatchGenerator(BatchGenerator):
+    """mlx-lm's BatchGenerator; a row's last prompt chunk gives its first token."""
+
+    def __init__(self, model: Any, positions: LastPositions | None, **kwargs: Any) -> None:
+        """positions: the model's `LastPositions` (None: no row folds; a model its probe
+        refused, or deterministic mode)."""
+        super().__init__(model, **kwargs)
+        self.folded_rows = 0  # rows whose first token came from their chunk (tests, stats)
+        self._apart: set[int] = set()  # rows whose last token is a step of its own
+        self._folding_model = _Folding(self.model, positions) if positions else None
+        if self._folding_model is not None:
+            # The prompt batch lives as long as the generator (new rows extend it), and its
+            # splits carry its model to their GenerationBatch's first step only.
+            self._prompt_batch.model = self._folding_model
+
+    @property
+    def folds(self) -> bool:
+        return self._folding_model is not None
+
+    def keep_apart(self, uids: list[int]) -> None:
+        """These rows' last prompt token runs as a step of its own, as in mlx-lm: a quantized
+        row's first token then attends over its quantized cache as mlx-lm's own
+        QuantizedKVCache does (in the chunk it would attend over the plain keys)."""
+        self._apart.update(uids)
+
+    def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
+        self._apart.difference_update(uids)
+        return super().remove(uids, return_prompt_caches)
+
+    def _folding(self, chunks: list[int]) -> list[int]:
+        """The rows (indices in _currently_processing) whose last token rides this step: those
+        whose last chunk is this step's and has room for it."""
+        if self._folding_model is None:
+            return []
+        uids = self._prompt_batch.uids
+        return [
+            i
+            for i, seq in enumerate(self._currently_processing)
+            if len(seq[0]) == 2
+            and len(seq[0][1]) == 1
+            and len(seq[0][0]) == chunks[i]
+            and chunks[i] + 1 <= self.prefill_step_size
+            and uids[i] not in self._apart
+        ]
+
+    def _fold(self, rows: list[int], prompts: list[list[int]], first: mx.array) -> None:
+        """Rows whose chunk ended with their last token start generating from its logits
+        (`first`: [rows, 1, vocab])."""
+        last = [prompts[i][-1] for i in rows]
+        done = set(rows)
+        self._currently_processing = [
+            s for i, s in enumerate(self._currently_processing) if i not in done
+        ]
+        batch = self._prompt_batch.split(rows)
+        for tokens in batch.tokens:
+            tokens.pop()  # prompt() counted the last token; the first step counts it (upstream)
+        generation = GenerationBatch(
+            _FirstStep(first),
+            batch.uids,
+            mx.array(last),
+            batch.prompt_cache,
+            batch.tokens,
+            batch.samplers,
+            batch.fallback_sampler,
+            batch.logits_processors,
+            batch.stop_sequences,
+            batch.max_tokens,
+        )
+        generation.model = self.model
+        self._generation_batch.extend(generation)
+        self.folded_rows += len(rows)
+
+    def _next(self) -> tuple[list[Any], list[Any]]:  # noqa: C901  (upstream's, plus the fold)
+        generation_responses: list[Any] = []
+        prompt_responses: list[Any] = []
+
+        if len(self._generation_batch) > 0:
+            tic = time.perf_counter()
+            generation_responses = self._generation_batch.next()
+            self._counters.decode_time += time.perf_counter() - tic
+            self._counters.generation_tokens += len(generation_responses)
+            self._counters.generation_steps += 1
+            if self._counters.generation_steps % 512 == 0:
+                mx.clear_cache()
+
+        if len(self._generation_batch) >= self.completion_batch_size:
+            return prompt_responses, generation_responses
+
+        n = min(
+            self.prefill_batch_size - len(self._prompt_batch),
+            self.completion_batch_size - len(self._generation_batch),
+            len(self._unprocessed_sequences),
+        )
+        if n > 0:
+            self._prompt_batch.extend(self._make_batch(n))
+
+        # Rows left with only their last token start generating (upstream's path: a row whose
+        # whole prompt is one token, or whose last chunk was too wide to fold).
+        keep: list[int] = []
+        split: list[int] = []
+        for i, seq in enumerate(self._currently_processing):
+            segments = seq[0]
+            (split if len(segments) == 1 and len(segments[0]) == 1 else keep).append(i)
+        if split:
+            self._apart.difference_update(self._prompt_batch.uids[i] for i in split)
+            last_inputs = [self._currently_processing[i][0][0] for i in split]
+            progress = [(self._currently_processing[i][2],) * 2 for i in split]
+            self._currently_processing = [self._currently_processing[i] for i in keep]
+            gen_batch = self._prompt_batch.split(split).generate(last_inputs)
+            for i, p in enumerate(progress):
+                prompt_responses.append(
+                    PromptProcessingBatch.Response(gen_batch.uids[i], p, True, True)
+                )
+            self._generation_batch.extend(gen_batch)
+
+        chunks = [min(len(seq[0][0]), self.prefill_step_size) for seq in self._currently_processing]
+        folding = self._folding(chunks)  # the fold: these rows' last token joins the chunk
+        prompts = []
+        for i, seq in enumerate(self._currently_processing):
+            response = PromptProcessingBatch.Response(self._prompt_batch.uids[i], (), False, False)
+            segments = seq[0]
+            prompts.append(segments[0][: chunks[i]])
+            segments[0] = segments[0][chunks[i] :]
+            if len(segments[0]) == 0:
+                segments.pop(0)
+                response.end_of_segment = True
+            if i in folding:
+                prompts[-1] = prompts[-1] + segments.pop(0)
+                response.end_of_prompt = True
+            seq[1] += len(prompts[-1])
+            response.progress = (seq[1], seq[2])
+            prompt_responses.append(response)
+
+        self._counters.prompt_tokens += sum(len(p) for p in prompts)
+        tic = time.perf_counter()
+        if folding:
+            assert self._folding_model is not None
+            self._folding_model.rows = folding
+            self._folding_model.at = [len(prompts[i]) - 1 for i in folding]
+        self._prompt_batch.prompt(prompts)
+        first = self._folding_model.take() if self._folding_model is not None else None
+        self._counters.prompt_time += time.perf_counter() - tic
+        if folding:
+            assert first is not None  # one model call: the chunk is at most a prefill step
+            self._fold(folding, prompts, first)
+
+        return prompt_responses, generation_responses

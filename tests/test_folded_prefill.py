@@ -1,0 +1,194 @@
+"""A prompt's last chunk gives its row's first token (model/folded_prefill.py): the same
+tokens and log-probabilities as mlx-lm's own BatchGenerator, with one forward pass fewer and
+the first token one step earlier. A last chunk without room for the last token, a model whose
+logits cannot be taken at chosen positions (model/last_positions.py) and deterministic mode
+keep mlx-lm's path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.nn.layers.base import Module
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine_service.loop.jobs import Job, StartingPoint
+from engine_service.loop.new_rows import NewRows
+from engine_service.model.folded_prefill import FoldingBatchGenerator
+from engine_service.model.last_positions import LastPositions
+from engine_service.model.loaded import LoadedModel
+from engine_service.model.loading import load_model
+from engine_service.protocol.requests import GenerationRequest
+from engine_service.protocol.sampling_options import SamplingOptions
+
+
+@pytest.fixture(scope="module")
+def tiny(engine_data_dir: Path) -> LoadedModel:
+    return load_model("", engine_data_dir)
+
+
+class CountingModel:
+    """The model, counting its forward passes."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.model(*args, **kwargs)
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]]
+    first_logprobs: list[np.ndarray[Any, Any]]
+    steps_to_first: int  # next() calls until the first row's first token
+    forwards_to_first: int  # forward passes until then
+    folded: int
+
+
+def _prompt(i: int, length: int) -> list[int]:
+    return [(11 * i + 5 * j) % 700 + 3 for j in range(length)]
+
+
+def _run(
+    tiny: LoadedModel,
+    fold: bool,
+    lengths: list[int],
+    tokens: int = 6,
+    sampling: SamplingOptions | None = None,
+    prefix: int = 0,
+    positions: bool = True,
+    prefill_step: int = 2048,
+) -> Run:
+    """Rows of these prompt lengths decoded together, each after `prefix` tokens already in
+    its cache (a store hit's shape), by mlx-lm's generator or the folding one."""
+    model = CountingModel(tiny.model)
+    kwargs: dict[str, Any] = dict(
+        completion_batch_size=8, prefill_batch_size=8, prefill_step_size=prefill_step
+    )
+    bg = (
+        FoldingBatchGenerator(model, LastPositions.probe(model) if positions else None, **kwargs)
+        if fold
+        else BatchGenerator(model, **kwargs)
+    )
+    model.calls = 0  # not the probe's
+    rows = NewRows(tiny.model)
+    for i, length in enumerate(lengths):
+        prompt = _prompt(i, prefix + length)
+        caches = None
+        if prefix:
+            caches = make_prompt_cache(tiny.model)
+            tiny.model(mx.array(prompt[:prefix])[None], cache=caches)
+            mx.eval([c.state for c in caches])
+        request = GenerationRequest(f"r{i}", prompt, tokens, sampling or SamplingOptions(), "")
+        start = StartingPoint(prompt[prefix:], prompt[:prefix], caches, prefix)
+        rows.add(Job(request, lambda events: None), start)
+    rows.insert(bg)
+    out: dict[int, list[int]] = {job.uid: [] for job in rows.jobs}
+    first: dict[int, np.ndarray[Any, Any]] = {}
+    left, steps, to_first, forwards = set(out), 0, 0, 0
+    while left:
+        _, responses = bg.next()
+        steps += 1
+        for r in responses:
+            if not out[r.uid]:
+                first[r.uid] = np.array(r.logprobs)
+            out[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                left.discard(r.uid)
+        if responses and not to_first:
+            to_first, forwards = steps, model.calls
+    bg.close()
+    uids = [job.uid for job in rows.jobs]
+    return Run(
+        [out[u] for u in uids],
+        [first[u] for u in uids],
+        to_first,
+        forwards,
+        getattr(bg, "folded_rows", 0),
+    )
+
+
+def _same(a: Run, b: Run) -> None:
+    assert a.tokens == b.tokens
+    for x, y in zip(a.first_logprobs, b.first_logprobs, strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-4)
+
+
+def test_a_turn_after_a_cached_prefix_gets_its_first_token_from_its_chunk(
+    tiny: LoadedModel,
+) -> None:
+    upstream = _run(tiny, False, [16], prefix=300)
+    folded = _run(tiny, True, [16], prefix=300)
+    _same(upstream, folded)
+    assert folded.folded == 1
+    assert folded.steps_to_first == upstream.steps_to_first - 1
+    assert folded.forwards_to_first == upstream.forwards_to_first - 1
+
+
+def test_rows_of_different_lengths_fold_together_with_mlx_lms_tokens(tiny: LoadedModel) -> None:
+    lengths = [5, 17, 30, 1, 9]  # right-padded in one chunk; the 1-token row has no chunk
+    upstream = _run(tiny, False, lengths)
+    folded = _run(tiny, True, lengths)
+    _same(upstream, folded)
+    assert folded.folded == 4
+
+
+def test_seeded_sampling_and_penalties_see_the_same_first_step(tiny: LoadedModel) -> None:
+    sampling = SamplingOptions(temperature=0.9, top_p=0.95, seed=7, repetition_penalty=1.3)
+    upstream = _run(tiny, False, [12, 20], tokens=10, sampling=sampling)
+    folded = _run(tiny, True, [12, 20], tokens=10, sampling=sampling)
+    _same(upstream, folded)
+    assert folded.folded == 2
+
+
+def test_a_prompt_of_several_chunks_folds_its_last_one_only(tiny: LoadedModel) -> None:
+    # 16-token steps: 40 tokens are chunks of 16, 16 and 7 + the last; 33 fill two steps, so
+    # their last token has no room in the second and takes a step of its own.
+    upstream = _run(tiny, False, [40, 33], prefill_step=16)
+    folded = _run(tiny, True, [40, 33], prefill_step=16)
+    _same(upstream, folded)
+    assert folded.folded == 1
+
+
+def test_without_positions_nothing_folds(tiny: LoadedModel) -> None:
+    off = _run(tiny, True, [16], prefix=64, positions=False)
+    assert off.folded == 0
+    _same(_run(tiny, False, [16], prefix=64), off)
+
+
+class _MixingHead(Module):
+    """A model whose logits at a position depend on the positions before it after its body
+    (a running sum): taking the body's last position alone changes them."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.model = inner.model
+        self.inner = inner
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        out = mx.cumsum(self.model(inputs, cache), axis=1)
+        logits: mx.array = self.model.embed_tokens.as_linear(out)
+        return logits
+
+    @property
+    def layers(self) -> Any:
+        return self.inner.layers
+
+
+def test_the_probe_takes_the_model_and_refuses_a_head_that_mixes_positions(
+    tiny: LoadedModel,
+) -> None:
+    assert LastPositions.probe(tiny.model) is not None
+    assert LastPositions.probe(_MixingHead(tiny.model)) is None
+    assert LastPositions.probe(object()) is None
