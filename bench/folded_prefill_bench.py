@@ -2,7 +2,7 @@
 
 A: mlx-lm's `BatchGenerator`: it prefills a prompt but its last token, then runs that token as
    a decode step of its own whose logits give the first token.
-B: `FoldingBatchGenerator` (engine_service/loop/folded_prefill.py): a short last chunk carries
+B: `FoldingBatchGenerator` (engine_service/model/folded_prefill.py): a short last chunk carries
    the last token and gives the first token itself, one forward pass fewer.
 
 Each round: --rows rows of --turn new tokens, each after a --prefix-token cache already in
@@ -39,7 +39,8 @@ from mlx_lm.generate import BatchGenerator  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from bench.engine_bench import model_spec  # noqa: E402
-from engine_service.loop.folded_prefill import FoldingBatchGenerator  # noqa: E402
+from engine_service.model.folded_prefill import FoldingBatchGenerator  # noqa: E402
+from engine_service.model.last_positions import LastPositions  # noqa: E402
 from engine_service.model.loading import load_model  # noqa: E402
 
 
@@ -81,14 +82,16 @@ def main() -> None:
         mx.eval([c.state for cache in out for c in cache])
         return out
 
+    positions = LastPositions.probe(model)
+    assert positions is not None, "this model's first tokens cannot come from its chunks"
     upstream: list[float] = []
     folded: list[float] = []
     for r in range(args.pairs + 1):
         turns = [[rng.randrange(3, vocab - 1) for _ in range(args.turn)] for _ in prefixes]
         a = first_tokens(BatchGenerator(model), turns, copies() if args.prefix else [])
-        folding = FoldingBatchGenerator(model)
+        folding = FoldingBatchGenerator(model, positions)
         b = first_tokens(folding, turns, copies() if args.prefix else [])
-        assert folding.folded_rows == args.rows, "the last chunk did not fold: --turn too long"
+        assert folding.folded_rows == args.rows, "the last chunk did not fold"
         print(f"  round {r}: mlx-lm {a * 1e3:8.1f} ms, folded {b * 1e3:8.1f} ms")
         if r:  # the first round warms both up
             upstream.append(a)

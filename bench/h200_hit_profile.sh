@@ -11,7 +11,9 @@
 # Part c: decode with a checkpoint every 16 tokens against off, 16 ABBA pairs of 512 tokens. Part n: the
 # 8k hit with MLX's CUDA graphs off (MLX_USE_CUDA_GRAPHS=0), for the gather launches' host
 # time: MLX-CUDA adds each kernel to a graph it instantiates or updates at each evaluation,
-# the suspect for ~2 ms a launch group.
+# the suspect for ~2 ms a launch group. Part f: mlx-lm's BatchGenerator against the engine's
+# folding one (a prompt's first token from its last chunk), in-process, a 16-token turn after
+# 8k and 32k cached positions and 8 cold 512-token prompts, then the engine's 8k and 32k hits.
 # Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
@@ -42,6 +44,18 @@ for part in ${1:-g r p t}; do
       for graphs in 1 0; do
         MLX_USE_CUDA_GRAPHS=$graphs timeout 150 $hit --tokens 8192 --pairs 4 --think-s 0.5 \
           2>&1 | grep -v '^  round' | tee "$out/hit_8k_graphs$graphs.txt"
+      done
+      ;;
+    f)
+      for prefix in 8192 32768; do
+        timeout 150 python3 bench/folded_prefill_bench.py --model qwen3-0.6b-shape \
+          --prefix $prefix --pairs 7 2>&1 | tail -1 | tee -a "$out/fold.txt"
+      done
+      timeout 150 python3 bench/folded_prefill_bench.py --model qwen3-0.6b-shape --prefix 0 \
+        --turn 512 --rows 8 --pairs 7 2>&1 | tail -1 | tee -a "$out/fold.txt"
+      for tokens in 8192 32768; do
+        timeout 200 $hit --tokens $tokens --pairs 4 --think-s 0.5 2>&1 | grep -v '^  round' \
+          | tee "$out/hit_${tokens}_folded.txt"
       done
       ;;
     c)

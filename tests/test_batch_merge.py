@@ -8,8 +8,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as cache_lib
 
+from engine_service.checkpoints.device_landing import host_plane
 from engine_service.kv.batch_cache import BatchQuantizedKVCache, adopt_row
 from engine_service.protocol.kv_codec import PLAIN_KV
+from tandem_client.records import Tensor
 
 HEADS, DIM = 2, 8
 
@@ -52,3 +54,36 @@ def test_merged_rows_keep_their_positions_and_take_a_step_in_place(lengths: list
         assert mx.array_equal(keys[i : i + 1, :, width:], new_keys[i : i + 1])
         assert mx.array_equal(values[i : i + 1, :, width:], new_values[i : i + 1])
         assert not mx.any(keys[i, :, :pad]).item()  # left padding stays empty
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_a_plane_landed_with_room_holds_its_positions_then_zeros(dtype: str) -> None:
+    """device_landing.host_plane: a stored tensor's first `keep` positions in a plane of
+    `columns`, the rest zero."""
+    source = mx.random.normal((1, HEADS, 40, DIM)).astype(getattr(mx, dtype))
+    stored = Tensor("k", dtype, (1, HEADS, 40, DIM), bytes(memoryview(source.view(mx.uint8))))
+    plane = host_plane(stored, 33, 33 + 256)
+    assert plane.shape == (1, HEADS, 33 + 256, DIM) and plane.dtype == source.dtype
+    assert mx.array_equal(plane[..., :33, :], source[..., :33, :])
+    assert not mx.any(plane[..., 33:, :]).item()
+    with pytest.raises(ValueError):
+        host_plane(stored, 41, 300)  # more positions than the tensor holds
+
+
+def test_a_lone_row_landed_with_room_joins_its_batch_without_a_copy() -> None:
+    """A store hit landed with a step of room (prefix_reuse: the matched positions only) is
+    the batch's plane itself; its step then writes in place, past the landed positions."""
+    row = _row(300, 3)
+    keys, values = _held(row)
+    landed = cache_lib.KVCache()
+    landed.keys = mx.concatenate([keys, mx.zeros((1, HEADS, 256, DIM))], axis=2)
+    landed.values = mx.concatenate([values, mx.zeros((1, HEADS, 256, DIM))], axis=2)
+    landed.offset = 300
+    mx.eval(landed.keys, landed.values)
+    batch = BatchQuantizedKVCache.merge([adopt_row(landed, PLAIN_KV)])
+    (group,) = batch._groups
+    assert group.keys[0] is landed.keys and group.values[0] is landed.values
+    new = mx.random.normal((1, HEADS, 15, DIM))
+    got_keys, _ = batch.update_and_fetch(new, new)
+    assert mx.array_equal(got_keys[..., :300, :], keys)
+    assert mx.array_equal(got_keys[..., 300:, :], new)

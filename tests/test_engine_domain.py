@@ -35,6 +35,7 @@ from engine_service.errors import (
     Precondition,
     Unavailable,
 )
+from engine_service.kv.batch_cache import BatchQuantizedKVCache
 from engine_service.loop.admissions import gather_burst
 from engine_service.loop.limits import Limits
 from engine_service.loop.scheduler import Scheduler
@@ -418,6 +419,9 @@ def test_a_direct_hit_used_before_its_verdict_counts_only_once_confirmed(
         assert isinstance(plan, PrefixPlan) and plan.route == "direct"
         restored, read = reader.prefixes.materialize(plan, confirm_later=True)
         assert restored is not None and read is not None
+        # Landed with a batch step of room, the matched positions only (host_plane).
+        assert restored[0].offset == plan.matched
+        assert restored[0].keys.shape[2] == plan.matched + BatchQuantizedKVCache.step
         assert reader.counters.snapshot().store_hits == 0  # not yet
         got = tiny.model(rest, cache=restored)
         assert reader.prefixes.confirm(read)

@@ -195,6 +195,54 @@ def restore(
     return _rebuild(meta, lambda name: to_array(by_name[name]), expected_layout)
 
 
+def plain_kv_only(meta: dict[str, str]) -> bool:
+    """Whether every layer of the record is mlx-lm's plain KVCache of two uncompressed tensors
+    (its keys and values): what `restore_with_room` rebuilds."""
+    try:
+        return all(_plain_kv_names(layer) is not None for layer in json.loads(meta["cache"]))
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def restore_with_room(
+    meta: dict[str, str],
+    tensors: Iterable[Tensor],
+    expected_layout: list[str],
+    to_plane: Callable[[Tensor, int, int], mx.array],
+    keep: int,
+    columns: int,
+) -> list[Any]:
+    """A plain-KV record's caches (`plain_kv_only`) holding its first `keep` positions, each
+    plane landed with room for `columns` (device_landing.host_plane), so a batch takes a lone
+    row as it is instead of copying it into planes with room.
+
+    Raises Precondition naming what differs when the codec or layout does not match."""
+    _check_header(meta, expected_layout)
+    by_name = {t.name: t for t in tensors}
+    caches = []
+    for layer in json.loads(meta["cache"]):
+        names = _plain_kv_names(layer)
+        if names is None:
+            raise Corrupt("a layer is not a plain KV cache")
+        cache = cache_lib.KVCache()
+        cache.keys, cache.values = (to_plane(by_name[n], keep, columns) for n in names)
+        cache.offset = keep
+        caches.append(cache)
+    return caches
+
+
+def _plain_kv_names(layer: Any) -> tuple[str, str] | None:
+    """The keys' and values' tensor names of a plain KVCache layer's skeleton, else None."""
+    if not isinstance(layer, dict) or layer.get("class") != "KVCache" or layer.get("meta"):
+        return None
+    children = layer.get("state", {}).get("l")  # keys, values (and the offset: `_live_state`)
+    if not isinstance(children, list) or len(children) not in (2, 3):
+        return None
+    if not all(isinstance(c, dict) and set(c) == {"t"} for c in children[:2]):
+        return None
+    return str(children[0]["t"]), str(children[1]["t"])
+
+
 def check_restorable(
     meta: dict[str, str], tensors: Iterable[Tensor], expected_layout: list[str]
 ) -> None:

@@ -81,6 +81,24 @@ def host_array(tensor: Tensor) -> mx.array:
     return stored.view(getattr(mx, tensor.dtype)) if view else stored
 
 
+def host_plane(tensor: Tensor, keep: int, columns: int) -> mx.array:
+    """A KV plane [B, H, columns, D]: the tensor's first `keep` positions, then zeros, made
+    as one host buffer that MLX copies. A batch takes a lone row's plane with room as it is
+    (kv/planes.py), where the landed array and the plane the batch grew from it cost two
+    copies and a fill (CPU, 16.8 MB in 8 planes: 2.6 ms against 5.7 ms)."""
+    batch, heads, positions, dim = tensor.shape
+    if not 0 < keep <= positions <= columns:
+        raise ValueError(f"a plane of {columns} columns cannot keep {keep} of {positions}")
+    view = WORD_VIEWS.get(tensor.dtype)
+    np_dtype = view[1] if view else np.dtype(tensor.dtype)
+    source = np.frombuffer(tensor.data, dtype=np_dtype).reshape(tensor.shape)
+    staged = np.empty((batch, heads, columns, dim), dtype=np_dtype)
+    staged[:, :, :keep, :] = source[:, :, :keep, :]
+    staged[:, :, keep:, :] = 0
+    plane = mx.array(staged)
+    return plane.view(getattr(mx, tensor.dtype)) if view else plane
+
+
 class Landing:
     """Turns tensors into MLX arrays; `settle()` before the bytes they came from are reused."""
 
@@ -365,13 +383,37 @@ def as_they_arrive(
     arrival = hold.arrival if hold is not None else None
     if arrival is None:
         return landing.array
-    ends, at = {}, 0
-    for tensor in stored.all_tensors():  # payload order
-        at += tensor.nbytes
-        ends[id(tensor)] = at
+    ends = _arrival_ends(stored)
 
     def to_array(tensor: Tensor) -> mx.array:
         arrival.wait(ends[id(tensor)], timeout_s)
         return landing.start(landing.array(tensor))
 
     return to_array
+
+
+def planes_as_they_arrive(
+    stored: Checkpoint, hold: RegionHold | DirectHold | None, timeout_s: float
+) -> Callable[[Tensor, int, int], mx.array]:
+    """As `as_they_arrive`, for the host landing's KV planes with room (`host_plane`): each
+    tensor landed once its bytes are in (a direct read's chunks at once)."""
+    if isinstance(hold, DirectHold):
+        return lambda t, keep, columns: host_plane(joined(t, hold.segments(t)), keep, columns)
+    arrival = hold.arrival if hold is not None else None
+    ends = _arrival_ends(stored)
+
+    def to_plane(tensor: Tensor, keep: int, columns: int) -> mx.array:
+        if arrival is not None:
+            arrival.wait(ends[id(tensor)], timeout_s)
+        return host_plane(tensor, keep, columns)
+
+    return to_plane
+
+
+def _arrival_ends(stored: Checkpoint) -> dict[int, int]:
+    """id(tensor) -> the payload's bytes up to its end (payload order)."""
+    ends, at = {}, 0
+    for tensor in stored.all_tensors():
+        at += tensor.nbytes
+        ends[id(tensor)] = at
+    return ends

@@ -32,10 +32,16 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from engine_service.checkpoints.cache_records import (
     capture,
     check_restorable,
+    plain_kv_only,
     restore,
     restore_captured,
+    restore_with_room,
 )
-from engine_service.checkpoints.device_landing import Landing, as_they_arrive
+from engine_service.checkpoints.device_landing import (
+    Landing,
+    as_they_arrive,
+    planes_as_they_arrive,
+)
 from engine_service.checkpoints.host_staging import HostStaging
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE, PrefixCache
 from engine_service.checkpoints.record_codec import compress
@@ -43,6 +49,7 @@ from engine_service.checkpoints.restore_cost import RestoreCost
 from engine_service.checkpoints.spill import Put, SpillQueue
 from engine_service.core.plans import PrefixMiss, PrefixPlan
 from engine_service.errors import Corrupt, Precondition
+from engine_service.kv.batch_cache import BatchQuantizedKVCache
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.requests import EXACT_RECORD, RecordFormat
 from tandem_client.direct import DirectHold
@@ -259,8 +266,7 @@ class PrefixReuse:
             else:
                 assert plan.stored is not None
                 later = confirm_later and isinstance(plan.hold, DirectHold)
-                caches = self._restore_stored(plan, later)
-                held = int(plan.stored.metadata.get("tokens", plan.matched))
+                caches, held = self._restore_stored(plan, later)
                 if later:
                     assert isinstance(plan.hold, DirectHold)
                     spent = plan.fetch_s + time.perf_counter() - start
@@ -326,10 +332,11 @@ class PrefixReuse:
         self.counters.observe_restore(plan.nbytes, seconds)
         self.cost.observe_restore(plan.nbytes, plan.matched, seconds)
 
-    def _restore_stored(self, plan: PrefixPlan, confirm_later: bool) -> list[Any]:
-        """A store read's caches. A direct read's bytes count only once the store's check
-        passed and its lease held until the arrays owned them (DataLoss otherwise); with
-        confirm_later, its gather is only queued and `confirm` decides after the step."""
+    def _restore_stored(self, plan: PrefixPlan, confirm_later: bool) -> tuple[list[Any], int]:
+        """A store read's caches and the positions they hold. A direct read's bytes count only
+        once the store's check passed and its lease held until the arrays owned them
+        (DataLoss otherwise); with confirm_later, its gather is only queued and `confirm`
+        decides after the step."""
         stored, hold = plan.stored, plan.hold
         assert stored is not None
         if confirm_later:
@@ -337,24 +344,40 @@ class PrefixReuse:
             try:
                 if hold.arrival.error is not None:  # the store's verdict came first: a miss
                     raise hold.arrival.error
-                arrays = as_they_arrive(self.landing, stored, hold, ARRIVAL_TIMEOUT_S)
-                return restore(stored.metadata, stored.tensors, plan.layout, arrays)
+                return self._rebuilt(plan)
             except BaseException:
                 self._let_go(hold)
                 raise
-        held = True
+        lease_held = True
         try:
-            arrays = as_they_arrive(self.landing, stored, hold, ARRIVAL_TIMEOUT_S)
-            caches = restore(stored.metadata, stored.tensors, plan.layout, arrays)
+            caches, held = self._rebuilt(plan)
             if isinstance(hold, DirectHold):
                 hold.arrival.wait(hold.arrival.total, ARRIVAL_TIMEOUT_S)
         finally:  # the arrays own their bytes before the span (or the lease) is given back
             self.landing.settle()
             if hold is not None:
-                held = hold.release() is not False
-        if not held:
+                lease_held = hold.release() is not False
+        if not lease_held:
             raise DataLoss("the direct read's lease lapsed before the arrays were made")
-        return caches
+        return caches, held
+
+    def _rebuilt(self, plan: PrefixPlan) -> tuple[list[Any], int]:
+        """The record's caches and the positions they hold. A trimmable plain-KV record landed
+        on the host keeps only the matched positions, in planes with a batch step of room
+        (device_landing.host_plane): one copy where landing, trimming and the batch's merge
+        made two."""
+        stored, hold = plan.stored, plan.hold
+        assert stored is not None
+        if self.landing.kind == "host" and not plan.exact and plain_kv_only(stored.metadata):
+            planes = planes_as_they_arrive(stored, hold, ARRIVAL_TIMEOUT_S)
+            columns = plan.matched + BatchQuantizedKVCache.step
+            caches = restore_with_room(
+                stored.metadata, stored.tensors, plan.layout, planes, plan.matched, columns
+            )
+            return caches, plan.matched
+        arrays = as_they_arrive(self.landing, stored, hold, ARRIVAL_TIMEOUT_S)
+        caches = restore(stored.metadata, stored.tensors, plan.layout, arrays)
+        return caches, int(stored.metadata.get("tokens", plan.matched))
 
     def save(
         self,

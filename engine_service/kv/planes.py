@@ -139,11 +139,12 @@ class PlaneGroup:
             cache, n = caches[rows[0]], lengths[rows[0]]
             src_k = [cache.keys] if storage == PLAIN else list(cache.keys)
             src_v = [cache.values] if storage == PLAIN else list(cache.values)
+            plain = storage == PLAIN
             return cls(
                 storage,
                 rows,
-                [_followed_by_room(p, n, columns) for p in src_k],
-                [_followed_by_room(p, n, columns) for p in src_v],
+                [_followed_by_room(p, n, columns, plain) for p in src_k],
+                [_followed_by_room(p, n, columns, plain) for p in src_v],
             )
         keys = zeros_like_storage(storage, len(rows), heads, columns, kdim, dtype)
         values = zeros_like_storage(storage, len(rows), heads, columns, vdim, dtype, values=True)
@@ -230,8 +231,13 @@ def turboquant_planes(
     return TurboQuantPlanes(planes[0], planes[1], codec)
 
 
-def _followed_by_room(plane: mx.array, n: int, columns: int) -> mx.array:
-    """A row's first n columns, then zero columns up to `columns`: one new array."""
+def _followed_by_room(plane: mx.array, n: int, columns: int, as_is: bool = False) -> mx.array:
+    """A row's first n columns, then zero columns up to `columns`: one new array. as_is (plain
+    planes): a plane of `columns` already is taken as it is, no copy (a store hit lands so:
+    checkpoints/device_landing.host_plane); its columns past n are never read unmasked, and
+    plain KV there is finite (zeros, or positions a trim let go)."""
+    if as_is and plane.shape[2] == columns:
+        return plane
     head = plane[..., :n, :]
     if columns == n:
         return head
