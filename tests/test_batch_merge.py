@@ -5,6 +5,7 @@ writes in place instead of regrowing every plane (a copy of the whole cache)."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models import cache as cache_lib
 
@@ -61,7 +62,8 @@ def test_a_plane_landed_with_room_holds_its_positions_then_zeros(dtype: str) -> 
     """device_landing.host_plane: a stored tensor's first `keep` positions in a plane of
     `columns`, the rest zero."""
     source = mx.random.normal((1, HEADS, 40, DIM)).astype(getattr(mx, dtype))
-    stored = Tensor("k", dtype, (1, HEADS, 40, DIM), bytes(memoryview(source.view(mx.uint8))))
+    raw = np.array(source.view(mx.uint8)).tobytes()
+    stored = Tensor("k", dtype, (1, HEADS, 40, DIM), raw)
     plane = host_plane(stored, 33, 33 + 256)
     assert plane.shape == (1, HEADS, 33 + 256, DIM) and plane.dtype == source.dtype
     assert mx.array_equal(plane[..., :33, :], source[..., :33, :])
