@@ -351,8 +351,8 @@ def test_a_record_written_again_leaves_no_chunks_behind(tmp_path: Path, cluster)
 
 def test_headers_only_in_the_tier_come_over_in_one_call(tmp_path: Path, cluster) -> None:  # noqa: ANN001
     """A resume after a node's loss probes its chain with one GetHeaders on another node: the
-    segments only the tier holds are brought over (in parallel, TieredStore.open_records),
-    each answered found, in the order asked; a key nobody stored stays missing, and another
+    segments only the tier holds are brought over, each answered found, in the order asked
+    (a key asked twice is brought once); a key nobody stored stays missing, and another
     tenant's key is never found."""
     segments = [
         make_checkpoint(b"seg-%d" % i, {"k": 200_000 + i}, kind="generation", namespace="team-a")
