@@ -14,6 +14,9 @@
 # the suspect for ~2 ms a launch group. Part f: mlx-lm's BatchGenerator against the engine's
 # folding one (a prompt's first token from its last chunk), in-process, a 16-token turn after
 # 8k and 32k cached positions and 8 cold 512-token prompts, then the engine's 8k and 32k hits.
+# Part m: raw mlx-lm's 16-token turn after 8k and 32k cached positions three ways (its
+# generator, the same with mx.clear_cache a no-op, the bare forward pass): where its 133 ms
+# at 32k goes.
 # Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
@@ -56,6 +59,12 @@ for part in ${1:-g r p t}; do
       for tokens in 8192 32768; do
         timeout 200 $hit --tokens $tokens --pairs 4 --think-s 0.5 2>&1 | grep -v '^  round' \
           | tee "$out/hit_${tokens}_folded.txt"
+      done
+      ;;
+    m)
+      for prefix in 8192 32768; do
+        timeout 200 python3 bench/step_floor_probe.py --prefix $prefix --rounds 5 2>&1 \
+          | tail -4 | tee -a "$out/step_floor.txt"
       done
       ;;
     c)

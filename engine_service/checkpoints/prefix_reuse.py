@@ -32,16 +32,10 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from engine_service.checkpoints.cache_records import (
     capture,
     check_restorable,
-    plain_kv_only,
-    restore,
     restore_captured,
-    restore_with_room,
 )
-from engine_service.checkpoints.device_landing import (
-    Landing,
-    as_they_arrive,
-    planes_as_they_arrive,
-)
+from engine_service.checkpoints.device_landing import Landing
+from engine_service.checkpoints.hit_caches import hit_caches
 from engine_service.checkpoints.host_staging import HostStaging
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE, PrefixCache
 from engine_service.checkpoints.record_codec import compress
@@ -49,7 +43,6 @@ from engine_service.checkpoints.restore_cost import RestoreCost
 from engine_service.checkpoints.spill import Put, SpillQueue
 from engine_service.core.plans import PrefixMiss, PrefixPlan
 from engine_service.errors import Corrupt, Precondition
-from engine_service.kv.batch_cache import BatchQuantizedKVCache
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.requests import EXACT_RECORD, RecordFormat
 from tandem_client.direct import DirectHold
@@ -344,13 +337,13 @@ class PrefixReuse:
             try:
                 if hold.arrival.error is not None:  # the store's verdict came first: a miss
                     raise hold.arrival.error
-                return self._rebuilt(plan)
+                return hit_caches(self.landing, plan, ARRIVAL_TIMEOUT_S)
             except BaseException:
                 self._let_go(hold)
                 raise
         lease_held = True
         try:
-            caches, held = self._rebuilt(plan)
+            caches, held = hit_caches(self.landing, plan, ARRIVAL_TIMEOUT_S)
             if isinstance(hold, DirectHold):
                 hold.arrival.wait(hold.arrival.total, ARRIVAL_TIMEOUT_S)
         finally:  # the arrays own their bytes before the span (or the lease) is given back
@@ -360,24 +353,6 @@ class PrefixReuse:
         if not lease_held:
             raise DataLoss("the direct read's lease lapsed before the arrays were made")
         return caches, held
-
-    def _rebuilt(self, plan: PrefixPlan) -> tuple[list[Any], int]:
-        """The record's caches and the positions they hold. A trimmable plain-KV record landed
-        on the host keeps only the matched positions, in planes with a batch step of room
-        (device_landing.host_plane): one copy where landing, trimming and the batch's merge
-        made two."""
-        stored, hold = plan.stored, plan.hold
-        assert stored is not None
-        if self.landing.kind == "host" and not plan.exact and plain_kv_only(stored.metadata):
-            planes = planes_as_they_arrive(stored, hold, ARRIVAL_TIMEOUT_S)
-            columns = plan.matched + BatchQuantizedKVCache.step
-            caches = restore_with_room(
-                stored.metadata, stored.tensors, plan.layout, planes, plan.matched, columns
-            )
-            return caches, plan.matched
-        arrays = as_they_arrive(self.landing, stored, hold, ARRIVAL_TIMEOUT_S)
-        caches = restore(stored.metadata, stored.tensors, plan.layout, arrays)
-        return caches, int(stored.metadata.get("tokens", plan.matched))
 
     def save(
         self,

@@ -1,0 +1,110 @@
+"""Where raw mlx-lm's time to first token over a long cached prefix goes (issue 37: on the H200
+its 16-token turn after 32k cached positions of the 0.6B shape took 133 ms, where reading
+the cache once is ~1 ms).
+
+Three ways to the first token from the same cache (deep copies), interleaved (ABCABC...),
+the first round dropped:
+A: mlx-lm's BatchGenerator, as bench/hit_floor_bench.py's raw side times it;
+B: the same with `mx.clear_cache` a no-op (mlx-lm's prompt pass empties MLX's buffer cache
+   after each chunk, so the next step allocates afresh: on CUDA, cudaMalloc);
+C: the model itself: one forward pass over the 16 tokens, then the argmax.
+
+    python bench/step_floor_probe.py [--model qwen3-0.6b-shape] [--prefix 32768] [--turn 16]
+        [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
+
+# isort: off
+import engine_service  # noqa: E402, F401  (the fast BLAS must load before mlx)
+
+import mlx.core as mx  # noqa: E402
+# isort: on
+
+from mlx_lm.generate import BatchGenerator  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from bench.engine_bench import model_spec  # noqa: E402
+from engine_service.model.loading import load_model  # noqa: E402
+
+
+def generator(model: Any, turn: list[int], cache: list[Any]) -> None:
+    bg = BatchGenerator(model, stop_tokens=set())
+    bg.insert([turn], max_tokens=[1], caches=[cache])
+    while not bg.next()[1]:
+        pass
+    bg.close()
+
+
+def without_clear_cache(model: Any, turn: list[int], cache: list[Any]) -> None:
+    clear, mx.clear_cache = mx.clear_cache, lambda: None  # type: ignore[assignment]
+    try:
+        generator(model, turn, cache)
+    finally:
+        mx.clear_cache = clear  # type: ignore[assignment]
+
+
+def bare(model: Any, turn: list[int], cache: list[Any]) -> None:
+    logits = model(mx.array([turn]), cache=cache)
+    mx.eval(mx.argmax(logits[:, -1], axis=-1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b-shape")
+    ap.add_argument("--prefix", type=int, default=32768)
+    ap.add_argument("--turn", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = load_model(model_spec(args.model, Path(tmp)), Path(tmp))
+    model, vocab = loaded.model, loaded.vocab_size
+    rng = random.Random(0)
+    prefix = make_prompt_cache(model)
+    tokens = [rng.randrange(3, vocab - 1) for _ in range(args.prefix)]
+    for at in range(0, args.prefix, 2048):
+        model(mx.array([tokens[at : at + 2048]]), cache=prefix)
+        mx.eval([c.state for c in prefix])
+    ways: dict[str, Callable[[Any, list[int], list[Any]], None]] = {
+        "A mlx-lm BatchGenerator": generator,
+        "B the same, clear_cache a no-op": without_clear_cache,
+        "C the model's forward pass": bare,
+    }
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for r in range(args.rounds + 1):
+        turn = [rng.randrange(3, vocab - 1) for _ in range(args.turn)]
+        for name, way in ways.items():
+            cache = [copy.deepcopy(c) for c in prefix]
+            mx.eval([c.state for c in cache])
+            mx.synchronize()
+            start = time.perf_counter()
+            way(model, turn, cache)
+            elapsed = time.perf_counter() - start
+            if r:
+                times[name].append(elapsed)
+    print(f"{args.model} on {mx.default_device()}, {args.turn} tokens after {args.prefix}:")
+    base = times["A mlx-lm BatchGenerator"]
+    for name, values in times.items():
+        ratios = sorted(v / a for v, a in zip(values, base, strict=True))
+        print(
+            f"  {name}: {statistics.median(values) * 1e3:.1f} ms "
+            f"(/ A: {statistics.median(ratios):.2f}, {ratios[0]:.2f}-{ratios[-1]:.2f})"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""A store hit's caches from its record's bytes (checkpoints/prefix_reuse.py, MLX thread)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_service.checkpoints.cache_records import plain_kv_only, restore, restore_with_room
+from engine_service.checkpoints.device_landing import (
+    Landing,
+    as_they_arrive,
+    planes_as_they_arrive,
+)
+from engine_service.core.plans import PrefixPlan
+from engine_service.kv.batch_cache import BatchQuantizedKVCache
+
+
+def hit_caches(landing: Landing, plan: PrefixPlan, timeout_s: float) -> tuple[list[Any], int]:
+    """The record's caches and the positions they hold. A trimmable plain-KV record landed on
+    the host keeps only the matched positions, in planes with a batch step of room
+    (device_landing.host_plane): one copy where landing, trimming and the batch's merge made
+    two. Anything else lands as it was stored, and holds the record's tokens."""
+    stored, hold = plan.stored, plan.hold
+    assert stored is not None
+    if landing.kind == "host" and not plan.exact and plain_kv_only(stored.metadata):
+        planes = planes_as_they_arrive(stored, hold, timeout_s)
+        columns = plan.matched + BatchQuantizedKVCache.step
+        caches = restore_with_room(
+            stored.metadata, stored.tensors, plan.layout, planes, plan.matched, columns
+        )
+        return caches, plan.matched
+    arrays = as_they_arrive(landing, stored, hold, timeout_s)
+    caches = restore(stored.metadata, stored.tensors, plan.layout, arrays)
+    return caches, int(stored.metadata.get("tokens", plan.matched))
