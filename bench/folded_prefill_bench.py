@@ -56,6 +56,16 @@ def first_tokens(generator: BatchGenerator, turns: list[list[int]], caches: list
     return elapsed
 
 
+def prefilled(model: Any, vocab: int, length: int, rng: random.Random) -> list[Any]:
+    """A cache of `length` random tokens, prefilled in 2,048-token chunks."""
+    cache = make_prompt_cache(model)
+    tokens = [rng.randrange(3, vocab - 1) for _ in range(length)]
+    for at in range(0, length, 2048):
+        model(mx.array([tokens[at : at + 2048]]), cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tandem-tiny")
@@ -68,14 +78,7 @@ def main() -> None:
         loaded = load_model(model_spec(args.model, Path(tmp)), Path(tmp))
     model, vocab = loaded.model, loaded.vocab_size
     rng = random.Random(0)
-    prefixes = []
-    for _ in range(args.rows):
-        cache = make_prompt_cache(model)
-        tokens = [rng.randrange(3, vocab - 1) for _ in range(args.prefix)]
-        for at in range(0, args.prefix, 2048):
-            model(mx.array([tokens[at : at + 2048]]), cache=cache)
-            mx.eval([c.state for c in cache])
-        prefixes.append(cache)
+    prefixes = [prefilled(model, vocab, args.prefix, rng) for _ in range(args.rows)]
 
     def copies() -> list[Any]:
         out = [[copy.deepcopy(c) for c in cache] for cache in prefixes]

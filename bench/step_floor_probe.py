@@ -36,9 +36,9 @@ import mlx.core as mx  # noqa: E402
 # isort: on
 
 from mlx_lm.generate import BatchGenerator  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from bench.engine_bench import model_spec  # noqa: E402
+from bench.folded_prefill_bench import prefilled  # noqa: E402
 from engine_service.model.loading import load_model  # noqa: E402
 
 
@@ -74,11 +74,7 @@ def main() -> None:
         loaded = load_model(model_spec(args.model, Path(tmp)), Path(tmp))
     model, vocab = loaded.model, loaded.vocab_size
     rng = random.Random(0)
-    prefix = make_prompt_cache(model)
-    tokens = [rng.randrange(3, vocab - 1) for _ in range(args.prefix)]
-    for at in range(0, args.prefix, 2048):
-        model(mx.array([tokens[at : at + 2048]]), cache=prefix)
-        mx.eval([c.state for c in prefix])
+    prefix = prefilled(model, vocab, args.prefix, rng)
     ways: dict[str, Callable[[Any, list[int], list[Any]], None]] = {
         "A mlx-lm BatchGenerator": generator,
         "B the same, clear_cache a no-op": without_clear_cache,

@@ -9,14 +9,18 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as cache_lib
+from mlx_lm.models.cache import trim_prompt_cache
 
 from engine_service.checkpoints.cache_records import (
     CapturedCache,
     capture,
     check_restorable,
+    plain_kv_only,
     restore,
+    restore_with_room,
     to_host,
 )
+from engine_service.checkpoints.device_landing import planes_as_they_arrive
 from engine_service.checkpoints.record_codec import compress
 from engine_service.errors import Precondition
 from engine_service.model.loading import layout_codec, load_model
@@ -168,3 +172,44 @@ def test_compressed_records_restore_plain_caches_near_the_exact_ones(
         assert mx.argmax(got[0, -1]).item() == mx.argmax(expected[0, -1]).item(), form
     assert 0 < errors["record:affine8"] < errors["record:affine4"] < 1.0, errors
     assert 0 < errors["record:turboquant4"] < errors["record:turboquant3"] < 1.0, errors
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_plain_kv_record_restores_with_room_to_the_same_next_logits(
+    dtype: str, engine_data_dir: Path, client: StoreClient, engine
+) -> None:  # noqa: ANN001
+    """A store hit on the host (checkpoints/hit_caches.py): a plain-KV record lands its first
+    `keep` positions in planes with room, and continues as the record trimmed to `keep`
+    does. Records with rings, recurrent layers or compressed tensors do not qualify."""
+    loaded = load_model("tandem-tiny", engine_data_dir, dtype)
+    ids = mx.array([loaded.tokenizer.encode(TEXT)])
+    caches = loaded.model.make_cache()
+    loaded.model(ids[:, :-1], cache=caches)
+    tokens = ids.shape[1] - 1
+    captured = capture(caches, tokens)
+    _put(client, captured, b"room-" + dtype.encode())
+    got = client.get(b"room-" + dtype.encode())
+    assert plain_kv_only(got.metadata)
+    keep = tokens - 5
+    roomy = restore_with_room(
+        got.metadata,
+        got.tensors,
+        captured.layout,
+        planes_as_they_arrive(got, None, 5.0),
+        keep,
+        keep + 256,
+    )
+    assert roomy[0].offset == keep and roomy[0].keys.shape[2] == keep + 256
+    trimmed = restore(got.metadata, got.tensors, captured.layout)
+    trim_prompt_cache(trimmed, 5)
+    rest = ids[:, keep : keep + 3]
+    assert mx.array_equal(
+        _next_logits(loaded.model, rest, roomy), _next_logits(loaded.model, rest, trimmed)
+    ).item()
+    for variant in ("tandem-tiny-swa", "tandem-tiny-hybrid"):
+        other = load_model(variant, engine_data_dir, dtype)
+        other_caches = other.model.make_cache()
+        other.model(ids[:, :-1], cache=other_caches)
+        assert not plain_kv_only(capture(other_caches, tokens).meta())
+    compressed = compress(captured, RecordFormat(8))
+    assert not plain_kv_only(compressed.meta())
