@@ -160,24 +160,28 @@ def test_a_lost_node_loses_no_stream(nodes: tuple[GatewayProcess, list[Node]]) -
             expected[i] = (g.token_ids, g.text)
     rng = random.Random(SEED)
     for round_ in range(KILLS):
-        # Lost once every stream is past its first checkpoints, at a seeded moment after.
-        at = rng.randint(STREAMS * 20, STREAMS * TOKENS * 7 // 10)
+        # Lost once every stream is past its first checkpoints, at a seeded moment after
+        # (and before half the tokens: the Flushes below take a while, and a node whose
+        # streams all ended meanwhile would lose none).
+        at = rng.randint(STREAMS * 20, STREAMS * TOKENS // 2)
         streams, threads = start_streams(gateway, at)
+        # The checkpoints so far in the tier before the loss (a store's Flush drains the
+        # write-behind queue): one still queued would be regenerated (exactly), not resumed,
+        # and the count of resumes below could not tell that from a failure. A generation is
+        # checkpointed at its first token and an engine's Flush covers that checkpoint, so
+        # every stream with a token before the Flushes can be resumed; one without (it
+        # started late) may be regenerated, exactly. The victim is chosen after the Flushes:
+        # the node with the most streams still running then.
+        checkpointed = {s.index for s in streams if s.received}
+        for node in pair:
+            with _engine(node) as engine:
+                assert engine.flush().durable
         loads = []
         for node in pair:
             with _engine(node) as engine:
                 loads.append(engine.stats().running)
         victim = pair[max(range(len(pair)), key=lambda i: loads[i])]
         survivor = pair[1 - pair.index(victim)]
-        # The victim's checkpoints so far in the tier before the loss (its store's Flush
-        # drains the write-behind queue): one still queued would be regenerated (exactly),
-        # not resumed, and the count of resumes below could not tell that from a failure. A
-        # generation is checkpointed at its first token and an engine's Flush covers that
-        # checkpoint, so every stream with a token before the Flush can be resumed; one
-        # without (it started late) may be regenerated, exactly.
-        checkpointed = {s.index for s in streams if s.received}
-        with _engine(victim) as engine:
-            assert engine.flush().durable
         before = _resumes(survivor)
         victim.lose()
         for t in threads:
@@ -185,7 +189,7 @@ def test_a_lost_node_loses_no_stream(nodes: tuple[GatewayProcess, list[Node]]) -
         moved = sum(s.failovers > 0 for s in streams)
         problems = stream_problems(streams, expected, f"round {round_} ")
         assert not problems, problems
-        assert moved >= 1
+        assert moved >= 1, (round_, at, loads, [(s.received, s.failovers) for s in streams])
         # Resumed from the tier's checkpoints (the victim's disk is gone), not regenerated.
         resumable = sum(s.failovers > 0 and s.index in checkpointed for s in streams)
         assert _resumes(survivor) - before >= resumable, (moved, resumable, before)
