@@ -588,6 +588,8 @@ def _continues_exactly(
     """The restored caches continue exactly as the uninterrupted generation did."""
     caches = gens.loads.materialize(plan)
     assert caches[0].offset == len(prompt) + len(plan.generated)
+    # Joined with a batch step of room: a lone resumed row joins its batch without a copy.
+    assert caches[0].keys.shape[2] == caches[0].offset + BatchQuantizedKVCache.step
     full = _greedy(tiny, prompt, len(plan.replay) + 1)
     assert plan.replay == full[:-1]
     logits = tiny.model(mx.array([[plan.pending]]), cache=caches)

@@ -32,6 +32,7 @@ from engine_service.checkpoints.generation_meta import (
 )
 from engine_service.core.plans import ResumePlan
 from engine_service.errors import Corrupt, EngineError, NotFound, Precondition, Unavailable
+from engine_service.kv.batch_cache import BatchQuantizedKVCache
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from tandem_client.direct import DirectHold
 from tandem_client.errors import DataLoss, TandemError
@@ -77,9 +78,11 @@ class GenerationLoads:
         parts = [self._restored(p, plan.layout) for p in plan.parts]
         caches = []
         for layer in zip(*parts, strict=True):
+            # Joined with a batch step of zero columns after them, in the same copy: the
+            # batch takes a lone resumed row's planes as they are (kv/planes.py).
             cache = cache_lib.KVCache()
-            cache.keys = mx.concatenate([p.keys[..., : p.offset, :] for p in layer], axis=2)
-            cache.values = mx.concatenate([p.values[..., : p.offset, :] for p in layer], axis=2)
+            cache.keys = _joined_with_room([(p.keys, p.offset) for p in layer])
+            cache.values = _joined_with_room([(p.values, p.offset) for p in layer])
             cache.offset = sum(p.offset for p in layer)
             caches.append(cache)
         return caches
@@ -337,3 +340,10 @@ def _store_failure(exc: TandemError) -> EngineError:
     if isinstance(exc, DataLoss):
         return Corrupt(f"the checkpoint is damaged in the store: {exc}")
     return Unavailable(f"the store could not serve the checkpoint: {exc}")
+
+
+def _joined_with_room(planes: list[tuple[mx.array, int]]) -> mx.array:
+    """Planes' first `offset` columns in order, then a batch step of zero columns."""
+    first = planes[0][0]
+    room = mx.zeros((*first.shape[:2], BatchQuantizedKVCache.step, first.shape[3]), first.dtype)
+    return mx.concatenate([plane[..., :offset, :] for plane, offset in planes] + [room], axis=2)
