@@ -15,9 +15,10 @@ its first step: the cache holds the whole prompt, the first token sampled, the r
 list ending with the prompt's last token.
 
 Whether a row folds depends on the row alone (its last chunk has room for the last token), not
-on the rows beside it. Not at all for a model `LastPositions.probe` refuses, nor in
-deterministic mode, where a prompt's last token is a step of its own by contract
-(checkpoints/prefix_reuse.py `aligned`).
+on the rows beside it. Not for rows kept apart (`keep_apart`: quantized-KV rows, whose last
+token attends over their quantized keys as in mlx-lm), not at all for a model
+`LastPositions.probe` refuses, nor in deterministic mode, where a prompt's last token is a step
+of its own by contract (checkpoints/prefix_reuse.py `aligned`).
 
 Pinned to mlx-lm 0.32.2 like model/mlx_compat.py, and for the same reason it reads mlx-lm's
 private names: `_next` is upstream's `BatchGenerator._next` with the fold added (marked);
