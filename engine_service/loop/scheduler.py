@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import queue
 import time
-from typing import Any
 
 from mlx_lm.generate import BatchGenerator
 
@@ -22,8 +21,8 @@ from engine_service.core.capability_probe import ProbeFailed, kv_refusal, prepar
 from engine_service.core.plans import PrefixPlan
 from engine_service.errors import Corrupt, EngineError, InvalidRequest, ModelFailed
 from engine_service.loop.admissions import gather_burst
+from engine_service.loop.batch_model import batch_model
 from engine_service.loop.commands import Cancel, Park, Restored, Submit, Unpark
-from engine_service.loop.compiled_decode import CompiledDecode
 from engine_service.loop.idle_buffers import IdleBuffers
 from engine_service.loop.inbox import SchedulerInbox
 from engine_service.loop.jobs import Job, StartingPoint
@@ -35,7 +34,6 @@ from engine_service.loop.read_confirmations import ReadConfirmations
 from engine_service.loop.row_isolation import isolate, recompute_point
 from engine_service.loop.step_checkpoints import StepCheckpoints
 from engine_service.loop.warmup import WarmUpFailed, warm_up
-from engine_service.model.deterministic import DeterministicModel
 from engine_service.model.folded_prefill import FoldingBatchGenerator
 from engine_service.model.last_positions import LastPositions
 from engine_service.model.loaded import LoadedModel
@@ -84,16 +82,14 @@ class Scheduler(SchedulerInbox):
         deterministic_rows_alone: bool | None = None,
     ) -> None:
         self.loaded = loaded
-        # The batch's model: batch-invariant rows (model/deterministic.py; None: off), decode
-        # steps of small batches compiled (loop/compiled_decode.py; not a deterministic model
-        # whose rows attend alone: it steps eagerly), or as loaded.
         self.deterministic = deterministic_rows is not None
-        model: Any = loaded.model
-        if deterministic_rows is not None:
-            rows, kernel, alone = deterministic_rows, deterministic_kernel, deterministic_rows_alone
-            model = DeterministicModel(loaded.model, rows, kernel, alone)
-        if compiled_decode_max_batch > 0 and getattr(model, "compiles", True):
-            model = CompiledDecode(model, compiled_decode_max_batch)
+        model = batch_model(
+            loaded.model,
+            compiled_decode_max_batch,
+            deterministic_rows,
+            deterministic_kernel,
+            deterministic_rows_alone,
+        )
         # Structured output: constrained rows' masks, all rows of a step together.
         self._masks = BatchMasks(model, loaded.vocab_size, lambda: running_batch(self._bg))
         self._batch_model = self._masks
@@ -126,18 +122,14 @@ class Scheduler(SchedulerInbox):
             self, self._preemption, checkpoints, self._waiting, self._by_id, self._inbox.put
         )
         self._bg: BatchGenerator  # made on the engine thread: MLX streams are per thread
-        # Probed with the first batch generator, on the engine thread (False: refused).
-        self._last_positions: LastPositions | bool | None = None
+        # A prompt's last chunk gives its first token (model/folded_prefill.py; probed on the
+        # engine thread); not in deterministic mode, where its last token is a step of its own.
+        self._last_positions: LastPositions | None = None
 
     def _new_batch_generator(self) -> BatchGenerator:
-        # A prompt's last chunk gives its first token (model/folded_prefill.py); not in
-        # deterministic mode, where a prompt's last token is a step of its own.
-        if self._last_positions is None and not self.deterministic:
-            self._last_positions = LastPositions.probe(self._batch_model) or False
-        positions = self._last_positions
         return FoldingBatchGenerator(
             self._batch_model,
-            positions if isinstance(positions, LastPositions) else None,
+            self._last_positions,
             completion_batch_size=self.limits.max_running,
             prefill_batch_size=min(self.limits.prefill_batch_size, self.limits.max_running),
             prefill_step_size=self.limits.prefill_step_size,
@@ -175,6 +167,8 @@ class Scheduler(SchedulerInbox):
     # -- the engine thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        if not self.deterministic:
+            self._last_positions = LastPositions.probe(self._batch_model)
         self._bg = self._new_batch_generator()
         try:  # what the model runs (core/capability_probe.py), then the warm-up
             limits = self.limits

@@ -87,10 +87,6 @@ class FoldingBatchGenerator(BatchGenerator):
             # splits carry its model to their GenerationBatch's first step only.
             self._prompt_batch.model = self._folding_model
 
-    @property
-    def folds(self) -> bool:
-        return self._folding_model is not None
-
     def keep_apart(self, uids: list[int]) -> None:
         """These rows' last prompt token runs as a step of its own, as in mlx-lm: a quantized
         row's first token then attends over its quantized cache as mlx-lm's own
