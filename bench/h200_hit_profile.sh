@@ -13,7 +13,8 @@
 # time: MLX-CUDA adds each kernel to a graph it instantiates or updates at each evaluation,
 # the suspect for ~2 ms a launch group. Part f: mlx-lm's BatchGenerator against the engine's
 # folding one (a prompt's first token from its last chunk), in-process, a 16-token turn after
-# 8k and 32k cached positions and 8 cold 512-token prompts, then the engine's 8k and 32k hits.
+# 8k and 32k cached positions and 8 cold 512-token prompts. Part h: the engine's 8k and 32k
+# hits against cold prefills and raw mlx-lm (the first token sent as soon as it is sampled).
 # Part m: raw mlx-lm's 16-token turn after 8k and 32k cached positions three ways (its
 # generator, the same with mx.clear_cache a no-op, the bare forward pass): where its 133 ms
 # at 32k goes.
@@ -56,6 +57,8 @@ for part in ${1:-g r p t}; do
       done
       timeout 150 python3 bench/folded_prefill_bench.py --model qwen3-0.6b-shape --prefix 0 \
         --turn 512 --rows 8 --pairs 7 2>&1 | tail -1 | tee -a "$out/fold.txt"
+      ;;
+    h)
       for tokens in 8192 32768; do
         timeout 200 $hit --tokens $tokens --pairs 4 --think-s 0.5 2>&1 | grep -v '^  round' \
           | tee "$out/hit_${tokens}_folded.txt"

@@ -66,9 +66,11 @@ def engine_hit(
     client.flush()  # the prefix is in the store
     time.sleep(think_s)
     start = time.perf_counter()
+    elapsed = 0.0
     for chunk in client.stream(base + turn, max_tokens=1, **where):
-        if chunk.usage is not None:
+        if chunk.token_ids and not elapsed:  # the first token (the end may come later)
             elapsed = time.perf_counter() - start
+        if chunk.usage is not None:
             if chunk.usage.cached_prompt_tokens < len(base) - 64:
                 raise RuntimeError(f"not a store hit: {chunk.usage}")
             client.flush()  # its own prefix's save ends before the next measurement
@@ -79,9 +81,11 @@ def engine_hit(
 def engine_cold(client: EngineClient, prompt: list[int], namespace: str) -> float:
     """The engine's time to first token for a prompt nothing of which is stored."""
     start = time.perf_counter()
+    elapsed = 0.0
     for chunk in client.stream(prompt, max_tokens=1, ignore_eos=True, namespace=namespace):
-        if chunk.usage is not None:
+        if chunk.token_ids and not elapsed:
             elapsed = time.perf_counter() - start
+        if chunk.usage is not None:
             if chunk.usage.cached_prompt_tokens:
                 raise RuntimeError(f"not cold: {chunk.usage}")
             client.flush()

@@ -137,6 +137,28 @@ def test_scheduler_delivers_what_mlx_lm_generates(tiny: LoadedModel, scheduler: 
     assert scheduler.pending() == 0
 
 
+def test_a_first_token_leaves_before_the_step_after_it(
+    tiny: LoadedModel, scheduler: Scheduler
+) -> None:
+    """A row's first token is delivered as soon as it is sampled, not with the next step's
+    tokens (mlx-lm reports a token from the call that launches the step after it): a 1-token
+    request's token arrives without its Finished, which that next step brings."""
+    deliveries: list[list[Event]] = []
+    sink = Collector()
+
+    def recording(events: list[Event]) -> None:
+        deliveries.append(list(events))
+        sink(events)
+
+    prompt = list(range(40, 90))
+    scheduler.submit(_request(tiny, "one", prompt, 1), recording)
+    assert sink.wait().reason == "length"
+    assert sink.tokens == _greedy(tiny, prompt, 1)
+    with_token = [d for d in deliveries if any(isinstance(e, Token) for e in d)]
+    assert len(with_token) == 1
+    assert not any(isinstance(e, Finished) for e in with_token[0])
+
+
 def test_scheduler_seeded_rows_are_reproducible(tiny: LoadedModel, scheduler: Scheduler) -> None:
     runs = []
     for rid in ("a", "b"):

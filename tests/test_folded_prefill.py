@@ -54,6 +54,9 @@ class Run:
     steps_to_first: int  # next() calls until the first row's first token
     forwards_to_first: int  # forward passes until then
     folded: int
+    # The folding generator's first tokens, as `first_tokens()` gave them after a next():
+    # per row, the token, its log-probabilities and how many next() calls had run.
+    ahead: list[tuple[int, np.ndarray[Any, Any], int]]
 
 
 def _prompt(i: int, length: int) -> list[int]:
@@ -96,10 +99,15 @@ def _run(
     rows.insert(bg)
     out: dict[int, list[int]] = {job.uid: [] for job in rows.jobs}
     first: dict[int, np.ndarray[Any, Any]] = {}
+    ahead: dict[int, tuple[int, np.ndarray[Any, Any], int]] = {}
     left, steps, to_first, forwards = set(out), 0, 0, 0
     while left:
         _, responses = bg.next()
         steps += 1
+        if isinstance(bg, FoldingBatchGenerator):
+            for f in bg.first_tokens():
+                assert f.uid not in ahead, "a row's first token is given once"
+                ahead[f.uid] = (f.token, np.array(f.logprobs), steps)
         for r in responses:
             if not out[r.uid]:
                 first[r.uid] = np.array(r.logprobs)
@@ -116,6 +124,7 @@ def _run(
         to_first,
         forwards,
         getattr(bg, "folded_rows", 0),
+        [ahead[u] for u in uids] if ahead else [],
     )
 
 
@@ -123,6 +132,19 @@ def _same(a: Run, b: Run) -> None:
     assert a.tokens == b.tokens
     for x, y in zip(a.first_logprobs, b.first_logprobs, strict=True):
         np.testing.assert_allclose(x, y, atol=1e-4)
+
+
+def _ahead_as_reported(run: Run) -> list[int]:
+    """Each row's first token from `first_tokens()` is the one the next next() reports, with
+    the same log-probabilities (bit for bit: one array); returns the next() calls after
+    which each was given."""
+    assert len(run.ahead) == len(run.tokens)
+    for (token, logprobs, _), tokens, reported in zip(
+        run.ahead, run.tokens, run.first_logprobs, strict=True
+    ):
+        assert token == tokens[0]
+        np.testing.assert_array_equal(logprobs, reported)
+    return [steps for _, _, steps in run.ahead]
 
 
 def test_a_turn_after_a_cached_prefix_gets_its_first_token_from_its_chunk(
@@ -134,6 +156,8 @@ def test_a_turn_after_a_cached_prefix_gets_its_first_token_from_its_chunk(
     assert folded.folded == 1
     assert folded.steps_to_first == upstream.steps_to_first - 1
     assert folded.forwards_to_first == upstream.forwards_to_first - 1
+    # ... and it is there one next() earlier still, before the step after it is launched.
+    assert _ahead_as_reported(folded) == [folded.steps_to_first - 1]
 
 
 def test_rows_of_different_lengths_fold_together_with_mlx_lms_tokens(tiny: LoadedModel) -> None:
@@ -142,6 +166,7 @@ def test_rows_of_different_lengths_fold_together_with_mlx_lms_tokens(tiny: Loade
     folded = _run(tiny, True, lengths)
     _same(upstream, folded)
     assert folded.folded == 4
+    _ahead_as_reported(folded)  # the 1-token row's too (mlx-lm's own last step)
 
 
 def test_seeded_sampling_and_penalties_see_the_same_first_step(tiny: LoadedModel) -> None:
@@ -150,6 +175,7 @@ def test_seeded_sampling_and_penalties_see_the_same_first_step(tiny: LoadedModel
     folded = _run(tiny, True, [12, 20], tokens=10, sampling=sampling)
     _same(upstream, folded)
     assert folded.folded == 2
+    _ahead_as_reported(folded)
 
 
 def test_a_prompt_of_several_chunks_folds_its_last_one_only(tiny: LoadedModel) -> None:
@@ -159,6 +185,7 @@ def test_a_prompt_of_several_chunks_folds_its_last_one_only(tiny: LoadedModel) -
     folded = _run(tiny, True, [40, 33], prefill_step=16)
     _same(upstream, folded)
     assert folded.folded == 1
+    _ahead_as_reported(folded)
 
 
 def test_without_positions_nothing_folds(tiny: LoadedModel) -> None:

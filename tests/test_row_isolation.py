@@ -133,3 +133,43 @@ def test_a_row_that_failed_in_the_engine_ends_its_stream_with_a_status(
 
     with pytest.raises(kind, match="the model failed"):
         asyncio.run(read())
+
+
+class FailsOnLongBatches:
+    """The model, raising on every decode step over a batch longer than `past` positions:
+    a long prompt's row fails alone, short ones only beside it."""
+
+    def __init__(self, model: Any, past: int) -> None:
+        self.model = model
+        self.past = past
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> Any:
+        if inputs.shape[1] == 1 and cache and cache[0].size() > self.past:
+            raise ValueError("the long row's decode step")
+        return self.model(inputs, cache=cache, **kwargs)
+
+
+def test_a_first_token_already_sent_is_kept_when_the_next_step_fails(tiny: LoadedModel) -> None:
+    """Both rows' first tokens leave before their first decode step (loop/scheduler.py
+    `_send_first_tokens`); that step fails, and the short row starts again by recompute from
+    the token its client already has: no token twice, none different."""
+    loaded = LoadedModel(**{**tiny.__dict__, "model": FailsOnLongBatches(tiny.model, 150)})
+    scheduler = Scheduler(loaded, Limits(max_running=4, max_queued=4))
+    scheduler.start()
+    try:
+        short, long = list(range(30, 60)), list(range(100, 300))
+        innocent, culprit = Collector(), Collector()
+        scheduler.submit(_request(loaded, "short", short, 12, KVCodec()), innocent)
+        scheduler.submit(_request(loaded, "long", long, 12, KVCodec()), culprit)
+        end = culprit.finished()
+        assert end.reason == "error" and end.failure == "ModelFailed"
+        assert len(culprit.tokens) == 1  # its first token, sent before the step failed
+        assert innocent.finished().reason == "length"
+        expected = generate_step(mx.array(short), tiny.model, max_tokens=12)
+        assert innocent.tokens == [int(t) for t, _ in expected]
+        assert scheduler.stats().isolated_failures_total == 1
+    finally:
+        scheduler.shutdown()

@@ -76,6 +76,8 @@ class Job:
     arrived_at: float = field(default_factory=time.monotonic)
     planned_at: float = field(default_factory=time.monotonic)  # handed to the MLX thread
     recompute: bool = False  # starts again from its tokens alone (its batch step failed)
+    # Its first token, sent before the step that reports it (scheduler._send_first_tokens).
+    token_sent_ahead: int | None = None
     turn_start: int = 0  # len(tokens) when it last got its slot (loop/turns.py)
     # How it ended, for the tombstone a resume reads (checkpoints/generations.forget).
     ended: Literal["finished", "was cancelled", "failed"] = "finished"
@@ -97,12 +99,12 @@ class Job:
             "stop" if stop is not None else "length", stop_token=stop, constraint_incomplete=cut
         )
 
-    @property
-    def at_first_new_token(self) -> bool:
-        """Whether the token just added is the first this process generated for it (a
-        resumed job starts with the tokens its checkpoint replays)."""
+    def at_first_new_token(self, sent_ahead: bool = False) -> bool:
+        """Whether the token just added (sent_ahead: about to be sent, not added yet) is the
+        first this process generated for it (a resumed job starts with the tokens its
+        checkpoint replays)."""
         replayed = len(self.plan.replay) if isinstance(self.plan, ResumePlan) else 0
-        return len(self.tokens) == replayed + 1
+        return len(self.tokens) + sent_ahead == replayed + 1
 
     def first_token_phases(self) -> str:
         """Where its time to a first token (now) went inside the core: planning (its store

@@ -14,8 +14,6 @@ import logging
 import queue
 import time
 
-from mlx_lm.generate import BatchGenerator
-
 from engine_service.checkpoints.manager import CheckpointManager, starting_point
 from engine_service.core.capability_probe import ProbeFailed, kv_refusal, prepare_to_serve
 from engine_service.core.plans import PrefixPlan
@@ -121,12 +119,12 @@ class Scheduler(SchedulerInbox):
         self._parking = Parking(
             self, self._preemption, checkpoints, self._waiting, self._by_id, self._inbox.put
         )
-        self._bg: BatchGenerator  # made on the engine thread: MLX streams are per thread
+        self._bg: FoldingBatchGenerator  # made on the engine thread: MLX streams are per thread
         # A prompt's last chunk gives its first token (model/folded_prefill.py; probed on the
         # engine thread); not in deterministic mode, where its last token is a step of its own.
         self._last_positions: LastPositions | None = None
 
-    def _new_batch_generator(self) -> BatchGenerator:
+    def _new_batch_generator(self) -> FoldingBatchGenerator:
         return FoldingBatchGenerator(
             self._batch_model,
             self._last_positions,
@@ -332,6 +330,7 @@ class Scheduler(SchedulerInbox):
             return
         self._confirm_reads()
         self._masks.settle(self._rows)
+        self._send_first_tokens()
         if not responses:
             return
         for r in responses:
@@ -339,17 +338,22 @@ class Scheduler(SchedulerInbox):
             if job is None:
                 continue  # removed (cancelled) while its token was in flight
             job.tokens.append(r.token)
-            if job.at_first_new_token:  # bench/hit_floor_bench.py reads these phases
+            sent = job.token_sent_ahead
+            job.token_sent_ahead = None
+            if sent is None and job.at_first_new_token():
                 log.debug("first token phases, %s", job.first_token_phases())
             extra = requested_logprobs(r.logprobs, r.token, job.request.sampling.logprobs)
-            events: list[Event] = [Token(r.token, *extra)]
+            events: list[Event] = [Token(r.token, *extra)] if sent is None else []
+            if sent is not None and sent != r.token:  # one array, read twice: never
+                log.error("row %d reported %d after %d was sent", r.uid, r.token, sent)
             if self._step_checkpoints is not None:
                 finished_cache = r.prompt_cache if r.finish_reason is not None else None
                 self._step_checkpoints.after_token(job, self._bg, finished_cache)
             if r.finish_reason is not None:
                 events.append(job.finished_by(r.finish_reason, r.token))
                 self.finish(job)
-            self.emit(job, events)
+            if events:  # none: its token went ahead and it goes on
+                self.emit(job, events)
         if self._step_checkpoints is not None:
             self._step_checkpoints.save_ready(self._rows)
             self._step_checkpoints.capture_due(self._bg, self._rows, self._stats.steps_total)
@@ -358,6 +362,21 @@ class Scheduler(SchedulerInbox):
             self._stats.add_step(len(responses), time.monotonic())
             if self._stats.steps_total % KV_BYTES_EVERY == 0:  # a sum over layers: not each step
                 self._stats.kv_cache_bytes = batch_cache_bytes(self._bg)
+
+    def _send_first_tokens(self) -> None:
+        """The first token of each row that began generating in this step leaves now, not
+        with the next step's tokens (model/folded_prefill.py `first_tokens`): after its
+        store read was confirmed (a row whose read was not is out of the batch by then)."""
+        for first in self._bg.first_tokens():
+            job = self._rows.get(first.uid)
+            if job is None:
+                continue
+            if job.at_first_new_token(sent_ahead=True):  # bench/hit_floor_bench.py reads it
+                log.debug("first token phases, %s", job.first_token_phases())
+            k = job.request.sampling.logprobs
+            extra = requested_logprobs(first.logprobs, first.token, k)
+            self.emit(job, [Token(first.token, *extra)])
+            job.token_sent_ahead = first.token
 
     def _confirm_reads(self, step_failed: bool = False) -> None:
         """Direct store hits used unconfirmed, after the step that ran over them and before
@@ -413,6 +432,10 @@ class Scheduler(SchedulerInbox):
         """After a failed step (loop/row_isolation.py): the rows the model fails on alone end,
         the others wait at the front of the queue to start again by recompute."""
         jobs = list(self._rows.values())
+        for job in jobs:  # a token its client has is kept: the row goes on after it
+            if job.token_sent_ahead is not None:
+                job.tokens.append(job.token_sent_ahead)
+                job.token_sent_ahead = None
         self._rows.clear()
         self._bg = self._new_batch_generator()
         self._masks.settle(self._rows)

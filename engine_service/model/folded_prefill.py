@@ -20,6 +20,12 @@ token attends over their quantized keys as in mlx-lm), not at all for a model
 `LastPositions.probe` refuses, nor in deterministic mode, where a prompt's last token is a step
 of its own by contract (checkpoints/prefix_reuse.py `aligned`).
 
+A row's first token is also available as soon as it is sampled (`first_tokens`), before the
+next `next()` launches the step after it: mlx-lm reports a token only from the call that
+launches the following step, and on the CPU that launch runs much of the step itself (MLX's
+evaluation waits once more than a few tasks are queued), so a first token waited a whole decode
+step in the engine's loop (11 ms of a 36 ms turn at 4k cached positions of tandem-tiny).
+
 Pinned to mlx-lm 0.32.2 like model/mlx_compat.py, and for the same reason it reads mlx-lm's
 private names: `_next` is upstream's `BatchGenerator._next` with the fold added (marked);
 tests/test_folded_prefill.py checks its tokens against mlx-lm's own generator.
@@ -28,6 +34,7 @@ tests/test_folded_prefill.py checks its tokens against mlx-lm's own generator.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -72,6 +79,15 @@ class _FirstStep:
         return self.logits
 
 
+@dataclass(frozen=True)
+class FirstToken:
+    """A row's first token, sampled and evaluated, before the step that reports it."""
+
+    uid: int
+    token: int
+    logprobs: mx.array  # the row's log-probabilities over the vocabulary, as reported
+
+
 class FoldingBatchGenerator(BatchGenerator):
     """mlx-lm's BatchGenerator; a row's last prompt chunk gives its first token."""
 
@@ -81,6 +97,7 @@ class FoldingBatchGenerator(BatchGenerator):
         super().__init__(model, **kwargs)
         self.folded_rows = 0  # rows whose first token came from their chunk (tests, stats)
         self._apart: set[int] = set()  # rows whose last token is a step of its own
+        self._joined: list[GenerationBatch] = []  # rows that began generating in this next()
         self._folding_model = _Folding(self.model, positions) if positions else None
         if self._folding_model is not None:
             # The prompt batch lives as long as the generator (new rows extend it), and its
@@ -92,6 +109,21 @@ class FoldingBatchGenerator(BatchGenerator):
         row's first token then attends over its quantized cache as mlx-lm's own
         QuantizedKVCache does (in the chunk it would attend over the plain keys)."""
         self._apart.update(uids)
+
+    def first_tokens(self) -> list[FirstToken]:
+        """The first tokens of the rows that began generating in the last `next()`, waited
+        for now (a small graph: their chunk's last position, or their last token's step).
+        The following `next()` reports each again, as mlx-lm does, with the same value."""
+        joined, self._joined = self._joined, []
+        if not joined:
+            return []
+        mx.eval([b._next_tokens for b in joined], [b._next_logprobs for b in joined])
+        out = []
+        for b in joined:
+            tokens: list[int] = b._next_tokens.tolist()  # type: ignore[assignment]
+            for uid, token, logprobs in zip(b.uids, tokens, b._next_logprobs, strict=True):
+                out.append(FirstToken(uid, token, logprobs))
+        return out
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
         self._apart.difference_update(uids)
@@ -137,12 +169,14 @@ class FoldingBatchGenerator(BatchGenerator):
             batch.max_tokens,
         )
         generation.model = self.model
+        self._joined.append(generation)
         self._generation_batch.extend(generation)
         self.folded_rows += len(rows)
 
     def _next(self) -> tuple[list[Any], list[Any]]:  # noqa: C901  (upstream's, plus the fold)
         generation_responses: list[Any] = []
         prompt_responses: list[Any] = []
+        self._joined = []
 
         if len(self._generation_batch) > 0:
             tic = time.perf_counter()
@@ -177,6 +211,7 @@ class FoldingBatchGenerator(BatchGenerator):
             progress = [(self._currently_processing[i][2],) * 2 for i in split]
             self._currently_processing = [self._currently_processing[i] for i in keep]
             gen_batch = self._prompt_batch.split(split).generate(last_inputs)
+            self._joined.append(gen_batch)
             for i, p in enumerate(progress):
                 prompt_responses.append(
                     PromptProcessingBatch.Response(gen_batch.uids[i], p, True, True)
