@@ -14,12 +14,20 @@ from pathlib import Path
 
 import grpc
 import pytest
+import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine_service.core.planner import Planner
+from engine_service.core.process import CoreService, Outbox, _serve
 from engine_service.errors import Overloaded, error_named
+from engine_service.loop.limits import Limits
+from engine_service.loop.scheduler import Scheduler
+from engine_service.model.loading import load_model
 from engine_service.protocol.channel import Codec, Delivery, Refused, StatsAnswer
 from engine_service.protocol.engine_stats import EngineStats
 from engine_service.protocol.events import Event, Finished, Started, Token
+from engine_service.protocol.requests import DraftSupport, GenerationRequest
+from engine_service.protocol.sampling_options import SamplingOptions
 from tandem_client import EngineClient, Generation, TandemError
 from tests.servers import ServiceProcess, child_pids, start_engine
 
@@ -166,3 +174,35 @@ def test_warm_up_runs_the_batch_shapes_before_serving(tmp_path: Path) -> None:
     finally:
         engine.stop()
     assert "warmed up [1, 1, 4]" in engine.log_path.read_text()
+
+
+def test_a_core_whose_engine_loop_died_stops_serving(tmp_path: Path) -> None:
+    """An error the engine loop does not catch (here a sink that raises) ends its thread; the
+    core's command loop notices and returns None, and the core exits (LOOP_DIED_STATUS), so
+    the front ends its streams with UNAVAILABLE instead of leaving them waiting forever."""
+    loaded = load_model("", tmp_path)
+    scheduler = Scheduler(loaded, Limits(max_running=2))
+    scheduler.start()
+    context = zmq.Context()
+    events = context.socket(zmq.PUSH)
+    events.bind("inproc://events")
+    commands = context.socket(zmq.PULL)
+    commands.bind("inproc://commands")
+    parent_read, parent_write = os.pipe()
+    try:
+        planner = Planner(None, DraftSupport("", 0), scheduler.queued_saves)
+        service = CoreService(scheduler, planner, None, Outbox(events, Codec()))
+
+        def broken_sink(events: list[Event]) -> None:
+            raise RuntimeError("a bug in delivery")
+
+        request = GenerationRequest("r", [5, 6, 7], 4, SamplingOptions(ignore_eos=True), "")
+        scheduler.submit(request, broken_sink)
+        assert _serve(service, commands, parent_read, Codec()) is None  # within LOOP_CHECK_MS
+        assert not scheduler.running()
+    finally:
+        os.close(parent_read)
+        os.close(parent_write)
+        events.close(linger=0)
+        commands.close(linger=0)
+        context.term()

@@ -219,3 +219,36 @@ def test_the_probe_takes_the_model_and_refuses_a_head_that_mixes_positions(
     assert LastPositions.probe(tiny.model) is not None
     assert LastPositions.probe(_MixingHead(tiny.model)) is None
     assert LastPositions.probe(object()) is None
+
+
+def test_rows_beginning_together_after_the_batch_emptied_get_their_own_first_tokens(
+    tiny: LoadedModel,
+) -> None:
+    """After the running batch emptied, the first batch to join it lends it its lists, which
+    the next one joining in the same step grows: each row's first token is still its own."""
+    bg = FoldingBatchGenerator(
+        tiny.model,
+        LastPositions.probe(tiny.model),
+        completion_batch_size=8,
+        prefill_batch_size=8,
+        prefill_step_size=2048,
+    )
+    (first,) = bg.insert([_prompt(0, 12)], max_tokens=[2])
+    finished = False
+    while not finished:
+        _, responses = bg.next()
+        finished = any(r.finish_reason is not None for r in responses)
+    bg.first_tokens()
+    one, folded = bg.insert([_prompt(1, 1), _prompt(2, 20)], max_tokens=[3, 3])
+    bg.next()
+    ahead = {f.uid: f for f in bg.first_tokens()}
+    assert set(ahead) == {one, folded}
+    reported: dict[int, Any] = {}
+    while len(reported) < 2:
+        for r in bg.next()[1]:
+            reported.setdefault(r.uid, r)
+    for uid, f in ahead.items():
+        assert f.token == reported[uid].token
+        np.testing.assert_array_equal(np.array(f.logprobs), np.array(reported[uid].logprobs))
+    bg.close()
+    assert first not in ahead

@@ -76,6 +76,11 @@ from tandem_wire.logs import configure_logging
 log = logging.getLogger("tandem.engine.core")
 
 
+# How often the command loop looks at the engine thread, and the core's status when it died.
+LOOP_CHECK_MS = 1000
+LOOP_DIED_STATUS = 70  # EX_SOFTWARE
+
+
 @dataclass(frozen=True)
 class StreamSink:
     """A job's sink in the core: its events leave with the step's Delivery (never called)."""
@@ -314,13 +319,18 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
 
 def _serve(
     service: CoreService, commands: zmq.Socket[bytes], parent_fd: int, codec: Codec
-) -> float:
-    """Commands until Shutdown (its grace) or the front's exit (the configured grace)."""
+) -> float | None:
+    """Commands until Shutdown (its grace) or the front's exit (the configured grace); None
+    when the engine loop died: its requests would wait forever, so the core exits and the
+    front ends their streams with UNAVAILABLE (resumable) and starts a new core."""
     poller = zmq.Poller()
     poller.register(commands, zmq.POLLIN)
     poller.register(parent_fd, zmq.POLLIN)
     while True:
-        ready = dict(poller.poll())
+        ready = dict(poller.poll(LOOP_CHECK_MS))
+        if not service.scheduler.running():
+            log.critical("the engine loop died (its error is logged above): the core exits")
+            return None
         if commands in ready:
             command = codec.command(commands.recv())
             if isinstance(command, Shutdown):
@@ -368,6 +378,11 @@ def main(argv: list[str] | None = None) -> None:
         logging.shutdown()
         os._exit(1)  # as at the end of main: no teardown of native threads (MLX, tokenizer)
     grace = _serve(service, commands, a.parent_fd, codec)
+    if grace is None:  # no loop to cancel its requests: what is queued for the store goes
+        if service.checkpoints is not None:
+            service.checkpoints.flush(config.grace_s)
+        logging.shutdown()
+        os._exit(LOOP_DIED_STATUS)
     service.shutdown(config.grace_s if grace < 0 else grace)
     outbox.send(Stopped())
     events.close(linger=2000)  # the last Delivery (cancellations) still leaves

@@ -84,6 +84,11 @@ class SchedulerInbox:
         """Its client reads again: a parked row goes back to the waiting queue."""
         self._inbox.put(Unpark(request_id))
 
+    def running(self) -> bool:
+        """Whether the engine thread is alive: False once it stopped, or died of an error
+        its loop did not catch (the core then exits: core/process.py)."""
+        return self._thread.is_alive()
+
     def stop_accepting(self) -> None:
         self._admissions.stop()
 

@@ -150,6 +150,8 @@ class Scheduler(SchedulerInbox):
         self._rows.pop(job.uid, None)
         self._by_id.pop(job.request.request_id, None)
         self._preemption.forget(job)
+        if self._step_checkpoints is not None:
+            self._step_checkpoints.forget(job)
         self._admissions.leave(job.request.request_id)
 
     def starting_point(self, job: Job, confirm_later: bool = False) -> StartingPoint:
@@ -179,6 +181,12 @@ class Scheduler(SchedulerInbox):
             self._ready.set()
             return
         self._ready.set()
+        try:
+            self._loop()
+        except Exception:  # the core notices the thread is gone and exits (core/process.py)
+            log.exception("the engine loop failed")
+
+    def _loop(self) -> None:
         buffers = IdleBuffers()  # MLX's cached buffers go back after a while idle
         while True:
             idle = not self._rows and not self._waiting and not self._speculating()
@@ -377,6 +385,8 @@ class Scheduler(SchedulerInbox):
             extra = requested_logprobs(first.logprobs, first.token, k)
             self.emit(job, [Token(first.token, *extra)])
             job.token_sent_ahead = first.token
+            if self._step_checkpoints is not None and not job.tokens and not job.resumed:
+                self._step_checkpoints.expect_prefix(job)  # saved once the step reports it
 
     def _confirm_reads(self, step_failed: bool = False) -> None:
         """Direct store hits used unconfirmed, after the step that ran over them and before
@@ -436,6 +446,8 @@ class Scheduler(SchedulerInbox):
             if job.token_sent_ahead is not None:
                 job.tokens.append(job.token_sent_ahead)
                 job.token_sent_ahead = None
+                if self._step_checkpoints is not None:
+                    self._step_checkpoints.forget(job)
         self._rows.clear()
         self._bg = self._new_batch_generator()
         self._masks.settle(self._rows)

@@ -42,8 +42,11 @@ class StepCheckpoints:
         self._prefixes_due: list[PrefixDue] = []
         self._ready: list[ReadySnapshot] = []  # saved together at the step's end (save_ready)
         # Held from a prefix's first token until the prefix is queued for the store, so a
-        # Flush asked after that token covers it (queued_saves).
+        # Flush asked after that token covers it (queued_saves). A first token sent before
+        # the step that reports it (expect_prefix) holds it from then.
         self._saving = threading.Lock()
+        self._held = False
+        self._expected: set[int] = set()  # id(job): first tokens sent, not reported yet
 
     def after_token(self, job: Job, bg: BatchGenerator, finished_cache: list[Any] | None) -> None:
         """After a token: the prompt's prefix (first token), the generation every N tokens.
@@ -63,8 +66,8 @@ class StepCheckpoints:
             ckpt.add_prefill_time(seconds)
             if job.plan is None:  # a whole prefill: the rate a store hit is weighed against
                 ckpt.prefixes.cost.observe_prefill(len(r.prompt), seconds)
-            if not self._prefixes_due:
-                self._saving.acquire()
+            self._expected.discard(id(job))
+            self._hold()
             self._prefixes_due.append(PrefixDue(job, finished_cache))
         if finished_cache is None and ckpt.generations.due(job):
             self._due[job.uid] = job
@@ -132,8 +135,28 @@ class StepCheckpoints:
                         row, r.prompt, r.namespace, r.layout, r.prefix_record
                     )
         finally:
-            if due:
-                self._saving.release()
+            self._release_if_idle()
+
+    def expect_prefix(self, job: Job) -> None:
+        """job's first token left before the step that reports it (scheduler.py
+        `_send_first_tokens`): a Flush asked now waits for its prefix too."""
+        self._expected.add(id(job))
+        self._hold()
+
+    def forget(self, job: Job) -> None:
+        """job will not reach its first token's report (it ended, or starts again)."""
+        self._expected.discard(id(job))
+        self._release_if_idle()
+
+    def _hold(self) -> None:
+        if not self._held:
+            self._saving.acquire()
+            self._held = True
+
+    def _release_if_idle(self) -> None:
+        if self._held and not self._prefixes_due and not self._expected:
+            self._held = False
+            self._saving.release()
 
     def queued_saves(self, timeout: float) -> bool:
         """Waits (any thread) until every prefix whose first token is out is queued for the

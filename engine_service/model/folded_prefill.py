@@ -88,6 +88,16 @@ class FirstToken:
     logprobs: mx.array  # the row's log-probabilities over the vocabulary, as reported
 
 
+@dataclass(frozen=True)
+class _Began:
+    """Rows that began generating together: their first tokens and log-probabilities (one
+    list per row), not evaluated yet."""
+
+    uids: list[int]
+    tokens: mx.array
+    logprobs: list[mx.array]
+
+
 class FoldingBatchGenerator(BatchGenerator):
     """mlx-lm's BatchGenerator; a row's last prompt chunk gives its first token."""
 
@@ -97,7 +107,7 @@ class FoldingBatchGenerator(BatchGenerator):
         super().__init__(model, **kwargs)
         self.folded_rows = 0  # rows whose first token came from their chunk (tests, stats)
         self._apart: set[int] = set()  # rows whose last token is a step of its own
-        self._joined: list[GenerationBatch] = []  # rows that began generating in this next()
+        self._joined: list[_Began] = []  # rows that began generating in this next()
         self._folding_model = _Folding(self.model, positions) if positions else None
         if self._folding_model is not None:
             # The prompt batch lives as long as the generator (new rows extend it), and its
@@ -117,13 +127,20 @@ class FoldingBatchGenerator(BatchGenerator):
         joined, self._joined = self._joined, []
         if not joined:
             return []
-        mx.eval([b._next_tokens for b in joined], [b._next_logprobs for b in joined])
+        mx.eval([j.tokens for j in joined], [j.logprobs for j in joined])
         out = []
-        for b in joined:
-            tokens: list[int] = b._next_tokens.tolist()  # type: ignore[assignment]
-            for uid, token, logprobs in zip(b.uids, tokens, b._next_logprobs, strict=True):
+        for j in joined:
+            tokens: list[int] = j.tokens.tolist()  # type: ignore[assignment]
+            for uid, token, logprobs in zip(j.uids, tokens, j.logprobs, strict=True):
                 out.append(FirstToken(uid, token, logprobs))
         return out
+
+    def _began(self, batch: GenerationBatch) -> None:
+        """Notes a batch of rows that began generating, before it joins the running batch
+        (whose `extend` may take its lists as they are and grow them)."""
+        self._joined.append(
+            _Began(list(batch.uids), batch._next_tokens, list(batch._next_logprobs))
+        )
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
         self._apart.difference_update(uids)
@@ -169,7 +186,7 @@ class FoldingBatchGenerator(BatchGenerator):
             batch.max_tokens,
         )
         generation.model = self.model
-        self._joined.append(generation)
+        self._began(generation)
         self._generation_batch.extend(generation)
         self.folded_rows += len(rows)
 
@@ -211,7 +228,7 @@ class FoldingBatchGenerator(BatchGenerator):
             progress = [(self._currently_processing[i][2],) * 2 for i in split]
             self._currently_processing = [self._currently_processing[i] for i in keep]
             gen_batch = self._prompt_batch.split(split).generate(last_inputs)
-            self._joined.append(gen_batch)
+            self._began(gen_batch)
             for i, p in enumerate(progress):
                 prompt_responses.append(
                     PromptProcessingBatch.Response(gen_batch.uids[i], p, True, True)
