@@ -7,7 +7,9 @@ the first round dropped:
 A: mlx-lm's BatchGenerator, as bench/hit_floor_bench.py's raw side times it;
 B: the same with `mx.clear_cache` a no-op (mlx-lm's prompt pass empties MLX's buffer cache
    after each chunk, so the next step allocates afresh: on CUDA, cudaMalloc);
-C: the model itself: one forward pass over the 16 tokens, then the argmax.
+C: the model itself: one forward pass over the 16 tokens, then the argmax;
+D: the same pass over mlx-lm's BatchKVCache merged from the cache (an array mask, not
+   "causal"); E: that merge alone.
 
     python bench/step_floor_probe.py [--model qwen3-0.6b-shape] [--prefix 32768] [--turn 16]
         [--rounds 5]
@@ -63,6 +65,19 @@ def bare(model: Any, turn: list[int], cache: list[Any]) -> None:
     mx.eval(mx.argmax(logits[:, -1], axis=-1))
 
 
+def over_batch_cache(model: Any, turn: list[int], cache: list[Any]) -> None:
+    """The same pass over mlx-lm's batch caches merged from the row's (its array mask)."""
+    batch = [c.merge([c]) for c in cache]
+    logits = model(mx.array([turn]), cache=batch)
+    mx.eval(mx.argmax(logits[:, -1], axis=-1))
+
+
+def merged_only(model: Any, turn: list[int], cache: list[Any]) -> None:
+    """Only the merge into mlx-lm's batch caches, evaluated."""
+    batch = [c.merge([c]) for c in cache]
+    mx.eval([c.state for c in batch])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-0.6b-shape")
@@ -79,6 +94,8 @@ def main() -> None:
         "A mlx-lm BatchGenerator": generator,
         "B the same, clear_cache a no-op": without_clear_cache,
         "C the model's forward pass": bare,
+        "D the same over mlx-lm's batch caches, merged in": over_batch_cache,
+        "E the merge alone": merged_only,
     }
     times: dict[str, list[float]] = {name: [] for name in ways}
     for r in range(args.rounds + 1):
