@@ -17,7 +17,7 @@ import time
 from engine_service.checkpoints.manager import CheckpointManager, starting_point
 from engine_service.core.capability_probe import ProbeFailed, kv_refusal, prepare_to_serve
 from engine_service.core.plans import PrefixPlan
-from engine_service.errors import Corrupt, EngineError, InvalidRequest, ModelFailed
+from engine_service.errors import Corrupt, InvalidRequest
 from engine_service.loop.admissions import gather_burst
 from engine_service.loop.batch_model import batch_model
 from engine_service.loop.commands import Cancel, Park, Restored, Submit, Unpark
@@ -29,7 +29,8 @@ from engine_service.loop.new_rows import NewRows
 from engine_service.loop.parking import Parking
 from engine_service.loop.preemption import Preemption, restart_point
 from engine_service.loop.read_confirmations import ReadConfirmations
-from engine_service.loop.row_isolation import isolate, recompute_point
+from engine_service.loop.row_endings import RowEndings
+from engine_service.loop.row_isolation import recompute_point
 from engine_service.loop.step_checkpoints import StepCheckpoints
 from engine_service.loop.warmup import WarmUpFailed, warm_up
 from engine_service.model.folded_prefill import FoldingBatchGenerator
@@ -39,8 +40,6 @@ from engine_service.model.mlx_compat import batch_cache_bytes, running_batch
 from engine_service.protocol.events import (
     Deliver,
     Event,
-    Finished,
-    FinishReason,
     Sink,
     Started,
     Token,
@@ -63,7 +62,7 @@ def deliver_directly(outbox: list[tuple[Sink, list[Event]]]) -> None:
         sink(events)
 
 
-class Scheduler(SchedulerInbox):
+class Scheduler(SchedulerInbox, RowEndings):
     """The engine thread's half: admits, steps the batch, ends rows, delivers events."""
 
     def __init__(
@@ -405,76 +404,6 @@ class Scheduler(SchedulerInbox):
                 self._start_again(job)
             if outcome.started is not None:
                 self.emit(job, [outcome.started])
-
-    def _start_again(self, job: Job) -> None:
-        """Back to the front of the queue, to start again from its tokens (recompute)."""
-        job.uid, job.recompute = -1, True
-        self._waiting.appendleft(job)
-
-    def _expire_idle(self) -> None:
-        timeout = self.limits.park.idle_timeout_s
-        for request_id in self._parking.idle_expired(time.monotonic()):
-            self._cancel(request_id, "idle", f"the client read nothing for {timeout:g} s")
-
-    def _cancel(self, request_id: str, reason: FinishReason = "cancelled", error: str = "") -> None:
-        job = self._by_id.get(request_id)
-        if job is None:
-            return
-        if job.uid >= 0:
-            self._bg.remove([job.uid])
-        elif self._speculative is not None and request_id in self._speculative:
-            self._speculative.remove(request_id)
-        elif not self._preemption.is_parked(job):
-            self._waiting.remove(job)
-        self.finish(job)
-        with self._lock:
-            self._stats.cancelled_total += 1
-        self.emit(job, [Finished(reason, error=error)])
-
-    def _expire_deadlines(self) -> None:
-        now = time.monotonic()
-        for job in list(self._by_id.values()):
-            if job.request.deadline is not None and now > job.request.deadline:
-                job.keep_checkpoint = True  # the client may retry with resume
-                self._cancel(job.request.request_id, "deadline", "deadline exceeded")
-
-    def _isolate(self) -> None:
-        """After a failed step (loop/row_isolation.py): the rows the model fails on alone end,
-        the others wait at the front of the queue to start again by recompute."""
-        jobs = list(self._rows.values())
-        for job in jobs:  # a token its client has is kept: the row goes on after it
-            if job.token_sent_ahead is not None:
-                job.tokens.append(job.token_sent_ahead)
-                job.token_sent_ahead = None
-                if self._step_checkpoints is not None:
-                    self._step_checkpoints.forget(job)
-        self._rows.clear()
-        self._bg = self._new_batch_generator()
-        self._masks.settle(self._rows)
-        verdicts = isolate(self.loaded.model, jobs, self._new_batch_generator)
-        for verdict in reversed(verdicts):
-            if verdict.culprit:
-                verdict.job.uid = -1
-                why = f"the model failed on this request: {verdict.failure}"
-                self._end_failed(verdict.job, why, ModelFailed, keep_checkpoint=True)
-            else:
-                self._start_again(verdict.job)
-        with self._lock:
-            self._stats.isolated_failures_total += sum(v.culprit for v in verdicts)
-
-    def _end_failed(
-        self, job: Job, error: str, failure: type[EngineError], keep_checkpoint: bool = False
-    ) -> None:
-        """Ends a job the engine failed or refused; its stream ends with failure's status."""
-        job.ended = "failed"
-        job.keep_checkpoint = job.keep_checkpoint or keep_checkpoint
-        self.finish(job)
-        self.emit(job, [Finished("error", error=error, failure=failure.__name__)])
-
-    def _cancel_all(self, message: str) -> None:
-        for job in list(self._by_id.values()):
-            job.keep_checkpoint = True  # shutting down: resumable on another engine
-            self._cancel(job.request.request_id, "cancelled", message)
 
     def _publish_counts(self) -> None:
         with self._lock:
