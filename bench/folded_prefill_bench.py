@@ -21,7 +21,6 @@ import copy
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,10 +37,9 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import BatchGenerator  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from bench.engine_bench import model_spec  # noqa: E402
+from bench.shapes import load_shape  # noqa: E402
 from engine_service.model.folded_prefill import FoldingBatchGenerator  # noqa: E402
 from engine_service.model.last_positions import LastPositions  # noqa: E402
-from engine_service.model.loading import load_model  # noqa: E402
 
 
 def first_tokens(generator: BatchGenerator, turns: list[list[int]], caches: list[Any]) -> float:
@@ -74,8 +72,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--pairs", type=int, default=9)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        loaded = load_model(model_spec(args.model, Path(tmp)), Path(tmp))
+    loaded = load_shape(args.model)
     model, vocab = loaded.model, loaded.vocab_size
     rng = random.Random(0)
     prefixes = [prefilled(model, vocab, args.prefix, rng) for _ in range(args.rows)]

@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +44,7 @@ from bench.checkpoint_restore import random_prompt  # noqa: E402
 from bench.engine_bench import model_spec  # noqa: E402
 from engine_service.model.loading import load_model  # noqa: E402
 from tandem_client import EngineClient  # noqa: E402
+from tandem_client.engine_client import GenerationChunk, Usage  # noqa: E402
 from tests.servers import free_port, start_engine, start_store_on  # noqa: E402
 
 
@@ -65,31 +67,34 @@ def engine_hit(
     client.generate(base, max_tokens=1, **where)
     client.flush()  # the prefix is in the store
     time.sleep(think_s)
-    start = time.perf_counter()
-    elapsed = 0.0
-    for chunk in client.stream(base + turn, max_tokens=1, **where):
-        if chunk.token_ids and not elapsed:  # the first token (the end may come later)
-            elapsed = time.perf_counter() - start
-        if chunk.usage is not None:
-            if chunk.usage.cached_prompt_tokens < len(base) - 64:
-                raise RuntimeError(f"not a store hit: {chunk.usage}")
-            client.flush()  # its own prefix's save ends before the next measurement
-            return elapsed
-    raise RuntimeError("no usage")
+    elapsed, usage = first_token(lambda: client.stream(base + turn, max_tokens=1, **where))
+    if usage.cached_prompt_tokens < len(base) - 64:
+        raise RuntimeError(f"not a store hit: {usage}")
+    client.flush()  # its own prefix's save ends before the next measurement
+    return elapsed
 
 
 def engine_cold(client: EngineClient, prompt: list[int], namespace: str) -> float:
     """The engine's time to first token for a prompt nothing of which is stored."""
+    elapsed, usage = first_token(
+        lambda: client.stream(prompt, max_tokens=1, ignore_eos=True, namespace=namespace)
+    )
+    if usage.cached_prompt_tokens:
+        raise RuntimeError(f"not cold: {usage}")
+    client.flush()
+    return elapsed
+
+
+def first_token(stream: Callable[[], Iterator[GenerationChunk]]) -> tuple[float, Usage]:
+    """The time from asking for a stream to its first token (its end may come a step later:
+    the engine sends a first token as soon as it is sampled), and the stream's usage."""
     start = time.perf_counter()
     elapsed = 0.0
-    for chunk in client.stream(prompt, max_tokens=1, ignore_eos=True, namespace=namespace):
+    for chunk in stream():
         if chunk.token_ids and not elapsed:
             elapsed = time.perf_counter() - start
         if chunk.usage is not None:
-            if chunk.usage.cached_prompt_tokens:
-                raise RuntimeError(f"not cold: {chunk.usage}")
-            client.flush()
-            return elapsed
+            return elapsed, chunk.usage
     raise RuntimeError("no usage")
 
 

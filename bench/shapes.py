@@ -3,11 +3,14 @@ imports of engine_bench.py: benches that only run MLX import them from here."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 
 from engine_service.model.default_model import build_model_dir
+from engine_service.model.loaded import LoadedModel
+from engine_service.model.loading import load_model
 
 SHAPES = {
     # Random-weight stand-ins for real checkpoints (no downloads here).
@@ -96,3 +99,10 @@ def model_spec(spec: str, root: Path, shapes: dict[str, dict] | None = None) -> 
     dtype = "float32" if mx.default_device() == mx.cpu else "bfloat16"
     build_model_dir(shapes[spec], root / spec, dtype=dtype)
     return str(root / spec)
+
+
+def load_shape(spec: str) -> LoadedModel:
+    """The model of `model_spec(spec, ...)` loaded in this process (a shape's random weights
+    are written to a temporary folder, gone once they are loaded)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return load_model(model_spec(spec, Path(tmp)), Path(tmp))

@@ -22,7 +22,6 @@ import copy
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,9 +38,8 @@ import mlx.core as mx  # noqa: E402
 
 from mlx_lm.generate import BatchGenerator  # noqa: E402
 
-from bench.engine_bench import model_spec  # noqa: E402
 from bench.folded_prefill_bench import prefilled  # noqa: E402
-from engine_service.model.loading import load_model  # noqa: E402
+from bench.shapes import load_shape  # noqa: E402
 
 
 def generator(model: Any, turn: list[int], cache: list[Any]) -> None:
@@ -85,8 +83,7 @@ def main() -> None:
     ap.add_argument("--turn", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        loaded = load_model(model_spec(args.model, Path(tmp)), Path(tmp))
+    loaded = load_shape(args.model)
     model, vocab = loaded.model, loaded.vocab_size
     rng = random.Random(0)
     prefix = prefilled(model, vocab, args.prefix, rng)
