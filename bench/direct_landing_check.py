@@ -2,9 +2,11 @@
 on this machine's backend: records put into a real store, read directly, landed as MLX
 arrays by the engine's landing, compared byte for byte with the host's copy of the same
 chunks; then an 8k-token-shaped restore timed end to end, direct against the store's copy
-into a region (ABAB).
+into a region (ABAB). With --pool, a third route in the same rounds: direct with the device
+pool keeping freed memory (engine_service/cuda_runtime.py), after one untimed landing that
+fills it; every landing starts from `mx.clear_cache()`, as a hit after a prefill does.
 
-    python bench/direct_landing_check.py [--mib 896] [--rounds 5]
+    python bench/direct_landing_check.py [--mib 896] [--rounds 5] [--pool]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from engine_service.checkpoints.device_landing import (  # noqa: E402
     landing_for,  # noqa: E402
 )
 from engine_service.checkpoints.direct_landing import joined  # noqa: E402
+from engine_service.cuda_runtime import CudaRuntime, default_keep_bytes  # noqa: E402
 from tandem_client import Checkpoint, StoreClient, Tensor  # noqa: E402
 from tandem_client.direct import DirectHold  # noqa: E402
 from tandem_client.regions import SharedRegion  # noqa: E402
@@ -58,6 +61,8 @@ def land(
 ) -> tuple[list[mx.array], str, list[float]]:  # noqa: ANN001, E501
     """Lands a record; returns its arrays, its route and the phases' times (PHASES, then
     the whole)."""
+    mx.clear_cache()  # as after a prefill (mlx-lm empties MLX's cache after each chunk)
+    mx.synchronize()
     marks = [time.perf_counter()]
     read = client.get_routed(key, size_hint=size, progressive=True)
     marks.append(time.perf_counter())
@@ -77,6 +82,35 @@ def land(
     return arrays, read.route, [*phases, marks[-1] - marks[0]]
 
 
+def allocation_host_times(cuda: CudaRuntime | None, nbytes: int, rounds: int) -> None:
+    """The host time of starting a kernel whose output (nbytes) is a fresh allocation after
+    `mx.clear_cache()` and a sync, with CUDA's default pool and with it keeping freed memory
+    (ABAB): what a gather's launches and a batch merge pay for new memory."""
+    times: dict[str, list[float]] = {"default": [], "kept": []}
+    for r in range(rounds + 1):
+        for name in times:
+            if cuda is not None and name == "kept":
+                cuda.keep_freed(default_keep_bytes())
+                mx.eval(mx.zeros((nbytes,), mx.uint8))  # fills the pool once
+            mx.clear_cache()
+            mx.synchronize()
+            start = time.perf_counter()
+            out = mx.zeros((nbytes,), mx.uint8)
+            mx.async_eval(out)
+            launched = time.perf_counter()
+            mx.eval(out)
+            if r:
+                times[name].append((launched - start) * 1e3)
+            del out
+            if cuda is not None and name == "kept":
+                cuda.keep_freed(0)
+                cuda.trim()
+    print(
+        f"  a fresh {nbytes >> 20} MiB output's host time: "
+        + ", ".join(f"pool {n} {statistics.median(v):.2f} ms" for n, v in times.items())
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=896)
@@ -86,7 +120,9 @@ def main() -> None:
         default="",
         help="also the direct landing with each of these GATHER_BLOCKS (e.g. 256,512,4096)",
     )
+    parser.add_argument("--pool", action="store_true", help="also direct with the pool kept")
     args = parser.parse_args()
+    cuda = CudaRuntime.load() if args.pool and mx.cuda.is_available() else None
     with tempfile.TemporaryDirectory(prefix="tandem-direct-") as tmp:
         port = free_port()
         store = start_store_on(
@@ -98,6 +134,9 @@ def main() -> None:
                 direct.attach_region(region, direct=True)
                 landing = landing_for(region)
                 print(f"{mx.default_device()}: landing {landing.kind}")
+                if args.pool:
+                    for nbytes in (1 << 30, args.mib << 20):
+                        allocation_host_times(cuda, nbytes, args.rounds)
                 # 1. Bytes: every tensor equal to the host's copy of its chunks.
                 small = record(b"check", 4, 3 << 20, seed=1)
                 direct.put(small)
@@ -124,12 +163,21 @@ def main() -> None:
                         "direct": (direct, landing),
                         "region": (copied, landing_for(copied_region)),
                     }
-                    times: dict[str, list[float]] = {"direct": [], "region": []}
-                    split: dict[str, list[list[float]]] = {"direct": [], "region": []}
+                    if args.pool:
+                        routes["direct, pool kept"] = (direct, landing)
+                    times: dict[str, list[float]] = {name: [] for name in routes}
+                    split: dict[str, list[list[float]]] = {name: [] for name in routes}
                     for r in range(args.rounds + 1):
                         for name, (client, lands) in routes.items():
+                            kept = name.endswith("kept") and cuda is not None
+                            if kept:
+                                cuda.keep_freed(default_keep_bytes())
+                                land(client, lands, b"big", big.payload_bytes)  # fills it
                             _, route, phases = land(client, lands, b"big", big.payload_bytes)
-                            assert route == name, route
+                            if kept:
+                                cuda.keep_freed(0)
+                                cuda.trim()
+                            assert name.startswith(route), route
                             if r:
                                 times[name].append(phases[-1])
                                 split[name].append(phases[:-1])
@@ -143,11 +191,14 @@ def main() -> None:
                         "    "
                         + ", ".join(f"{n} {m:.1f}" for n, m in zip(PHASES, medians, strict=True))
                     )
-                paired = [a / b for a, b in zip(times["direct"], times["region"], strict=True)]
-                print(
-                    f"  direct / region median {statistics.median(paired):.2f}"
-                    f" ({min(paired):.2f}-{max(paired):.2f})"
-                )
+                for name, base in (("direct", "region"), ("direct, pool kept", "direct")):
+                    if name not in times:
+                        continue
+                    paired = [a / b for a, b in zip(times[name], times[base], strict=True)]
+                    print(
+                        f"  {name} / {base} median {statistics.median(paired):.2f}"
+                        f" ({min(paired):.2f}-{max(paired):.2f})"
+                    )
                 for blocks in [int(b) for b in args.gather_blocks.split(",") if b]:
                     direct_landing.GATHER_BLOCKS = blocks
                     took = [

@@ -17,7 +17,10 @@
 # hits against cold prefills and raw mlx-lm (the first token sent as soon as it is sampled).
 # Part m: raw mlx-lm's 16-token turn after 8k and 32k cached positions three ways (its
 # generator, the same with mx.clear_cache a no-op, the bare forward pass): where its 133 ms
-# at 32k goes.
+# at 32k goes (and F: the generator with the device pool kept). Part k: the device pool
+# (engine_service/cuda_runtime.py): a fresh allocation's host time and the direct landing's
+# launches with CUDA's default pool and with freed memory kept, at 8k and 32k sizes; then the
+# engine's 8k and 32k hits with the pool at CUDA's default, for part h's contrast.
 # Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
@@ -64,10 +67,20 @@ for part in ${1:-g r p t}; do
           | tee "$out/hit_${tokens}_folded.txt"
       done
       ;;
+    k)
+      for mib in 896 3584; do
+        timeout 200 python3 bench/direct_landing_check.py --mib $mib --rounds 4 --pool 2>&1 \
+          | tee -a "$out/pool_landing.txt"
+      done
+      for tokens in 8192 32768; do
+        TANDEM_ENGINE_DEVICE_POOL_KEEP_GIB=0 timeout 200 $hit --tokens $tokens --pairs 4 \
+          --think-s 0.5 2>&1 | grep -v '^  round' | tee "$out/hit_${tokens}_pool_default.txt"
+      done
+      ;;
     m)
       for prefix in 8192 32768; do
         timeout 200 python3 bench/step_floor_probe.py --prefix $prefix --rounds 5 2>&1 \
-          | tail -4 | tee -a "$out/step_floor.txt"
+          | tail -7 | tee -a "$out/step_floor.txt"
       done
       ;;
     c)

@@ -9,7 +9,10 @@ B: the same with `mx.clear_cache` a no-op (mlx-lm's prompt pass empties MLX's bu
    after each chunk, so the next step allocates afresh: on CUDA, cudaMalloc);
 C: the model itself: one forward pass over the 16 tokens, then the argmax;
 D: the same pass over mlx-lm's BatchKVCache merged from the cache (an array mask, not
-   "causal"); E: that merge alone.
+   "causal"); E: that merge alone;
+F: A with the device pool keeping freed memory mapped, as the engine's core does on
+   MLX-CUDA (engine_service/cuda_runtime.py; the pool is filled by an untimed run first and
+   trimmed after, so A starts from CUDA's default).
 
     python bench/step_floor_probe.py [--model qwen3-0.6b-shape] [--prefix 32768] [--turn 16]
         [--rounds 5]
@@ -37,6 +40,8 @@ import mlx.core as mx  # noqa: E402
 # isort: on
 
 from mlx_lm.generate import BatchGenerator  # noqa: E402
+
+from engine_service.cuda_runtime import CudaRuntime, default_keep_bytes  # noqa: E402
 
 from bench.folded_prefill_bench import prefilled  # noqa: E402
 from bench.shapes import load_shape  # noqa: E402
@@ -76,6 +81,23 @@ def merged_only(model: Any, turn: list[int], cache: list[Any]) -> None:
     mx.eval([c.state for c in batch])
 
 
+class KeptPool:
+    """Way F's set-up: the default pool keeps freed memory, filled by one untimed run."""
+
+    def __init__(self) -> None:
+        self.cuda = CudaRuntime.load() if mx.cuda.is_available() else None
+
+    def before(self, model: Any, turn: list[int], prefix: list[Any]) -> None:
+        if self.cuda is not None:
+            self.cuda.keep_freed(default_keep_bytes())
+        generator(model, turn, [copy.deepcopy(c) for c in prefix])
+
+    def after(self) -> None:
+        if self.cuda is not None:
+            self.cuda.keep_freed(0)
+            self.cuda.trim()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-0.6b-shape")
@@ -93,17 +115,23 @@ def main() -> None:
         "C the model's forward pass": bare,
         "D the same over mlx-lm's batch caches, merged in": over_batch_cache,
         "E the merge alone": merged_only,
+        "F A with the device pool kept": generator,
     }
+    pool = KeptPool()
     times: dict[str, list[float]] = {name: [] for name in ways}
     for r in range(args.rounds + 1):
         turn = [rng.randrange(3, vocab - 1) for _ in range(args.turn)]
         for name, way in ways.items():
             cache = [copy.deepcopy(c) for c in prefix]
             mx.eval([c.state for c in cache])
+            if name.startswith("F"):
+                pool.before(model, turn, prefix)
             mx.synchronize()
             start = time.perf_counter()
             way(model, turn, cache)
             elapsed = time.perf_counter() - start
+            if name.startswith("F"):
+                pool.after()
             if r:
                 times[name].append(elapsed)
     print(f"{args.model} on {mx.default_device()}, {args.turn} tokens after {args.prefix}:")

@@ -16,11 +16,7 @@ is why this small layer exists; anything it cannot do falls back to the one-copy
 
 from __future__ import annotations
 
-import ctypes
-import glob
 import logging
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine_service.checkpoints.direct_landing import FilePins, joined
+from engine_service.cuda_runtime import CudaRuntime
 from tandem_client.direct import DirectHold
 from tandem_client.records import Checkpoint, Tensor
 from tandem_client.regions import RegionHold, SharedRegion
@@ -140,7 +137,7 @@ class PinnedLanding(Landing):
 
     kind = "pinned"
 
-    def __init__(self, region: SharedRegion, cuda: _CudaRuntime) -> None:
+    def __init__(self, region: SharedRegion, cuda: CudaRuntime) -> None:
         self.region = region
         self._cuda = cuda
         self._base = np.frombuffer(region.buf, np.uint8).ctypes.data
@@ -313,57 +310,13 @@ def landing_for(region: SharedRegion | None) -> Landing:
     if region is None or not mx.cuda.is_available():
         return Landing()
     try:
-        pinned = PinnedLanding(region, _CudaRuntime.load())
+        pinned = PinnedLanding(region, CudaRuntime.load())
         pinned.warm()
     except (OSError, RuntimeError, AttributeError) as exc:
         log.warning("restores copy through the host (no pinned device path: %s)", exc)
         return Landing()
     log.info("restores are pulled by the GPU from the pinned region (%d MiB)", region.size >> 20)
     return pinned
-
-
-class _CudaRuntime:
-    """The two CUDA runtime calls MLX does not offer, on the libcudart MLX itself loaded."""
-
-    def __init__(self, lib: Any) -> None:
-        self._lib = lib
-        lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
-        lib.cudaGetErrorString.restype = ctypes.c_char_p
-        lib.cudaHostGetDevicePointer.argtypes = [
-            ctypes.POINTER(ctypes.c_void_p),
-            ctypes.c_void_p,
-            ctypes.c_uint,
-        ]
-
-    @classmethod
-    def load(cls) -> _CudaRuntime:
-        mx.eval(mx.zeros(4) + 1)  # MLX has loaded its CUDA runtime by now
-        candidates = []
-        with open("/proc/self/maps") as maps:
-            candidates += [line.split()[-1] for line in maps if "libcudart.so" in line]
-        for folder in [*sys.path, "/usr/local/cuda"]:
-            for pattern in ("nvidia/cu*/lib/libcudart.so*", "lib64/libcudart.so*"):
-                candidates += sorted(glob.glob(os.path.join(folder, pattern)))
-        if not candidates:
-            raise OSError("no libcudart loaded or installed")
-        return cls(ctypes.CDLL(candidates[0]))
-
-    def _check(self, err: int, what: str) -> None:
-        if err:
-            raise RuntimeError(f"{what}: {self._lib.cudaGetErrorString(err).decode()}")
-
-    def register(self, address: int, nbytes: int, flags: int = 0) -> None:
-        self._check(self._lib.cudaHostRegister(address, nbytes, flags), "cudaHostRegister")
-
-    def device_pointer(self, address: int) -> int:
-        pointer = ctypes.c_void_p()
-        err = self._lib.cudaHostGetDevicePointer(ctypes.byref(pointer), address, 0)
-        self._check(err, "cudaHostGetDevicePointer")
-        return int(pointer.value or 0)
-
-    def unregister(self, address: int) -> None:
-        self._check(self._lib.cudaHostUnregister(address), "cudaHostUnregister")
 
 
 def as_they_arrive(

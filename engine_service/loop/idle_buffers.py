@@ -1,10 +1,12 @@
 """When the engine loop has run nothing for a while, the buffers MLX cached for the batch go
 back to the device (a GPU may be shared). Not at once: a client's next turn, a moment later,
-would fault all of its pages in again (~5 ms at 4k tokens)."""
+would fault all of its pages in again (~5 ms at 4k tokens). On MLX-CUDA the device pool's
+kept memory goes back with them (engine_service/cuda_runtime.py)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -13,8 +15,9 @@ IDLE_RELEASE_S = 1.0
 
 
 class IdleBuffers:
-    def __init__(self) -> None:
+    def __init__(self, release_more: Callable[[], None] | None = None) -> None:
         self._since: float | None = 0.0  # 0: busy; None: the buffers went back since
+        self._release_more = release_more  # after MLX's: the device pool's trim
 
     def tick(self, idle: bool) -> bool:
         """Called once per loop turn (MLX thread); True on the turn the loop became idle."""
@@ -25,5 +28,7 @@ class IdleBuffers:
             return True
         elif self._since is not None and time.monotonic() - self._since >= IDLE_RELEASE_S:
             mx.clear_cache()
+            if self._release_more is not None:
+                self._release_more()
             self._since = None
         return False
