@@ -41,10 +41,9 @@ import mlx.core as mx  # noqa: E402
 
 from mlx_lm.generate import BatchGenerator  # noqa: E402
 
-from engine_service.cuda_runtime import CudaRuntime, default_keep_bytes  # noqa: E402
-
 from bench.folded_prefill_bench import prefilled  # noqa: E402
 from bench.shapes import load_shape  # noqa: E402
+from engine_service.cuda_runtime import CudaRuntime, default_keep_bytes  # noqa: E402
 
 
 def generator(model: Any, turn: list[int], cache: list[Any]) -> None:
