@@ -3,6 +3,7 @@ device pool's kept memory, go back once the loop has been idle a while; not whil
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
 from engine_service.loop import idle_buffers
@@ -13,7 +14,7 @@ def test_the_device_pool_is_trimmed_after_mlx_buffers_when_idle(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     released: list[str] = []
-    monkeypatch.setattr(idle_buffers.mx, "clear_cache", lambda: released.append("mlx"))
+    monkeypatch.setattr(mx, "clear_cache", lambda: released.append("mlx"))
     monkeypatch.setattr(idle_buffers, "IDLE_RELEASE_S", 0.0)
     buffers = IdleBuffers(lambda: released.append("pool"))
     assert not buffers.tick(idle=False)
