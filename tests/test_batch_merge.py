@@ -8,10 +8,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import cache as cache_lib
+from mlx_lm.models.base import create_causal_mask
 
 from engine_service.checkpoints.device_landing import host_plane
 from engine_service.kv.batch_cache import BatchQuantizedKVCache, adopt_row
-from engine_service.protocol.kv_codec import PLAIN_KV
+from engine_service.protocol.kv_codec import PLAIN_KV, KVCodec
 from tandem_client.records import Tensor
 
 HEADS, DIM = 2, 8
@@ -89,3 +90,28 @@ def test_a_lone_row_landed_with_room_joins_its_batch_without_a_copy() -> None:
     got_keys, _ = batch.update_and_fetch(new, new)
     assert mx.array_equal(got_keys[..., :300, :], keys)
     assert mx.array_equal(got_keys[..., 300:, :], new)
+
+
+def test_plain_rows_without_padding_get_the_fused_causal_mask() -> None:
+    """A batch whose rows are plain KV with no left padding (a lone row: a store hit, a
+    single stream) masks as mlx-lm's own KVCache does ("causal", None for one token), so
+    MLX's fused attention runs; the same bits as the array mask here. Padding, a quantized
+    codec or an asked-for array keep the array."""
+    lone = BatchQuantizedKVCache.merge([adopt_row(_row(300, 1), PLAIN_KV)])
+    assert lone.make_mask(16) == "causal" and lone.make_mask(1) is None
+    assert isinstance(lone.make_mask(16, return_array=True), mx.array)
+    assert isinstance(lone.make_mask(16, window_size=64), mx.array)
+    padded = BatchQuantizedKVCache.merge([adopt_row(_row(n, n), PLAIN_KV) for n in (300, 170)])
+    assert isinstance(padded.make_mask(16), mx.array)
+    quantized = BatchQuantizedKVCache.merge([adopt_row(_row(300, 2), KVCodec(8, 64, 0))])
+    assert isinstance(quantized.make_mask(16), mx.array)
+
+    mx.random.seed(3)
+    queries = mx.random.normal((1, HEADS * 2, 16, DIM))
+    keys, values = lone.update_and_fetch(
+        mx.random.normal((1, HEADS, 16, DIM)), mx.random.normal((1, HEADS, 16, DIM))
+    )
+    array_mask = create_causal_mask(16, offset=300, left_padding=mx.array([0]))
+    fused = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.3, mask="causal")
+    masked = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.3, mask=array_mask)
+    assert bool(mx.array_equal(fused, masked))

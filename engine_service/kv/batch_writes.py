@@ -106,7 +106,18 @@ class BatchWrites:
         assert self._shape is not None
         return attention_planes(self._groups, self._shape, dtype, live)
 
-    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:  # noqa: N803
+    def make_mask(
+        self,
+        N: int,  # noqa: N803
+        return_array: bool = False,
+        **kwargs: Any,
+    ) -> mx.array | str | None:
+        if not return_array and kwargs.get("window_size") is None and self._plain_unpadded():
+            # What mlx-lm's KVCache gives a lone prompt: MLX's fused attention takes "causal"
+            # (bottom-right, the same bits on the CPU), where an array mask costs the
+            # unfused path on MLX-CUDA (mlx-lm's batch caches: +12 ms a 16-token turn over
+            # 32k positions of the 0.6B shape, bench/step_floor_probe.py).
+            return "causal" if N > 1 else None
         mask: mx.array = create_causal_mask(
             N, offset=self._written, left_padding=self.left_padding, **kwargs
         )
@@ -114,6 +125,13 @@ class BatchWrites:
             extra = self._cap_after(N) - mask.shape[-1]
             mask = mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, extra)])
         return mask
+
+    def _plain_unpadded(self) -> bool:
+        """No row has left padding and every row is plain KV with no codec to convert to:
+        attention reads exactly the written columns, all of them."""
+        if any(self._lp) or self.wide_reads or any(c.quantized for c in self._codecs):
+            return False
+        return all(g.storage.kind is StorageKind.PLAIN for g in self._groups)
 
     def _full_width(self) -> bool:
         """Whether this step's attention reads whole planes: TurboQuant rows always (their
