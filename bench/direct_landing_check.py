@@ -121,6 +121,11 @@ def main() -> None:
         help="also the direct landing with each of these GATHER_BLOCKS (e.g. 256,512,4096)",
     )
     parser.add_argument("--pool", action="store_true", help="also direct with the pool kept")
+    parser.add_argument(
+        "--groups",
+        default="",
+        help="also the direct landing's phases with each of these GROUPS (e.g. 1,8,32)",
+    )
     args = parser.parse_args()
     cuda = CudaRuntime.load() if args.pool and mx.cuda.is_available() else None
     with tempfile.TemporaryDirectory(prefix="tandem-direct-") as tmp:
@@ -209,6 +214,16 @@ def main() -> None:
                     print(
                         f"  direct, GATHER_BLOCKS {blocks}: {best * 1e3:.1f} ms,"
                         f" {gb / best:.1f} GB/s"
+                    )
+                for groups in [int(g) for g in args.groups.split(",") if g]:
+                    direct_landing.GROUPS = groups
+                    direct_landing.MIN_GROUP_BYTES = 1 << 20
+                    runs = [land(direct, landing, b"big", big.payload_bytes)[2] for _ in range(4)]
+                    medians = [statistics.median(p) * 1e3 for p in zip(*runs[1:], strict=True)]
+                    print(
+                        f"  direct, GROUPS {groups}: "
+                        + ", ".join(f"{n} {m:.1f}" for n, m in zip(PHASES, medians, strict=False))
+                        + f", all {medians[-1]:.1f} ms"
                     )
                 landing.close()
                 direct.close()

@@ -69,7 +69,7 @@ for part in ${1:-g r p t}; do
       ;;
     k)
       for mib in 896 3584; do
-        timeout 200 python3 bench/direct_landing_check.py --mib $mib --rounds 4 --pool 2>&1 \
+        timeout 200 python3 bench/direct_landing_check.py --mib $mib --rounds 4 --pool --groups 1,8,32 2>&1 \
           | tee -a "$out/pool_landing.txt"
       done
       for tokens in 8192 32768; do
