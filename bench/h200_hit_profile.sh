@@ -19,8 +19,9 @@
 # generator, the same with mx.clear_cache a no-op, the bare forward pass): where its 133 ms
 # at 32k goes (and F: the generator with the device pool kept). Part k: the device pool
 # (engine_service/cuda_runtime.py): a fresh allocation's host time and the direct landing's
-# launches with CUDA's default pool and with freed memory kept, at 8k and 32k sizes; then the
-# engine's 8k and 32k hits with the pool at CUDA's default, for part h's contrast.
+# launches with CUDA's default pool and with freed memory kept, at 8k and 32k sizes, and the
+# landing's phases at 1, 8 and 32 gather groups. Part d: the engine's 8k and 32k hits with
+# the pool at CUDA's default, for part h's contrast. Part e: the 8B shape's 8k hit.
 # Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
@@ -72,10 +73,16 @@ for part in ${1:-g r p t}; do
         timeout 200 python3 bench/direct_landing_check.py --mib $mib --rounds 4 --pool --groups 1,8,32 2>&1 \
           | tee -a "$out/pool_landing.txt"
       done
+      ;;
+    d)
       for tokens in 8192 32768; do
         TANDEM_ENGINE_DEVICE_POOL_KEEP_GIB=0 timeout 200 $hit --tokens $tokens --pairs 4 \
           --think-s 0.5 2>&1 | grep -v '^  round' | tee "$out/hit_${tokens}_pool_default.txt"
       done
+      ;;
+    e)
+      timeout 300 python3 bench/hit_floor_bench.py --cold --routes direct --model llama3-8b-shape \
+        --tokens 8000 --pairs 3 --think-s 0.5 2>&1 | grep -v '^  round' | tee "$out/hit_8b_8k.txt"
       ;;
     m)
       for prefix in 8192 32768; do
