@@ -7,7 +7,11 @@ its largest value), whether a target row's bits are the same alone and as the la
 batch, whether every tiling of the output gives the same bits, and the time of one call at each
 (median of rounds; each round evaluates --reps calls together, as a model's step would).
 
+With --splits, each shape's chosen tiling is also timed at those K splits a block (warps),
+with its bits alone = batched at each.
+
     python bench/invariant_matmul_bench.py [--rows 1,8,32,128] [--rounds 20] [--reps 32]
+        [--splits 4,8,16] [--shapes 8b]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import mlx.core as mx  # noqa: E402
 from engine_service.model.invariant_matmul_cuda import (  # noqa: E402
     AVAILABLE,
     ROWS,
+    STEP,
     column_tiles,
     invariant_matmul,
     row_tiles,
@@ -33,6 +38,8 @@ from engine_service.model.invariant_matmul_cuda import (  # noqa: E402
 
 # (K, N): Qwen3-0.6B's q_proj, gate/up, down; Llama-3-8B's gate/up, down; a 0.6B's vocabulary.
 SHAPES = [(1024, 2048), (1024, 3072), (3072, 1024), (4096, 14336), (14336, 4096), (1024, 151936)]
+# Every projection of Llama-3-8B's step: q and o, k and v, gate and up, down, the vocabulary.
+SHAPES_8B = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
 
 
 def timed(call: object, rounds: int, reps: int) -> float:
@@ -56,6 +63,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,32,128")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--reps", type=int, default=32, help="calls evaluated together")
+    parser.add_argument("--splits", default="", help="also time these K splits a block")
+    parser.add_argument("--shapes", choices=["default", "8b"], default="default")
     args = parser.parse_args()
     if not AVAILABLE:
         print("not MLX-CUDA: the kernel does not run here")
@@ -67,7 +76,7 @@ def main() -> None:
         " tiling the same bits; the kernel at c column tiles and b row tiles a block (* the"
         " chosen one); MLX's matmul; the padded block"
     )
-    for k, n in SHAPES:
+    for k, n in SHAPES_8B if args.shapes == "8b" else SHAPES:
         w = (mx.random.normal((n, k), key=mx.random.key(1)) * k**-0.5).astype(mx.bfloat16)
         target = mx.random.normal((1, k), key=mx.random.key(2)).astype(mx.bfloat16)
         alone = invariant_matmul(target, w, 1, ROWS // 16)
@@ -101,6 +110,16 @@ def main() -> None:
                 f"  {k:5d} x {n:6d}, {rows:3d} rows: {diff / scale:.2e}, {same}, {tiled_same};"
                 f" {' '.join(kernel_times)}; MLX {t_mlx * 1e6:.1f}; block {t_block * 1e6:.1f}"
             )
+            split_times = []
+            for s in [int(v) for v in args.splits.split(",") if v]:
+                if k % (s * STEP) or s * 32 > 1024 or s * chosen[1] * 512 > 48 << 10:
+                    continue
+                lone = invariant_matmul(target, w, splits=s)
+                kept = mx.array_equal(invariant_matmul(x, w, splits=s)[-1:], lone).item()
+                t = timed(lambda: invariant_matmul(x, w, splits=s), args.rounds, args.reps)  # noqa: B023
+                split_times.append(f"s{s}={t * 1e6:.1f}{'' if kept else ' (bits moved!)'}")
+            if split_times:
+                print(f"    K splits a block: {' '.join(split_times)}")
 
 
 if __name__ == "__main__":
