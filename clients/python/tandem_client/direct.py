@@ -50,19 +50,9 @@ class DirectHold:
         self.lease = placement.lease
         self.data_file = data_file
         self.arrival = Arrival(checkpoint.payload_bytes)
-        self._chunks: dict[int, list[tuple[int, int]]] = {}
-        chunks = iter(zip(placement.chunk_offsets, lengths, strict=True))
-        end = 0
-        for tensor in checkpoint.all_tensors():
-            taken, mine = 0, []
-            while taken < tensor.nbytes:
-                offset, length = next(chunks, (0, 0))
-                if not length or taken + length > tensor.nbytes:
-                    raise DataLoss("a direct placement's chunks do not fit its tensors")
-                mine.append((offset, length))
-                taken += length
-                end = max(end, offset + length)
-            self._chunks[id(tensor)] = mine
+        self._chunks = chunks_by_tensor(checkpoint.all_tensors(), placement)
+        offsets = np.asarray(placement.chunk_offsets, dtype=np.int64)
+        end = int((offsets + np.asarray(lengths, dtype=np.int64)).max()) if lengths else 0
         data_file.view(0, end)  # every chunk inside the file (FailedPrecondition if not)
         self._held: bool | None = None
         self._finalizer = weakref.finalize(self, _release_quietly, release, placement.lease)
@@ -98,6 +88,34 @@ class DirectHold:
     @property
     def released(self) -> bool:
         return self._held is not None
+
+
+def chunks_by_tensor(
+    tensors: list[Tensor], placement: store_pb2.DirectPlacement
+) -> dict[int, list[tuple[int, int]]]:
+    """Each tensor's chunks (offset, length), in payload order: the chunks' running ends must
+    meet every tensor's end (a 32k-token prefix record has thousands of chunks: numpy, not a
+    Python loop over them)."""
+    lengths = np.asarray(placement.chunk_lengths, dtype=np.int64)
+    if lengths.size and lengths.min() <= 0:
+        raise DataLoss("a direct placement has an empty chunk")
+    ends = np.cumsum(lengths)
+    sizes = np.asarray([t.nbytes for t in tensors], dtype=np.int64)
+    bounds = np.cumsum(sizes)
+    sized = sizes > 0
+    # The chunk each tensor's bytes end in (an empty tensor's: the one before it ends in).
+    last = np.where(
+        sized, np.searchsorted(ends, bounds), np.searchsorted(ends, bounds, side="right") - 1
+    )
+    inside = last[sized] < ends.size
+    if not inside.all() or (ends[last[sized]] != bounds[sized]).any():
+        raise DataLoss("a direct placement's chunks do not fit its tensors")
+    pairs = list(zip(placement.chunk_offsets, placement.chunk_lengths, strict=True))
+    first = np.concatenate([[0], last[:-1] + 1]) if len(tensors) else last
+    chunks: dict[int, list[tuple[int, int]]] = {}
+    for tensor, size, a, b in zip(tensors, sizes, first.tolist(), last.tolist(), strict=True):
+        chunks[id(tensor)] = pairs[a : b + 1] if size else []
+    return chunks
 
 
 def _release_quietly(release: Release, lease: int) -> None:
