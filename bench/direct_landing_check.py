@@ -32,6 +32,7 @@ from engine_service.checkpoints import direct_landing  # noqa: E402
 from engine_service.checkpoints.device_landing import (  # noqa: E402
     as_they_arrive,
     host_array,
+    host_plane,
     landing_for,  # noqa: E402
 )
 from engine_service.checkpoints.direct_landing import joined  # noqa: E402
@@ -54,6 +55,32 @@ def record(key: bytes, layers: int, per_tensor: int, seed: int) -> Checkpoint:
 
 
 PHASES = ("get", "launch", "verdict", "settle", "release")
+
+
+def check_planes(client: StoreClient, landing) -> None:  # noqa: ANN001
+    """A KV-shaped record read directly and landed as planes with room (direct_planes.py):
+    every plane equal to the host's (host_plane) of the same bytes."""
+    rng = np.random.default_rng(3)
+    shape = (1, 8, 1000, 128)  # a head's 1000 positions straddle the 1 MiB chunks
+    tensors = [
+        Tensor(f"l{i}.{kind}", "bfloat16", shape, rng.integers(0, 1 << 16, shape, np.uint16))
+        for i in range(3)
+        for kind in ("k", "v")
+    ]
+    kv = Checkpoint(key=b"planes", kind="prefix", tensors=tensors)
+    client.put(kv)
+    read = client.get_routed(b"planes", size_hint=kv.payload_bytes, progressive=True)
+    assert isinstance(read.hold, DirectHold), read.route
+    keep, columns = 900, 1156
+    planes = landing.direct_planes(read.checkpoint.tensors, read.hold, keep, columns)
+    read.hold.arrival.wait(read.hold.arrival.total, 60.0)
+    landing.settle()
+    for tensor in read.checkpoint.tensors:
+        want = host_plane(joined(tensor, read.hold.segments(tensor)), keep, columns)
+        same = mx.array_equal(planes[id(tensor)].view(mx.uint16), want.view(mx.uint16))
+        assert bool(same), tensor.name
+    assert read.hold.release() is not False
+    print(f"  {len(planes)} KV tensors landed directly as planes with room, every byte equal")
 
 
 def land(
@@ -152,6 +179,7 @@ def main() -> None:
                     same = mx.array_equal(array.view(mx.uint8), want.view(mx.uint8))
                     assert bool(same), stored.name
                 print(f"  {len(arrays)} tensors landed directly, every byte equal")
+                check_planes(direct, landing)
                 # 2. Time: an 8k-token-shaped record, direct vs the region, ABAB.
                 per_tensor = (args.mib << 20) // 56
                 per_tensor -= per_tensor % 16

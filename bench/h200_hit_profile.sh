@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 37 on the lent H200, after `. .whl2/device-setup.sh` and the project's other wheels
-# (../shared/gpu/README.md; py-spy and pytest among them). Part g: the resume tests on
-# MLX-CUDA (a chain's segments pulled from the pinned region, each by one launch). Part r:
+# (../shared/gpu/README.md; py-spy and pytest among them). Part g: the resume and direct-read
+# tests on MLX-CUDA (a chain's segments pulled from the pinned region, each by one launch; a
+# direct hit gathered into planes with room). Part r:
 # resume after 1,000 tokens, 3 samples (a chain's headers, then its payloads in spans of
 # their size, landed from the region), and 8 batched streams resumed after a SIGKILL,
 # checked against their uninterrupted runs. Part p: the 0.6B
@@ -31,7 +32,8 @@ for part in ${1:-g r p t}; do
   case "$part" in
     g)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_engine_domain.py \
-        -k "chain or segment or resume" 2>&1 | tail -15 | tee "$out/gpu_tests.txt"
+        tests/test_checkpoints.py -k "chain or segment or resume or direct" 2>&1 | tail -15 \
+        | tee "$out/gpu_tests.txt"
       ;;
     r)
       timeout 240 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape --repeat 3 \

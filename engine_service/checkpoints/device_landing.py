@@ -120,6 +120,12 @@ class Landing:
         id(tensor) -> array."""
         return {id(t): host_array(joined(t, hold.segments(t))) for t in tensors}
 
+    def direct_planes(
+        self, tensors: list[Tensor], hold: DirectHold, keep: int, columns: int
+    ) -> dict[int, mx.array]:
+        """A direct Get's KV tensors as planes with room (`host_plane`): id(tensor) -> plane."""
+        return {id(t): host_plane(joined(t, hold.segments(t)), keep, columns) for t in tensors}
+
     def push_many(
         self, pushes: list[tuple[list[mx.array], memoryview]]
     ) -> tuple[list[list[memoryview] | None], list[mx.array]]:
@@ -222,6 +228,23 @@ class PinnedLanding(Landing):
             if id(tensor) not in pulled:
                 pulled[id(tensor)] = host_array(joined(tensor, hold.segments(tensor)))
         return pulled
+
+    def direct_planes(
+        self, tensors: list[Tensor], hold: DirectHold, keep: int, columns: int
+    ) -> dict[int, mx.array]:
+        """A direct Get's KV tensors gathered by the GPU into planes with room, each its own
+        buffer (direct_planes.py); what it cannot gather so is copied through the host."""
+        if self._file_pins is None:
+            self._file_pins = FilePins(self._cuda, self.settle)
+        wanted = [(t, hold.chunks(t)) for t in tensors]
+        planes = self._file_pins.planes(wanted, hold.data_file, keep, columns)
+        self._pending.extend(planes.values())
+        for tensor in tensors:
+            if id(tensor) not in planes:
+                planes[id(tensor)] = host_plane(
+                    joined(tensor, hold.segments(tensor)), keep, columns
+                )
+        return planes
 
     def push(self, arrays: list[mx.array], span: memoryview) -> list[memoryview] | None:
         """Device -> pinned region: one kernel a tensor writes it into span, ~40 GB/s, where

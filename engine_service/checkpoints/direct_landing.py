@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
+from engine_service.checkpoints.direct_planes import PLANES_PER_LAUNCH, PlaneGather, plane_pieces
 from tandem_client.data_file import DataFile
 from tandem_client.records import Tensor
 
@@ -87,6 +88,13 @@ def joined(tensor: Tensor, segments: list[memoryview]) -> Tensor:
     else:
         data = b""
     return Tensor(tensor.name, tensor.dtype, tensor.shape, data)
+
+
+def _aligned(tensor: Tensor, chunks: list[tuple[int, int]]) -> bool:
+    """Whether the gather can read the tensor: every chunk on 16 bytes."""
+    if not chunks or tensor.nbytes % 16:
+        return False
+    return all(not offset % 16 and not length % 16 for offset, length in chunks)
 
 
 def _groups(
@@ -206,6 +214,8 @@ class FilePins:
         self._grower: threading.Thread | None = None
         self._stream: Any = None  # the gather stream (made on the MLX thread)
         self._stop = threading.Event()
+        self._registered = 0  # bytes the last gather had to register itself
+        self._planes = PlaneGather()
         self._kernel: Any = mx.fast.cuda_kernel(
             name="tandem_gather_pinned",
             input_names=["p"],
@@ -221,43 +231,80 @@ class FilePins:
         array a view of its group's buffer, all started: id(tensor) -> array. Tensors with
         an unaligned chunk are left out, and all are when the pages cannot be registered:
         the caller copies those through the host."""
-        usable = [
-            (t, chunks)
-            for t, chunks in tensors
-            if chunks and not t.nbytes % 16 and all(not o % 16 and not n % 16 for o, n in chunks)
-        ]
-        if not usable:
-            return {}
-        if self._grower is None:
-            self._grower = threading.Thread(target=self._grow, name="file-pins", daemon=True)
-            self._grower.start()
+        usable = [(t, chunks) for t, chunks in tensors if _aligned(t, chunks)]
         started = time.perf_counter()
-        with self.blocks.lock:
-            pinned_before = self.blocks.pinned()
-            if self.blocks.failed or not self.blocks.ensure(
-                file, [c for _, chunks in usable for c in chunks]
-            ):
-                return {}
-            registered = self.blocks.pinned() - pinned_before
+        if not usable or not self._pinned(file, [c for _, chunks in usable for c in chunks]):
+            return {}
         ensured = time.perf_counter()
-        if self._stream is None:  # MLX streams belong to the thread that made them
-            self._stream = mx.new_stream(mx.gpu)
         arrays: dict[int, mx.array] = {}
         total = sum(t.nbytes for t, _ in usable)
-        with mx.stream(self._stream):
+        with mx.stream(self._gather_stream()):
             for group in _groups(usable, max(MIN_GROUP_BYTES, total // GROUPS)):
                 pulled = self._gather_group(group, file.base)
                 # Started now, in the model's layer order, each group with its own event:
                 # the forward pass waits for the group holding its layer, not for all.
                 mx.async_eval(list(pulled.values()))
                 arrays.update(pulled)
+        self._log_phases(started, ensured)
+        return arrays
+
+    def planes(
+        self,
+        tensors: list[tuple[Tensor, list[tuple[int, int]]]],
+        file: DataFile,
+        keep: int,
+        columns: int,
+    ) -> dict[int, mx.array]:
+        """As `arrays`, for KV tensors landed as planes with room, each its own buffer
+        (direct_planes.py): [1, heads, columns, dim], the first keep positions from the file,
+        zeros after. Tensors it cannot gather so are left out for the caller."""
+        usable = []
+        for tensor, chunks in tensors:
+            pieces = plane_pieces(tensor, chunks, keep, columns)
+            if pieces is not None:
+                usable.append((tensor, pieces))
+        started = time.perf_counter()
+        needed = [
+            (p.source, p.nbytes) for _, pieces in usable for p in pieces if p.source is not None
+        ]
+        if not usable or not self._pinned(file, needed):
+            return {}
+        ensured = time.perf_counter()
+        planes: dict[int, mx.array] = {}
+        with mx.stream(self._gather_stream()):
+            for at in range(0, len(usable), PLANES_PER_LAUNCH):
+                pulled = self._planes.launch(
+                    usable[at : at + PLANES_PER_LAUNCH], file.base, columns
+                )
+                mx.async_eval(list(pulled.values()))  # in layer order, as `arrays`
+                planes.update(pulled)
+        self._log_phases(started, ensured)
+        return planes
+
+    def _pinned(self, file: DataFile, chunks: list[tuple[int, int]]) -> bool:
+        """Every page the chunks touch registered (False: gather nothing, copy instead)."""
+        if self._grower is None:
+            self._grower = threading.Thread(target=self._grow, name="file-pins", daemon=True)
+            self._grower.start()
+        with self.blocks.lock:
+            before = self.blocks.pinned()
+            if self.blocks.failed or not self.blocks.ensure(file, chunks):
+                return False
+            self._registered = self.blocks.pinned() - before
+        return True
+
+    def _gather_stream(self) -> Any:
+        if self._stream is None:  # MLX streams belong to the thread that made them
+            self._stream = mx.new_stream(mx.gpu)
+        return self._stream
+
+    def _log_phases(self, started: float, ensured: float) -> None:
         log.debug(  # where a direct gather's host time went (bench/hit_floor_bench.py reads it)
             "direct gather phases (ms): pins %.1f, launches %.1f, MiB registered %d",
             (ensured - started) * 1e3,
             (time.perf_counter() - ensured) * 1e3,
-            registered >> 20,
+            self._registered >> 20,
         )
-        return arrays
 
     def _gather_group(
         self, group: list[tuple[Tensor, list[tuple[int, int]]]], device: int
@@ -289,6 +336,16 @@ class FilePins:
         want = np.frombuffer(host, np.uint8)[: 2 * half]
         if not bool(mx.array_equal(pulled, mx.array(want))):
             raise RuntimeError("the gather read other bytes than the host holds")
+        # The plane gather too: 2 heads of 64 positions, 40 kept in planes of 96 columns.
+        kv = Tensor("warm", "uint16", (1, 2, 64, 64), b"")
+        pieces = plane_pieces(kv, [(0, 8192), (8192, 8192)], 40, 96)
+        assert pieces is not None
+        plane = self._planes.launch([(kv, pieces)], device_address, 96)[id(kv)]
+        source = np.frombuffer(host, np.uint16)[: 2 * 64 * 64].reshape(1, 2, 64, 64)
+        expected = np.zeros((1, 2, 96, 64), np.uint16)
+        expected[:, :, :40] = source[:, :, :40]
+        if not bool(mx.array_equal(plane, mx.array(expected))):
+            raise RuntimeError("the plane gather read other bytes than the host holds")
 
     def _gather(self, table: list[int], nbytes: int, longest: int) -> mx.array:
         chunks = len(table) // 3

@@ -12,20 +12,29 @@ from engine_service.checkpoints.device_landing import (
 )
 from engine_service.core.plans import PrefixPlan
 from engine_service.kv.batch_cache import BatchQuantizedKVCache
+from tandem_client.direct import DirectHold
 
 
 def hit_caches(landing: Landing, plan: PrefixPlan, timeout_s: float) -> tuple[list[Any], int]:
     """The record's caches and the positions they hold. A trimmable plain-KV record landed on
-    the host keeps only the matched positions, in planes with a batch step of room
-    (device_landing.host_plane): one copy where landing, trimming and the batch's merge made
-    two. Anything else lands as it was stored, and holds the record's tokens."""
+    the host, or read directly on MLX-CUDA, keeps only the matched positions, in planes with
+    a batch step of room (device_landing.host_plane, direct_planes.py): one copy where
+    landing, trimming and the batch's merge made two. Anything else lands as it was stored,
+    and holds the record's tokens."""
     stored, hold = plan.stored, plan.hold
     assert stored is not None
-    if landing.kind == "host" and not plan.exact and plain_kv_only(stored.metadata):
-        planes = planes_as_they_arrive(stored, hold, timeout_s)
-        columns = plan.matched + BatchQuantizedKVCache.step
+    with_room = not plan.exact and plain_kv_only(stored.metadata)
+    columns = plan.matched + BatchQuantizedKVCache.step
+    if with_room and (landing.kind == "host" or isinstance(hold, DirectHold)):
+        if landing.kind == "host":
+            to_plane = planes_as_they_arrive(stored, hold, timeout_s)
+        else:  # MLX-CUDA, a direct read: gathered into planes, each its own buffer
+            assert isinstance(hold, DirectHold)
+            kv = [t for t in stored.tensors if len(t.shape) == 4]
+            planes = landing.direct_planes(kv, hold, plan.matched, columns)
+            to_plane = lambda tensor, keep, columns: planes[id(tensor)]  # noqa: E731
         caches = restore_with_room(
-            stored.metadata, stored.tensors, plan.layout, planes, plan.matched, columns
+            stored.metadata, stored.tensors, plan.layout, to_plane, plan.matched, columns
         )
         return caches, plan.matched
     arrays = as_they_arrive(landing, stored, hold, timeout_s)

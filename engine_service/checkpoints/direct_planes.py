@@ -1,0 +1,147 @@
+"""A direct store hit's KV tensors gathered straight into planes with room (MLX-CUDA), the GPU's
+counterpart of device_landing.host_plane.
+
+A plain-KV prefix record holds each layer's keys and values as [1, heads, positions, dim]. A
+batch takes a lone row's plane of `columns` positions as it is (kv/planes.py), and writes the
+next tokens into it in place, but only when the plane owns its buffer: the group gather
+(direct_landing.py) lands a group's tensors as views of one buffer, which the batch's merge
+must copy whole, on the generation stream, before the first layer's forward pass can start.
+So here each plane is its own kernel output: the first `keep` positions of each head read
+from the data file's pinned pages, the rest of the plane zeros (KV past a row's length is
+never read unmasked, but must be finite), up to PLANES_PER_LAUNCH planes a launch, the launches
+in the model's layer order, so the forward pass starts on layer 0 while later layers cross
+PCIe.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from tandem_client.records import Tensor
+
+PLANES_PER_LAUNCH = 8  # outputs of one launch (a kernel's outputs are fixed when it is made)
+THREADS_PER_BLOCK = 256
+MAX_BLOCKS_PER_PIECE = 64
+GATHER_BLOCKS = 512  # thread blocks a launch uses at most: PCIe bounds it, not the SMs
+# p holds, per piece: (device address of its bytes or 0 for zeros, output, offset in it,
+# 16-byte words).
+_SOURCE = """
+  size_t piece = blockIdx.y;
+  uint8_t* outs[8] = {out0, out1, out2, out3, out4, out5, out6, out7};
+  const uint4* src = reinterpret_cast<const uint4*>(p[piece * 4]);
+  uint4* dst = reinterpret_cast<uint4*>(outs[p[piece * 4 + 1]] + p[piece * 4 + 2]);
+  size_t n16 = (size_t)p[piece * 4 + 3];
+  size_t stride = (size_t)gridDim.x * blockDim.x;
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (src == nullptr) {
+    for (; i < n16; i += stride) { dst[i] = make_uint4(0, 0, 0, 0); }
+    return;
+  }
+  for (; i + 3 * stride < n16; i += 4 * stride) {
+    uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
+    dst[i] = a; dst[i + stride] = b; dst[i + 2 * stride] = c; dst[i + 3 * stride] = d;
+  }
+  for (; i < n16; i += stride) { dst[i] = src[i]; }
+"""
+_OUTPUTS = [f"out{i}" for i in range(PLANES_PER_LAUNCH)]
+
+
+@dataclass(frozen=True)
+class PlanePiece:
+    """nbytes of a plane at `target` (bytes into it): from the file at `source`, or zeros
+    (source None)."""
+
+    source: int | None
+    target: int
+    nbytes: int
+
+
+def plane_pieces(
+    tensor: Tensor, chunks: list[tuple[int, int]], keep: int, columns: int
+) -> list[PlanePiece] | None:
+    """How a KV tensor [1, heads, positions, dim] whose bytes lie in `chunks` (file offset,
+    length) becomes a plane [1, heads, columns, dim] holding its first `keep` positions; None
+    when it cannot be gathered so (another shape, or a piece not on 16 bytes)."""
+    if len(tensor.shape) != 4 or tensor.shape[0] != 1 or not chunks:
+        return None
+    _, heads, positions, dim = tensor.shape
+    row = dim * np.dtype(_numpy_dtype(tensor.dtype)).itemsize
+    if not 0 < keep <= positions <= columns or row % 16:
+        return None
+    if any(offset % 16 or length % 16 for offset, length in chunks):
+        return None
+    starts = np.cumsum([0] + [length for _, length in chunks]).tolist()
+    if starts[-1] != heads * positions * row:
+        return None
+    pieces = []
+    for head in range(heads):
+        low, high = head * positions * row, (head * positions + keep) * row
+        target = head * columns * row
+        at = bisect_right(starts, low) - 1
+        while low < high:
+            offset, length = chunks[at]
+            take = min(high, starts[at] + length) - low
+            pieces.append(PlanePiece(offset + low - starts[at], target, take))
+            low, target, at = low + take, target + take, at + 1
+        if columns > keep:
+            pieces.append(PlanePiece(None, target, (columns - keep) * row))
+    return pieces
+
+
+def _numpy_dtype(name: str) -> str:
+    return "uint16" if name == "bfloat16" else name
+
+
+class PlaneGather:
+    """The kernel: up to PLANES_PER_LAUNCH planes a launch, each its own output."""
+
+    def __init__(self) -> None:
+        self._kernel: Any = None
+
+    def launch(
+        self, group: list[tuple[Tensor, list[PlanePiece]]], base: int, columns: int
+    ) -> dict[int, mx.array]:
+        """One launch: each tensor's plane from its pieces (file offsets + base: the file's
+        device address). id(tensor) -> plane, not yet evaluated."""
+        if self._kernel is None:
+            self._kernel = mx.fast.cuda_kernel(
+                name="tandem_gather_planes",
+                input_names=["p"],
+                output_names=_OUTPUTS,
+                source=_SOURCE,
+            )
+        table: list[int] = []
+        sizes: list[int] = []
+        longest = 0
+        for index, (tensor, pieces) in enumerate(group):
+            for piece in pieces:
+                source = 0 if piece.source is None else base + piece.source
+                table += [source, index, piece.target, piece.nbytes // 16]
+                longest = max(longest, piece.nbytes)
+            _, heads, _, dim = tensor.shape
+            sizes.append(heads * columns * dim * np.dtype(_numpy_dtype(tensor.dtype)).itemsize)
+        count = len(table) // 4
+        per_piece = min(
+            MAX_BLOCKS_PER_PIECE,
+            -(-(longest // 16) // THREADS_PER_BLOCK),
+            max(1, GATHER_BLOCKS // count),
+        )
+        spare = PLANES_PER_LAUNCH - len(group)
+        outputs: list[mx.array] = self._kernel(
+            inputs=[mx.array(np.array(table, np.uint64))],
+            output_shapes=[(n,) for n in sizes] + [(16,)] * spare,
+            output_dtypes=[mx.uint8] * PLANES_PER_LAUNCH,
+            grid=(per_piece * THREADS_PER_BLOCK, count, 1),
+            threadgroup=(THREADS_PER_BLOCK, 1, 1),
+        )
+        planes = {}
+        for (tensor, _), raw in zip(group, outputs, strict=False):
+            _, heads, _, dim = tensor.shape
+            typed = raw.view(getattr(mx, tensor.dtype))
+            planes[id(tensor)] = typed.reshape(1, heads, columns, dim)
+        return planes
