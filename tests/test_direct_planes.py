@@ -49,12 +49,14 @@ def test_the_pieces_give_the_host_landings_plane(
     assert pieces is not None
     _, heads, _, dim = shape
     plane = bytearray(b"\xff" * (heads * columns * dim * 2))  # garbage the room must replace
-    for piece in pieces:
-        end = piece.target + piece.nbytes
-        if piece.source is None:
-            plane[piece.target : end] = bytes(piece.nbytes)
+    for source, target, nbytes in zip(
+        pieces.source.tolist(), pieces.target.tolist(), pieces.nbytes.tolist(), strict=True
+    ):
+        assert not (source % 16 if source >= 0 else 0) and not target % 16 and not nbytes % 16
+        if source < 0:
+            plane[target : target + nbytes] = bytes(nbytes)
         else:
-            plane[piece.target : end] = file[piece.source : piece.source + piece.nbytes]
+            plane[target : target + nbytes] = file[source : source + nbytes]
     expected = np.array(host_plane(tensor, keep, columns).view(mx.uint16))
     assert np.frombuffer(bytes(plane), np.uint16).reshape(1, heads, columns, dim).tolist() == (
         expected.tolist()

@@ -258,15 +258,13 @@ class FilePins:
         """As `arrays`, for KV tensors landed as planes with room, each its own buffer
         (direct_planes.py): [1, heads, columns, dim], the first keep positions from the file,
         zeros after. Tensors it cannot gather so are left out for the caller."""
-        usable = []
+        usable, needed = [], []
         for tensor, chunks in tensors:
             pieces = plane_pieces(tensor, chunks, keep, columns)
             if pieces is not None:
                 usable.append((tensor, pieces))
+                needed += chunks
         started = time.perf_counter()
-        needed = [
-            (p.source, p.nbytes) for _, pieces in usable for p in pieces if p.source is not None
-        ]
         if not usable or not self._pinned(file, needed):
             return {}
         ensured = time.perf_counter()

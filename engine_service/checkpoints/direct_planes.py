@@ -15,7 +15,6 @@ PCIe.
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,18 +51,19 @@ _OUTPUTS = [f"out{i}" for i in range(PLANES_PER_LAUNCH)]
 
 
 @dataclass(frozen=True)
-class PlanePiece:
-    """nbytes of a plane at `target` (bytes into it): from the file at `source`, or zeros
-    (source None)."""
+class PlanePieces:
+    """The copies that make one plane, as arrays (a 32k-token record has thousands: numpy,
+    not a Python object each): `nbytes[i]` at `target[i]` bytes into the plane, from the file
+    at `source[i]`, or zeros where that is -1."""
 
-    source: int | None
-    target: int
-    nbytes: int
+    source: np.ndarray
+    target: np.ndarray
+    nbytes: np.ndarray
 
 
 def plane_pieces(
     tensor: Tensor, chunks: list[tuple[int, int]], keep: int, columns: int
-) -> list[PlanePiece] | None:
+) -> PlanePieces | None:
     """How a KV tensor [1, heads, positions, dim] whose bytes lie in `chunks` (file offset,
     length) becomes a plane [1, heads, columns, dim] holding its first `keep` positions; None
     when it cannot be gathered so (another shape, or a piece not on 16 bytes)."""
@@ -73,24 +73,34 @@ def plane_pieces(
     row = dim * np.dtype(_numpy_dtype(tensor.dtype)).itemsize
     if not 0 < keep <= positions <= columns or row % 16:
         return None
-    if any(offset % 16 or length % 16 for offset, length in chunks):
+    offsets, lengths = (np.asarray(c, dtype=np.int64) for c in zip(*chunks, strict=True))
+    if (offsets % 16).any() or (lengths % 16).any() or (lengths <= 0).any():
         return None
-    starts = np.cumsum([0] + [length for _, length in chunks]).tolist()
+    starts = np.concatenate([[0], np.cumsum(lengths)])  # each chunk's place in the tensor
     if starts[-1] != heads * positions * row:
         return None
-    pieces = []
-    for head in range(heads):
-        low, high = head * positions * row, (head * positions + keep) * row
-        target = head * columns * row
-        at = bisect_right(starts, low) - 1
-        while low < high:
-            offset, length = chunks[at]
-            take = min(high, starts[at] + length) - low
-            pieces.append(PlanePiece(offset + low - starts[at], target, take))
-            low, target, at = low + take, target + take, at + 1
-        if columns > keep:
-            pieces.append(PlanePiece(None, target, (columns - keep) * row))
-    return pieces
+    head = np.arange(heads, dtype=np.int64)
+    low, high = head * positions * row, (head * positions + keep) * row  # a head's kept bytes
+    first = np.searchsorted(starts, low, side="right") - 1  # the chunks they lie in
+    last = np.searchsorted(starts, high, side="left") - 1
+    counts = last - first + 1
+    of_head = np.repeat(head, counts)
+    chunk = (
+        np.repeat(first, counts)
+        + np.arange(counts.sum())
+        - np.repeat(np.cumsum(counts) - counts, counts)
+    )
+    begin = np.maximum(starts[chunk], low[of_head])
+    end = np.minimum(starts[chunk + 1], high[of_head])
+    room = (columns - keep) * row
+    zeros = head if room else head[:0]
+    return PlanePieces(
+        np.concatenate([offsets[chunk] + begin - starts[chunk], np.full(zeros.size, -1)]),
+        np.concatenate(
+            [of_head * columns * row + begin - low[of_head], zeros * columns * row + keep * row]
+        ),
+        np.concatenate([end - begin, np.full(zeros.size, room)]),
+    )
 
 
 def _numpy_dtype(name: str) -> str:
@@ -104,7 +114,7 @@ class PlaneGather:
         self._kernel: Any = None
 
     def launch(
-        self, group: list[tuple[Tensor, list[PlanePiece]]], base: int, columns: int
+        self, group: list[tuple[Tensor, PlanePieces]], base: int, columns: int
     ) -> dict[int, mx.array]:
         """One launch: each tensor's plane from its pieces (file offsets + base: the file's
         device address). id(tensor) -> plane, not yet evaluated."""
@@ -115,17 +125,17 @@ class PlaneGather:
                 output_names=_OUTPUTS,
                 source=_SOURCE,
             )
-        table: list[int] = []
+        rows = []
         sizes: list[int] = []
-        longest = 0
         for index, (tensor, pieces) in enumerate(group):
-            for piece in pieces:
-                source = 0 if piece.source is None else base + piece.source
-                table += [source, index, piece.target, piece.nbytes // 16]
-                longest = max(longest, piece.nbytes)
+            source = np.where(pieces.source < 0, 0, base + pieces.source)
+            target, index_column = pieces.target, np.full(pieces.source.size, index)
+            rows.append(np.stack([source, index_column, target, pieces.nbytes // 16], axis=1))
             _, heads, _, dim = tensor.shape
             sizes.append(heads * columns * dim * np.dtype(_numpy_dtype(tensor.dtype)).itemsize)
-        count = len(table) // 4
+        table = np.concatenate(rows).astype(np.uint64)
+        count = table.shape[0]
+        longest = int(table[:, 3].max()) * 16
         per_piece = min(
             MAX_BLOCKS_PER_PIECE,
             -(-(longest // 16) // THREADS_PER_BLOCK),
@@ -133,7 +143,7 @@ class PlaneGather:
         )
         spare = PLANES_PER_LAUNCH - len(group)
         outputs: list[mx.array] = self._kernel(
-            inputs=[mx.array(np.array(table, np.uint64))],
+            inputs=[mx.array(table.reshape(-1))],
             output_shapes=[(n,) for n in sizes] + [(16,)] * spare,
             output_dtypes=[mx.uint8] * PLANES_PER_LAUNCH,
             grid=(per_piece * THREADS_PER_BLOCK, count, 1),
