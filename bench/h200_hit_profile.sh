@@ -22,7 +22,8 @@
 # (engine_service/cuda_runtime.py): a fresh allocation's host time and the direct landing's
 # launches with CUDA's default pool and with freed memory kept, at 8k and 32k sizes, and the
 # landing's phases at 1, 8 and 32 gather groups. Part d: the engine's 8k and 32k hits with
-# the pool at CUDA's default, for part h's contrast. Part e: the 8B shape's 8k hit.
+# the pool at CUDA's default, for part h's contrast. Part e: the 8B shape's 8k hit. Part q:
+# the quick round (the planes' bytes, the pool probe at 8k size, the 8k and 32k hits).
 # Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
@@ -75,6 +76,16 @@ for part in ${1:-g r p t}; do
         timeout 200 python3 bench/direct_landing_check.py --mib $mib --rounds 4 --pool --groups 1,8,32 2>&1 \
           | tee -a "$out/pool_landing.txt"
       done
+      ;;
+    q)
+      # The quick round: the planes' bytes checked and the pool probed at 8k size, then the
+      # engine's 8k and 32k hits (pool kept, planes with room).
+      timeout 120 python3 bench/direct_landing_check.py --mib 896 --rounds 3 --pool 2>&1 \
+        | tee -a "$out/pool_landing.txt"
+      timeout 170 $hit --tokens 8192 --pairs 4 --think-s 0.5 2>&1 | grep -v '^  round' \
+        | tee "$out/hit_8192_planes.txt"
+      timeout 250 $hit --tokens 32768 --pairs 3 --think-s 0.5 2>&1 | grep -v '^  round' \
+        | tee "$out/hit_32768_planes.txt"
       ;;
     d)
       for tokens in 8192 32768; do
