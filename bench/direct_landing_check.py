@@ -80,7 +80,10 @@ def check_planes(client: StoreClient, landing) -> None:  # noqa: ANN001
         same = mx.array_equal(planes[id(tensor)].view(mx.uint16), want.view(mx.uint16))
         assert bool(same), tensor.name
     assert read.hold.release() is not False
-    print(f"  {len(planes)} KV tensors landed directly as planes with room, every byte equal")
+    print(
+        f"  {len(planes)} KV tensors landed directly as planes with room, every byte equal"
+        f" (the engine gathers planes: {landing.gathers_planes})"
+    )
 
 
 def land(

@@ -100,6 +100,7 @@ class Landing:
     """Turns tensors into MLX arrays; `settle()` before the bytes they came from are reused."""
 
     kind = "host"
+    gathers_planes = False  # direct reads into planes with room on the device (direct_planes.py)
 
     def array(self, tensor: Tensor) -> mx.array:
         return host_array(tensor)
@@ -228,6 +229,10 @@ class PinnedLanding(Landing):
             if id(tensor) not in pulled:
                 pulled[id(tensor)] = host_array(joined(tensor, hold.segments(tensor)))
         return pulled
+
+    @property
+    def gathers_planes(self) -> bool:  # type: ignore[override]
+        return self._file_pins is not None and self._file_pins.gathers_planes
 
     def direct_planes(
         self, tensors: list[Tensor], hold: DirectHold, keep: int, columns: int

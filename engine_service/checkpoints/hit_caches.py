@@ -25,7 +25,8 @@ def hit_caches(landing: Landing, plan: PrefixPlan, timeout_s: float) -> tuple[li
     assert stored is not None
     with_room = not plan.exact and plain_kv_only(stored.metadata)
     columns = plan.matched + BatchQuantizedKVCache.step
-    if with_room and (landing.kind == "host" or isinstance(hold, DirectHold)):
+    direct = isinstance(hold, DirectHold) and landing.gathers_planes
+    if with_room and (landing.kind == "host" or direct):
         if landing.kind == "host":
             to_plane = planes_as_they_arrive(stored, hold, timeout_s)
         else:  # MLX-CUDA, a direct read: gathered into planes, each its own buffer
