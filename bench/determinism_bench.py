@@ -33,7 +33,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +52,6 @@ from bench.engine_bench import model_spec  # noqa: E402
 from engine_service.kv import row_attention_cuda  # noqa: E402
 from engine_service.kv.batch_cache import adopt_row  # noqa: E402
 from engine_service.loop.compiled_decode import CompiledDecode  # noqa: E402
-from engine_service.model import invariant_matmul_cuda  # noqa: E402
 from engine_service.model.determinism_probe import check_row_invariant  # noqa: E402
 from engine_service.model.deterministic import DeterministicModel  # noqa: E402
 from engine_service.model.loading import load_model  # noqa: E402
@@ -304,20 +302,6 @@ def _median_spread(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
 
 
-def _fixed_splits(wanted: int) -> Callable[[int, int], int]:
-    """k_splits as `wanted` warps wherever a shape allows it (K a multiple of their steps; a
-    vocabulary-wide weight, whose blocks hold every row tile, at most 8 for shared memory)."""
-
-    def k_splits(k: int, n: int) -> int:
-        top = min(wanted, 8) if n > invariant_matmul_cuda.VOCABULARY_WIDE else wanted
-        for splits in (32, 16, 8, 4, 2, 1):
-            if splits <= top and k % (splits * invariant_matmul_cuda.STEP) == 0:
-                return splits
-        return 1
-
-    return k_splits
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tandem-tiny")
@@ -337,16 +321,7 @@ def main() -> None:
     )
     parser.add_argument("--probe-zoo", default="", help="zoo shapes to probe, comma-separated")
     parser.add_argument("--transposed", action="store_true", help="an experiment: see below")
-    parser.add_argument(
-        "--k-splits",
-        type=int,
-        default=0,
-        help="an experiment: the kernel's K splits a block (warps) for every weight, where the "
-        "shape allows (0: invariant_matmul_cuda.k_splits)",
-    )
     args = parser.parse_args()
-    if args.k_splits:
-        invariant_matmul_cuda.k_splits = _fixed_splits(args.k_splits)
     alone = None if args.attention == "auto" else args.attention == "alone"
     if args.transposed:
         DeterministicModel(mx.array(0))  # the mode's patches go in first, then this over them

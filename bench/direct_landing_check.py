@@ -121,11 +121,11 @@ def allocation_host_times(cuda: CudaRuntime | None, nbytes: int, rounds: int) ->
         for name in times:
             if cuda is not None and name == "kept":
                 cuda.keep_freed(default_keep_bytes())
-                mx.eval(mx.zeros((nbytes,), mx.uint8))  # fills the pool once
+                mx.eval(mx.ones((nbytes // 4,), mx.float32) + 1)  # fills the pool once
             mx.clear_cache()
             mx.synchronize()
             start = time.perf_counter()
-            out = mx.zeros((nbytes,), mx.uint8)
+            out = mx.ones((nbytes // 4,), mx.float32) + 1  # a real output (zeros broadcast)
             mx.async_eval(out)
             launched = time.perf_counter()
             mx.eval(out)

@@ -21,8 +21,7 @@
 # at 32k goes (and F: the generator with the device pool kept). Part k: the device pool
 # (engine_service/cuda_runtime.py): a fresh allocation's host time and the direct landing's
 # launches with CUDA's default pool and with freed memory kept, at 8k and 32k sizes, and the
-# landing's phases at 1, 8 and 32 gather groups. Part d: the engine's 8k and 32k hits with
-# the pool at CUDA's default, for part h's contrast. Part e: the 8B shape's 8k hit. Part q:
+# landing's phases at 1, 8 and 32 gather groups. Part e: the 8B shape's 8k hit. Part q:
 # the quick round (the planes' bytes, the pool probe at 8k size, the 8k and 32k hits).
 # Writes text under $OUT.
 set -u
@@ -86,12 +85,6 @@ for part in ${1:-g r p t}; do
         | tee "$out/hit_8192_planes.txt"
       timeout 250 $hit --tokens 32768 --pairs 3 --think-s 0.5 2>&1 | grep -v '^  round' \
         | tee "$out/hit_32768_planes.txt"
-      ;;
-    d)
-      for tokens in 8192 32768; do
-        TANDEM_ENGINE_DEVICE_POOL_KEEP_GIB=0 timeout 200 $hit --tokens $tokens --pairs 4 \
-          --think-s 0.5 2>&1 | grep -v '^  round' | tee "$out/hit_${tokens}_pool_default.txt"
-      done
       ;;
     e)
       timeout 300 python3 bench/hit_floor_bench.py --cold --routes direct --model llama3-8b-shape \

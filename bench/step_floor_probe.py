@@ -10,9 +10,8 @@ B: the same with `mx.clear_cache` a no-op (mlx-lm's prompt pass empties MLX's bu
 C: the model itself: one forward pass over the 16 tokens, then the argmax;
 D: the same pass over mlx-lm's BatchKVCache merged from the cache (an array mask, not
    "causal"); E: that merge alone;
-F: A with the device pool keeping freed memory mapped, as the engine's core does on
-   MLX-CUDA (engine_service/cuda_runtime.py; the pool is filled by an untimed run first and
-   trimmed after, so A starts from CUDA's default).
+F: A with the device pool keeping freed memory mapped (engine_service/cuda_runtime.py; the
+   pool is filled by an untimed run first and trimmed after, so A starts from CUDA's default).
 
     python bench/step_floor_probe.py [--model qwen3-0.6b-shape] [--prefix 32768] [--turn 16]
         [--rounds 5]

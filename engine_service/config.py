@@ -122,9 +122,6 @@ class EngineConfig:
     # Decode attention: "alone" (each row through SDPA, eager steps), "chunks" (the chunked
     # algorithm, which compiles) or "auto" (alone on the CPU; kv/row_attention.py).
     deterministic_attention: str = "auto"
-    # MLX-CUDA: freed device memory the pool keeps mapped between steps (cuda_runtime.py);
-    # -1: a quarter of the device's memory, 0: CUDA's default (handed back at every sync).
-    device_pool_keep_gib: float = -1.0
 
     @property
     def deterministic_rows_alone(self) -> bool | None:
@@ -181,8 +178,6 @@ class EngineConfig:
             )
         if self.deterministic_rows < 0:
             raise ValueError("--deterministic-rows must be >= 0")
-        if self.device_pool_keep_gib < 0 and self.device_pool_keep_gib != -1:
-            raise ValueError("--device-pool-keep-gib must be -1 (a quarter), 0 or more")
         if self.announce:
             ValkeyTarget.parse(self.announce, "--announce")
         if self.announce_interval_s <= 0:
@@ -391,13 +386,6 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         help="deterministic decode attention: each row alone through SDPA (steps eager), in "
         "chunks from each row's start (steps compile), or auto: alone on the CPU",
     )
-    p.add_argument(
-        "--device-pool-keep-gib",
-        type=float,
-        default=ENV.real("DEVICE_POOL_KEEP_GIB", -1.0),
-        help="MLX-CUDA: GiB of freed device memory kept mapped for the next allocation "
-        "(-1: a quarter of the device's; 0: handed back at every synchronisation)",
-    )
     a = p.parse_args(argv)
     try:
         for flag, spec in (("--model", a.model), ("--draft-model", a.draft_model)):
@@ -449,7 +437,6 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             deterministic_rows=a.deterministic_rows,
             deterministic_matmul=a.deterministic_matmul,
             deterministic_attention=a.deterministic_attention,
-            device_pool_keep_gib=a.device_pool_keep_gib,
             announce=a.announce,
             announce_password_file=a.announce_password_file,
             announce_address=a.announce_address,

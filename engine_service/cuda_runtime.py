@@ -1,30 +1,23 @@
 """The CUDA runtime calls MLX does not offer, made through ctypes on the libcudart MLX itself
-loaded: pinning host pages (checkpoints/device_landing.py, direct_landing.py) and the
-device memory pool's release threshold.
+loaded: pinning host pages (checkpoints/device_landing.py, direct_landing.py), and the device
+memory pool's release threshold for the probes in bench/ (direct_landing_check.py --pool,
+step_floor_probe.py's way F).
 
-Why the pool matters: MLX-CUDA allocates a kernel's output with `cudaMallocAsync` from the
-device's default memory pool, whose release threshold CUDA sets to 0. So at every
-synchronisation the pool hands its unused memory back to the driver, and the next large
-allocation maps physical pages again, on the host, in the launching thread: a store hit's
-gather of 3.7 GB (a 32k prompt of a 0.6B model) spent 52 ms launching, and every prompt chunk
-after `mx.clear_cache()` (mlx-lm's prefill calls it) pays the same. Keeping up to
-`keep_bytes` of freed memory in the pool makes those allocations a free-list lookup; the
-engine trims the pool when it goes idle (loop/idle_buffers.py), so a shared GPU still gets
-its memory back (MLX 0.32.4 sets no threshold: mlx/backend/cuda/allocator.cpp).
+The pool calls are not used by the engine: keeping freed memory in MLX-CUDA's default pool
+(CUDA hands it back at every synchronisation) was measured on an H200 and made no difference
+to a store hit (docs/performance.md, 2026-12-05, fifth session), although a sampled profile
+puts the gather launches' host time inside `cudaMallocAsync`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import glob
-import logging
 import os
 import sys
 from typing import Any
 
 import mlx.core as mx
-
-log = logging.getLogger(__name__)
 
 # enum cudaMemPoolAttr (cuda_runtime_api.h)
 _POOL_RELEASE_THRESHOLD = 4
@@ -110,35 +103,8 @@ class CudaRuntime:
         return int(value.value)
 
 
-class DevicePool:
-    """The engine's hold on the default pool: keep freed memory while busy, trim when idle.
-    Does nothing off MLX-CUDA, or where the runtime refuses (logged once)."""
-
-    def __init__(self, keep_bytes: int) -> None:
-        self.keep_bytes = keep_bytes
-        self._cuda: CudaRuntime | None = None
-        if keep_bytes <= 0 or not mx.cuda.is_available():
-            return
-        try:
-            cuda = CudaRuntime.load()
-            cuda.keep_freed(keep_bytes)
-        except (OSError, RuntimeError, AttributeError) as exc:
-            log.warning("the device pool gives freed memory back at every sync (%s)", exc)
-            return
-        self._cuda = cuda
-        log.info("the device pool keeps up to %d MiB of freed memory", keep_bytes >> 20)
-
-    @property
-    def active(self) -> bool:
-        return self._cuda is not None
-
-    def trim(self) -> None:
-        if self._cuda is not None:
-            self._cuda.trim()
-
-
 def default_keep_bytes() -> int:
-    """A quarter of the device's memory (0 off MLX-CUDA)."""
+    """What the probes keep in the pool: a quarter of the device's memory (0 off MLX-CUDA)."""
     if not mx.cuda.is_available():
         return 0
     info = mx.device_info()

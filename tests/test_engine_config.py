@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from engine_service.config import names_a_directory, parse_args
-from engine_service.cuda_runtime import DevicePool
 from tests.servers import run_module
 
 
@@ -30,20 +29,6 @@ def test_a_negative_bound_is_refused(capsys: pytest.CaptureFixture[str]) -> None
         parse_args(["--compiled-decode-max-batch", "-1"])
     assert exited.value.code == 2
     assert "--compiled-decode-max-batch must be >= 0" in capsys.readouterr().err
-
-
-def test_the_device_pool_keeps_a_quarter_unless_told(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert parse_args([]).device_pool_keep_gib == -1
-    assert parse_args(["--device-pool-keep-gib", "0"]).device_pool_keep_gib == 0
-    monkeypatch.setenv("TANDEM_ENGINE_DEVICE_POOL_KEEP_GIB", "2.5")
-    assert parse_args([]).device_pool_keep_gib == 2.5
-    with pytest.raises(SystemExit):
-        parse_args(["--device-pool-keep-gib", "-3"])
-    assert "--device-pool-keep-gib must be -1" in capsys.readouterr().err
-    # Off MLX-CUDA the pool is left alone, whatever the flag says.
-    assert not DevicePool(1 << 30).active
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ from engine_service.config import EngineConfig, parse_args
 from engine_service.core.capability_probe import ProbeFailed
 from engine_service.core.planner import Planner
 from engine_service.core.plans import Plan, PrefixPlan, ResumePlan
-from engine_service.core.setup import checkpoint_manager, device_pool, scheduler_limits
+from engine_service.core.setup import checkpoint_manager, scheduler_limits
 from engine_service.errors import EngineError
 from engine_service.loop.compiled_decode import CompiledDecode
 from engine_service.loop.scheduler import Scheduler
@@ -308,7 +308,6 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
         deterministic_rows=config.deterministic_rows if config.deterministic else None,
         deterministic_kernel=config.deterministic_matmul == "kernel",
         deterministic_rows_alone=config.deterministic_rows_alone,
-        device_pool=device_pool(config),
     )
     scheduler.start(warm=config.warmup)
     drafts = DraftSupport(draft.model_id if draft else "", config.num_draft_tokens)

@@ -1,5 +1,4 @@
-"""From engine flags to the core's parts: admission limits, the checkpoint manager and the
-device pool."""
+"""From engine flags to the core's parts: admission limits and the checkpoint manager."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import mlx.core as mx
 
 from engine_service.checkpoints.manager import CheckpointManager, CheckpointSettings
 from engine_service.config import EngineConfig
-from engine_service.cuda_runtime import DevicePool, default_keep_bytes
 from engine_service.loop.limits import Limits
 from engine_service.loop.preemption import ParkSettings
 from engine_service.model.loaded import LoadedModel
@@ -65,9 +63,3 @@ def checkpoint_manager(config: EngineConfig, loaded: LoadedModel) -> CheckpointM
             deterministic=config.deterministic,
         ),
     )
-
-
-def device_pool(config: EngineConfig) -> DevicePool:
-    """MLX-CUDA's memory pool keeping freed memory mapped (a no-op elsewhere)."""
-    gib = config.device_pool_keep_gib
-    return DevicePool(default_keep_bytes() if gib < 0 else int(gib * (1 << 30)))

@@ -17,7 +17,6 @@ import time
 from engine_service.checkpoints.manager import CheckpointManager, starting_point
 from engine_service.core.capability_probe import ProbeFailed, kv_refusal, prepare_to_serve
 from engine_service.core.plans import PrefixPlan
-from engine_service.cuda_runtime import DevicePool
 from engine_service.errors import Corrupt, InvalidRequest
 from engine_service.loop.admissions import gather_burst
 from engine_service.loop.batch_model import batch_model
@@ -78,10 +77,8 @@ class Scheduler(SchedulerInbox, RowEndings):
         deterministic_rows: int | None = None,
         deterministic_kernel: bool = False,
         deterministic_rows_alone: bool | None = None,
-        device_pool: DevicePool | None = None,
     ) -> None:
         self.loaded = loaded
-        self._device_pool = device_pool
         self.deterministic = deterministic_rows is not None
         model = batch_model(
             loaded.model,
@@ -189,8 +186,7 @@ class Scheduler(SchedulerInbox, RowEndings):
             log.exception("the engine loop failed")
 
     def _loop(self) -> None:
-        # MLX's cached buffers (and the device pool's) go back after a while idle
-        buffers = IdleBuffers(self._device_pool.trim if self._device_pool else None)
+        buffers = IdleBuffers()  # MLX's cached buffers go back after a while idle
         while True:
             idle = not self._rows and not self._waiting and not self._speculating()
             if buffers.tick(idle):
