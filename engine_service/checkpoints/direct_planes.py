@@ -9,8 +9,9 @@ must copy whole, on the generation stream, before the first layer's forward pass
 So here each plane is its own kernel output: the first `keep` positions of each head read
 from the data file's pinned pages, the rest of the plane zeros (KV past a row's length is
 never read unmasked, but must be finite), up to PLANES_PER_LAUNCH planes a launch, the launches
-in the model's layer order, so the forward pass starts on layer 0 while later layers cross
-PCIe.
+in the model's layer order, so the forward pass may start on layer 0 while later layers cross
+PCIe. (On the H200 the merge's copy went and the hit's time moved within the runs' noise:
+docs/performance.md, 2026-12-05, fifth session.)
 """
 
 from __future__ import annotations
