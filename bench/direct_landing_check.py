@@ -28,7 +28,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 # isort: on
 
-from engine_service.checkpoints import direct_landing  # noqa: E402
+from engine_service.checkpoints import direct_landing, direct_planes  # noqa: E402
 from engine_service.checkpoints.device_landing import (  # noqa: E402
     as_they_arrive,
     host_array,
@@ -141,6 +141,51 @@ def allocation_host_times(cuda: CudaRuntime | None, nbytes: int, rounds: int) ->
     )
 
 
+def time_planes(client: StoreClient, landing, mib: int, counts: list[int], rounds: int) -> None:  # noqa: ANN001
+    """A KV-shaped record of about mib MiB (28 layers of [1, 8, T, 128] keys and values)
+    landed as planes with room at each count of planes a launch, interleaved: the launches'
+    host time and the landing's whole time, medians."""
+    positions = (mib << 20) // (56 * 8 * 256)
+    shape = (1, 8, positions, 128)
+    kv = Checkpoint(
+        key=b"planes-timed",
+        kind="prefix",
+        tensors=[
+            Tensor(f"l{i}.{kind}", "bfloat16", shape, np.zeros(shape, np.uint16))
+            for i in range(28)
+            for kind in ("k", "v")
+        ],
+    )
+    client.put(kv)
+    keep, columns = positions - 16, positions - 16 + 256
+    times: dict[int, list[tuple[float, float]]] = {c: [] for c in counts}
+    for r in range(rounds + 1):
+        for count in counts:
+            direct_planes.PLANES_PER_LAUNCH = count
+            mx.clear_cache()
+            mx.synchronize()
+            read = client.get_routed(b"planes-timed", size_hint=kv.payload_bytes, progressive=True)
+            assert isinstance(read.hold, DirectHold), read.route
+            start = time.perf_counter()
+            planes = landing.direct_planes(read.checkpoint.tensors, read.hold, keep, columns)
+            launched = time.perf_counter()
+            read.hold.arrival.wait(read.hold.arrival.total, 60.0)
+            landing.settle()
+            mx.eval(list(planes.values()))
+            done = time.perf_counter()
+            read.hold.release()
+            del planes
+            if r:
+                times[count].append((launched - start, done - start))
+    direct_planes.PLANES_PER_LAUNCH = counts[0]
+    for count, pairs in times.items():
+        launch = statistics.median(p[0] for p in pairs) * 1e3
+        whole = statistics.median(p[1] for p in pairs) * 1e3
+        print(
+            f"  planes, {count} a launch ({mib} MiB): launches {launch:.1f} ms, all {whole:.1f} ms"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=896)
@@ -151,6 +196,11 @@ def main() -> None:
         help="also the direct landing with each of these GATHER_BLOCKS (e.g. 256,512,4096)",
     )
     parser.add_argument("--pool", action="store_true", help="also direct with the pool kept")
+    parser.add_argument(
+        "--planes-per-launch",
+        default="",
+        help="also the planes landing at each of these counts of planes a launch (e.g. 8,64)",
+    )
     parser.add_argument(
         "--groups",
         default="",
@@ -246,6 +296,9 @@ def main() -> None:
                         f"  direct, GATHER_BLOCKS {blocks}: {best * 1e3:.1f} ms,"
                         f" {gb / best:.1f} GB/s"
                     )
+                counts = [int(c) for c in args.planes_per_launch.split(",") if c]
+                if counts:
+                    time_planes(direct, landing, args.mib, counts, args.rounds)
                 for groups in [int(g) for g in args.groups.split(",") if g]:
                     direct_landing.GROUPS = groups
                     direct_landing.MIN_GROUP_BYTES = 1 << 20

@@ -21,7 +21,8 @@
 # at 32k goes (and F: the generator with the device pool kept). Part k: the device pool
 # (engine_service/cuda_runtime.py): a fresh allocation's host time and the direct landing's
 # launches with CUDA's default pool and with freed memory kept, at 8k and 32k sizes, and the
-# landing's phases at 1, 8 and 32 gather groups. Part e: the 8B shape's 8k hit. Part q:
+# landing's phases at 1, 8 and 32 gather groups, and the planes landing at 8 and 64 planes a
+# launch (one launch: nothing allocated while gathers run). Part e: the 8B shape's 8k hit. Part q:
 # the quick round (the planes' bytes, the pool probe at 8k size, the 8k and 32k hits).
 # Writes text under $OUT.
 set -u
@@ -72,7 +73,8 @@ for part in ${1:-g r p t}; do
       ;;
     k)
       for mib in 896 3584; do
-        timeout 200 python3 bench/direct_landing_check.py --mib $mib --rounds 4 --pool --groups 1,8,32 2>&1 \
+        timeout 200 python3 bench/direct_landing_check.py --mib $mib --rounds 4 --pool --groups 1,8,32 \
+          --planes-per-launch 8,64 2>&1 \
           | tee -a "$out/pool_landing.txt"
       done
       ;;

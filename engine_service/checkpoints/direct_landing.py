@@ -32,7 +32,8 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
-from engine_service.checkpoints.direct_planes import PLANES_PER_LAUNCH, PlaneGather, plane_pieces
+from engine_service.checkpoints import direct_planes
+from engine_service.checkpoints.direct_planes import PlaneGather, plane_pieces
 from tandem_client.data_file import DataFile
 from tandem_client.records import Tensor
 
@@ -270,11 +271,11 @@ class FilePins:
             return {}
         ensured = time.perf_counter()
         planes: dict[int, mx.array] = {}
+        per_launch = direct_planes.PLANES_PER_LAUNCH  # read here: a probe may set another
         with mx.stream(self._gather_stream()):
-            for at in range(0, len(usable), PLANES_PER_LAUNCH):
-                pulled = self._planes.launch(
-                    usable[at : at + PLANES_PER_LAUNCH], file.base, columns
-                )
+            for at in range(0, len(usable), per_launch):
+                group = usable[at : at + per_launch]
+                pulled = self._planes.launch(group, file.base, columns, per_launch)
                 mx.async_eval(list(pulled.values()))  # in layer order, as `arrays`
                 planes.update(pulled)
         self._log_phases(started, ensured)

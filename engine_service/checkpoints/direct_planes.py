@@ -24,7 +24,9 @@ import numpy as np
 
 from tandem_client.records import Tensor
 
-PLANES_PER_LAUNCH = 8  # outputs of one launch (a kernel's outputs are fixed when it is made)
+# Outputs of one launch (a kernel's outputs are fixed when it is made: one kernel per count;
+# bench/direct_landing_check.py --planes-per-launch times others).
+PLANES_PER_LAUNCH = 8
 THREADS_PER_BLOCK = 256
 MAX_BLOCKS_PER_PIECE = 64
 GATHER_BLOCKS = 512  # thread blocks a launch uses at most: PCIe bounds it, not the SMs
@@ -32,7 +34,7 @@ GATHER_BLOCKS = 512  # thread blocks a launch uses at most: PCIe bounds it, not 
 # 16-byte words).
 _SOURCE = """
   size_t piece = blockIdx.y;
-  uint8_t* outs[8] = {out0, out1, out2, out3, out4, out5, out6, out7};
+  uint8_t* outs[OUTPUTS] = {OUTPUT_LIST};
   const uint4* src = reinterpret_cast<const uint4*>(p[piece * 4]);
   uint4* dst = reinterpret_cast<uint4*>(outs[p[piece * 4 + 1]] + p[piece * 4 + 2]);
   size_t n16 = (size_t)p[piece * 4 + 3];
@@ -48,7 +50,6 @@ _SOURCE = """
   }
   for (; i < n16; i += stride) { dst[i] = src[i]; }
 """
-_OUTPUTS = [f"out{i}" for i in range(PLANES_PER_LAUNCH)]
 
 
 @dataclass(frozen=True)
@@ -109,22 +110,30 @@ def _numpy_dtype(name: str) -> str:
 
 
 class PlaneGather:
-    """The kernel: up to PLANES_PER_LAUNCH planes a launch, each its own output."""
+    """The kernels: up to `outputs` planes a launch, each its own output."""
 
     def __init__(self) -> None:
-        self._kernel: Any = None
+        self._kernels: dict[int, Any] = {}  # by outputs a launch
 
     def launch(
-        self, group: list[tuple[Tensor, PlanePieces]], base: int, columns: int
+        self,
+        group: list[tuple[Tensor, PlanePieces]],
+        base: int,
+        columns: int,
+        outputs: int = PLANES_PER_LAUNCH,
     ) -> dict[int, mx.array]:
-        """One launch: each tensor's plane from its pieces (file offsets + base: the file's
-        device address). id(tensor) -> plane, not yet evaluated."""
-        if self._kernel is None:
-            self._kernel = mx.fast.cuda_kernel(
-                name="tandem_gather_planes",
+        """One launch of the kernel with `outputs` outputs (at least len(group)): each
+        tensor's plane from its pieces (file offsets + base: the file's device address).
+        id(tensor) -> plane, not yet evaluated."""
+        if outputs not in self._kernels:
+            names = [f"out{i}" for i in range(outputs)]
+            self._kernels[outputs] = mx.fast.cuda_kernel(
+                name=f"tandem_gather_planes_{outputs}",
                 input_names=["p"],
-                output_names=_OUTPUTS,
-                source=_SOURCE,
+                output_names=names,
+                source=_SOURCE.replace("OUTPUT_LIST", ", ".join(names)).replace(
+                    "OUTPUTS", str(outputs)
+                ),
             )
         rows = []
         sizes: list[int] = []
@@ -142,16 +151,16 @@ class PlaneGather:
             -(-(longest // 16) // THREADS_PER_BLOCK),
             max(1, GATHER_BLOCKS // count),
         )
-        spare = PLANES_PER_LAUNCH - len(group)
-        outputs: list[mx.array] = self._kernel(
+        spare = outputs - len(group)
+        made: list[mx.array] = self._kernels[outputs](
             inputs=[mx.array(table.reshape(-1))],
             output_shapes=[(n,) for n in sizes] + [(16,)] * spare,
-            output_dtypes=[mx.uint8] * PLANES_PER_LAUNCH,
+            output_dtypes=[mx.uint8] * outputs,
             grid=(per_piece * THREADS_PER_BLOCK, count, 1),
             threadgroup=(THREADS_PER_BLOCK, 1, 1),
         )
         planes = {}
-        for (tensor, _), raw in zip(group, outputs, strict=False):
+        for (tensor, _), raw in zip(group, made, strict=False):
             _, heads, _, dim = tensor.shape
             typed = raw.view(getattr(mx, tensor.dtype))
             planes[id(tensor)] = typed.reshape(1, heads, columns, dim)
