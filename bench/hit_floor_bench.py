@@ -56,27 +56,27 @@ def engine_hit(
     think_s: float = 0.0,
     bits: int = 0,
     scheme: str | None = None,
-) -> float:
-    """The follow-up's time to first token, its prefix saved to the store first (and think_s
-    of a user's pause between the answer and the next turn); bits: the prefix record
-    compressed to 8 or 4 bits (0: exact); scheme: the codes' scheme ("affine", the default,
-    or "turboquant": 4, 3 or 2 bits)."""
+) -> tuple[float, int]:
+    """The follow-up's time to first token and the token, its prefix saved to the store
+    first (and think_s of a user's pause between the answer and the next turn); bits: the
+    prefix record compressed to 8 or 4 bits (0: exact); scheme: the codes' scheme ("affine",
+    the default, or "turboquant": 4, 3 or 2 bits)."""
     where = dict(
         ignore_eos=True, namespace=namespace, prefix_record_bits=bits, prefix_record_scheme=scheme
     )
     client.generate(base, max_tokens=1, **where)
     client.flush()  # the prefix is in the store
     time.sleep(think_s)
-    elapsed, usage = first_token(lambda: client.stream(base + turn, max_tokens=1, **where))
+    elapsed, usage, token = first_token(lambda: client.stream(base + turn, max_tokens=1, **where))
     if usage.cached_prompt_tokens < len(base) - 64:
         raise RuntimeError(f"not a store hit: {usage}")
     client.flush()  # its own prefix's save ends before the next measurement
-    return elapsed
+    return elapsed, token
 
 
 def engine_cold(client: EngineClient, prompt: list[int], namespace: str) -> float:
     """The engine's time to first token for a prompt nothing of which is stored."""
-    elapsed, usage = first_token(
+    elapsed, usage, _ = first_token(
         lambda: client.stream(prompt, max_tokens=1, ignore_eos=True, namespace=namespace)
     )
     if usage.cached_prompt_tokens:
@@ -85,21 +85,25 @@ def engine_cold(client: EngineClient, prompt: list[int], namespace: str) -> floa
     return elapsed
 
 
-def first_token(stream: Callable[[], Iterator[GenerationChunk]]) -> tuple[float, Usage]:
+def first_token(
+    stream: Callable[[], Iterator[GenerationChunk]],
+) -> tuple[float, Usage, int]:
     """The time from asking for a stream to its first token (its end may come a step later:
-    the engine sends a first token as soon as it is sampled), and the stream's usage."""
+    the engine sends a first token as soon as it is sampled), the stream's usage and that
+    token."""
     start = time.perf_counter()
-    elapsed = 0.0
+    elapsed, token = 0.0, -1
     for chunk in stream():
         if chunk.token_ids and not elapsed:
-            elapsed = time.perf_counter() - start
+            elapsed, token = time.perf_counter() - start, chunk.token_ids[0]
         if chunk.usage is not None:
-            return elapsed, chunk.usage
+            return elapsed, chunk.usage, token
     raise RuntimeError("no usage")
 
 
-def raw_from_memory(loaded, base: list[int], turn: list[int]) -> float:  # noqa: ANN001
-    """mlx-lm's BatchGenerator from the prefix's cache in memory, to its first token."""
+def raw_from_memory(loaded, base: list[int], turn: list[int]) -> tuple[float, int]:  # noqa: ANN001
+    """mlx-lm's BatchGenerator from the prefix's cache in memory, to its first token: the
+    time and the token."""
     cache = make_prompt_cache(loaded.model)
     for at in range(0, len(base), 2048):
         loaded.model(mx.array([base[at : at + 2048]]), cache=cache)
@@ -109,9 +113,9 @@ def raw_from_memory(loaded, base: list[int], turn: list[int]) -> float:  # noqa:
     generator = BatchGenerator(loaded.model, stop_tokens=set())
     start = time.perf_counter()
     generator.insert([turn], max_tokens=[1], caches=[copied])
-    while not generator.next()[1]:
+    while not (responses := generator.next()[1]):
         pass
-    return time.perf_counter() - start
+    return time.perf_counter() - start, responses[0].token
 
 
 def phase_medians(log: Path, marker: str) -> str:
@@ -204,6 +208,7 @@ def main() -> None:
         raws: list[float] = []
         colds: list[float] = []
         by_route, bandwidth = {}, {}
+        same: dict[str, int] = {r: 0 for r in routes}  # first tokens equal to raw mlx-lm's
         warm: dict[str, tuple[int, float]] = {}
         try:
             clients = {r: EngineClient(e.address, timeout=1800) for r, e in engines.items()}
@@ -223,7 +228,7 @@ def main() -> None:
                     )
                     for k, c in clients.items()
                 }
-                raw = raw_from_memory(loaded, base, turn)
+                raw, raw_token = raw_from_memory(loaded, base, turn)
                 cold = 0.0
                 if args.cold:
                     fresh = random_prompt(args.tokens, vocab, seed=9_000 + r) + turn
@@ -236,10 +241,11 @@ def main() -> None:
                 raws.append(raw)
                 if args.cold:
                     colds.append(cold)
-                for k, hit in got.items():
+                for k, (hit, token) in got.items():
                     hits[k].append(hit)
                     ratios[k].append(hit / raw)
-                shown = ", ".join(f"{k} hit {v * 1e3:7.1f} ms" for k, v in got.items())
+                    same[k] += token == raw_token
+                shown = ", ".join(f"{k} hit {v[0] * 1e3:7.1f} ms" for k, v in got.items())
                 print(f"  round {r}: {shown}, raw {raw * 1e3:7.1f} ms, cold {cold * 1e3:7.1f} ms")
             for k, c in clients.items():
                 stats = c.stats().checkpoints
@@ -268,7 +274,8 @@ def main() -> None:
         print(
             f"  {k}: store hit {statistics.median(hits[k]) * 1e3:.1f} ms; hit / raw median"
             f" {statistics.median(ratios[k]):.2f} ({min(ratios[k]):.2f}-{max(ratios[k]):.2f});"
-            f" store reads by route {by_route[k]}; restores {bandwidth[k]:.1f} GB/s end to end"
+            f" store reads by route {by_route[k]}; restores {bandwidth[k]:.1f} GB/s end to end;"
+            f" first tokens equal to raw mlx-lm's {same[k]}/{len(hits[k])}"
         )
         if colds:
             gain = [c / h for c, h in zip(colds, hits[k], strict=True)]
