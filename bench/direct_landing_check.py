@@ -3,7 +3,7 @@ on this machine's backend: records put into a real store, read directly, landed 
 arrays by the engine's landing, compared byte for byte with the host's copy of the same
 chunks; then an 8k-token-shaped restore timed end to end, direct against the store's copy
 into a region (ABAB). With --pool, a third route in the same rounds: direct with the device
-pool keeping freed memory (engine_service/cuda_runtime.py), after one untimed landing that
+pool keeping freed memory (bench/device_pool.py), after one untimed landing that
 fills it; every landing starts from `mx.clear_cache()`, as a hit after a prefill does.
 
     python bench/direct_landing_check.py [--mib 896] [--rounds 5] [--pool]
@@ -28,6 +28,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 # isort: on
 
+from bench.device_pool import DevicePool, default_keep_bytes  # noqa: E402
 from engine_service.checkpoints import direct_landing, direct_planes  # noqa: E402
 from engine_service.checkpoints.device_landing import (  # noqa: E402
     as_they_arrive,
@@ -36,7 +37,6 @@ from engine_service.checkpoints.device_landing import (  # noqa: E402
     landing_for,  # noqa: E402
 )
 from engine_service.checkpoints.direct_landing import joined  # noqa: E402
-from engine_service.cuda_runtime import CudaRuntime, default_keep_bytes  # noqa: E402
 from tandem_client import Checkpoint, StoreClient, Tensor  # noqa: E402
 from tandem_client.direct import DirectHold  # noqa: E402
 from tandem_client.regions import SharedRegion  # noqa: E402
@@ -112,7 +112,7 @@ def land(
     return arrays, read.route, [*phases, marks[-1] - marks[0]]
 
 
-def allocation_host_times(cuda: CudaRuntime | None, nbytes: int, rounds: int) -> None:
+def allocation_host_times(cuda: DevicePool | None, nbytes: int, rounds: int) -> None:
     """The host time of starting a kernel whose output (nbytes) is a fresh allocation after
     `mx.clear_cache()` and a sync, with CUDA's default pool and with it keeping freed memory
     (ABAB): what a gather's launches and a batch merge pay for new memory."""
@@ -207,7 +207,7 @@ def main() -> None:
         help="also the direct landing's phases with each of these GROUPS (e.g. 1,8,32)",
     )
     args = parser.parse_args()
-    cuda = CudaRuntime.load() if args.pool and mx.cuda.is_available() else None
+    cuda = DevicePool.load() if args.pool and mx.cuda.is_available() else None
     with tempfile.TemporaryDirectory(prefix="tandem-direct-") as tmp:
         port = free_port()
         store = start_store_on(

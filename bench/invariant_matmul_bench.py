@@ -7,11 +7,8 @@ its largest value), whether a target row's bits are the same alone and as the la
 batch, whether every tiling of the output gives the same bits, and the time of one call at each
 (median of rounds; each round evaluates --reps calls together, as a model's step would).
 
-With --splits, each shape's chosen tiling is also timed at those K splits a block (warps),
-with its bits alone = batched at each.
-
     python bench/invariant_matmul_bench.py [--rows 1,8,32,128] [--rounds 20] [--reps 32]
-        [--splits 4,8,16] [--shapes 8b]
+        [--shapes 8b]
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ import mlx.core as mx  # noqa: E402
 from engine_service.model.invariant_matmul_cuda import (  # noqa: E402
     AVAILABLE,
     ROWS,
-    STEP,
     column_tiles,
     invariant_matmul,
     row_tiles,
@@ -63,7 +59,6 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,32,128")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--reps", type=int, default=32, help="calls evaluated together")
-    parser.add_argument("--splits", default="", help="also time these K splits a block")
     parser.add_argument("--shapes", choices=["default", "8b"], default="default")
     args = parser.parse_args()
     if not AVAILABLE:
@@ -110,20 +105,6 @@ def main() -> None:
                 f"  {k:5d} x {n:6d}, {rows:3d} rows: {diff / scale:.2e}, {same}, {tiled_same};"
                 f" {' '.join(kernel_times)}; MLX {t_mlx * 1e6:.1f}; block {t_block * 1e6:.1f}"
             )
-            split_times = []
-            for s in [int(v) for v in args.splits.split(",") if v]:
-                if k % (s * STEP) or s * 32 > 1024 or s * chosen[1] * 512 > 48 << 10:
-                    continue
-                try:  # more warps a block may ask for more registers than a block has
-                    lone = invariant_matmul(target, w, splits=s)
-                    kept = mx.array_equal(invariant_matmul(x, w, splits=s)[-1:], lone).item()
-                except RuntimeError as exc:
-                    split_times.append(f"s{s}: {str(exc).split(': ')[-1]}")
-                    continue
-                t = timed(lambda: invariant_matmul(x, w, splits=s), args.rounds, args.reps)  # noqa: B023
-                split_times.append(f"s{s}={t * 1e6:.1f}{'' if kept else ' (bits moved!)'}")
-            if split_times:
-                print(f"    K splits a block: {' '.join(split_times)}")
 
 
 if __name__ == "__main__":

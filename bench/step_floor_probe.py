@@ -10,7 +10,7 @@ B: the same with `mx.clear_cache` a no-op (mlx-lm's prompt pass empties MLX's bu
 C: the model itself: one forward pass over the 16 tokens, then the argmax;
 D: the same pass over mlx-lm's BatchKVCache merged from the cache (an array mask, not
    "causal"); E: that merge alone;
-F: A with the device pool keeping freed memory mapped (engine_service/cuda_runtime.py; the
+F: A with the device pool keeping freed memory mapped (bench/device_pool.py; the
    pool is filled by an untimed run first and trimmed after, so A starts from CUDA's default).
 
     python bench/step_floor_probe.py [--model qwen3-0.6b-shape] [--prefix 32768] [--turn 16]
@@ -40,9 +40,9 @@ import mlx.core as mx  # noqa: E402
 
 from mlx_lm.generate import BatchGenerator  # noqa: E402
 
+from bench.device_pool import DevicePool, default_keep_bytes  # noqa: E402
 from bench.folded_prefill_bench import prefilled  # noqa: E402
 from bench.shapes import load_shape  # noqa: E402
-from engine_service.cuda_runtime import CudaRuntime, default_keep_bytes  # noqa: E402
 
 
 def generator(model: Any, turn: list[int], cache: list[Any]) -> None:
@@ -83,7 +83,7 @@ class KeptPool:
     """Way F's set-up: the default pool keeps freed memory, filled by one untimed run."""
 
     def __init__(self) -> None:
-        self.cuda = CudaRuntime.load() if mx.cuda.is_available() else None
+        self.cuda = DevicePool.load() if mx.cuda.is_available() else None
 
     def before(self, model: Any, turn: list[int], prefix: list[Any]) -> None:
         if self.cuda is not None:

@@ -244,11 +244,8 @@ class PinnedLanding(Landing):
         wanted = [(t, hold.chunks(t)) for t in tensors]
         planes = self._file_pins.planes(wanted, hold.data_file, keep, columns)
         self._pending.extend(planes.values())
-        for tensor in tensors:
-            if id(tensor) not in planes:
-                planes[id(tensor)] = host_plane(
-                    joined(tensor, hold.segments(tensor)), keep, columns
-                )
+        left = [t for t in tensors if id(t) not in planes]
+        planes.update(super().direct_planes(left, hold, keep, columns))
         return planes
 
     def push(self, arrays: list[mx.array], span: memoryview) -> list[memoryview] | None:
@@ -374,12 +371,10 @@ def as_they_arrive(
 
 
 def planes_as_they_arrive(
-    stored: Checkpoint, hold: RegionHold | DirectHold | None, timeout_s: float
+    stored: Checkpoint, hold: RegionHold | None, timeout_s: float
 ) -> Callable[[Tensor, int, int], mx.array]:
     """As `as_they_arrive`, for the host landing's KV planes with room (`host_plane`): each
-    tensor landed once its bytes are in (a direct read's chunks at once)."""
-    if isinstance(hold, DirectHold):
-        return lambda t, keep, columns: host_plane(joined(t, hold.segments(t)), keep, columns)
+    tensor landed once its bytes are in the region (a direct read's: `Landing.direct_planes`)."""
     arrival = hold.arrival if hold is not None else None
     ends = _arrival_ends(stored)
 

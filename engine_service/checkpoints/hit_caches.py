@@ -25,19 +25,20 @@ def hit_caches(landing: Landing, plan: PrefixPlan, timeout_s: float) -> tuple[li
     assert stored is not None
     with_room = not plan.exact and plain_kv_only(stored.metadata)
     columns = plan.matched + BatchQuantizedKVCache.step
-    direct = isinstance(hold, DirectHold) and landing.gathers_planes
-    if with_room and (landing.kind == "host" or direct):
-        if landing.kind == "host":
-            to_plane = planes_as_they_arrive(stored, hold, timeout_s)
-        else:  # MLX-CUDA, a direct read: gathered into planes, each its own buffer
-            assert isinstance(hold, DirectHold)
-            kv = [t for t in stored.tensors if len(t.shape) == 4]
-            planes = landing.direct_planes(kv, hold, plan.matched, columns)
-            to_plane = lambda tensor, keep, columns: planes[id(tensor)]  # noqa: E731
-        caches = restore_with_room(
-            stored.metadata, stored.tensors, plan.layout, to_plane, plan.matched, columns
-        )
-        return caches, plan.matched
-    arrays = as_they_arrive(landing, stored, hold, timeout_s)
-    caches = restore(stored.metadata, stored.tensors, plan.layout, arrays)
-    return caches, int(stored.metadata.get("tokens", plan.matched))
+    host = landing.kind == "host"
+    # A direct read lands all at once, while the store checks it; on MLX-CUDA only a direct
+    # read is gathered into planes (a region's would be host copies).
+    if with_room and isinstance(hold, DirectHold) and (host or landing.gathers_planes):
+        kv = [t for t in stored.tensors if len(t.shape) == 4]
+        planes = landing.direct_planes(kv, hold, plan.matched, columns)
+        to_plane = lambda tensor, keep, columns: planes[id(tensor)]  # noqa: E731
+    elif with_room and host and not isinstance(hold, DirectHold):
+        to_plane = planes_as_they_arrive(stored, hold, timeout_s)
+    else:
+        arrays = as_they_arrive(landing, stored, hold, timeout_s)
+        caches = restore(stored.metadata, stored.tensors, plan.layout, arrays)
+        return caches, int(stored.metadata.get("tokens", plan.matched))
+    caches = restore_with_room(
+        stored.metadata, stored.tensors, plan.layout, to_plane, plan.matched, columns
+    )
+    return caches, plan.matched

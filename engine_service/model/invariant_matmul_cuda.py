@@ -8,8 +8,7 @@ one kernel serves any number of rows up to ROWS, within 10-15% of a GEMV at one 
 large projection (docs/determinism.md has the figures):
 
 - a block owns COLUMNS tiles of 8 output columns (rows of w) and SPLITS warps, each reducing
-  its share of K (`k_splits`: by the weight's shape only); the shares are summed in a fixed
-  order;
+  its quarter of K; the quarters are summed in a fixed order;
 - a warp walks its K range 64 at a time with tensor-core `mma.m16n8k16` over every 16-row
   tile of x: w's bytes are read once whatever the row count, and a row's products and their
   order are the same in every tile, at any place in it (the padded-GEMM build showed the
@@ -159,7 +158,7 @@ def applies(x: mx.array, weight: mx.array) -> bool:
     if weight.ndim != 2 or weight.dtype not in SUPPORTED or x.dtype != weight.dtype:
         return False
     n, k = weight.shape
-    return n % 8 == 0 and k % (k_splits(k, n) * STEP) == 0
+    return k % (SPLITS * STEP) == 0 and n % 8 == 0
 
 
 def column_tiles(rows: int, n: int) -> int:
@@ -201,33 +200,20 @@ def tiling(rows: int, n: int, columns: int | None = None, block_tiles: int | Non
     return Tiling(columns or column_tiles(rows, n), per_block, -(-rows // (16 * per_block)))
 
 
-def k_splits(k: int, n: int) -> int:
-    """Warps a block splits K among (each sums its share, the shares then summed in order).
-    Unlike the tilings this orders a sum, so it depends on the weight's shape alone, never on
-    the rows: a projection gives a row the same bits in any batch."""
-    return SPLITS
-
-
 def invariant_matmul(
-    x: mx.array,
-    weight: mx.array,
-    columns: int | None = None,
-    block_tiles: int | None = None,
-    splits: int | None = None,
+    x: mx.array, weight: mx.array, columns: int | None = None, block_tiles: int | None = None
 ) -> mx.array:
     """x @ weight.T for x (rows, K), weight (N, K): each row's bits the same alone or among
     others (module docstring); more than ROWS rows run as blocks of ROWS. `columns` and
-    `block_tiles` override `column_tiles` and `row_tiles`, `splits` overrides `k_splits`
-    (bench/invariant_matmul_bench.py)."""
+    `block_tiles` override `column_tiles` and `row_tiles` (bench/invariant_matmul_bench.py)."""
     rows = x.shape[0]
     if rows > ROWS:
         blocks = [
-            invariant_matmul(x[at : at + ROWS], weight, columns, block_tiles, splits)
+            invariant_matmul(x[at : at + ROWS], weight, columns, block_tiles)
             for at in range(0, rows, ROWS)
         ]
         return mx.concatenate(blocks)
     n, k = weight.shape
-    warps = splits or k_splits(k, n)
     split = tiling(rows, n, columns, block_tiles)
     name = SUPPORTED[weight.dtype]
     if name not in _kernels:
@@ -246,12 +232,12 @@ def invariant_matmul(
             ("K", k),
             ("N", n),
             ("BLOCK_TILES", split.block_tiles),
-            ("SPLITS", warps),
+            ("SPLITS", SPLITS),
             ("STEP", STEP),
             ("COLUMNS", split.columns),
         ],
-        grid=(n // (8 * split.columns) * split.groups * warps * 32, 1, 1),
-        threadgroup=(warps * 32, 1, 1),
+        grid=(n // (8 * split.columns) * split.groups * SPLITS * 32, 1, 1),
+        threadgroup=(SPLITS * 32, 1, 1),
         output_shapes=[(rows, n)],
         output_dtypes=[weight.dtype],
     )
