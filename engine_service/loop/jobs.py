@@ -78,6 +78,9 @@ class Job:
     recompute: bool = False  # starts again from its tokens alone (its batch step failed)
     # Its first token, sent before the step that reports it (scheduler._send_first_tokens).
     token_sent_ahead: int | None = None
+    # Its stream has ended (a Finished was emitted): nothing more is sent to it. A row whose
+    # first token ends it is told so with that token, and leaves the batch a step later.
+    stream_ended: bool = False
     turn_start: int = 0  # len(tokens) when it last got its slot (loop/turns.py)
     # How it ended, for the tombstone a resume reads (checkpoints/generations.forget).
     ended: Literal["finished", "was cancelled", "failed"] = "finished"
@@ -98,6 +101,16 @@ class Job:
         return Finished(
             "stop" if stop is not None else "length", stop_token=stop, constraint_incomplete=cut
         )
+
+    def ending_at(self, token: int) -> Finished | None:
+        """How its stream ends if `token` (not added yet) ends it, as mlx-lm's BatchGenerator
+        will decide a step later: a stop token, or the last of its budget. None: it goes on,
+        or it is a constrained row (whose end depends on its matcher)."""
+        if self.constrained is not None:
+            return None
+        if token in self.request.stop_ids:
+            return Finished("stop", stop_token=token)
+        return Finished("length") if self.remaining <= 1 else None
 
     def at_first_new_token(self, sent_ahead: bool = False) -> bool:
         """Whether the token just added (sent_ahead: about to be sent, not added yet) is the

@@ -87,6 +87,9 @@ class RowEndings:
         """After a failed step (loop/row_isolation.py): the rows the model fails on alone end,
         the others wait at the front of the queue to start again by recompute."""
         jobs = list(self._rows.values())
+        for job in [job for job in jobs if job.stream_ended]:  # its client has all of it
+            self.finish(job)
+        jobs = [job for job in jobs if not job.stream_ended]
         for job in jobs:  # a token its client has is kept: the row goes on after it
             if job.token_sent_ahead is not None:
                 job.tokens.append(job.token_sent_ahead)

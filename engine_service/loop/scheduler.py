@@ -40,6 +40,7 @@ from engine_service.model.mlx_compat import batch_cache_bytes, running_batch
 from engine_service.protocol.events import (
     Deliver,
     Event,
+    Finished,
     Sink,
     Started,
     Token,
@@ -135,7 +136,11 @@ class Scheduler(SchedulerInbox, RowEndings):
     # -- what the speculative lane uses (LaneHost) -------------------------------------------
 
     def emit(self, job: Job, events: list[Event]) -> None:
-        """Queues a job's events; they leave together at the end of the step."""
+        """Queues a job's events; they leave together at the end of the step. Nothing leaves
+        after its stream's Finished (a row told with its first token ends a step later)."""
+        if job.stream_ended:
+            return
+        job.stream_ended = any(isinstance(event, Finished) for event in events)
         self._outbox.append((job.sink, events))
 
     def finish(self, job: Job) -> None:
@@ -344,6 +349,11 @@ class Scheduler(SchedulerInbox, RowEndings):
             job = self._rows.get(r.uid)
             if job is None:
                 continue  # removed (cancelled) while its token was in flight
+            if job.stream_ended and r.finish_reason is None:  # never: ending_at is mlx-lm's
+                log.error("row %d goes on after its stream ended; it leaves", r.uid)
+                self._bg.remove([r.uid])
+                self.finish(job)
+                continue
             job.tokens.append(r.token)
             sent = job.token_sent_ahead
             job.token_sent_ahead = None
@@ -382,7 +392,10 @@ class Scheduler(SchedulerInbox, RowEndings):
                 log.debug("first token phases, %s", job.first_token_phases())
             k = job.request.sampling.logprobs
             extra = requested_logprobs(first.logprobs, first.token, k)
-            self.emit(job, [Token(first.token, *extra)])
+            # A token that ends the row (a 1-token request) ends its stream now too; the row
+            # leaves the batch, and its prefix is saved, when the next step reports it.
+            ending = job.ending_at(first.token)
+            self.emit(job, [Token(first.token, *extra), *([ending] if ending else [])])
             job.token_sent_ahead = first.token
             if self._step_checkpoints is not None and not job.tokens and not job.resumed:
                 self._step_checkpoints.expect_prefix(job)  # saved once the step reports it

@@ -1,0 +1,115 @@
+"""A row whose first token ends it (a 1-token request, or a stop token first) ends its stream
+with that token: the Finished leaves in the same delivery as the token, not a decode step
+later (loop/scheduler.py `_send_first_tokens`, `Job.ending_at`). The row itself leaves the
+batch when the next step reports it, so the rows beside it go on exactly.
+
+In-process, on the tiny model: each request's sink records its deliveries as they came.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from engine_service.loop.limits import Limits
+from engine_service.loop.scheduler import Scheduler
+from engine_service.model.loaded import LoadedModel
+from engine_service.model.loading import load_model
+from engine_service.protocol.events import Event, Finished, Token
+from engine_service.protocol.requests import GenerationRequest, stop_token_ids
+from engine_service.protocol.sampling_options import SamplingOptions
+
+
+class Deliveries:
+    """A request's sink: each delivery's events, in order."""
+
+    def __init__(self) -> None:
+        self.deliveries: list[list[Event]] = []
+        self.done = threading.Event()
+
+    def __call__(self, events: list[Event]) -> None:
+        self.deliveries.append(list(events))
+        if any(isinstance(e, Finished) for e in events):
+            self.done.set()
+
+    def finished(self) -> Finished:
+        assert self.done.wait(120), "no Finished event in 120 s"
+        last = self.deliveries[-1][-1]
+        assert isinstance(last, Finished)
+        return last
+
+    @property
+    def tokens(self) -> list[int]:
+        return [e.token_id for d in self.deliveries for e in d if isinstance(e, Token)]
+
+
+@pytest.fixture(scope="module")
+def tiny(engine_data_dir: Path) -> LoadedModel:
+    return load_model("", engine_data_dir)
+
+
+def _request(
+    loaded: LoadedModel, rid: str, prompt: list[int], n: int, stops: frozenset[int] = frozenset()
+) -> GenerationRequest:
+    options = SamplingOptions(ignore_eos=True)
+    return GenerationRequest(
+        request_id=rid,
+        prompt=prompt,
+        max_tokens=n,
+        sampling=options,
+        namespace="default",
+        stop_ids=stop_token_ids(options, loaded.eos_token_ids) | stops,
+        layout=list(loaded.layout),
+    )
+
+
+def _greedy(loaded: LoadedModel, prompt: list[int], n: int) -> list[int]:
+    return [int(t) for t, _ in generate_step(mx.array(prompt), loaded.model, max_tokens=n)]
+
+
+def test_a_one_token_request_ends_with_its_token_and_its_neighbour_goes_on(
+    tiny: LoadedModel,
+) -> None:
+    scheduler = Scheduler(tiny, Limits(max_running=4, max_queued=4))
+    scheduler.start()
+    try:
+        short, long = list(range(30, 70)), list(range(100, 160))
+        one, many = Deliveries(), Deliveries()
+        scheduler.submit(_request(tiny, "many", long, 24), many)
+        scheduler.submit(_request(tiny, "one", short, 1), one)
+        end = one.finished()
+        assert end.reason == "length"
+        # Token and Finished in one delivery: the stream ended with its token.
+        assert len(one.deliveries[-1]) == 2 and isinstance(one.deliveries[-1][0], Token)
+        assert one.tokens == _greedy(tiny, short, 1)
+        assert many.finished().reason == "length"
+        assert many.tokens == _greedy(tiny, long, 24)
+        # Nothing came after the Finished (the row's report a step later sends nothing).
+        assert sum(isinstance(e, Finished) for d in one.deliveries for e in d) == 1
+        # The batch is clean: the next request runs as alone.
+        again = Deliveries()
+        scheduler.submit(_request(tiny, "again", short, 6), again)
+        again.finished()
+        assert again.tokens == _greedy(tiny, short, 6)
+    finally:
+        scheduler.shutdown()
+
+
+def test_a_stop_token_first_ends_the_stream_with_it(tiny: LoadedModel) -> None:
+    prompt = list(range(40, 90))
+    first = _greedy(tiny, prompt, 1)[0]
+    scheduler = Scheduler(tiny, Limits(max_running=4, max_queued=4))
+    scheduler.start()
+    try:
+        sink = Deliveries()
+        scheduler.submit(_request(tiny, "stops", prompt, 16, frozenset({first})), sink)
+        end = sink.finished()
+        assert (end.reason, end.stop_token) == ("stop", first)
+        assert sink.tokens == [first]
+        assert isinstance(sink.deliveries[-1][0], Token) and len(sink.deliveries[-1]) == 2
+    finally:
+        scheduler.shutdown()
