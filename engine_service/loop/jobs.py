@@ -81,6 +81,7 @@ class Job:
     # Its stream has ended (a Finished was emitted): nothing more is sent to it. A row whose
     # first token ends it is told so with that token, and leaves the batch a step later.
     stream_ended: bool = False
+    id_released: bool = False  # its request id may be used again (admissions.leave)
     turn_start: int = 0  # len(tokens) when it last got its slot (loop/turns.py)
     # How it ended, for the tombstone a resume reads (checkpoints/generations.forget).
     ended: Literal["finished", "was cancelled", "failed"] = "finished"

@@ -140,8 +140,16 @@ class Scheduler(SchedulerInbox, RowEndings):
         after its stream's Finished (a row told with its first token ends a step later)."""
         if job.stream_ended:
             return
-        job.stream_ended = any(isinstance(event, Finished) for event in events)
         self._outbox.append((job.sink, events))
+        if any(isinstance(event, Finished) for event in events):
+            job.stream_ended = True
+            self._release_id(job)  # its client may use the id again at once
+
+    def _release_id(self, job: Job) -> None:
+        """The job's request id is free again (once: at its Finished or its end)."""
+        if not job.id_released:
+            job.id_released = True
+            self._admissions.leave(job.request.request_id)
 
     def finish(self, job: Job) -> None:
         """Forgets a job that ended; its generation checkpoint goes unless it is kept."""
@@ -152,11 +160,12 @@ class Scheduler(SchedulerInbox, RowEndings):
         if job.checkpointed and not job.keep_checkpoint and self.checkpoints is not None:
             self.checkpoints.generations.forget(job)
         self._rows.pop(job.uid, None)
-        self._by_id.pop(job.request.request_id, None)
+        if self._by_id.get(job.request.request_id) is job:  # not a new job of the same id
+            del self._by_id[job.request.request_id]
         self._preemption.forget(job)
         if self._step_checkpoints is not None:
             self._step_checkpoints.forget(job)
-        self._admissions.leave(job.request.request_id)
+        self._release_id(job)
 
     def starting_point(self, job: Job, confirm_later: bool = False) -> StartingPoint:
         if job.recompute:  # its batch failed under it (loop/row_isolation.py)
