@@ -52,6 +52,7 @@ from bench.engine_bench import model_spec  # noqa: E402
 from engine_service.kv import row_attention_cuda  # noqa: E402
 from engine_service.kv.batch_cache import adopt_row  # noqa: E402
 from engine_service.loop.compiled_decode import CompiledDecode  # noqa: E402
+from engine_service.model import invariant_matmul_cuda  # noqa: E402
 from engine_service.model.determinism_probe import check_row_invariant  # noqa: E402
 from engine_service.model.deterministic import DeterministicModel  # noqa: E402
 from engine_service.model.loading import load_model  # noqa: E402
@@ -321,7 +322,18 @@ def main() -> None:
     )
     parser.add_argument("--probe-zoo", default="", help="zoo shapes to probe, comma-separated")
     parser.add_argument("--transposed", action="store_true", help="an experiment: see below")
+    parser.add_argument(
+        "--few-row-columns",
+        type=int,
+        default=0,
+        help="an experiment: the kernel's column tiles a block at <= 8 rows (0: as chosen)",
+    )
     args = parser.parse_args()
+    if args.few_row_columns:
+        chosen = invariant_matmul_cuda.column_tiles
+        invariant_matmul_cuda.column_tiles = lambda rows, n: (  # type: ignore[assignment]
+            args.few_row_columns if rows <= 8 and n <= 65536 else chosen(rows, n)
+        )
     alone = None if args.attention == "auto" else args.attention == "alone"
     if args.transposed:
         DeterministicModel(mx.array(0))  # the mode's patches go in first, then this over them

@@ -30,6 +30,7 @@ from engine_service.model.invariant_matmul_cuda import (  # noqa: E402
     column_tiles,
     invariant_matmul,
     row_tiles,
+    unroll_steps,
 )
 
 # (K, N): Qwen3-0.6B's q_proj, gate/up, down; Llama-3-8B's gate/up, down; a 0.6B's vocabulary.
@@ -60,7 +61,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--reps", type=int, default=32, help="calls evaluated together")
     parser.add_argument("--shapes", choices=["default", "8b"], default="default")
+    parser.add_argument("--unrolls", default="1,2,4,8", help="steps unrolled, swept")
     args = parser.parse_args()
+    unrolls = [int(u) for u in args.unrolls.split(",")]
     if not AVAILABLE:
         print("not MLX-CUDA: the kernel does not run here")
         return
@@ -69,36 +72,44 @@ def main() -> None:
     print(
         "K x N, rows: max |diff| / max |ref|, target bits alone = batched, every column"
         " tiling the same bits; the kernel at c column tiles and b row tiles a block (* the"
-        " chosen one); MLX's matmul; the padded block"
+        " chosen one) and u steps unrolled; MLX's matmul; the padded block"
     )
     for k, n in SHAPES_8B if args.shapes == "8b" else SHAPES:
         w = (mx.random.normal((n, k), key=mx.random.key(1)) * k**-0.5).astype(mx.bfloat16)
         target = mx.random.normal((1, k), key=mx.random.key(2)).astype(mx.bfloat16)
-        alone = invariant_matmul(target, w, 1, ROWS // 16)
+        alone = invariant_matmul(target, w, 1, ROWS // 16, 1)
         for rows in [int(r) for r in args.rows.split(",")]:
             others = mx.random.normal((rows - 1, k), key=mx.random.key(3)).astype(mx.bfloat16)
             x = mx.concatenate([others, target]) if rows > 1 else target
-            ours = invariant_matmul(x, w, 1, ROWS // 16)  # the first kernel's tiling
+            ours = invariant_matmul(x, w, 1, ROWS // 16, 1)  # the first kernel's tiling
             ref = x @ w.T
             diff = mx.max(mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32))).item()
             scale = mx.max(mx.abs(ref.astype(mx.float32))).item()
             same = mx.array_equal(ours[-1:], alone).item()
-            chosen = (column_tiles(rows, n), row_tiles(rows, n))
+            chosen_columns = column_tiles(rows, n)
+            chosen = (chosen_columns, row_tiles(rows, n), unroll_steps(chosen_columns))
             all_tiles = (rows + 15) // 16
+            # (column tiles, row tiles, steps unrolled): the first kernel's, and the chosen
+            # row tiles at every column tiling and unroll that keeps w's registers few.
             tilings = sorted(
-                {chosen, (1, all_tiles)}
-                | {(c, chosen[1]) for c in (1, 2, 4) if n % (8 * c) == 0}
-                | {(chosen[0], b) for b in (1, 2, all_tiles) if b <= all_tiles}
+                {chosen, (1, all_tiles, 1)}
+                | {
+                    (c, chosen[1], u)
+                    for c in (1, 2, 4)
+                    for u in unrolls
+                    if n % (8 * c) == 0 and c * u <= 8
+                }
+                | {(chosen[0], b, chosen[2]) for b in (1, 2, all_tiles) if b <= all_tiles}
             )
             tiled_same = all(
-                mx.array_equal(invariant_matmul(x, w, c, b), ours).item() for c, b in tilings
+                mx.array_equal(invariant_matmul(x, w, c, b, u), ours).item() for c, b, u in tilings
             )
             padded = mx.pad(x, [(0, -rows % ROWS), (0, 0)])
             kernel_times = []
-            for c, b in tilings:
-                t = timed(lambda: invariant_matmul(x, w, c, b), args.rounds, args.reps)  # noqa: B023
-                star = "*" if (c, b) == chosen else ""
-                kernel_times.append(f"c{c}b{b}={t * 1e6:.1f}{star}")
+            for c, b, u in tilings:
+                t = timed(lambda: invariant_matmul(x, w, c, b, u), args.rounds, args.reps)  # noqa: B023
+                star = "*" if (c, b, u) == chosen else ""
+                kernel_times.append(f"c{c}b{b}u{u}={t * 1e6:.1f}{star}")
             t_mlx = timed(lambda: x @ w.T, args.rounds, args.reps)  # noqa: B023
             t_block = timed(lambda: (padded @ w.T)[:rows], args.rounds, args.reps)  # noqa: B023
             print(

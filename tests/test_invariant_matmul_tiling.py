@@ -23,9 +23,11 @@ def test_the_chosen_tiling_covers_every_row_and_column_once(n: int) -> None:
         # Row groups cover the rows, and none starts past the last row (the kernel's `rows`
         # for a group would be <= 0).
         assert split.groups * rows_a_group >= rows > (split.groups - 1) * rows_a_group
+        # The steps loaded together hold at most 8 column tiles' w (64 registers a thread).
+        assert 1 <= split.unroll and split.unroll * split.columns <= 8, (rows, split)
 
 
 def test_an_override_is_taken_as_given() -> None:
-    split = tiling(128, 4096, columns=1, block_tiles=8)
-    assert (split.columns, split.block_tiles, split.groups) == (1, 8, 1)
+    split = tiling(128, 4096, columns=1, block_tiles=8, unroll=3)
+    assert (split.columns, split.block_tiles, split.groups, split.unroll) == (1, 8, 1, 3)
     assert tiling(33, 4096, block_tiles=1).groups == 3

@@ -23,7 +23,9 @@ from engine_service.kv import row_attention_cuda
 
 Paddings = list[int] | mx.array  # each row's left padding: ints, or an array in a trace
 
-CHUNK = row_attention_cuda.CHUNK  # key positions reduced together, counted from a row's start
+# Key positions reduced together, counted from a row's start, in the MLX-ops algorithm (Metal;
+# the CUDA kernel has its own, and no device runs both).
+CHUNK = 256
 _MASKED = -1e30
 
 

@@ -8,7 +8,7 @@ one kernel serves any number of rows up to ROWS, within 10-15% of a GEMV at one 
 large projection (docs/determinism.md has the figures):
 
 - a block owns COLUMNS tiles of 8 output columns (rows of w) and SPLITS warps, each reducing
-  its quarter of K; the quarters are summed in a fixed order;
+  its eighth of K; the eighths are summed in a fixed order;
 - a warp walks its K range 64 at a time with tensor-core `mma.m16n8k16` over every 16-row
   tile of x: w's bytes are read once whatever the row count, and a row's products and their
   order are the same in every tile, at any place in it (the padded-GEMM build showed the
@@ -20,7 +20,10 @@ large projection (docs/determinism.md has the figures):
   warp computes which outputs, never how a sum is ordered, so they are chosen per call
   (`column_tiles`, `row_tiles`, by measurement): four column tiles let one x fragment serve
   four, and two row tiles a block keep registers few and blocks many, the row groups that
-  read the same columns of w running together so that w comes from L2 after the first.
+  read the same columns of w running together so that w comes from L2 after the first;
+- UNROLL steps' w are loaded before their mma run (more bytes in flight a warp, which is what
+  a memory-bound call at a few rows needs); the steps still run in k order, so it does not
+  change a sum's order either (`unroll_steps`).
 
 Rows beyond the batch are zeros in the registers, never read. No well-kept library has a
 batch-invariant skinny matmul for MLX (Thinking Machines' and SGLang's are Triton/CUDA for
@@ -36,9 +39,13 @@ from typing import Any
 import mlx.core as mx
 
 ROWS = 128  # rows one call serves; more run as blocks of ROWS
-SPLITS = 4  # warps per block, each a quarter of K
+# Warps per block, each reducing an eighth of K: at a few rows a warp's loads wait on memory
+# (ncu on an H200: 88% of its cycles), so occupancy is what hides them; four a block was 3.4x
+# MLX's GEMV at one row of a 4096 x 1024 projection.
+SPLITS = 8
 STEP = 64  # K values a warp takes per step
 VOCABULARY_WIDE = 65536  # a w of more columns (an output projection) is tiled apart
+FEW_ROWS = 8  # up to this many rows a call is a memory-bound GEMV: one column tile a block
 SUPPORTED = {mx.bfloat16: "bf16", mx.float16: "f16"}
 AVAILABLE = mx.default_device() == mx.gpu and not mx.metal.is_available()
 
@@ -66,10 +73,11 @@ _SOURCE = """
             acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
     const int span = K / SPLITS;
     const int k_begin = split * span;
-#pragma unroll 2
-    for (int k = k_begin; k < k_begin + span; k += STEP) {
+    const int k_end = k_begin + span;
+    // One step: this lane's 16 values of each column tile's w row (loaded by `load`) against
+    // every row tile of x, the mma's k positions mapped onto the values the same way for both.
+    auto load = [&](unsigned int (&wv)[COLUMNS][8], int k) {
         const int at = (k + t * 16) / 8;  // in uint4s: this lane's 16 values
-        unsigned int wv[COLUMNS][8];
 #pragma unroll
         for (int j = 0; j < COLUMNS; ++j) {
             const uint4* w_row = reinterpret_cast<const uint4*>(w + (size_t)(n0 + j * 8 + g) * K);
@@ -78,6 +86,9 @@ _SOURCE = """
             wv[j][0] = wa.x; wv[j][1] = wa.y; wv[j][2] = wa.z; wv[j][3] = wa.w;
             wv[j][4] = wb.x; wv[j][5] = wb.y; wv[j][6] = wb.z; wv[j][7] = wb.w;
         }
+    };
+    auto step = [&](const unsigned int (&wv)[COLUMNS][8], int k) {
+        const int at = (k + t * 16) / 8;
 #pragma unroll
         for (int i = 0; i < TILES; ++i) {
             if (i < tiles) {
@@ -111,6 +122,21 @@ _SOURCE = """
                 }
             }
         }
+    };
+    // UNROLL steps' w loaded before any of their mma runs, so a warp has that many bytes in
+    // flight; the steps still run in k order, so the sums' order is the same at any UNROLL.
+    int k = k_begin;
+    for (; k + STEP * UNROLL <= k_end; k += STEP * UNROLL) {
+        unsigned int wv[UNROLL][COLUMNS][8];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) load(wv[u], k + u * STEP);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) step(wv[u], k + u * STEP);
+    }
+    for (; k < k_end; k += STEP) {
+        unsigned int wv[COLUMNS][8];
+        load(wv, k);
+        step(wv, k);
     }
     // One column tile at a time through shared memory: the splits summed in order, a row
     // tile per warp in turn.
@@ -163,10 +189,11 @@ def applies(x: mx.array, weight: mx.array) -> bool:
 
 def column_tiles(rows: int, n: int) -> int:
     """Tiles of 8 output columns a block computes (measured on an H200, bench/
-    invariant_matmul_bench.py): four where w has 2,048 columns or more, so each x fragment
-    serves four; one for a vocabulary-wide w at a few rows, where more blocks stream it
-    faster. It never changes a sum's order, so any choice gives the same bits."""
-    if n > VOCABULARY_WIDE and rows <= 16:
+    invariant_matmul_bench.py): one at a few rows, where x is small and more blocks (each
+    with 8 steps of w in flight) stream w faster, and for a vocabulary-wide w up to 16 rows;
+    else four where w has 2,048 columns or more, so each x fragment serves four. It never
+    changes a sum's order, so any choice gives the same bits."""
+    if rows <= FEW_ROWS or (n > VOCABULARY_WIDE and rows <= 16):
         return 1
     for tiles in (4, 2):
         if n % (8 * tiles) == 0 and n // (8 * tiles) >= 64:
@@ -183,38 +210,59 @@ def row_tiles(rows: int, n: int) -> int:
     return tiles if n > VOCABULARY_WIDE else min(tiles, 2)
 
 
+def unroll_steps(columns: int) -> int:
+    """Steps whose w a warp loads before their mma run: 8 column-tile steps' worth (64
+    registers a thread) however they are split. It never changes a sum's order either."""
+    return max(1, 8 // columns)
+
+
 @dataclass(frozen=True)
 class Tiling:
     """How one call's outputs are split among blocks: `columns` tiles of 8 output columns and
-    `block_tiles` tiles of 16 rows a block, `groups` row groups covering the call's rows."""
+    `block_tiles` tiles of 16 rows a block, `groups` row groups covering the call's rows;
+    `unroll` steps loaded together."""
 
     columns: int
     block_tiles: int
     groups: int
+    unroll: int
 
 
-def tiling(rows: int, n: int, columns: int | None = None, block_tiles: int | None = None) -> Tiling:
+def tiling(
+    rows: int,
+    n: int,
+    columns: int | None = None,
+    block_tiles: int | None = None,
+    unroll: int | None = None,
+) -> Tiling:
     """The tiling of a call of `rows` rows (at most ROWS) against a w of `n` columns:
-    `column_tiles` and `row_tiles` unless given."""
+    `column_tiles`, `row_tiles` and `unroll_steps` unless given."""
     per_block = block_tiles or row_tiles(rows, n)
-    return Tiling(columns or column_tiles(rows, n), per_block, -(-rows // (16 * per_block)))
+    across = columns or column_tiles(rows, n)
+    groups = -(-rows // (16 * per_block))
+    return Tiling(across, per_block, groups, unroll or unroll_steps(across))
 
 
 def invariant_matmul(
-    x: mx.array, weight: mx.array, columns: int | None = None, block_tiles: int | None = None
+    x: mx.array,
+    weight: mx.array,
+    columns: int | None = None,
+    block_tiles: int | None = None,
+    unroll: int | None = None,
 ) -> mx.array:
     """x @ weight.T for x (rows, K), weight (N, K): each row's bits the same alone or among
-    others (module docstring); more than ROWS rows run as blocks of ROWS. `columns` and
-    `block_tiles` override `column_tiles` and `row_tiles` (bench/invariant_matmul_bench.py)."""
+    others (module docstring); more than ROWS rows run as blocks of ROWS. `columns`,
+    `block_tiles` and `unroll` override `column_tiles`, `row_tiles` and `unroll_steps`
+    (bench/invariant_matmul_bench.py)."""
     rows = x.shape[0]
     if rows > ROWS:
         blocks = [
-            invariant_matmul(x[at : at + ROWS], weight, columns, block_tiles)
+            invariant_matmul(x[at : at + ROWS], weight, columns, block_tiles, unroll)
             for at in range(0, rows, ROWS)
         ]
         return mx.concatenate(blocks)
     n, k = weight.shape
-    split = tiling(rows, n, columns, block_tiles)
+    split = tiling(rows, n, columns, block_tiles, unroll)
     name = SUPPORTED[weight.dtype]
     if name not in _kernels:
         _kernels[name] = mx.fast.cuda_kernel(
@@ -235,6 +283,7 @@ def invariant_matmul(
             ("SPLITS", SPLITS),
             ("STEP", STEP),
             ("COLUMNS", split.columns),
+            ("UNROLL", split.unroll),
         ],
         grid=(n // (8 * split.columns) * split.groups * SPLITS * 32, 1, 1),
         threadgroup=(SPLITS * 32, 1, 1),
