@@ -141,22 +141,24 @@ def test_a_first_token_leaves_before_the_step_after_it(
     tiny: LoadedModel, scheduler: Scheduler
 ) -> None:
     """A row's first token is delivered as soon as it is sampled, not with the next step's
-    tokens (mlx-lm reports a token from the call that launches the step after it): a 1-token
-    request's token arrives without its Finished, which that next step brings."""
-    deliveries: list[list[Event]] = []
+    tokens (mlx-lm reports a token from the call that launches the step after it): when it
+    arrives, no step has reported a token of it yet (the engine's step count is unchanged);
+    the second token comes with the step that reports tokens."""
+    deliveries: list[tuple[int, list[Event]]] = []
     sink = Collector()
 
-    def recording(events: list[Event]) -> None:
-        deliveries.append(list(events))
+    def recording(events: list[Event]) -> None:  # on the loop thread, as it delivers
+        deliveries.append((scheduler.stats().steps_total, list(events)))
         sink(events)
 
     prompt = list(range(40, 90))
-    scheduler.submit(_request(tiny, "one", prompt, 1), recording)
+    before = scheduler.stats().steps_total
+    scheduler.submit(_request(tiny, "three", prompt, 3), recording)
     assert sink.wait().reason == "length"
-    assert sink.tokens == _greedy(tiny, prompt, 1)
-    with_token = [d for d in deliveries if any(isinstance(e, Token) for e in d)]
-    assert len(with_token) == 1
-    assert not any(isinstance(e, Finished) for e in with_token[0])
+    assert sink.tokens == _greedy(tiny, prompt, 3)
+    with_token = [(steps, d) for steps, d in deliveries if any(isinstance(e, Token) for e in d)]
+    assert with_token[0][0] == before  # the first token: before any step reported it
+    assert with_token[1][0] > before
 
 
 def test_scheduler_seeded_rows_are_reproducible(tiny: LoadedModel, scheduler: Scheduler) -> None:

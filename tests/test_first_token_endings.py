@@ -25,13 +25,17 @@ from engine_service.protocol.sampling_options import SamplingOptions
 
 
 class Deliveries:
-    """A request's sink: each delivery's events, in order."""
+    """A request's sink: each delivery's events, in order, and the engine's step count (steps
+    that reported tokens) when each came."""
 
-    def __init__(self) -> None:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
         self.deliveries: list[list[Event]] = []
+        self.steps: list[int] = []
         self.done = threading.Event()
 
-    def __call__(self, events: list[Event]) -> None:
+    def __call__(self, events: list[Event]) -> None:  # on the loop thread, as it delivers
+        self.steps.append(self.scheduler.stats().steps_total)
         self.deliveries.append(list(events))
         if any(isinstance(e, Finished) for e in events):
             self.done.set()
@@ -78,17 +82,19 @@ def test_a_one_token_request_ends_with_its_token_and_its_neighbour_goes_on(
     scheduler.start()
     try:
         short, long = list(range(30, 70)), list(range(100, 160))
-        one, many = Deliveries(), Deliveries()
+        one, many = Deliveries(scheduler), Deliveries(scheduler)
         scheduler.submit(_request(tiny, "many", long, 24), many)
         scheduler.submit(_request(tiny, "one", short, 1), one)
         end = one.finished()
         assert end.reason == "length"
-        # Token and Finished in one delivery: the stream ended with its token.
+        # Token and Finished in one delivery, before any step reported its token (the
+        # step count is that of its first delivery, Started): it ended with its token.
         assert len(one.deliveries[-1]) == 2 and isinstance(one.deliveries[-1][0], Token)
+        assert one.steps[-1] == one.steps[0]
         assert one.tokens == _greedy(tiny, short, 1)
         # Its id is free with its Finished, though its row may still be in the batch: a new
         # request of the same id is taken at once and runs as alone.
-        again = Deliveries()
+        again = Deliveries(scheduler)
         scheduler.submit(_request(tiny, "one", short, 6), again)
         assert many.finished().reason == "length"
         assert many.tokens == _greedy(tiny, long, 24)
@@ -106,11 +112,12 @@ def test_a_stop_token_first_ends_the_stream_with_it(tiny: LoadedModel) -> None:
     scheduler = Scheduler(tiny, Limits(max_running=4, max_queued=4))
     scheduler.start()
     try:
-        sink = Deliveries()
+        sink = Deliveries(scheduler)
         scheduler.submit(_request(tiny, "stops", prompt, 16, frozenset({first})), sink)
         end = sink.finished()
         assert (end.reason, end.stop_token) == ("stop", first)
         assert sink.tokens == [first]
         assert isinstance(sink.deliveries[-1][0], Token) and len(sink.deliveries[-1]) == 2
+        assert sink.steps[-1] == sink.steps[0]
     finally:
         scheduler.shutdown()
