@@ -1,0 +1,138 @@
+"""Our MLX-CUDA kernels compile, as MLX compiles them, for every launch their modules make on
+the shapes we serve, and each launch fits an SM (tests/nvrtc_check.py). CI has no GPU: before
+this, a kernel that did not compile, or asked for more registers than an SM has ("too many
+resources requested for launch"), was found only on a lent device.
+
+The modules run as on MLX-CUDA, on the CPU's arrays, with `mx.fast.cuda_kernel` recording
+each call: their launch arithmetic (grids, blocks, template arguments, output shapes) is the
+real one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import mlx.core as mx
+import pytest
+
+from engine_service.kv import row_attention_cuda, turboquant_cuda
+from engine_service.model import invariant_matmul_cuda
+from engine_service.model.invariant_matmul_cuda import ROWS, invariant_matmul
+from tests.nvrtc_check import Compiled, Nvrtc, Recorder, cuda_root
+
+MAX_THREADS = 1024  # a block's threads on any CUDA device
+
+
+@pytest.fixture(scope="module")
+def nvrtc() -> Iterator[Nvrtc]:
+    root = cuda_root()
+    assert root is not None, "NVIDIA's CUDA 13 wheels are dev dependencies (pyproject.toml)"
+    compiler = Nvrtc(root)
+    yield compiler
+    compiler.close()
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    recording = Recorder()
+    monkeypatch.setattr(mx.fast, "cuda_kernel", recording)
+    # Kernels made before (none on the CPU) would bypass the recorder.
+    monkeypatch.setattr(invariant_matmul_cuda, "_kernels", {})
+    monkeypatch.setattr(row_attention_cuda, "_kernels", {})
+    return recording
+
+
+def _check(nvrtc: Nvrtc, recorder: Recorder) -> list[Compiled]:
+    launches = recorder.distinct()
+    assert launches, "nothing was launched"
+    results = [nvrtc.compile(launch) for launch in launches]
+    for result in results:
+        name = result.launch.name
+        assert result.ok, f"{name} does not compile:\n{result.log}"
+        assert result.registers > 0, f"no ptxas report for {name}:\n{result.log}"
+        assert result.launch.threads <= MAX_THREADS, name
+        assert result.fits_an_sm, (
+            f"{name}: {result.registers} registers x {result.launch.threads} threads"
+            " pass an SM's 65,536: the launch would fail on the device"
+        )
+        assert result.spilled_bytes == 0, f"{name} spills {result.spilled_bytes} bytes"
+        assert result.shared_bytes <= 48 * 1024, f"{name}: {result.shared_bytes} bytes shared"
+    return results
+
+
+# (K, N): Qwen3-0.6B's projections and vocabulary, Llama-3-8B's, and an odd width.
+PROJECTIONS = [
+    (1024, 2048),
+    (1024, 3072),
+    (3072, 1024),
+    (2048, 1024),
+    (4096, 4096),
+    (4096, 1024),
+    (4096, 14336),
+    (14336, 4096),
+    (1024, 151936),
+    (4096, 128256),
+    (512, 24),
+]
+ROW_COUNTS = [1, 2, 8, 9, 16, 17, 32, 33, 64, 128, 129]
+
+
+def test_the_projection_kernel_compiles_and_fits_for_every_tiling_it_chooses(
+    nvrtc: Nvrtc, recorder: Recorder
+) -> None:
+    for k, n in PROJECTIONS:
+        weight = mx.zeros((n, k), dtype=mx.bfloat16)
+        for rows in ROW_COUNTS:
+            out = invariant_matmul(mx.zeros((rows, k), dtype=mx.bfloat16), weight)
+            assert out.shape == (rows, n)
+    half = mx.zeros((4096, 4096), dtype=mx.float16)
+    invariant_matmul(mx.zeros((8, 4096), dtype=mx.float16), half)
+    results = _check(nvrtc, recorder)
+    # Every block size the chosen tilings ask for was compiled (a block is the K splits).
+    assert {r.launch.threads for r in results} == {invariant_matmul_cuda.SPLITS * 32}
+    # Calls past ROWS rows run as blocks of ROWS: launches of at most ROWS rows each.
+    assert len(recorder.launches) >= len(PROJECTIONS) * len(ROW_COUNTS)
+    assert ROWS == 128
+
+
+ATTENTION_SHAPES = [(16, 8, 128), (32, 8, 128), (14, 2, 64), (64, 8, 128), (8, 8, 256)]
+
+
+def test_the_decode_attention_kernels_compile_eager_and_as_a_compiled_step_calls_them(
+    nvrtc: Nvrtc, recorder: Recorder
+) -> None:
+    for heads, kv_heads, dim in ATTENTION_SHAPES:
+        for dtype in (mx.bfloat16, mx.float16, mx.float32):
+            q = mx.zeros((3, heads, 1, dim), dtype=dtype)
+            kv = mx.zeros((3, kv_heads, 300, dim), dtype=dtype)
+            out = row_attention_cuda.row_attention(q, kv, kv, dim**-0.5, [0, 100, 299])
+            assert out.shape == (3, heads, 1, dim)
+        # As the compiled step calls it: paddings and the written length as arrays.
+        pads = mx.array([0, 100, 299], dtype=mx.int32)
+        written = mx.array([300], dtype=mx.int32)
+        row_attention_cuda.row_attention(q, kv, kv, dim**-0.5, pads, written)
+    _check(nvrtc, recorder)
+
+
+def test_the_turboquant_kernels_compile(nvrtc: Nvrtc, recorder: Recorder) -> None:
+    for dim, bits in [(128, 4), (64, 3)]:
+        words = -(-dim // (32 // bits))
+        levels = mx.zeros((2**bits,), dtype=mx.float32)
+        bounds = mx.zeros((2**bits - 1,), dtype=mx.float32)
+        kernels = turboquant_cuda.CudaKernels(dim, bits, words, levels, bounds)
+        codes = kernels.quantize(mx.zeros((2, 8, 40, dim)), mx.zeros((2, 8, 40, 1)))
+        assert codes.shape == (2, 8, 40, words)
+        assert kernels.decode(codes, mx.zeros((2, 8, 40, 1)), mx.bfloat16).shape[-1] == dim
+        attend = turboquant_cuda.FusedAttention(kernels, kernels, 4, 8)
+        out = attend(
+            mx.zeros((2, 32, dim)),
+            codes,
+            mx.zeros((2, 8, 40, 1)),
+            codes,
+            mx.zeros((2, 8, 40, 1)),
+            mx.ones((2, 40), dtype=mx.uint8),
+            mx.zeros((dim, dim)),
+            mx.bfloat16,
+        )
+        assert out.shape == (2, 32, dim)
+    _check(nvrtc, recorder)
