@@ -5,7 +5,10 @@ resources requested for launch"), was found only on a lent device.
 
 The modules run as on MLX-CUDA, on the CPU's arrays, with `mx.fast.cuda_kernel` recording
 each call: their launch arithmetic (grids, blocks, template arguments, output shapes) is the
-real one.
+real one. Covered: the invariant projection and row attention kernels (deterministic mode),
+TurboQuant's (decode, quantize, fused attention) and a direct hit's plane gather. Not yet: the
+pinned region's pull and push (device_landing.py) and a direct hit's group gather
+(direct_landing.py), whose modules need the CUDA runtime to be built.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from collections.abc import Iterator
 import mlx.core as mx
 import pytest
 
+from engine_service.checkpoints.direct_planes import PLANES_PER_LAUNCH, PlaneGather, plane_pieces
 from engine_service.kv import row_attention_cuda, turboquant_cuda
 from engine_service.model import invariant_matmul_cuda
 from engine_service.model.invariant_matmul_cuda import ROWS, invariant_matmul
+from tandem_client.records import Tensor
 from tests.nvrtc_check import Compiled, Nvrtc, Recorder, cuda_root
 
 MAX_THREADS = 1024  # a block's threads on any CUDA device
@@ -135,4 +140,20 @@ def test_the_turboquant_kernels_compile(nvrtc: Nvrtc, recorder: Recorder) -> Non
             mx.bfloat16,
         )
         assert out.shape == (2, 32, dim)
+    _check(nvrtc, recorder)
+
+
+def test_the_plane_gather_compiles_at_each_launch_width(nvrtc: Nvrtc, recorder: Recorder) -> None:
+    """checkpoints/direct_planes.py: a direct store hit's planes gathered by one launch of 8
+    (the engine's) or 64 outputs, from a file's chunks (here one chunk a tensor)."""
+    group = []
+    for index in range(3):
+        shape = (1, 8, 40 + index, 128)
+        tensor = Tensor("k", "bfloat16", shape, bytes(2 * 8 * (40 + index) * 128))
+        pieces = plane_pieces(tensor, [(4096 * 64 * index, tensor.nbytes)], 40 + index, 296)
+        assert pieces is not None
+        group.append((tensor, pieces))
+    for outputs in (PLANES_PER_LAUNCH, 64):
+        planes = PlaneGather().launch(group, 1 << 20, 296, outputs)
+        assert [p.shape for p in planes.values()] == [(1, 8, 296, 128)] * 3
     _check(nvrtc, recorder)
