@@ -16,7 +16,6 @@ import random
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +31,13 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import BatchGenerator  # noqa: E402
 
 from bench.determinism_bench import COMPILED_MAX_BATCH, engine_side, row_caches  # noqa: E402
+from bench.device_timing import profile_kernels  # noqa: E402
 from bench.engine_bench import model_spec  # noqa: E402
 from engine_service.loop.compiled_decode import CompiledDecode  # noqa: E402
 from engine_service.model.loading import load_model  # noqa: E402
 
 
 def profile_side(model: Any, prompts: list[list[int]], steps: int, top: int) -> None:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.zeros(1, device="cuda")  # CUPTI needs the runtime up
-
     bg = BatchGenerator(
         model, completion_batch_size=len(prompts), prefill_batch_size=8, stop_tokens=set()
     )
@@ -51,32 +46,31 @@ def profile_side(model: Any, prompts: list[list[int]], steps: int, top: int) -> 
         pass
     for _ in range(8):  # warm
         bg.next()
-    mx.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    wall = 0.0
+
+    def run() -> None:
+        nonlocal wall
         start = time.perf_counter()
         for _ in range(steps):
             bg.next()
         mx.synchronize()
         wall = time.perf_counter() - start
-    torch.cuda.synchronize()
+
+    totals = profile_kernels(run)
     bg.close()
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type.name != "CUDA":
-            continue
-        entry = totals[event.name]
-        entry[0] += event.time_range.elapsed_us()
-        entry[1] += 1
-    busy = sum(t for t, _ in totals.values())
+    if totals is None:
+        print("    no CUDA profiler here (torch with CUDA): nothing to report")
+        return
+    busy = sum(t.micros for t in totals.values())
+    launches = sum(t.calls for t in totals.values())
     print(
         f"    wall {wall / steps * 1e3:.2f} ms a step, kernels {busy / steps / 1e3:.2f} ms a step"
-        f" ({sum(int(c) for _, c in totals.values()) / steps:.0f} launches)"
+        f" ({launches / steps:.0f} launches)"
     )
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
-    for name, (micros, calls) in ranked:
+    for name, total in sorted(totals.items(), key=lambda kv: -kv[1].micros)[:top]:
         print(
-            f"      {micros / steps:8.1f} us a step, {calls / steps:5.1f} calls,"
-            f" {micros / max(calls, 1):7.2f} us a call: {name[:110]}"
+            f"      {total.micros / steps:8.1f} us a step, {total.calls / steps:5.1f} calls,"
+            f" {total.micros / max(total.calls, 1):7.2f} us a call: {name[:110]}"
         )
 
 

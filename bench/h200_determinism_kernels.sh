@@ -36,9 +36,11 @@ for part in ${1:-a}; do
         --cost-tokens 48 --pairs 3 2>&1 | tee "$out/cost_06b.txt"
       ;;
     d)
-      timeout 100 python3 bench/invariant_matmul_bench.py --shapes 8b --rounds 6 --reps 32 \
-        --unrolls 1,2,8 2>&1 | tee "$out/matmul_8b.txt"
-      timeout 100 python3 bench/decode_kernel_profile.py --model llama3-8b-shape --streams 1 \
+      timeout 100 python3 bench/invariant_matmul_bench.py --shapes 8b --reps 32 --unrolls 1,2,8 \
+        --device-time 2>&1 | tee "$out/matmul_8b.txt"
+      timeout 40 python3 bench/row_attention_bench.py --rounds 3 --device-time 2>&1 \
+        | tee "$out/attention.txt"
+      timeout 150 python3 bench/decode_kernel_profile.py --model llama3-8b-shape --streams 1,8 \
         --kernel --steps 16 --top 10 2>&1 | grep -v -i warn | tee "$out/profile_8b.txt"
       timeout 150 $det --model qwen3-0.6b-shape --batches 8,32 --tokens 64 --streams 1 \
         --cost-tokens 32 --pairs 3 2>&1 | tee "$out/agree_06b.txt"

@@ -8,7 +8,10 @@ batch, whether every tiling of the output gives the same bits, and the time of o
 (median of rounds; each round evaluates --reps calls together, as a model's step would).
 
     python bench/invariant_matmul_bench.py [--rows 1,8,32,128] [--rounds 20] [--reps 32]
-        [--shapes 8b]
+        [--shapes 8b] [--unrolls 1,2,4,8] [--device-time]
+
+Wall time at a few rows is mostly the host's (Python, graph building); --device-time reports
+the kernels' own durations (on the lent device, where torch is).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,6 +28,7 @@ sys.path[:0] = [str(ROOT)]
 
 import mlx.core as mx  # noqa: E402
 
+from bench.device_timing import total_micros  # noqa: E402
 from engine_service.model.invariant_matmul_cuda import (  # noqa: E402
     AVAILABLE,
     ROWS,
@@ -62,13 +67,28 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=32, help="calls evaluated together")
     parser.add_argument("--shapes", choices=["default", "8b"], default="default")
     parser.add_argument("--unrolls", default="1,2,4,8", help="steps unrolled, swept")
+    parser.add_argument(
+        "--device-time",
+        action="store_true",
+        help="the kernels' own time (CUPTI through torch) instead of the wall's",
+    )
     args = parser.parse_args()
+
+    def measure(call: Callable[[], mx.array]) -> float:
+        """Seconds a call: its kernels' device time, or the wall's (bench/device_timing.py)."""
+        if args.device_time:
+            micros = total_micros(call, args.reps)
+            if micros is not None:
+                return micros / 1e6
+        return timed(call, args.rounds, args.reps)
+
     unrolls = [int(u) for u in args.unrolls.split(",")]
     if not AVAILABLE:
         print("not MLX-CUDA: the kernel does not run here")
         return
     version = getattr(mx, "__version__", "?")
-    print(f"MLX {version}, bf16; microseconds a call ({args.reps} calls evaluated together)")
+    how = "device time (CUPTI)" if args.device_time else "wall"
+    print(f"MLX {version}, bf16; microseconds a call, {how} ({args.reps} calls together)")
     print(
         "K x N, rows: max |diff| / max |ref|, target bits alone = batched, every column"
         " tiling the same bits; the kernel at c column tiles and b row tiles a block (* the"
@@ -107,11 +127,11 @@ def main() -> None:
             padded = mx.pad(x, [(0, -rows % ROWS), (0, 0)])
             kernel_times = []
             for c, b, u in tilings:
-                t = timed(lambda: invariant_matmul(x, w, c, b, u), args.rounds, args.reps)  # noqa: B023
+                t = measure(lambda: invariant_matmul(x, w, c, b, u))  # noqa: B023
                 star = "*" if (c, b, u) == chosen else ""
                 kernel_times.append(f"c{c}b{b}u{u}={t * 1e6:.1f}{star}")
-            t_mlx = timed(lambda: x @ w.T, args.rounds, args.reps)  # noqa: B023
-            t_block = timed(lambda: (padded @ w.T)[:rows], args.rounds, args.reps)  # noqa: B023
+            t_mlx = measure(lambda: x @ w.T)  # noqa: B023
+            t_block = measure(lambda: (padded @ w.T)[:rows])  # noqa: B023
             print(
                 f"  {k:5d} x {n:6d}, {rows:3d} rows: {diff / scale:.2e}, {same}, {tiled_same};"
                 f" {' '.join(kernel_times)}; MLX {t_mlx * 1e6:.1f}; block {t_block * 1e6:.1f}"

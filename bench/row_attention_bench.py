@@ -7,7 +7,10 @@ Also checked: each row alone is bit-identical to the same row in the batch, and 
 difference from SDPA over the row's own keys (bf16).
 
     python bench/row_attention_bench.py [--shapes 8b,0.6b] [--cases 1x160,1x2048,8x512,32x1024]
-        [--rounds 15] [--reps 32] [--legacy bench/_legacy_row_attention_cuda.py]
+        [--rounds 15] [--reps 32] [--legacy bench/_legacy_row_attention_cuda.py] [--device-time]
+
+The wall's times at one row are mostly the host's; --device-time adds the kernels' own
+(bench/device_timing.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ sys.path[:0] = [str(ROOT)]
 
 import mlx.core as mx  # noqa: E402
 
+from bench.device_timing import total_micros  # noqa: E402
 from engine_service.kv import row_attention_cuda  # noqa: E402
 
 # (query heads, KV heads, head dim): Llama-3-8B's and Qwen3-0.6B's attention.
@@ -54,6 +58,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--reps", type=int, default=32)
     parser.add_argument("--legacy", default="", help="another build of row_attention_cuda.py")
+    parser.add_argument(
+        "--device-time", action="store_true", help="also each side's kernels' device time"
+    )
     args = parser.parse_args()
     if not row_attention_cuda.AVAILABLE:
         print("not MLX-CUDA: the kernel does not run here")
@@ -103,6 +110,10 @@ def main() -> None:
                 for name, call in order if turn % 2 == 0 else order[::-1]:
                     times[name].append(timed(call, args.reps))
             cells = [f"{name} {statistics.median(t) * 1e6:.1f}" for name, t in times.items()]
+            if args.device_time:
+                for name, call in sides.items():
+                    micros = total_micros(call, args.reps)
+                    cells.append(f"{name} device {micros:.1f}" if micros else f"{name} device ?")
             for other in [n for n in sides if n != "kernel"]:
                 ratios = [a / b for a, b in zip(times["kernel"], times[other], strict=True)]
                 cells.append(
