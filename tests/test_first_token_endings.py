@@ -8,6 +8,7 @@ In-process, on the tiny model: each request's sink records its deliveries as the
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -20,8 +21,8 @@ from engine_service.loop.scheduler import Scheduler
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
 from engine_service.protocol.events import Event, Finished, Token
-from engine_service.protocol.requests import GenerationRequest, stop_token_ids
-from engine_service.protocol.sampling_options import SamplingOptions
+from engine_service.protocol.requests import GenerationRequest
+from tests.zoo_checks import request
 
 
 class Deliveries:
@@ -59,16 +60,8 @@ def tiny(engine_data_dir: Path) -> LoadedModel:
 def _request(
     loaded: LoadedModel, rid: str, prompt: list[int], n: int, stops: frozenset[int] = frozenset()
 ) -> GenerationRequest:
-    options = SamplingOptions(ignore_eos=True)
-    return GenerationRequest(
-        request_id=rid,
-        prompt=prompt,
-        max_tokens=n,
-        sampling=options,
-        namespace="default",
-        stop_ids=stop_token_ids(options, loaded.eos_token_ids) | stops,
-        layout=list(loaded.layout),
-    )
+    plain = request(loaded, rid, prompt, max_tokens=n, namespace="default")
+    return dataclasses.replace(plain, stop_ids=plain.stop_ids | stops)
 
 
 def _greedy(loaded: LoadedModel, prompt: list[int], n: int) -> list[int]:
