@@ -2,8 +2,8 @@
 # Issue 39 on the lent H200 (after the set-up of ../shared/gpu/README.md): deterministic mode's
 # two kernels, each load-bound at a few rows, rebuilt to keep more loads in flight.
 # Part a: the projection kernel per call (every tiling and unroll, bits checked equal) on the
-# 8B's shapes and the 0.6B's; the decode attention kernel against MLX's SDPA and the previous
-# build (bench/_legacy_row_attention_cuda.py, a copy of it); the mode's cost with the kernel
+# 8B's shapes and the 0.6B's; the decode attention kernel against MLX's SDPA (with --legacy
+# FILE, a copy of an earlier build, against that too); the mode's cost with the kernel
 # on the 8B shape at 1 and 8 streams, and at 1 stream with the old column tiling (4).
 # Part b: the 0.6B shape's probe, kernel check and agreement with solo runs (greedy and
 # seeded, batches 8 and 32), then its cost at 1/8/32/128 streams. Part c: the 8B's cost at
@@ -22,8 +22,7 @@ for part in ${1:-a}; do
         2>&1 | tee "$out/matmul_8b.txt"
       timeout 60 python3 bench/invariant_matmul_bench.py --rows 1,128 --rounds 8 --reps 32 \
         --unrolls 1,8 2>&1 | tee "$out/matmul_06b.txt"
-      timeout 60 python3 bench/row_attention_bench.py --legacy bench/_legacy_row_attention_cuda.py \
-        2>&1 | tee "$out/attention.txt"
+      timeout 60 python3 bench/row_attention_bench.py 2>&1 | tee "$out/attention.txt"
       timeout 170 $det --model llama3-8b-shape --skip-agreement --streams 1,8 --cost-tokens 32 \
         --pairs 3 2>&1 | tee "$out/cost_8b.txt"
       timeout 110 $det --model llama3-8b-shape --skip-agreement --streams 1 --cost-tokens 32 \

@@ -107,7 +107,7 @@ def main() -> None:
             scale = mx.max(mx.abs(ref.astype(mx.float32))).item()
             same = mx.array_equal(ours[-1:], alone).item()
             chosen_columns = column_tiles(rows, n)
-            chosen = (chosen_columns, row_tiles(rows, n), unroll_steps(chosen_columns))
+            chosen = (chosen_columns, row_tiles(rows), unroll_steps(chosen_columns))
             all_tiles = (rows + 15) // 16
             # (column tiles, row tiles, steps unrolled): the first kernel's, and the chosen
             # row tiles at every column tiling and unroll that keeps w's registers few.
