@@ -41,7 +41,7 @@ for part in ${1:-a}; do
         | tee "$out/attention.txt"
       timeout 150 python3 bench/decode_kernel_profile.py --model llama3-8b-shape --streams 1,8 \
         --kernel --steps 16 --top 10 2>&1 | grep -v -i warn | tee "$out/profile_8b.txt"
-      timeout 150 $det --model qwen3-0.6b-shape --batches 8,32 --tokens 64 --streams 1 \
+      timeout 200 $det --model qwen3-0.6b-shape --batches 8,32 --tokens 64 --streams 1 \
         --cost-tokens 32 --pairs 3 2>&1 | tee "$out/agree_06b.txt"
       ;;
     e)
