@@ -6,23 +6,26 @@ resources requested for launch"), was found only on a lent device.
 The modules run as on MLX-CUDA, on the CPU's arrays, with `mx.fast.cuda_kernel` recording
 each call: their launch arithmetic (grids, blocks, template arguments, output shapes) is the
 real one. Covered: the invariant projection and row attention kernels (deterministic mode),
-TurboQuant's (decode, quantize, fused attention) and a direct hit's plane gather. Not yet: the
-pinned region's pull and push (device_landing.py) and a direct hit's group gather
-(direct_landing.py), whose modules need the CUDA runtime to be built.
+TurboQuant's (decode, quantize, fused attention), a direct hit's plane gather, and the pinned
+region's pull and push (device_landing.py). Not yet: a direct hit's group gather
+(direct_landing.py), whose module needs an MLX-CUDA stream.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any, cast
 
 import mlx.core as mx
 import pytest
 
+from engine_service.checkpoints.device_landing import PinnedLanding
 from engine_service.checkpoints.direct_planes import PLANES_PER_LAUNCH, PlaneGather, plane_pieces
 from engine_service.kv import row_attention_cuda, turboquant_cuda
 from engine_service.model import invariant_matmul_cuda
 from engine_service.model.invariant_matmul_cuda import ROWS, invariant_matmul
 from tandem_client.records import Tensor
+from tandem_client.regions import SharedRegion
 from tests.nvrtc_check import Compiled, Nvrtc, Recorder, cuda_root
 
 MAX_THREADS = 1024  # a block's threads on any CUDA device
@@ -157,3 +160,35 @@ def test_the_plane_gather_compiles_at_each_launch_width(nvrtc: Nvrtc, recorder: 
         planes = PlaneGather().launch(group, 1 << 20, 296, outputs)
         assert [p.shape for p in planes.values()] == [(1, 8, 296, 128)] * 3
     _check(nvrtc, recorder)
+
+
+class _HostAddresses:
+    """The CUDA runtime calls a PinnedLanding makes, on a host without CUDA: registering is
+    nothing, and a device address is the host's (CUDA's unified addressing)."""
+
+    def register(self, address: int, nbytes: int, flags: int = 0) -> None:
+        pass
+
+    def unregister(self, address: int) -> None:
+        pass
+
+    def device_pointer(self, address: int) -> int:
+        return address
+
+
+def test_the_pinned_regions_pull_and_push_compile(nvrtc: Nvrtc, recorder: Recorder) -> None:
+    """checkpoints/device_landing.py: a tensor in the shared region pulled into a device
+    array, and a capture pushed into a span of it."""
+    region = SharedRegion(1 << 20)
+    try:
+        landing = PinnedLanding(region, cast(Any, _HostAddresses()))
+        held = memoryview(region.buf)[4096 : 4096 + 8 * 64 * 2]
+        pulled = landing.array(Tensor("k", "bfloat16", (1, 8, 64), held))
+        assert pulled.shape == (1, 8, 64)
+        flags, done = landing.push_many([([mx.zeros((1, 8, 64), dtype=mx.bfloat16)], held)])
+        assert flags[0] is not None and len(done) == 1
+        landing.close()
+    finally:
+        region.close()
+    names = {compiled.launch.name for compiled in _check(nvrtc, recorder)}
+    assert names == {"custom_kernel_tandem_pull_pinned", "custom_kernel_tandem_push_pinned"}
