@@ -1,6 +1,6 @@
 """A row whose first token ends it (a 1-token request, or a stop token first) ends its stream
 with that token: the Finished leaves in the same delivery as the token, not a decode step
-later (loop/scheduler.py `_send_first_tokens`, `Job.ending_at`). The row itself leaves the
+later (loop/first_tokens.py `_send_first_tokens`, `Job.ending_at`). The row itself leaves the
 batch when the next step reports it, so the rows beside it go on exactly.
 
 In-process, on the tiny model: each request's sink records its deliveries as they came.

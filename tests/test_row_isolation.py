@@ -153,7 +153,7 @@ class FailsOnLongBatches:
 
 
 def test_a_first_token_already_sent_is_kept_when_the_next_step_fails(tiny: LoadedModel) -> None:
-    """Both rows' first tokens leave before their first decode step (loop/scheduler.py
+    """Both rows' first tokens leave before their first decode step (loop/first_tokens.py
     `_send_first_tokens`); that step fails, and the short row starts again by recompute from
     the token its client already has: no token twice, none different."""
     loaded = LoadedModel(**{**tiny.__dict__, "model": FailsOnLongBatches(tiny.model, 150)})

@@ -76,7 +76,7 @@ class Job:
     arrived_at: float = field(default_factory=time.monotonic)
     planned_at: float = field(default_factory=time.monotonic)  # handed to the MLX thread
     recompute: bool = False  # starts again from its tokens alone (its batch step failed)
-    # Its first token, sent before the step that reports it (scheduler._send_first_tokens).
+    # Its first token, sent before the step that reports it (first_tokens.py `_send_first_tokens`).
     token_sent_ahead: int | None = None
     # Its stream has ended (a Finished was emitted): nothing more is sent to it. A row whose
     # first token ends it is told so with that token, and leaves the batch a step later.

@@ -21,6 +21,7 @@ from engine_service.errors import Corrupt, InvalidRequest
 from engine_service.loop.admissions import gather_burst
 from engine_service.loop.batch_model import batch_model
 from engine_service.loop.commands import Cancel, Park, Restored, Submit, Unpark
+from engine_service.loop.first_tokens import FirstTokens
 from engine_service.loop.idle_buffers import IdleBuffers
 from engine_service.loop.inbox import SchedulerInbox
 from engine_service.loop.jobs import Job, StartingPoint
@@ -63,7 +64,7 @@ def deliver_directly(outbox: list[tuple[Sink, list[Event]]]) -> None:
         sink(events)
 
 
-class Scheduler(SchedulerInbox, RowEndings):
+class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
     """The engine thread's half: admits, steps the batch, ends rows, delivers events."""
 
     def __init__(
@@ -388,44 +389,6 @@ class Scheduler(SchedulerInbox, RowEndings):
             self._stats.add_step(len(responses), time.monotonic())
             if self._stats.steps_total % KV_BYTES_EVERY == 0:  # a sum over layers: not each step
                 self._stats.kv_cache_bytes = batch_cache_bytes(self._bg)
-
-    def _send_first_tokens(self) -> None:
-        """The first token of each row that began generating in this step leaves now, not
-        with the next step's tokens (model/folded_prefill.py `first_tokens`): after its
-        store read was confirmed (a row whose read was not is out of the batch by then)."""
-        for first in self._bg.first_tokens():
-            job = self._rows.get(first.uid)
-            if job is None:
-                continue
-            if job.at_first_new_token(sent_ahead=True):  # bench/hit_floor_bench.py reads it
-                log.debug("first token phases, %s", job.first_token_phases())
-            k = job.request.sampling.logprobs
-            extra = requested_logprobs(first.logprobs, first.token, k)
-            # A token that ends the row (a 1-token request) ends its stream now too; the row
-            # leaves the batch, and its prefix is saved, when the next step reports it.
-            ending = job.ending_at(first.token)
-            self.emit(job, [Token(first.token, *extra), *([ending] if ending else [])])
-            job.token_sent_ahead = first.token
-            if self._step_checkpoints is not None and not job.tokens and not job.resumed:
-                self._step_checkpoints.expect_prefix(job)  # saved once the step reports it
-
-    def _confirm_reads(self, step_failed: bool = False) -> None:
-        """Direct store hits used unconfirmed, after the step that ran over them and before
-        any token of theirs leaves (loop/read_confirmations.py)."""
-        if not self._unconfirmed:
-            return
-        ckpt = self.checkpoints
-        assert ckpt is not None
-        for outcome in self._unconfirmed.confirm_all(ckpt.prefixes, ckpt.counters, self._by_id):
-            job = outcome.job
-            if outcome.recompute:  # out of the batch (a failed step's is replaced whole)
-                if job.uid in self._rows and not step_failed:
-                    self._bg.remove([job.uid])
-                self._rows.pop(job.uid, None)
-                job.plan = None
-                self._start_again(job)
-            if outcome.started is not None:
-                self.emit(job, [outcome.started])
 
     def _publish_counts(self) -> None:
         with self._lock:

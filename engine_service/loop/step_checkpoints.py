@@ -138,7 +138,7 @@ class StepCheckpoints:
             self._release_if_idle()
 
     def expect_prefix(self, job: Job) -> None:
-        """job's first token left before the step that reports it (scheduler.py
+        """job's first token left before the step that reports it (first_tokens.py
         `_send_first_tokens`): a Flush asked now waits for its prefix too."""
         self._expected.add(id(job))
         self._hold()
