@@ -40,11 +40,14 @@ from tests.servers import free_port, start_engine, start_store_on, wait_until  #
 CHECKPOINT_EVERY = 16
 
 
-def run_once(spec: str, root: Path, streams: int, tokens: int, seed: int) -> int:
+def run_once(
+    spec: str, root: Path, streams: int, tokens: int, seed: int, matmul: str = "blocks"
+) -> int:
     port = free_port()
     store_proc = start_store_on(root / "store", port)
     store = StoreClient(f"127.0.0.1:{port}")
     args = ["--model", spec, "--store", f"127.0.0.1:{port}", "--deterministic"]
+    args += ["--deterministic-matmul", matmul]
     engine = start_engine(root / "data", *args, log_dir=root / "first", timeout=900)
     rng = random.Random(seed)
     vocab = EngineClient(engine.address).model_info().vocab_size
@@ -101,12 +104,15 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument(
+        "--matmul", choices=["blocks", "kernel"], default="blocks", help="--deterministic-matmul"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tandem-determinism-") as tmp:
         spec = model_spec(args.model, Path(tmp))
         for run in range(args.runs):
             root = Path(tmp) / f"run{run}"
-            exact = run_once(spec, root, args.streams, args.tokens, seed=run + 1)
+            exact = run_once(spec, root, args.streams, args.tokens, run + 1, args.matmul)
             print(
                 f"{args.model}, run {run + 1}: {exact}/{args.streams} streams killed in a batch"
                 f" and resumed together equal their solo run (tokens and log-probabilities)",

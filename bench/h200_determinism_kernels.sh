@@ -10,7 +10,8 @@
 # 32 streams and its agreement at batch 8. Part d (eight warps a block in the projection
 # kernel, chunks of 64 keys in the attention kernel): the projection kernel per call, a
 # kernel-by-kernel profile of the 8B's one-stream step (bench/decode_kernel_profile.py), the
-# 0.6B's agreement; part e: the cost on both shapes. Writes text under $OUT.
+# 0.6B's agreement; part e: the cost on both shapes; part f: the 8B at 128 streams, and its
+# streams killed and resumed against solo runs. Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
@@ -49,6 +50,12 @@ for part in ${1:-a}; do
         --pairs 3 2>&1 | tee "$out/cost_8b.txt"
       timeout 250 $det --model qwen3-0.6b-shape --skip-agreement --streams 8,32,128 \
         --cost-tokens 48 --pairs 3 2>&1 | tee "$out/cost_06b.txt"
+      ;;
+    f)
+      timeout 280 $det --model llama3-8b-shape --skip-agreement --streams 128 --cost-tokens 32 \
+        --pairs 3 2>&1 | tee "$out/cost_8b_128.txt"
+      timeout 280 python3 bench/determinism_resume.py --model llama3-8b-shape --runs 1 --matmul kernel \
+        --tokens 64 2>&1 | tee "$out/resume_8b.txt"
       ;;
     c)
       timeout 200 $det --model llama3-8b-shape --skip-agreement --streams 32 --cost-tokens 32 \
