@@ -19,7 +19,6 @@ x86_64.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import re
 import subprocess
 import sys
@@ -55,22 +54,11 @@ def record(args: argparse.Namespace) -> Launch:
 
 def sass(nvrtc: Nvrtc, launch: Launch, root: Path) -> tuple[str, str]:
     """The kernel's disassembly and ptxas's report."""
-    compiled = nvrtc.compile(launch)  # the report (registers, spills)
-    lib, program = nvrtc.lib, ctypes.c_void_p()
-    lib.nvrtcCreateProgram(ctypes.byref(program), launch.source.encode(), b"k.cu", 0, None, None)
-    options = [o.encode() for o in nvrtc.options if o not in ("-Xptxas", "-v")]
-    result = lib.nvrtcCompileProgram(
-        program, len(options), (ctypes.c_char_p * len(options))(*options)
-    )
-    if result != 0:
+    compiled = nvrtc.compile(launch)
+    if not compiled.ok:
         raise SystemExit(f"does not compile:\n{compiled.log}")
-    size = ctypes.c_size_t()
-    lib.nvrtcGetCUBINSize(program, ctypes.byref(size))
-    cubin = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetCUBIN(program, cubin)
-    lib.nvrtcDestroyProgram(ctypes.byref(program))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
-        file.write(cubin.raw)
+        file.write(compiled.cubin)
         file.flush()
         tool = root / "bin" / "nvdisasm"
         text = subprocess.run(

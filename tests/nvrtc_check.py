@@ -104,6 +104,7 @@ class Compiled:
     registers: int
     spilled_bytes: int
     shared_bytes: int
+    cubin: bytes  # the machine code (bench/kernel_sass.py disassembles it); b"" if not ok
 
     @property
     def fits_an_sm(self) -> bool:
@@ -244,6 +245,12 @@ class Nvrtc:
             buffer = ctypes.create_string_buffer(size.value)
             self.lib.nvrtcGetProgramLog(program, buffer)
             log = buffer.value.decode(errors="replace")
+            cubin = b""
+            if result == 0:
+                self.lib.nvrtcGetCUBINSize(program, ctypes.byref(size))
+                code = ctypes.create_string_buffer(size.value)
+                self.lib.nvrtcGetCUBIN(program, code)
+                cubin = code.raw
         finally:
             self.lib.nvrtcDestroyProgram(ctypes.byref(program))
         return Compiled(
@@ -253,6 +260,7 @@ class Nvrtc:
             registers=_number(r"Used (\d+) registers", log),
             spilled_bytes=_number(r"(\d+) bytes spill stores", log),
             shared_bytes=_number(r"(\d+) bytes smem", log),
+            cubin=cubin,
         )
 
     def close(self) -> None:
