@@ -328,7 +328,14 @@ def main() -> None:
         default=0,
         help="an experiment: the kernel's column tiles a block at <= 8 rows (0: as chosen)",
     )
+    parser.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="an experiment: the kernel's x loaded with w at <= 8 rows (PREFETCH_AT_FEW_ROWS)",
+    )
     args = parser.parse_args()
+    if args.prefetch:
+        invariant_matmul_cuda.PREFETCH_AT_FEW_ROWS = True
     if args.few_row_columns:
         chosen = invariant_matmul_cuda.column_tiles
         invariant_matmul_cuda.column_tiles = lambda rows, n: (  # type: ignore[assignment]

@@ -11,7 +11,8 @@
 # kernel, chunks of 64 keys in the attention kernel): the projection kernel per call, a
 # kernel-by-kernel profile of the 8B's one-stream step (bench/decode_kernel_profile.py), the
 # 0.6B's agreement; part e: the cost on both shapes; part f: the 8B at 128 streams, and its
-# streams killed and resumed against solo runs. Writes text under $OUT.
+# streams killed and resumed against solo runs; part g: the x prefetch at 1 and 8 streams
+# (against part e's runs without it). Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
@@ -50,6 +51,14 @@ for part in ${1:-a}; do
         --pairs 3 2>&1 | tee "$out/cost_8b.txt"
       timeout 250 $det --model qwen3-0.6b-shape --skip-agreement --streams 8,32,128 \
         --cost-tokens 48 --pairs 3 2>&1 | tee "$out/cost_06b.txt"
+      ;;
+    g)
+      # The kernel's x loaded with its w at up to 8 rows (bench/kernel_sass.py: every global
+      # load ahead of the first tensor-core op, 146 registers against 86), both shapes.
+      for model in llama3-8b-shape qwen3-0.6b-shape; do
+        timeout 200 $det --model $model --skip-agreement --streams 1,8 --cost-tokens 32 \
+          --pairs 3 --prefetch 2>&1 | tee "$out/prefetch_$model.txt"
+      done
       ;;
     f)
       timeout 280 $det --model llama3-8b-shape --skip-agreement --streams 128 --cost-tokens 32 \

@@ -31,7 +31,10 @@ import mlx.core as mx  # noqa: E402
 from bench.device_timing import total_micros  # noqa: E402
 from engine_service.model.invariant_matmul_cuda import (  # noqa: E402
     AVAILABLE,
+    FEW_ROWS,
+    PREFETCH_AT_FEW_ROWS,
     ROWS,
+    Asked,
     column_tiles,
     invariant_matmul,
     row_tiles,
@@ -40,6 +43,7 @@ from engine_service.model.invariant_matmul_cuda import (  # noqa: E402
 
 # (K, N): Qwen3-0.6B's q_proj, gate/up, down; Llama-3-8B's gate/up, down; a 0.6B's vocabulary.
 SHAPES = [(1024, 2048), (1024, 3072), (3072, 1024), (4096, 14336), (14336, 4096), (1024, 151936)]
+FIRST = Asked(1, ROWS // 16, 1, False)  # the first kernel's tiling: the bits every one gives
 # Every projection of Llama-3-8B's step: q and o, k and v, gate and up, down, the vocabulary.
 SHAPES_8B = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
 
@@ -97,39 +101,48 @@ def main() -> None:
     for k, n in SHAPES_8B if args.shapes == "8b" else SHAPES:
         w = (mx.random.normal((n, k), key=mx.random.key(1)) * k**-0.5).astype(mx.bfloat16)
         target = mx.random.normal((1, k), key=mx.random.key(2)).astype(mx.bfloat16)
-        alone = invariant_matmul(target, w, 1, ROWS // 16, 1)
+        alone = invariant_matmul(target, w, FIRST)
         for rows in [int(r) for r in args.rows.split(",")]:
             others = mx.random.normal((rows - 1, k), key=mx.random.key(3)).astype(mx.bfloat16)
             x = mx.concatenate([others, target]) if rows > 1 else target
-            ours = invariant_matmul(x, w, 1, ROWS // 16, 1)  # the first kernel's tiling
+            ours = invariant_matmul(x, w, FIRST)
             ref = x @ w.T
             diff = mx.max(mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32))).item()
             scale = mx.max(mx.abs(ref.astype(mx.float32))).item()
             same = mx.array_equal(ours[-1:], alone).item()
             chosen_columns = column_tiles(rows, n)
-            chosen = (chosen_columns, row_tiles(rows), unroll_steps(chosen_columns))
+            chosen = (
+                chosen_columns,
+                row_tiles(rows),
+                unroll_steps(chosen_columns),
+                PREFETCH_AT_FEW_ROWS and rows <= FEW_ROWS,
+            )
             all_tiles = (rows + 15) // 16
-            # (column tiles, row tiles, steps unrolled): the first kernel's, and the chosen
-            # row tiles at every column tiling and unroll that keeps w's registers few.
+            # (column tiles, row tiles, steps unrolled, x loaded with w): the first kernel's,
+            # the chosen row tiles at every column tiling and unroll that keeps w's registers
+            # few, with and without the prefetch where a call may take it (few rows).
+            prefetch = (False, True) if rows <= FEW_ROWS else (False,)
             tilings = sorted(
-                {chosen, (1, all_tiles, 1)}
+                {chosen, (1, all_tiles, 1, False)}
                 | {
-                    (c, chosen[1], u)
+                    (c, chosen[1], u, p)
                     for c in (1, 2, 4)
                     for u in unrolls
+                    for p in prefetch
                     if n % (8 * c) == 0 and c * u <= 8
                 }
-                | {(chosen[0], b, chosen[2]) for b in (1, 2, all_tiles) if b <= all_tiles}
+                | {(chosen[0], b, chosen[2], False) for b in (1, 2, all_tiles) if b <= all_tiles}
             )
             tiled_same = all(
-                mx.array_equal(invariant_matmul(x, w, c, b, u), ours).item() for c, b, u in tilings
+                mx.array_equal(invariant_matmul(x, w, Asked(c, b, u, p)), ours).item()
+                for c, b, u, p in tilings
             )
             padded = mx.pad(x, [(0, -rows % ROWS), (0, 0)])
             kernel_times = []
-            for c, b, u in tilings:
-                t = measure(lambda: invariant_matmul(x, w, c, b, u))  # noqa: B023
-                star = "*" if (c, b, u) == chosen else ""
-                kernel_times.append(f"c{c}b{b}u{u}={t * 1e6:.1f}{star}")
+            for c, b, u, p in tilings:
+                t = measure(lambda: invariant_matmul(x, w, Asked(c, b, u, p)))  # noqa: B023
+                star = "*" if (c, b, u, p) == chosen else ""
+                kernel_times.append(f"c{c}b{b}u{u}{'p' if p else ''}={t * 1e6:.1f}{star}")
             t_mlx = measure(lambda: x @ w.T)  # noqa: B023
             t_block = measure(lambda: (padded @ w.T)[:rows])  # noqa: B023
             print(

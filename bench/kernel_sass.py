@@ -44,7 +44,10 @@ def record(args: argparse.Namespace) -> Launch:
     if args.kernel == "projection":
         x = mx.zeros((args.rows, args.k), dtype=mx.bfloat16)
         w = mx.zeros((args.n, args.k), dtype=mx.bfloat16)
-        invariant_matmul_cuda.invariant_matmul(x, w, args.columns, args.block_tiles, args.unroll)
+        asked = invariant_matmul_cuda.Asked(
+            args.columns, args.block_tiles, args.unroll, args.prefetch or None
+        )
+        invariant_matmul_cuda.invariant_matmul(x, w, asked)
     else:
         q = mx.zeros((args.rows, args.heads, 1, args.dim), dtype=mx.bfloat16)
         kv = mx.zeros((args.rows, args.kv_heads, args.keys, args.dim), dtype=mx.bfloat16)
@@ -80,6 +83,7 @@ def main() -> None:
     parser.add_argument("--columns", type=int, default=None)
     parser.add_argument("--block-tiles", type=int, default=None)
     parser.add_argument("--unroll", type=int, default=None)
+    parser.add_argument("--prefetch", action="store_true", help="x loaded with w (<= 8 rows)")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=128)

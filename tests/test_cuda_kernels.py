@@ -23,7 +23,7 @@ from engine_service.checkpoints.device_landing import PinnedLanding
 from engine_service.checkpoints.direct_planes import PLANES_PER_LAUNCH, PlaneGather, plane_pieces
 from engine_service.kv import row_attention_cuda, turboquant_cuda
 from engine_service.model import invariant_matmul_cuda
-from engine_service.model.invariant_matmul_cuda import ROWS, invariant_matmul
+from engine_service.model.invariant_matmul_cuda import ROWS, Asked, invariant_matmul
 from tandem_client.records import Tensor
 from tandem_client.regions import SharedRegion
 from tests.nvrtc_check import Compiled, Nvrtc, Recorder, cuda_root
@@ -95,6 +95,10 @@ def test_the_projection_kernel_compiles_and_fits_for_every_tiling_it_chooses(
             assert out.shape == (rows, n)
     half = mx.zeros((4096, 4096), dtype=mx.float16)
     invariant_matmul(mx.zeros((8, 4096), dtype=mx.float16), half)
+    # The prefetching variant the bench sweeps at a few rows (off by default).
+    for rows in (1, 8):
+        x = mx.zeros((rows, 4096), dtype=mx.bfloat16)
+        invariant_matmul(x, mx.zeros((1024, 4096), dtype=mx.bfloat16), Asked(prefetch=True))
     results = _check(nvrtc, recorder)
     # Every block size the chosen tilings ask for was compiled (a block is the K splits).
     assert {r.launch.threads for r in results} == {invariant_matmul_cuda.SPLITS * 32}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_service.model.invariant_matmul_cuda import ROWS, tiling
+from engine_service.model.invariant_matmul_cuda import FEW_ROWS, ROWS, Asked, tiling
 
 # Output widths of the shapes served (Qwen3-0.6B, Llama-3-8B, their vocabularies) and odd ones
 # the kernel accepts (a multiple of 8).
@@ -28,6 +28,9 @@ def test_the_chosen_tiling_covers_every_row_and_column_once(n: int) -> None:
 
 
 def test_an_override_is_taken_as_given() -> None:
-    split = tiling(128, 4096, columns=1, block_tiles=8, unroll=3)
+    split = tiling(128, 4096, Asked(columns=1, block_tiles=8, unroll=3))
     assert (split.columns, split.block_tiles, split.groups, split.unroll) == (1, 8, 1, 3)
-    assert tiling(33, 4096, block_tiles=1).groups == 3
+    assert tiling(33, 4096, Asked(block_tiles=1)).groups == 3
+    # The x prefetch serves one half row tile: asked past FEW_ROWS rows, it is not taken.
+    assert tiling(FEW_ROWS, 4096, Asked(prefetch=True)).prefetch
+    assert not tiling(FEW_ROWS + 1, 4096, Asked(prefetch=True)).prefetch

@@ -22,7 +22,8 @@ large projection (docs/determinism.md has the figures):
   four, and a block takes all of a call's row tiles, reading its columns of w once;
 - UNROLL steps' w are loaded before their mma run (more bytes in flight a warp, which is what
   a memory-bound call at a few rows needs); the steps still run in k order, so it does not
-  change a sum's order either (`unroll_steps`).
+  change a sum's order either (`unroll_steps`). With PREFETCH (off until measured:
+  PREFETCH_AT_FEW_ROWS) a call of at most 8 rows loads their x with their w too.
 
 Rows beyond the batch are zeros in the registers, never read. No well-kept library has a
 batch-invariant skinny matmul for MLX (Thinking Machines' and SGLang's are Triton/CUDA for
@@ -45,6 +46,10 @@ SPLITS = 8
 STEP = 64  # K values a warp takes per step
 VOCABULARY_WIDE = 65536  # a w of more columns (an output projection) is tiled apart
 FEW_ROWS = 8  # up to this many rows a call is a memory-bound GEMV: one column tile a block
+# Whether a call of at most FEW_ROWS rows loads the x of its UNROLL steps with their w
+# (PREFETCH in the kernel): off until measured on the device (bench/invariant_matmul_bench.py
+# sweeps it; bench/kernel_sass.py shows where the loads sit).
+PREFETCH_AT_FEW_ROWS = False
 SUPPORTED = {mx.bfloat16: "bf16", mx.float16: "f16"}
 AVAILABLE = mx.default_device() == mx.gpu and not mx.metal.is_available()
 
@@ -86,6 +91,22 @@ _SOURCE = """
             wv[j][4] = wb.x; wv[j][5] = wb.y; wv[j][6] = wb.z; wv[j][7] = wb.w;
         }
     };
+    auto mma = [&](int i, const unsigned int (&xv)[8], const unsigned int (&yv)[8],
+                   const unsigned int (&wv)[COLUMNS][8]) {
+#pragma unroll
+        for (int j = 0; j < COLUMNS; ++j) {
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                asm volatile(
+                    "mma.sync.aligned.m16n8k16.row.col.f32.MMA_TYPE.MMA_TYPE.f32 "
+                    "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+                    : "+f"(acc[i][j][0]), "+f"(acc[i][j][1]), "+f"(acc[i][j][2]),
+                      "+f"(acc[i][j][3])
+                    : "r"(xv[2 * s]), "r"(yv[2 * s]), "r"(xv[2 * s + 1]),
+                      "r"(yv[2 * s + 1]), "r"(wv[j][2 * s]), "r"(wv[j][2 * s + 1]));
+            }
+        }
+    };
     auto step = [&](const unsigned int (&wv)[COLUMNS][8], int k) {
         const int at = (k + t * 16) / 8;
 #pragma unroll
@@ -106,22 +127,22 @@ _SOURCE = """
                 }
                 const unsigned int xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
                 const unsigned int yv[8] = {ya.x, ya.y, ya.z, ya.w, yb.x, yb.y, yb.z, yb.w};
-#pragma unroll
-                for (int j = 0; j < COLUMNS; ++j) {
-#pragma unroll
-                    for (int s = 0; s < 4; ++s) {
-                        asm volatile(
-                            "mma.sync.aligned.m16n8k16.row.col.f32.MMA_TYPE.MMA_TYPE.f32 "
-                            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
-                            : "+f"(acc[i][j][0]), "+f"(acc[i][j][1]), "+f"(acc[i][j][2]),
-                              "+f"(acc[i][j][3])
-                            : "r"(xv[2 * s]), "r"(yv[2 * s]), "r"(xv[2 * s + 1]),
-                              "r"(yv[2 * s + 1]), "r"(wv[j][2 * s]), "r"(wv[j][2 * s + 1]));
-                    }
-                }
+                mma(i, xv, yv, wv);
             }
         }
     };
+    // PREFETCH (the host sets it for calls of at most 8 rows, one row tile): the x of every
+    // step loaded with its w, before the branches, as ptxas keeps loads issued ahead of
+    // branches where it would sink them into one straight block. The same sums.
+    auto load_x = [&](unsigned int (&xv)[8], int k) {
+        const int at = (k + t * 16) / 8;
+        const uint4* xr = reinterpret_cast<const uint4*>(xs + (size_t)g * K);
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        const uint4 xa = g < rows ? xr[at] : zero, xb = g < rows ? xr[at + 1] : zero;
+        xv[0] = xa.x; xv[1] = xa.y; xv[2] = xa.z; xv[3] = xa.w;
+        xv[4] = xb.x; xv[5] = xb.y; xv[6] = xb.z; xv[7] = xb.w;
+    };
+    const unsigned int none[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};  // rows 8-15: none
     // UNROLL steps' w loaded before any of their mma runs, so a warp has that many bytes in
     // flight; the steps still run in k order, so the sums' order is the same at any UNROLL.
     int k = k_begin;
@@ -129,8 +150,18 @@ _SOURCE = """
         unsigned int wv[UNROLL][COLUMNS][8];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) load(wv[u], k + u * STEP);
+        if constexpr (PREFETCH) {
+            unsigned int xq[UNROLL][8];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) step(wv[u], k + u * STEP);
+            for (int u = 0; u < UNROLL; ++u) load_x(xq[u], k + u * STEP);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                if (tiles > 0) mma(0, xq[u], none, wv[u]);
+            }
+        } else {
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) step(wv[u], k + u * STEP);
+        }
     }
     for (; k < k_end; k += STEP) {
         unsigned int wv[COLUMNS][8];
@@ -217,52 +248,51 @@ def unroll_steps(columns: int) -> int:
 
 
 @dataclass(frozen=True)
+class Asked:
+    """A tiling asked for instead of the chosen one (bench/invariant_matmul_bench.py): None
+    leaves a part to `column_tiles`, `row_tiles`, `unroll_steps` and PREFETCH_AT_FEW_ROWS.
+    No part changes a sum's order."""
+
+    columns: int | None = None
+    block_tiles: int | None = None
+    unroll: int | None = None
+    prefetch: bool | None = None
+
+
+@dataclass(frozen=True)
 class Tiling:
     """How one call's outputs are split among blocks: `columns` tiles of 8 output columns and
     `block_tiles` tiles of 16 rows a block, `groups` row groups covering the call's rows;
-    `unroll` steps loaded together."""
+    `unroll` steps loaded together, and whether their x is loaded with their w."""
 
     columns: int
     block_tiles: int
     groups: int
     unroll: int
+    prefetch: bool
 
 
-def tiling(
-    rows: int,
-    n: int,
-    columns: int | None = None,
-    block_tiles: int | None = None,
-    unroll: int | None = None,
-) -> Tiling:
-    """The tiling of a call of `rows` rows (at most ROWS) against a w of `n` columns:
-    `column_tiles`, `row_tiles` and `unroll_steps` unless given."""
-    per_block = block_tiles or row_tiles(rows)
-    across = columns or column_tiles(rows, n)
+def tiling(rows: int, n: int, asked: Asked = Asked()) -> Tiling:
+    """The tiling of a call of `rows` rows (at most ROWS) against a w of `n` columns. A
+    prefetch asked for a call of more than FEW_ROWS rows is not taken."""
+    per_block = asked.block_tiles or row_tiles(rows)
+    across = asked.columns or column_tiles(rows, n)
     groups = -(-rows // (16 * per_block))
-    return Tiling(across, per_block, groups, unroll or unroll_steps(across))
+    unroll = asked.unroll or unroll_steps(across)
+    prefetch = asked.prefetch if asked.prefetch is not None else PREFETCH_AT_FEW_ROWS
+    return Tiling(across, per_block, groups, unroll, prefetch and rows <= FEW_ROWS)
 
 
-def invariant_matmul(
-    x: mx.array,
-    weight: mx.array,
-    columns: int | None = None,
-    block_tiles: int | None = None,
-    unroll: int | None = None,
-) -> mx.array:
+def invariant_matmul(x: mx.array, weight: mx.array, asked: Asked = Asked()) -> mx.array:
     """x @ weight.T for x (rows, K), weight (N, K): each row's bits the same alone or among
-    others (module docstring); more than ROWS rows run as blocks of ROWS. `columns`,
-    `block_tiles` and `unroll` override `column_tiles`, `row_tiles` and `unroll_steps`
-    (bench/invariant_matmul_bench.py)."""
+    others (module docstring); more than ROWS rows run as blocks of ROWS. `asked` overrides
+    the chosen tiling (bench/invariant_matmul_bench.py)."""
     rows = x.shape[0]
     if rows > ROWS:
-        blocks = [
-            invariant_matmul(x[at : at + ROWS], weight, columns, block_tiles, unroll)
-            for at in range(0, rows, ROWS)
-        ]
+        blocks = [invariant_matmul(x[at : at + ROWS], weight, asked) for at in range(0, rows, ROWS)]
         return mx.concatenate(blocks)
     n, k = weight.shape
-    split = tiling(rows, n, columns, block_tiles, unroll)
+    split = tiling(rows, n, asked)
     name = SUPPORTED[weight.dtype]
     if name not in _kernels:
         _kernels[name] = mx.fast.cuda_kernel(
@@ -284,6 +314,7 @@ def invariant_matmul(
             ("STEP", STEP),
             ("COLUMNS", split.columns),
             ("UNROLL", split.unroll),
+            ("PREFETCH", split.prefetch),  # a bool: MLX passes it as a constexpr bool
         ],
         grid=(n // (8 * split.columns) * split.groups * SPLITS * 32, 1, 1),
         threadgroup=(SPLITS * 32, 1, 1),
