@@ -339,7 +339,9 @@ def main() -> None:
     if args.few_row_columns:
         chosen = invariant_matmul_cuda.column_tiles
         invariant_matmul_cuda.column_tiles = lambda rows, n: (  # type: ignore[assignment]
-            args.few_row_columns if rows <= 8 and n <= 65536 else chosen(rows, n)
+            args.few_row_columns
+            if rows <= invariant_matmul_cuda.FEW_ROWS and n <= invariant_matmul_cuda.VOCABULARY_WIDE
+            else chosen(rows, n)
         )
     alone = None if args.attention == "auto" else args.attention == "alone"
     if args.transposed:

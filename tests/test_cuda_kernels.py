@@ -14,7 +14,6 @@ region's pull and push (device_landing.py). Not yet: a direct hit's group gather
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, cast
 
 import mlx.core as mx
 import pytest
@@ -185,7 +184,7 @@ def test_the_pinned_regions_pull_and_push_compile(nvrtc: Nvrtc, recorder: Record
     array, and a capture pushed into a span of it."""
     region = SharedRegion(1 << 20)
     try:
-        landing = PinnedLanding(region, cast(Any, _HostAddresses()))
+        landing = PinnedLanding(region, _HostAddresses())
         held = memoryview(region.buf)[4096 : 4096 + 8 * 64 * 2]
         pulled = landing.array(Tensor("k", "bfloat16", (1, 8, 64), held))
         assert pulled.shape == (1, 8, 64)

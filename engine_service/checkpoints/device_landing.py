@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine_service.checkpoints.direct_landing import FilePins, joined
+from engine_service.checkpoints.direct_landing import FilePins, HostPinning, joined
 from engine_service.cuda_runtime import CudaRuntime
 from tandem_client.direct import DirectHold
 from tandem_client.records import Checkpoint, Tensor
@@ -100,7 +100,11 @@ class Landing:
     """Turns tensors into MLX arrays; `settle()` before the bytes they came from are reused."""
 
     kind = "host"
-    gathers_planes = False  # direct reads into planes with room on the device (direct_planes.py)
+
+    @property
+    def gathers_planes(self) -> bool:
+        """Whether direct reads land as planes with room on the device (direct_planes.py)."""
+        return False
 
     def array(self, tensor: Tensor) -> mx.array:
         return host_array(tensor)
@@ -144,7 +148,7 @@ class PinnedLanding(Landing):
 
     kind = "pinned"
 
-    def __init__(self, region: SharedRegion, cuda: CudaRuntime) -> None:
+    def __init__(self, region: SharedRegion, cuda: HostPinning) -> None:
         self.region = region
         self._cuda = cuda
         self._base = np.frombuffer(region.buf, np.uint8).ctypes.data
@@ -231,7 +235,7 @@ class PinnedLanding(Landing):
         return pulled
 
     @property
-    def gathers_planes(self) -> bool:  # type: ignore[override]
+    def gathers_planes(self) -> bool:
         return self._file_pins is not None and self._file_pins.gathers_planes
 
     def direct_planes(

@@ -72,7 +72,10 @@ _GATHER_SOURCE = """
 """
 
 
-class CudaRuntime(Protocol):
+class HostPinning(Protocol):
+    """What the restore paths need of the CUDA runtime (engine_service/cuda_runtime.py):
+    host pages registered, and the address the device reads them at."""
+
     def register(self, address: int, nbytes: int, flags: int = 0) -> None: ...
 
     def unregister(self, address: int) -> None: ...
@@ -121,7 +124,7 @@ class BlockPins:
     were unregistered meanwhile; to make room, least recently used other blocks go first.
     A thread registers new whole blocks as the file grows (`grow`), below the limit."""
 
-    def __init__(self, cuda: CudaRuntime, settle: Any, limit: int = PIN_LIMIT) -> None:
+    def __init__(self, cuda: HostPinning, settle: Any, limit: int = PIN_LIMIT) -> None:
         self._cuda = cuda
         self._settle = settle  # waits for every pull issued: before a block is let go (MLX's)
         self.limit = limit
@@ -209,7 +212,7 @@ class FilePins:
     """The data file's pages registered with CUDA (BlockPins), and the gather kernel that
     reads them into MLX arrays."""
 
-    def __init__(self, cuda: CudaRuntime, settle: Any) -> None:
+    def __init__(self, cuda: HostPinning, settle: Any) -> None:
         self._cuda = cuda
         self.blocks = BlockPins(cuda, settle)
         self._grower: threading.Thread | None = None
