@@ -357,6 +357,8 @@ def main() -> None:
         agreement(
             loaded, [int(b) for b in args.batches.split(",")], args.tokens, args.kernel, alone
         )
+    if not args.streams:
+        return  # --streams "": the agreement alone
     side = DeterministicModel(loaded.model, args.rows, rows_alone=alone)
     print(
         f"cost, {args.cost_tokens} decode tokens a stream, {args.pairs} ABAB pairs, {side.rows} "
