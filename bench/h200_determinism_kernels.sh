@@ -13,8 +13,8 @@
 # 0.6B's agreement; part e: the cost on both shapes; part f: the 8B at 128 streams, and its
 # streams killed and resumed against solo runs; part g: the x prefetch at 1 and 8 streams
 # (against part e's runs without it). The whole table with the kernel build: part h,
-# the cost at 1/8/32/128 streams (0.6B) and 1/8 (8B); part i, the 0.6B's agreement over 256
-# tokens in batches of 8/32/128 and its streams killed and resumed; part j, the 8B's resume.
+# the 0.6B's cost at 1/8/32/128 streams; part i, the 8B's at 1/8 and its streams killed and
+# resumed; part j, the 0.6B's agreement over 256 tokens in batches of 8/32/128 and its resume.
 # Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
@@ -72,18 +72,18 @@ for part in ${1:-a}; do
     h)
       timeout 270 $det --model qwen3-0.6b-shape --skip-agreement --streams 1,8,32,128 \
         --cost-tokens 48 --pairs 3 2>&1 | tee "$out/cost_06b.txt"
-      timeout 270 $det --model llama3-8b-shape --skip-agreement --streams 1,8 --cost-tokens 32 \
-        --pairs 3 2>&1 | tee "$out/cost_8b.txt"
       ;;
     i)
+      timeout 270 $det --model llama3-8b-shape --skip-agreement --streams 1,8 --cost-tokens 32 \
+        --pairs 3 2>&1 | tee "$out/cost_8b.txt"
+      timeout 280 python3 bench/determinism_resume.py --model llama3-8b-shape --runs 1 \
+        --matmul kernel --tokens 64 2>&1 | tee "$out/resume_8b.txt"
+      ;;
+    j)
       timeout 330 $det --model qwen3-0.6b-shape --batches 8,32,128 --tokens 256 --streams "" \
         2>&1 | tee "$out/agree_06b.txt"
       timeout 230 python3 bench/determinism_resume.py --model qwen3-0.6b-shape --runs 1 \
         --matmul kernel 2>&1 | tee "$out/resume_06b.txt"
-      ;;
-    j)
-      timeout 280 python3 bench/determinism_resume.py --model llama3-8b-shape --runs 1 \
-        --matmul kernel --tokens 64 2>&1 | tee "$out/resume_8b.txt"
       ;;
     c)
       timeout 200 $det --model llama3-8b-shape --skip-agreement --streams 32 --cost-tokens 32 \
