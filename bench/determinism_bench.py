@@ -167,15 +167,21 @@ def probe(loaded: Any, zoo: list[str], root: Path, kernel: bool) -> None:
 
 
 def agreement(
-    loaded: Any, batches: list[int], tokens: int, kernel: bool, alone: bool | None = None
+    loaded: Any,
+    batches: list[int],
+    tokens: int,
+    kernel: bool,
+    alone: bool | None = None,
+    modes: tuple[str, ...] = ("off", "on"),
+    kinds: tuple[str, ...] = ("greedy", "seeded"),
 ) -> None:
     rng = random.Random(0)
     vocab = loaded.vocab_size
     targets = [[rng.randrange(3, vocab) for _ in range(16 + 23 * i)] for i in range(TARGETS)]
-    for mode in ("off", "on"):
+    for mode in modes:
         model = engine_side(loaded.model, 0, kernel, alone) if mode == "on" else loaded.model
         prefill = 1 if mode == "on" else 8
-        for seeded in (False, True):
+        for seeded in [kind == "seeded" for kind in kinds]:
             seeds = list(range(1_000, 1_000 + TARGETS)) if seeded else None
             solo = [
                 generate(model, [p], tokens, [seeds[i]] if seeds else None, prefill)[0]
@@ -312,6 +318,8 @@ def main() -> None:
     parser.add_argument("--cost-tokens", type=int, default=64)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--skip-agreement", action="store_true")
+    parser.add_argument("--modes", default="off,on", help="agreement with the mode off, on")
+    parser.add_argument("--kinds", default="greedy,seeded", help="agreement's sampling kinds")
     parser.add_argument("--rows", type=int, default=0, help="decode matmul block (0: default)")
     parser.add_argument("--kernel", action="store_true", help="--deterministic-matmul kernel")
     parser.add_argument(
@@ -355,7 +363,13 @@ def main() -> None:
     if not args.skip_agreement:
         print("agreement with solo runs (8 target rows inside each batch):")
         agreement(
-            loaded, [int(b) for b in args.batches.split(",")], args.tokens, args.kernel, alone
+            loaded,
+            [int(b) for b in args.batches.split(",")],
+            args.tokens,
+            args.kernel,
+            alone,
+            tuple(args.modes.split(",")),
+            tuple(args.kinds.split(",")),
         )
     if not args.streams:
         return  # --streams "": the agreement alone

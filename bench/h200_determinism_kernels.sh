@@ -15,7 +15,7 @@
 # (against part e's runs without it). The whole table with the kernel build: part h,
 # the 0.6B's cost at 1/8/32/128 streams; part i, the 8B's at 1/8 and its streams killed and
 # resumed; part j, the 0.6B's agreement over 256 tokens in batches of 8/32/128 and its resume.
-# Writes text under $OUT.
+# Part k: what h and j left out on their first device run. Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
@@ -84,6 +84,14 @@ for part in ${1:-a}; do
         2>&1 | tee "$out/agree_06b.txt"
       timeout 230 python3 bench/determinism_resume.py --model qwen3-0.6b-shape --runs 1 \
         --matmul kernel 2>&1 | tee "$out/resume_06b.txt"
+      ;;
+    k)
+      # What part h and j left out when their calls came back short: the 0.6B's cost, and
+      # its seeded agreement in a batch of 128 with the mode on.
+      timeout 270 $det --model qwen3-0.6b-shape --skip-agreement --streams 1,8,32,128 \
+        --cost-tokens 48 --pairs 3 2>&1 | tee "$out/cost_06b.txt"
+      timeout 240 $det --model qwen3-0.6b-shape --batches 128 --tokens 256 --streams "" \
+        --modes on --kinds seeded 2>&1 | tee "$out/agree_06b_128.txt"
       ;;
     c)
       timeout 200 $det --model llama3-8b-shape --skip-agreement --streams 32 --cost-tokens 32 \
