@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -245,9 +246,20 @@ def bench_batched_resume(stack: dict, vocab: int, streams: int, tokens: int) -> 
     return {"streams": streams, "equal": equal}
 
 
-async def _decode(address: str, prompts: list[list[int]], tokens: int, interval: int) -> float:
+@dataclass
+class DecodeRun:
+    """One decode run: its tokens/s, and the share of its wall time the engine's step loop
+    spent on generation checkpoints (Stats' capture_seconds: a direct measure of their cost
+    on the critical path, with none of the run-to-run drift that throughput pairs carry)."""
+
+    tokens_per_second: float
+    capture_share: float
+
+
+async def _decode(address: str, prompts: list[list[int]], tokens: int, interval: int) -> DecodeRun:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
+        stats = engine_pb2.EngineStatsRequest()
 
         async def one(i: int, prompt: list[int]) -> int:
             request = engine_pb2.GenerateRequest(
@@ -262,9 +274,12 @@ async def _decode(address: str, prompts: list[list[int]], tokens: int, interval:
                 count += len(message.token_ids)
             return count
 
+        before = (await stub.Stats(stats)).checkpoints.capture_seconds
         start = time.perf_counter()
         counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        return sum(counts) / (time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        captured = (await stub.Stats(stats)).checkpoints.capture_seconds - before
+        return DecodeRun(sum(counts) / seconds, captured / seconds)
 
 
 def bench_decode(address: str, vocab: int, repeat: int, tokens: int = 256) -> list[dict]:
@@ -275,26 +290,39 @@ def bench_decode(address: str, vocab: int, repeat: int, tokens: int = 256) -> li
     rows = []
     for streams in (1, 8):
         prompts = [random_prompt(64, vocab, seed=1000 + i) for i in range(streams)]
-        offs, ons = [], []
+        offs, ons, shares = [], [], []
         asyncio.run(_decode(address, prompts, 64, 0))  # warm both paths first
         asyncio.run(_decode(address, prompts, 64, 16))
         for pair in range(repeat):
             # ABBA: the side that runs first alternates, so a drift within a pair cancels.
             for interval in (0, 16) if pair % 2 == 0 else (16, 0):
-                tps = asyncio.run(_decode(address, prompts, tokens, interval))
-                (ons if interval else offs).append(tps)
+                run = asyncio.run(_decode(address, prompts, tokens, interval))
+                (ons if interval else offs).append(run.tokens_per_second)
+                if interval:
+                    shares.append(run.capture_share)
         costs = [1 - on / off for off, on in zip(offs, ons, strict=True)]
         cost = statistics.median(costs)
         low, _, high = statistics.quantiles(costs, n=4) if len(costs) > 1 else (cost,) * 3
         off, on = statistics.median(offs), statistics.median(ons)
+        share = statistics.median(shares)
         rows.append(
-            {"streams": streams, "off_tps": off, "interval16_tps": on, "cost": cost, "costs": costs}
+            {
+                "streams": streams,
+                "off_tps": off,
+                "interval16_tps": on,
+                "cost": cost,
+                "costs": costs,
+                "capture_share": share,
+                "capture_shares": shares,
+            }
         )
         print(
             f"  {streams} stream(s): off {off:7.0f} tok/s   every 16 tokens {on:7.0f} tok/s   "
             f"cost {100 * cost:5.1f}% (quartiles {100 * low:.1f} to {100 * high:.1f}, extremes "
             f"{100 * min(costs):.1f} to {100 * max(costs):.1f}; median of {repeat} paired runs "
-            f"of {tokens} tokens a stream, ABBA)"
+            f"of {tokens} tokens a stream, ABBA); the step loop's time on checkpoints "
+            f"{100 * share:.2f}% of the runs' wall time ({100 * min(shares):.2f}-"
+            f"{100 * max(shares):.2f})"
         )
     return rows
 

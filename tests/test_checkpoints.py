@@ -162,6 +162,8 @@ def _interrupted_then_resumed(
     segments = store.list_all(kind="object", namespace=namespace)
     assert manifest.payload_bytes == 0 and len(segments) >= 2
     assert min(s.payload_bytes for s in segments) < max(s.payload_bytes for s in segments) / 4
+    # What the checkpoints took of the step loop, in Stats (the decode cost bench reads it).
+    assert engine.stats().checkpoints.capture_seconds > 0
     stack.engine.kill()
     engine.close()
     stack.engine = stack.start_engine()
@@ -385,6 +387,7 @@ def test_a_same_host_restore_equals_a_streamed_one(shared: Stack) -> None:
             assert (stats.shared_memory_reads > 0) == (name == "region"), name
             assert got.usage.prefix_source == f"store: {route}", name
             assert dict(stats.store_reads_by_route) == {route: 1}, name
+            assert stats.capture_seconds == 0, name  # no generation checkpoints here
         finally:
             fresh.stop()
     assert results["direct"] == results["region"] == results["streamed"] == results["too small"]

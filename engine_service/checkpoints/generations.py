@@ -177,6 +177,11 @@ class GenerationCheckpoints:
         ((tensors, keep),) = staged.tensors
         return self._queue(job, snapshot, pending, tensors, keep)
 
+    @property
+    def round_staged(self) -> bool:
+        """A round is staged, to be queued at the next step (complete_round)."""
+        return self._round is not None
+
     def save_round(self, ready: list[ReadySnapshot]) -> None:
         """`save` for the snapshots a step made ready, staged as host bytes together and
         queued one step later (complete_round): on MLX-CUDA the round's push into the region

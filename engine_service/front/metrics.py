@@ -212,6 +212,11 @@ class CoreCollector(Collector):
         )
         yield _counter("tandem:checkpoints_saved", "Checkpoints queued for the store.", c.saved)
         yield _counter(
+            "tandem:checkpoint_capture_seconds",
+            "Step-loop time spent capturing and queueing generation checkpoints.",
+            c.capture_seconds,
+        )
+        yield _counter(
             "tandem:spill_dropped", "Checkpoints that did not fit the spill queue.", c.dropped
         )
         yield _counter("tandem:spill_failed", "Checkpoints the store refused or missed.", c.failed)

@@ -151,6 +151,7 @@ def stats_to_pb(
                 prefill_chosen=c.prefill_chosen,
                 prefix_misses_by_reason=c.misses_by_reason,
                 store_reads_by_route=c.reads_by_route,
+                capture_seconds=c.capture_seconds,
             )
         )
     return reply

@@ -77,8 +77,13 @@ class StepCheckpoints:
         tokens, before its captures); they reach the spill queue at the next step."""
         ready, self._ready = self._ready, []
         ready = [r for r in ready if rows.get(r.job.uid) is r.job]  # still running
+        generations = self.checkpoints.generations
+        if not ready and not generations.round_staged:
+            return  # no checkpoint work this step (nothing counted)
+        started = time.perf_counter()
         # Every step: the round staged at the previous one is queued first.
-        self.checkpoints.generations.save_round(ready)
+        generations.save_round(ready)
+        self._count(started)
 
     def capture_due(self, bg: BatchGenerator, rows: dict[int, Job], step: int) -> None:
         """Snapshots every row whose checkpoint is due, together, on aligned steps.
@@ -91,7 +96,13 @@ class StepCheckpoints:
         """
         if not self._due or step % CHECKPOINT_ALIGN:
             return
-        jobs = [job for uid, job in self._due.items() if uid in rows]
+        started = time.perf_counter()
+        try:
+            self._capture(bg, [job for uid, job in self._due.items() if uid in rows])
+        finally:
+            self._count(started)
+
+    def _capture(self, bg: BatchGenerator, jobs: list[Job]) -> None:
         self._due = {}
         batch = running_batch(bg)
         if batch is not None:
@@ -108,6 +119,10 @@ class StepCheckpoints:
             found = extracted.get(job.uid)
             if found is not None:
                 job.snapshot = self.checkpoints.generations.capture(job, found[0])
+
+    def _count(self, started: float) -> None:
+        """The step loop's time on generation checkpoints since `started` (Stats)."""
+        self.checkpoints.counters.add(capture_seconds=time.perf_counter() - started)
 
     def save_prefixes(self, bg: BatchGenerator) -> None:
         """Saves the prompts marked at their first token (after the step's events left, and

@@ -67,6 +67,8 @@ class CheckpointStats:
     misses_by_reason: dict[str, int] = field(default_factory=dict)
     # Store reads by how their bytes came (tandem_client.same_host.ReadRoute).
     reads_by_route: dict[str, int] = field(default_factory=dict)
+    # The step loop's seconds on generation checkpoints (loop/step_checkpoints.py).
+    capture_seconds: float = 0.0
 
 
 class CheckpointCounters:
