@@ -105,7 +105,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument(
-        "--matmul", choices=["blocks", "kernel"], default="blocks", help="--deterministic-matmul"
+        "--matmul",
+        choices=["auto", "blocks", "kernel"],
+        default="auto",
+        help="--deterministic-matmul",
     )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tandem-determinism-") as tmp:

@@ -116,9 +116,10 @@ class EngineConfig:
     # Batch-invariant rows (model/deterministic.py); rows: the decode matmul block (0: default).
     deterministic: bool = False
     deterministic_rows: int = 0
-    # Decode projections on MLX-CUDA: "blocks" (padded row blocks: cuBLAS) or "kernel"
-    # (model/invariant_matmul_cuda.py: as fast as a GEMV for a few rows, slower at many).
-    deterministic_matmul: str = "blocks"
+    # Decode projections: "blocks" (padded row blocks: cuBLAS), "kernel" (MLX-CUDA only:
+    # model/invariant_matmul_cuda.py, near a GEMV's speed at a few rows) or "auto" (the
+    # kernel where it runs: within 25% of the default mode at 1-128 streams on an H200).
+    deterministic_matmul: str = "auto"
     # Decode attention: "alone" (each row through SDPA, eager steps), "chunks" (the chunked
     # algorithm, which compiles) or "auto" (alone on the CPU; kv/row_attention.py).
     deterministic_attention: str = "auto"
@@ -374,10 +375,10 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     )
     p.add_argument(
         "--deterministic-matmul",
-        choices=["blocks", "kernel"],
-        default=ENV("DETERMINISTIC_MATMUL", "blocks"),
-        help="deterministic projections on MLX-CUDA: padded row blocks (best at many streams) "
-        "or the invariant kernel (best at few; docs/determinism.md)",
+        choices=["auto", "blocks", "kernel"],
+        default=ENV("DETERMINISTIC_MATMUL", "auto"),
+        help="deterministic projections: padded row blocks, the invariant kernel (MLX-CUDA "
+        "only), or auto: the kernel where it runs (docs/determinism.md)",
     )
     p.add_argument(
         "--deterministic-attention",

@@ -260,7 +260,7 @@ def test_deterministic_mode_refuses_a_draft_model_and_kv_codecs() -> None:
             parse_args(["--deterministic", *flags])
     config = parse_args(["--deterministic"])
     assert config.prefill_batch_size == 1 and config.compiled_decode  # probed at start-up
-    assert config.deterministic_matmul == "blocks"
+    assert config.deterministic_matmul == "auto"  # the kernel where it runs
     kernel = parse_args(["--deterministic", "--deterministic-matmul", "kernel"])
     assert kernel.deterministic_matmul == "kernel"
     with pytest.raises(SystemExit):
@@ -303,17 +303,25 @@ def test_eight_batched_seeded_streams_killed_resume_alone_exactly(
             t.join(30)
         held = [tokens_of(r) for r in received]
         held_logprobs = [logprobs_of(r) for r in received]
-        # A default-mode engine refuses them: they resume in the mode they started in.
-        default = start_engine(
-            engine_data_dir, "--store", f"127.0.0.1:{port}", log_dir=tmp_path / "default"
-        )
-        try:
-            with EngineClient(default.address) as client, pytest.raises(TandemError) as err:
-                client.generate(prompts[0], resume=True, tokens_held=len(held[0]), **requests[0])
-            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
-            assert "--deterministic" in str(err.value)
-        finally:
-            default.stop()
+        # A default-mode engine refuses them: they resume in the mode they started in; so
+        # does a deterministic one of other arithmetic, whose bits would differ.
+        started = "started with --deterministic (matmul blocks, rows default, attention alone)"
+        for name, other in (
+            ("default", []),
+            ("chunks", [*args, "--deterministic-attention", "chunks"]),
+        ):
+            refusing = start_engine(
+                engine_data_dir, "--store", f"127.0.0.1:{port}", *other, log_dir=tmp_path / name
+            )
+            try:
+                with EngineClient(refusing.address) as client, pytest.raises(TandemError) as err:
+                    client.generate(
+                        prompts[0], resume=True, tokens_held=len(held[0]), **requests[0]
+                    )
+                assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, name
+                assert started in str(err.value), name
+            finally:
+                refusing.stop()
         fresh = start_engine(engine_data_dir, *args, log_dir=tmp_path / "fresh")
         try:
             resumed = resume_together(fresh.address, prompts, requests, held, timeout=120)

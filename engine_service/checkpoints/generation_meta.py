@@ -114,18 +114,36 @@ def segmentable(layout: list[str]) -> bool:
     return all(codec == "kv:plain" for codec in layout)
 
 
-# A deterministic engine's model id ends so (checkpoints/manager.py): its checkpoints and
-# prefixes are its mode's alone, and a generation resumes in the mode it started in.
-DETERMINISTIC_SUFFIX = "/deterministic"
+# A deterministic engine's model id ends in this and its arithmetic (checkpoints/manager.py):
+# its checkpoints and prefixes are its mode's alone, and a generation resumes in the mode
+# (and under the arithmetic) it started in.
+DETERMINISTIC_MARK = "/deterministic"
+
+
+def deterministic_suffix(arithmetic: str) -> str:
+    """The model id's ending for a deterministic engine of this arithmetic ("" when off)."""
+    return f"{DETERMINISTIC_MARK} ({arithmetic})" if arithmetic else ""
+
+
+def mode_of(model_id: str) -> tuple[str, str]:
+    """(the model id without its mode, the mode: "" or DETERMINISTIC_MARK and arithmetic)."""
+    base, mark, arithmetic = model_id.partition(DETERMINISTIC_MARK)
+    return base, mark + arithmetic
 
 
 def model_refusal(made_by: str, serving: str) -> str:
     """Why a checkpoint made by one model id does not resume on an engine serving another."""
-    if made_by.removesuffix(DETERMINISTIC_SUFFIX) == serving.removesuffix(DETERMINISTIC_SUFFIX):
-        started = "with" if made_by.endswith(DETERMINISTIC_SUFFIX) else "without"
+    (base_made, mode_made), (base_serving, mode_serving) = mode_of(made_by), mode_of(serving)
+    if base_made == base_serving:
+
+        def described(mode: str) -> str:
+            if not mode:
+                return "without --deterministic"
+            return "with --deterministic" + mode.removeprefix(DETERMINISTIC_MARK)
+
         return (
-            f"this generation started {started} --deterministic and resumes only on an "
-            f"engine started {started} it"
+            f"this generation started {described(mode_made)} and resumes only on an engine "
+            f"started so; this one runs {described(mode_serving)}"
         )
     return f"checkpoint was made by model {made_by!r}; this engine serves {serving!r}"
 

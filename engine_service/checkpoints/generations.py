@@ -33,10 +33,10 @@ from engine_service.checkpoints.cache_records import (
 from engine_service.checkpoints.device_landing import Landing
 from engine_service.checkpoints.generation_loads import GenerationLoads
 from engine_service.checkpoints.generation_meta import (
-    DETERMINISTIC_SUFFIX,
     ENDED,
     MAX_CHAIN,
     GenerationMeta,
+    mode_of,
     options_digest,
     segment_key,
     segmentable,
@@ -93,7 +93,7 @@ class GenerationCheckpoints:
     ) -> bytes:
         # Both modes find a generation's key: the record's model id then refuses the other
         # mode by name (load), rather than a NOT_FOUND that names neither.
-        scope = scope_digest(self.model_id.removesuffix(DETERMINISTIC_SUFFIX), layout, namespace)
+        scope = scope_digest(mode_of(self.model_id)[0], layout, namespace)
         return generation_key(scope, prompt, options_digest(options), request_id)
 
     # -- the MLX thread ----------------------------------------------------------------------

@@ -22,7 +22,7 @@ import grpc
 import mlx.core as mx
 
 from engine_service.checkpoints.device_landing import landing_for
-from engine_service.checkpoints.generation_meta import DETERMINISTIC_SUFFIX
+from engine_service.checkpoints.generation_meta import deterministic_suffix
 from engine_service.checkpoints.generations import GenerationCheckpoints
 from engine_service.checkpoints.host_staging import HostStaging
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE, PrefixCache
@@ -66,9 +66,10 @@ class CheckpointSettings:
     spill_batch_records: int = 32
     # Tokens a solo prefill feeds per model call (prefix snapshots: the engine's step).
     prefill_step_size: int = 2048
-    # --deterministic: checkpoints are this mode's alone (a resume keeps it), prefixes are
-    # restored at prefill-chunk boundaries (prefix_reuse.PrefixReuse.align).
-    deterministic: bool = False
+    # --deterministic, as its arithmetic (model/deterministic.arithmetic; "" when off):
+    # checkpoints are this mode's alone (a resume keeps it), prefixes are restored at
+    # prefill-chunk boundaries (prefix_reuse.PrefixReuse.align).
+    deterministic: str = ""
 
 
 def region_bytes(configured: int) -> int:
@@ -88,7 +89,7 @@ class CheckpointManager:
         self.settings = settings
         # The compute dtype is part of what a cache was computed under.
         self.model_id = f"{loaded.model_id}/{loaded.dtype}" + (
-            DETERMINISTIC_SUFFIX if settings.deterministic else ""
+            deterministic_suffix(settings.deterministic)
         )
         self.counters = CheckpointCounters()
         # Below the store's per-connection bound of bulk calls (16 by default): the engine's

@@ -39,7 +39,7 @@ from engine_service.loop.compiled_decode import CompiledDecode
 from engine_service.loop.scheduler import Scheduler
 from engine_service.loop.warmup import WarmUpFailed
 from engine_service.model.determinism_probe import NotRowInvariant, check_row_invariant
-from engine_service.model.deterministic import rows_alone_by_default
+from engine_service.model.deterministic import arithmetic, rows_alone_by_default
 from engine_service.model.invariant_matmul_cuda import AVAILABLE as KERNEL_AVAILABLE
 from engine_service.model.loading import IncompatibleDraft, load_draft, load_model
 from engine_service.protocol.channel import (
@@ -271,12 +271,13 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
         else None
     )
     compiled_max_batch = config.compiled_decode_max_batch if config.compiled_decode else 0
+    matmul = config.deterministic_matmul
+    kernel = matmul == "kernel" or (matmul == "auto" and KERNEL_AVAILABLE)
+    alone = config.deterministic_rows_alone
     if config.deterministic:
         compiled = CompiledDecode if compiled_max_batch else None
-        kernel = config.deterministic_matmul == "kernel"
-        if kernel and not KERNEL_AVAILABLE:
+        if matmul == "kernel" and not KERNEL_AVAILABLE:
             log.warning("--deterministic-matmul kernel runs on MLX-CUDA only: row blocks here")
-        alone = config.deterministic_rows_alone
         if compiled_max_batch and (rows_alone_by_default() if alone is None else alone):
             log.info("deterministic mode: each row's decode attention runs alone; steps eager")
             compiled, compiled_max_batch = None, 0
@@ -293,7 +294,8 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
             "decode steps of up to %d rows compiled",
             compiled_max_batch,
         )
-    checkpoints = checkpoint_manager(config, loaded)
+    mode = arithmetic(config.deterministic_rows, kernel, alone) if config.deterministic else ""
+    checkpoints = checkpoint_manager(config, loaded, mode)
     problem = checkpoints.check_store()
     if problem:
         log.error("%s: checkpoints will not reach it until that is fixed", problem)
@@ -306,8 +308,8 @@ def _start(config: EngineConfig, outbox: Outbox) -> CoreService:
         compiled_decode_max_batch=compiled_max_batch,
         grammars=Grammars.for_model(loaded, CompileBudget(config.constraint_compile_timeout_s)),
         deterministic_rows=config.deterministic_rows if config.deterministic else None,
-        deterministic_kernel=config.deterministic_matmul == "kernel",
-        deterministic_rows_alone=config.deterministic_rows_alone,
+        deterministic_kernel=kernel,
+        deterministic_rows_alone=alone,
     )
     scheduler.start(warm=config.warmup)
     drafts = DraftSupport(draft.model_id if draft else "", config.num_draft_tokens)

@@ -45,7 +45,10 @@ def store_settings(config: EngineConfig) -> tuple[grpc.ChannelCredentials | None
     return credentials, token
 
 
-def checkpoint_manager(config: EngineConfig, loaded: LoadedModel) -> CheckpointManager:
+def checkpoint_manager(
+    config: EngineConfig, loaded: LoadedModel, deterministic: str = ""
+) -> CheckpointManager:
+    """deterministic: the mode's arithmetic (model/deterministic.arithmetic), "" when off."""
     credentials, token = store_settings(config)
     return CheckpointManager(
         loaded,
@@ -60,6 +63,6 @@ def checkpoint_manager(config: EngineConfig, loaded: LoadedModel) -> CheckpointM
             or (config.store_direct_reads == "auto" and mx.cuda.is_available()),
             spill_batch_records=config.spill_batch_records,
             prefill_step_size=config.prefill_step_size,
-            deterministic=config.deterministic,
+            deterministic=deterministic,
         ),
     )

@@ -114,6 +114,16 @@ def _input_of(project: Any) -> tuple[int, mx.Dtype]:
     return int(weight.shape[-1]), weight.dtype
 
 
+def arithmetic(rows: int, kernel: bool, rows_alone: bool | None) -> str:
+    """What fixes a deterministic engine's bits beyond its model, dtype, device kind and
+    software versions: its checkpoints and prefixes carry it in their model id
+    (checkpoints/generation_meta.py), so a generation resumes only under the same
+    arithmetic, never under another that would go on with other bits."""
+    matmul = "kernel" if kernel and KERNEL_AVAILABLE else "blocks"
+    alone = rows_alone_by_default() if rows_alone is None else rows_alone
+    return f"matmul {matmul}, rows {rows or 'default'}, attention {'alone' if alone else 'chunks'}"
+
+
 def rows_alone_by_default() -> bool:
     """Whether a decode step's rows attend one at a time (eagerly) rather than through the
     chunked algorithm a compiled step can run: on the CPU, where the chunks in MLX ops cost
