@@ -9,6 +9,7 @@ meanwhile costs itself its bytes (FAILED_PRECONDITION), never the store a SIGBUS
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -21,6 +22,24 @@ from store_service.records import StoredRecord, chunk_key
 from store_service.regions import Region
 from store_service.storage import LmdbStorage
 from tandem_wire.checksum import crc32
+
+# Payloads up to this size are copied on the calling thread, in one read transaction: handing
+# them to copy threads cost more than it saved (a chain's 1 MiB segments took 2.8 ms a Get on
+# 2 cores, most of it the threads' hand-offs; docs/performance.md, seventh session).
+INLINE_BYTES = 4 << 20
+
+# The copy threads, by count: started once and shared by every Get (each Get used to start
+# threads of its own).
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        pool = _pools.get(threads)
+        if pool is None:
+            pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="region-copy")
+        return pool
 
 
 def copy_threads(configured: int) -> int:
@@ -121,14 +140,20 @@ def copy_in_parts(
         return str(storage.read(read, buffers=True))
 
     parts = _parts([slot.length for slot, _ in slots], part_bytes)
-    workers = max(1, min(threads, len(slots)))
+    inline = record.payload_bytes <= INLINE_BYTES
+    workers = 1 if inline else max(1, min(threads, len(slots)))
+    pool = None if inline else _pool(threads)
 
     def start(part: range) -> list[Future[str]]:
         every = range(part.start, part.stop)
+        if pool is None:
+            done: Future[str] = Future()
+            done.set_result(copy(every))
+            return [done]
         return [pool.submit(copy, every[w::workers]) for w in range(min(workers, len(every)))]
 
-    with ThreadPoolExecutor(workers, thread_name_prefix="region-copy") as pool:
-        running = start(parts[0]) if parts else []
+    running = start(parts[0]) if parts else []
+    try:
         for k, part in enumerate(parts):
             problems = [p for p in (f.result() for f in running) if p]
             running = start(parts[k + 1]) if not problems and k + 1 < len(parts) else []
@@ -138,6 +163,9 @@ def copy_in_parts(
                 raise Precondition(f"region {region.name!r} shrank while it was written")
             last_slot = slots[part.stop - 1][0]
             yield last_slot.offset + last_slot.length
+    finally:
+        for future in running:  # closed early: the part under way finishes before it returns
+            future.result()
 
 
 def _parts(lengths: list[int], part_bytes: int) -> list[range]:

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
+from store_service import region_copy
 from tandem_client import Checkpoint, StoreClient, Tensor
 from tandem_client.bulk import RegionPut, put_messages
 from tandem_client.errors import DataLoss, TandemError, Unavailable
@@ -26,9 +27,9 @@ from tests.conftest import flip_stored_byte
 from tests.servers import ROOT, start_store
 
 
-def _record(key: bytes) -> Checkpoint:
+def _record(key: bytes, blocks: int = 1500) -> Checkpoint:
     rng = secrets.SystemRandom()
-    big = bytes(rng.getrandbits(8) for _ in range(1 << 12)) * 1500  # 6 MiB, several chunks
+    big = bytes(rng.getrandbits(8) for _ in range(1 << 12)) * blocks  # 6 MiB: several chunks
     small = b"tail bytes"
     return Checkpoint(
         key=key,
@@ -198,11 +199,15 @@ def test_a_damaged_chunk_in_a_late_part_stops_a_progressive_get_at_what_was_veri
         store.stop()
 
 
-def test_a_damaged_chunk_read_into_a_region_is_data_loss(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mib", [6, 3], ids=["copy threads", "inline"])
+def test_a_damaged_chunk_read_into_a_region_is_data_loss(tmp_path: Path, mib: int) -> None:
+    """Whether the store copies the payload on its copy threads or (up to INLINE_BYTES) on
+    the calling one."""
+    assert (mib << 20 > region_copy.INLINE_BYTES) == (mib == 6)
     data = tmp_path / "store"
     store = start_store(data)
     with StoreClient(store.address) as client:
-        client.put(_record(b"r2"))
+        client.put(_record(b"r2", blocks=mib * 256))
         client.flush()
     store.stop()
     flip_stored_byte(data, chunk=2, at=100)
