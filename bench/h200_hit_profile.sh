@@ -9,7 +9,9 @@
 # shape's 8k store hit with py-spy sampling every process of the bench (engine front, core,
 # store) to find the ~25 ms of a hit outside its logged phases. Part t: the same hit with
 # 4-bit TurboQuant prefix records (the engine's path, not only the in-process restore).
-# Part c: decode with a checkpoint every 16 tokens against off, 16 ABBA pairs of 512 tokens. Part n: the
+# Part c: decode with a checkpoint every 16 tokens against off, 16 ABBA pairs of 512 tokens,
+# and the share of each run the engine's step loop spent on checkpoints (Stats'
+# capture_seconds; issue 37's aim is at most 3%). Part n: the
 # 8k hit with MLX's CUDA graphs off (MLX_USE_CUDA_GRAPHS=0), for the gather launches' host
 # time: MLX-CUDA adds each kernel to a graph it instantiates or updates at each evaluation,
 # the suspect for ~2 ms a launch group. Part f: mlx-lm's BatchGenerator against the engine's
@@ -24,6 +26,7 @@
 # landing's phases at 1, 8 and 32 gather groups, and the planes landing at 8 and 64 planes a
 # launch (one launch: nothing allocated while gathers run). Part e: the 8B shape's 8k hit. Part q:
 # the quick round (the planes' bytes, the pool probe at 8k size, the 8k and 32k hits).
+# Issue 37's next device call (seventh session's plan): "c r e".
 # Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
