@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -164,8 +164,7 @@ def copy_in_parts(
             last_slot = slots[part.stop - 1][0]
             yield last_slot.offset + last_slot.length
     finally:
-        for future in running:  # closed early: the part under way finishes before it returns
-            future.result()
+        wait(running)  # closed early or failed: the copies under way end before it returns
 
 
 def _parts(lengths: list[int], part_bytes: int) -> list[range]:

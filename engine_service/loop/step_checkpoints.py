@@ -142,8 +142,9 @@ class StepCheckpoints:
                     # The generation's first snapshot, right after its prefill, saved now
                     # with the token the batch feeds next: a client gone before the next
                     # step (or an engine killed) leaves a generation that resumes.
-                    gens = self.checkpoints.generations
+                    started, gens = time.perf_counter(), self.checkpoints.generations
                     gens.save(job, gens.capture(job, found[0]), pending[job.uid])
+                    self._count(started)
                 row = item.finished_cache or (found[0] if found is not None else None)
                 if row is not None:  # None: the row left the batch meanwhile (parked)
                     self.checkpoints.prefixes.save(
