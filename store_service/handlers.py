@@ -39,6 +39,9 @@ def store_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:
             "GetHeaders": unary(
                 servicer.GetHeaders, store_pb2.GetHeadersRequest, store_pb2.GetHeadersResponse
             ),
+            "GetRecords": unary(
+                servicer.GetRecords, store_pb2.GetRecordsRequest, store_pb2.GetRecordsResponse
+            ),
             "Lookup": unary(servicer.Lookup, store_pb2.LookupRequest, store_pb2.LookupResponse),
             "Pin": unary(servicer.Pin, store_pb2.PinRequest, store_pb2.PinResponse),
             "Unpin": unary(servicer.Unpin, store_pb2.UnpinRequest, store_pb2.UnpinResponse),

@@ -10,7 +10,14 @@ from collections.abc import Generator
 
 import grpc
 
-from store_service.errors import Corrupt, Overloaded, Precondition
+from store_service.errors import (
+    Aborted,
+    Corrupt,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    Precondition,
+)
 from store_service.metrics import TRANSFERS, TransferPath
 from store_service.region_copy import copy_in_parts, progress_part_bytes
 from store_service.storage import now_ms
@@ -126,3 +133,52 @@ def get_direct(
     yield store_pb2.GetResponse(progress=progress)
     TRANSFERS.get(TransferPath.DIRECT, time.perf_counter() - started, record.payload_bytes)
     return True
+
+
+# Reads one GetRecords call may name (a checkpoint chain has at most 16 segments).
+MAX_RECORD_READS = 64
+
+
+def get_records_into_region(
+    store: CheckpointStore, request: store_pb2.GetRecordsRequest, namespace: str, owner: str
+) -> store_pb2.GetRecordsResponse:
+    """Store.GetRecords: each read's payload copied into the caller's region at its offset and
+    verified, one after another, answered in one message (a Get a record costs a call and a
+    stream of two messages, most of a small record's time: docs/performance.md)."""
+    if len(request.reads) > MAX_RECORD_READS:
+        raise InvalidRequest(f"at most {MAX_RECORD_READS} reads a call, not {len(request.reads)}")
+    region = store.regions.get(owner, request.region, now_ms(), request.region_registration)
+    answer = store_pb2.GetRecordsResponse()
+    try:
+        for read in request.reads:
+            outcome = answer.records.add()
+            started = time.perf_counter()
+            try:
+                record = store.open_record(namespace, read.key)
+                offset, span = read.region_offset, read.region_bytes
+                if not region.fits(offset, span, record.payload_bytes):
+                    outcome.larger = True
+                    continue
+                copies = copy_in_parts(
+                    store.state.storage,
+                    record,
+                    region,
+                    offset,
+                    span,
+                    store.quarantine,
+                    store.regions.copy_threads,
+                )
+                for _ in copies:
+                    pass
+            except (NotFound, Aborted):
+                outcome.missing = True
+                continue
+            except Corrupt:  # quarantined (copy_in_parts did, or it was already)
+                outcome.damaged = True
+                continue
+            outcome.header.CopyFrom(record.header)
+            seconds = time.perf_counter() - started
+            TRANSFERS.get(TransferPath.REGION, seconds, record.payload_bytes)
+    finally:
+        store.regions.done(region)
+    return answer

@@ -21,7 +21,12 @@ from store_service.put_session import IdleLimited
 from store_service.put_spec import PutSpec
 from store_service.records import RecordFilter, StoredRecord, all_tensors
 from store_service.region_copy import region_payload
-from store_service.same_host_gets import caller, get_direct, get_into_region
+from store_service.same_host_gets import (
+    caller,
+    get_direct,
+    get_into_region,
+    get_records_into_region,
+)
 from store_service.storage import now_ms
 from store_service.store import CheckpointStore
 from store_service.wire import (
@@ -221,6 +226,14 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             else:
                 found.damaged = isinstance(record, Corrupt)
         return out
+
+    @rpc_errors
+    def GetRecords(
+        self, request: store_pb2.GetRecordsRequest, context: grpc.ServicerContext
+    ) -> store_pb2.GetRecordsResponse:
+        namespace = namespace_for(request.namespace)
+        self.bulk_limit.enter(context, GET)
+        return get_records_into_region(self.store, request, namespace, caller(context))
 
     @rpc_errors
     def ReleaseDirect(

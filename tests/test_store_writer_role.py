@@ -5,9 +5,9 @@ oversized labels, bad region names and lost chunks (issue 32, items 4 and 5).
   port (`--admin-listen`): the engine's generations complete, their checkpoints are deleted
   through the data plane (`Store.Delete`), nothing of them is left pinned, and the spill
   queue counts no failure.
-- `Store.Delete`, `Store.DeleteMany`, `Store.PutRecords` and `Store.GetHeaders` stay within
-  the caller's namespaces and need the `store` role; DeleteMany removes all it names or, a
-  record being pinned, nothing.
+- `Store.Delete`, `Store.DeleteMany`, `Store.PutRecords`, `Store.GetHeaders` and
+  `Store.GetRecords` stay within the caller's namespaces and need the `store` role;
+  DeleteMany removes all it names or, a record being pinned, nothing.
 - Free-text fields of Put, Pin, Unpin, Lookup and List are bounded (INVALID_ARGUMENT), a
   region name with a NUL byte is INVALID_ARGUMENT, a record whose chunk was lost is
   DATA_LOSS (not ABORTED, which invites a retry).
@@ -121,6 +121,13 @@ def test_the_store_role_alone_completes_and_deletes_the_engines_generations(
             denied = grpc.StatusCode.PERMISSION_DENIED
             assert _code(lambda: acme.get_headers([b"p1"], "b")) == denied
             assert _code(lambda: gen.get_headers([b"p2"])) == denied
+            # Store.GetRecords: the same (the namespace and role are checked before the
+            # region is looked up).
+            read = store_pb2.RegionRead(key=b"p1", region_offset=4096, region_bytes=4096)
+            theirs = store_pb2.GetRecordsRequest(namespace="b", region="r", reads=[read])
+            assert _code(lambda: acme._store.GetRecords(theirs)) == denied
+            ours = store_pb2.GetRecordsRequest(region="r", reads=[read])
+            assert _code(lambda: gen._store.GetRecords(ours)) == denied
             assert acme.delete(b"p2") == 512
             # The operators' call stays on StoreAdmin (its own port here).
             with StoreClient(admin_address, token=TOKENS["ops"]) as ops:

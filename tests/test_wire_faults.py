@@ -53,9 +53,9 @@ def test_malformed_requests_are_invalid_argument_on_every_store_rpc(
         *_methods(store_pb2.DESCRIPTOR, "Store"),
         *_methods(store_pb2.DESCRIPTOR, "StoreAdmin"),
     ]
-    # 14 Store (PutMany, PutRecords, GetHeaders, Flush, Delete, DeleteMany, the regions
-    # pair, ReleaseDirect) + 7 StoreAdmin
-    assert len(methods) == 21
+    # 15 Store (PutMany, PutRecords, GetHeaders, GetRecords, Flush, Delete, DeleteMany, the
+    # regions pair, ReleaseDirect) + 7 StoreAdmin
+    assert len(methods) == 22
     _all_invalid(store.address, methods)
 
 

@@ -11,7 +11,6 @@ chain's segments as far as they run on without a gap, each continuing the one be
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,6 @@ from engine_service.checkpoints.attachments import find as find_attachment
 from engine_service.checkpoints.cache_records import check_restorable, restore
 from engine_service.checkpoints.device_landing import Landing
 from engine_service.checkpoints.generation_meta import (
-    FETCH_WORKERS,
     MAX_CHAIN,
     GenerationMeta,
     model_refusal,
@@ -34,9 +32,9 @@ from engine_service.core.plans import ResumePlan
 from engine_service.errors import Corrupt, EngineError, NotFound, Precondition, Unavailable
 from engine_service.kv.batch_cache import BatchQuantizedKVCache
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
-from tandem_client.direct import DirectHold
 from tandem_client.errors import DataLoss, TandemError
 from tandem_client.errors import NotFound as StoreNotFound
+from tandem_client.record_reads import HeldRead
 from tandem_client.records import Checkpoint, HeaderRead
 from tandem_client.regions import RegionHold
 from tandem_client.store_client import StoreClient
@@ -194,13 +192,14 @@ class GenerationLoads:
         continuing the tokens before it (listed_tokens: the manifest's); a chain holds at
         most MAX_CHAIN.
 
-        Two rounds: every candidate's header in one call (GetHeaders, no payloads), then, in
-        parallel, the payloads of the segments that continue the chain, each into a region
-        span of its own size, where they stay (each part's hold) until materialize() lands
-        them. Reading payloads blindly cost a resume the misses' round trips and, with spans
-        of an unknown size, region spans too large for several to be lent at once: those
-        reads streamed over gRPC instead (a 0.6B model's resume after 1,000 tokens on an
-        H200: 218 ms, against 100 ms before chains)."""
+        Two rounds: every candidate's header in one call (GetHeaders, no payloads), then the
+        payloads of the segments that continue the chain in one call too (GetRecords), each
+        into a region span of its own size, where they stay (each part's hold) until
+        materialize() lands them. Reading payloads blindly cost a resume the misses' round
+        trips and, with spans of an unknown size, region spans too large for several to be
+        lent at once: those reads streamed over gRPC instead (a 0.6B model's resume after
+        1,000 tokens on an H200: 218 ms, against 100 ms before chains); a Get a segment cost
+        each a call and a stream (five 1 MiB segments: 7-8 ms on 2 cores, 2.5 in one call)."""
         store = self.store
         assert store is not None
         if not 0 <= first < listed or listed - first > MAX_CHAIN:
@@ -213,54 +212,20 @@ class GenerationLoads:
             raise _store_failure(exc) from exc
         headers = [_header(read, i, i < listed) for read, i in zip(reads, indices, strict=True)]
         run = _continuing(_gapless(headers), listed_count, listed_tokens)
-        with ThreadPoolExecutor(max_workers=FETCH_WORKERS) as pool:
-            futures = [
-                pool.submit(
-                    self._segment,
-                    key,
-                    namespace,
-                    first + i,
-                    i < listed_count,
-                    size_hint=part.checkpoint.payload_bytes,  # from its header
-                )
-                for i, part in enumerate(run)
-            ]
-        parts = _all_or_released(futures)
+        try:
+            payloads = store.get_held_many(
+                [segment_key(key, first + i) for i in range(len(run))],
+                namespace,
+                [part.checkpoint.payload_bytes for part in run],  # from their headers
+            )
+        except TandemError as exc:
+            raise _store_failure(exc) from exc
+        parts = _segments(payloads, first, listed_count)
         chain = _continuing(_gapless(parts), listed_count, listed_tokens)
         for part in parts[len(chain) :]:
             if part is not None and part.hold is not None:
                 part.hold.release()
         return chain
-
-    def _segment(
-        self,
-        key: bytes,
-        namespace: str,
-        index: int,
-        required: bool,
-        *,
-        size_hint: int = 0,
-    ) -> HeldSegment | None:
-        """Segment `index` of a chain, its payload left in the region where it was placed;
-        None where an optional one (written after the manifest) is missing or damaged: the
-        chain ends before it."""
-        store = self.store
-        assert store is not None
-        seg_key = segment_key(key, index)
-        try:
-            checkpoint, hold = store.get_held(seg_key, namespace, size_hint=size_hint)
-            assert not isinstance(hold, DirectHold)  # only progressive Gets read directly
-            return HeldSegment(checkpoint, hold)
-        except StoreNotFound as exc:
-            if not required:
-                return None
-            raise NotFound(f"segment {index} of this checkpoint is not in the store") from exc
-        except DataLoss as exc:
-            if not required:
-                return None  # damaged (the store set it aside): resume from before it
-            raise _store_failure(exc) from exc
-        except TandemError as exc:
-            raise _store_failure(exc) from exc
 
 
 @dataclass(frozen=True)
@@ -292,17 +257,25 @@ def _header(read: HeaderRead, index: int, required: bool) -> HeldSegment | None:
     raise NotFound(f"segment {index} of this checkpoint is not in the store")
 
 
-def _all_or_released(futures: list[Future[HeldSegment | None]]) -> list[HeldSegment | None]:
-    """The reads' results (all done); when one failed, the others' spans are given back
-    before its error is raised."""
-    failure = next((f.exception() for f in futures if f.exception() is not None), None)
-    if failure is None:
-        return [f.result() for f in futures]
-    for future in futures:
-        part = future.result() if future.exception() is None else None
-        if part is not None and part.hold is not None:
-            part.hold.release()
-    raise failure
+def _segments(reads: list[HeldRead], first: int, required: int) -> list[HeldSegment | None]:
+    """A chain's segments as read, from index `first` on; None where one of those written
+    after the manifest (past the first `required`) is missing or damaged: the chain ends
+    before it. A required one missing is NOT_FOUND, damaged DATA_LOSS, every span read given
+    back first."""
+    parts: list[HeldSegment | None] = []
+    for i, read in enumerate(reads):
+        if read.checkpoint is not None:
+            parts.append(HeldSegment(read.checkpoint, read.hold))
+            continue
+        parts.append(None)
+        if i < required:
+            for held in reads:
+                if held.hold is not None:
+                    held.hold.release()
+            if read.damaged:  # the store set it aside
+                raise Corrupt(f"segment {first + i} of this checkpoint is damaged in the store")
+            raise NotFound(f"segment {first + i} of this checkpoint is not in the store")
+    return parts
 
 
 def _gapless(segments: list[HeldSegment | None]) -> list[HeldSegment]:

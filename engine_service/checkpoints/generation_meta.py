@@ -15,8 +15,6 @@ from tandem_client.records import Checkpoint
 
 # A chain holds at most this many segments before a whole snapshot starts a new one.
 MAX_CHAIN = 16
-# Segments of one chain fetched at once on resume.
-FETCH_WORKERS = 8
 # The metadata key of an ended generation's tombstone: how it ended.
 ENDED = "tandem.ended"
 

@@ -48,6 +48,7 @@ SETTLED_CODES = frozenset(
         grpc.StatusCode.UNAUTHENTICATED,
         grpc.StatusCode.DATA_LOSS,
         grpc.StatusCode.ABORTED,
+        grpc.StatusCode.UNIMPLEMENTED,  # a store without the method: nothing started
     }
 )
 # Where get_into puts a payload by default: the whole region is the caller's.

@@ -28,6 +28,7 @@ from tandem_client.data_file import DataFile
 from tandem_client.direct import DirectHold
 from tandem_client.errors import DataLoss, NotFound, TandemError
 from tandem_client.progressive import own_tensors
+from tandem_client.record_reads import RecordReads
 from tandem_client.records import (
     Attachment,
     Checkpoint,
@@ -75,7 +76,7 @@ __all__ = [
 ]
 
 
-class StoreClient(SameHostReads, StorePuts, GrpcClient):
+class StoreClient(SameHostReads, RecordReads, StorePuts, GrpcClient):
     """Synchronous client of `tandem.v1.Store` and `tandem.v1.StoreAdmin`."""
 
     def __init__(
@@ -106,6 +107,7 @@ class StoreClient(SameHostReads, StorePuts, GrpcClient):
         self._put_records = self._store.PutRecords
         self._put_records_known = True
         self._get_headers_known = True  # False once a store answered UNIMPLEMENTED
+        self._get_records_known = True  # the same, for GetRecords
         self._admin = store_pb2_grpc.StoreAdminStub(self._channel)
 
     # -- data plane --------------------------------------------------------------------------
