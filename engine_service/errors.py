@@ -46,11 +46,21 @@ class Precondition(EngineError):
 
 
 class GenerationEnded(Precondition):
-    """A resume of a generation that ended (its tombstone): nothing to resume."""
+    """A resume of a generation that ended (its tombstone): nothing to resume. finished: it
+    ended normally; tokens: every token it emitted, where the tombstone holds them (a
+    finished generation's tail is replayed from them: core/planner.py)."""
 
-    def __init__(self, message: str, generated: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        generated: int | None = None,
+        finished: bool = False,
+        tokens: list[int] | None = None,
+    ) -> None:
         super().__init__(message)
         self.generated = generated  # what it emitted in all, where the tombstone says
+        self.finished = finished
+        self.tokens = tokens
 
 
 class Unavailable(EngineError):

@@ -279,12 +279,15 @@ class Relay:
         """The engine for the next attempt: the first of the prefix's ranking (the same in
         every gateway) that is no busier than the least loaded plus the slack, among those of
         the lost engine's mode when any is up (of the deterministic mode only, for a request
-        that asks for it); waits for one when none is healthy."""
+        that asks for it; of that mode only, too, for a resume, which an engine of the other
+        mode refuses: one of them found up first, before its peers of the mode, took such a
+        resume only to refuse it); waits for one when none is healthy."""
         deadline = time.monotonic() + self.settings.failover_wait_s
         while True:
             candidates = [b for b in self.pool.healthy(model) if b.address not in attempt.full]
             same_mode = [b for b in candidates if _deterministic(b) == attempt.deterministic]
-            if attempt.deterministic is not None and (same_mode or attempt.required):
+            only_same = attempt.required or attempt.resume
+            if attempt.deterministic is not None and (same_mode or only_same):
                 candidates = same_mode
             if candidates:
                 break

@@ -303,9 +303,12 @@ def test_damage_in_a_late_part_of_a_progressive_restore_falls_back_to_prefill(
 
 
 def test_resume_of_an_ended_generation_says_how_it_ended(shared: Stack) -> None:
-    """A generation that finished (or was cancelled) leaves a tombstone: a resume answers
-    FAILED_PRECONDITION with how it ended and its token count, never NOT_FOUND nor tokens;
-    one claiming to hold more tokens than it emitted is INVALID_ARGUMENT."""
+    """A generation that finished (or was cancelled) leaves a tombstone. A resume of a
+    finished one gets the tokens past those it holds, replayed from the tombstone, and the
+    end (a client whose gateway died with the last tokens in its buffer), nothing computed;
+    of a cancelled one, FAILED_PRECONDITION with how it ended and its token count, never
+    NOT_FOUND nor tokens; one claiming to hold more tokens than it emitted is
+    INVALID_ARGUMENT."""
     with EngineClient(shared.engine.address) as engine:
         ended_in = dict(namespace="ended")
         request = dict(
@@ -314,10 +317,12 @@ def test_resume_of_an_ended_generation_says_how_it_ended(shared: Stack) -> None:
         done = engine.generate(PROMPT[:80], **request)
         assert len(done.token_ids) == 40
         engine.flush()  # the tombstone is queued on the spill thread like any checkpoint
-        with pytest.raises(TandemError) as ended:
-            engine.generate(PROMPT[:80], resume=True, **request)
-        assert ended.value.code == grpc.StatusCode.FAILED_PRECONDITION
-        assert "this generation finished; 40 tokens" in str(ended.value)
+        computed = engine.stats().generated_tokens_total
+        for held in (30, 0, 40):
+            tail = engine.generate(PROMPT[:80], resume=True, tokens_held=held, **request)
+            assert tail.token_ids == done.token_ids[held:], held
+            assert tail.finish_reason == "length", held
+        assert engine.stats().generated_tokens_total == computed  # replayed, not computed
 
         request = dict(
             max_tokens=400, ignore_eos=True, checkpoint_interval=8, request_id="cut", **ended_in

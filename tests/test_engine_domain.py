@@ -500,10 +500,11 @@ def test_resume_reads_the_manifest_then_the_chain_as_far_as_it_runs(
         assert plan.chain_first == first and plan.chain_next - first >= 4  # later segments read
         assert len(plan.parts) == plan.chain_next - first
         assert after.misses - before.misses == MAX_CHAIN - len(plan.parts)  # probes past it
-        # Headers first, then each payload into a span of its size: the manifest and every
-        # segment through the region, none streamed for want of a free span.
+        # Headers first (the manifest's, a payload-less record, with them), then each
+        # payload into a span of its size: every segment through the region, none streamed
+        # for want of a free span.
         read = Counter(engine_store.read_routes) - Counter(routes)
-        assert read == Counter(region=1 + len(plan.parts))
+        assert read == Counter(region=len(plan.parts))
         # The segments' tensors view their spans until the arrays are made, then give them
         # back: none is left lent.
         # (Other spans may come and go meanwhile: MLX-CUDA stages checkpoint captures there.)

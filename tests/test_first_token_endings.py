@@ -1,7 +1,8 @@
 """A row whose first token ends it (a 1-token request, or a stop token first) ends its stream
 with that token: the Finished leaves in the same delivery as the token, not a decode step
 later (loop/first_tokens.py `_send_first_tokens`, `Job.ending_at`). The row itself leaves the
-batch when the next step reports it, so the rows beside it go on exactly.
+batch when the next step reports it, so the rows beside it go on exactly. And a client gone
+at its first token (sent ahead of that step) leaves a generation that resumes.
 
 In-process, on the tiny model: each request's sink records its deliveries as they came.
 """
@@ -16,12 +17,16 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
+from engine_service.checkpoints.manager import CheckpointManager, CheckpointSettings
 from engine_service.loop.limits import Limits
 from engine_service.loop.scheduler import Scheduler
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
 from engine_service.protocol.events import Event, Finished, Token
 from engine_service.protocol.requests import GenerationRequest
+from store_service.config import StoreConfig
+from store_service.server import create_server
+from store_service.store import CheckpointStore
 from tests.zoo_checks import request
 
 
@@ -114,3 +119,47 @@ def test_a_stop_token_first_ends_the_stream_with_it(tiny: LoadedModel) -> None:
         assert sink.steps[-1] == sink.steps[0]
     finally:
         scheduler.shutdown()
+
+
+def test_a_client_gone_at_its_first_token_leaves_a_generation_that_resumes(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """The core's Cancel for a client gone (its checkpoint kept) arrives right after the first
+    token went ahead, before the step that reports it, whose end takes the first snapshot:
+    the row ends only after that, so the store holds a generation that resumes (it was
+    removed first and left none: tests/test_engine_zoo_processes.py raced so under load)."""
+    store = CheckpointStore(StoreConfig(data_dir=tmp_path / "store"))
+    server, port, _ = create_server(store, "127.0.0.1:0")
+    server.start()
+    settings = CheckpointSettings(store=f"127.0.0.1:{port}", store_region_bytes=0)
+    checkpoints = CheckpointManager(tiny, settings)
+    scheduler = Scheduler(tiny, Limits(max_running=2), checkpoints=checkpoints)
+    scheduler.start()
+    prompt = list(range(40, 90))
+    request = _request(tiny, "gone", prompt, 48)
+    request.checkpoint_interval = 1000  # none comes due: only the first snapshot
+
+    class GoneAtFirstToken(Deliveries):
+        def __call__(self, events: list[Event]) -> None:
+            super().__call__(events)
+            if len(self.tokens) == 1 and any(isinstance(e, Token) for e in events):
+                # On the loop thread, as it delivers: drained before the next step.
+                scheduler.cancel("gone", keep_checkpoint=True)
+
+    try:
+        sink = GoneAtFirstToken(scheduler)
+        scheduler.submit(request, sink)
+        assert sink.finished().reason == "cancelled"
+        scheduler.shutdown()
+        assert checkpoints.flush().durable
+        gens = checkpoints.generations
+        key = gens.key("default", prompt, request.sampling, "gone", request.layout)
+        plan = gens.loads.load(key, "default", prompt, request.layout)
+        assert plan.replay[0] == sink.tokens[0]
+        assert plan.replay == _greedy(tiny, prompt, len(plan.replay))
+        plan.release()
+    finally:
+        scheduler.shutdown()
+        checkpoints.close()
+        server.stop(None).wait()
+        store.close()

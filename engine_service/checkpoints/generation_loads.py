@@ -106,15 +106,7 @@ class GenerationLoads:
         if self.store is None:
             raise Precondition("resume needs an engine started with --store")
         start = time.perf_counter()
-        try:
-            record = self.store.get(key, namespace)
-        except StoreNotFound as exc:
-            raise NotFound(
-                "no checkpoint for this request (same request_id, prompt, sampling "
-                "options and kv options are needed to resume)"
-            ) from exc
-        except TandemError as exc:
-            raise _store_failure(exc) from exc
+        record, candidates = self._manifest(key, namespace)
         refuse_ended(record)
         if record.model_id != self.model_id:
             raise Precondition(model_refusal(record.model_id, self.model_id))
@@ -129,8 +121,11 @@ class GenerationLoads:
         holds: list[RegionHold] = []
         try:
             if meta.chain_first is not None and meta.chain_next is not None:
+                first, listed = meta.chain_first, meta.chain_next
                 try:
-                    held = self._chain(key, namespace, meta.chain_first, meta.chain_next, tokens)
+                    held = self._chain(
+                        key, namespace, first, listed, tokens, candidates if first == 0 else None
+                    )
                 except NotFound:
                     self._refuse_if_ended(key, namespace)  # it may have ended meanwhile
                     raise
@@ -184,13 +179,44 @@ class GenerationLoads:
             )
         refuse_ended(now)
 
+    def _manifest(self, key: bytes, namespace: str) -> tuple[Checkpoint, list[HeaderRead]]:
+        """The record under the generation key, and the headers of the first MAX_CHAIN
+        segment keys, read in the same call (GetHeaders, the key first: the segments a
+        manifest names were written before it). A chain's manifest holds no payload, so its
+        header is the whole record; a whole snapshot's payload is then read with a Get. The
+        headers serve a chain that starts at segment 0 (_chain)."""
+        store = self.store
+        assert store is not None
+        keys = [key, *(segment_key(key, i) for i in range(MAX_CHAIN))]
+        try:
+            found, *candidates = store.get_headers(keys, namespace)
+            if found.checkpoint is not None and not found.checkpoint.payload_bytes:
+                return found.checkpoint, candidates
+            if found.damaged:
+                raise DataLoss("the record under the generation key is quarantined")
+            return store.get(key, namespace), candidates
+        except StoreNotFound as exc:
+            raise NotFound(
+                "no checkpoint for this request (same request_id, prompt, sampling "
+                "options and kv options are needed to resume)"
+            ) from exc
+        except TandemError as exc:
+            raise _store_failure(exc) from exc
+
     def _chain(
-        self, key: bytes, namespace: str, first: int, listed: int, listed_tokens: list[int]
+        self,
+        key: bytes,
+        namespace: str,
+        first: int,
+        listed: int,
+        listed_tokens: list[int],
+        candidates: list[HeaderRead] | None = None,
     ) -> list[HeldSegment]:
         """The segments of a chain: those the manifest lists ([first, listed), each
         required), then those written after it, as far as they run on without a gap, each
         continuing the tokens before it (listed_tokens: the manifest's); a chain holds at
-        most MAX_CHAIN.
+        most MAX_CHAIN. candidates: the headers of segments first..first + MAX_CHAIN - 1, read
+        already (_manifest).
 
         Two rounds: every candidate's header in one call (GetHeaders, no payloads), then the
         payloads of the segments that continue the chain in one call too (GetRecords), each
@@ -207,7 +233,9 @@ class GenerationLoads:
         listed_count = listed - first
         indices = range(first, first + MAX_CHAIN)
         try:
-            reads = store.get_headers([segment_key(key, i) for i in indices], namespace)
+            reads = candidates or store.get_headers(
+                [segment_key(key, i) for i in indices], namespace
+            )
         except TandemError as exc:
             raise _store_failure(exc) from exc
         headers = [_header(read, i, i < listed) for read, i in zip(reads, indices, strict=True)]

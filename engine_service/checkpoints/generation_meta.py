@@ -147,11 +147,20 @@ def model_refusal(made_by: str, serving: str) -> str:
 
 
 def refuse_ended(record: Checkpoint) -> None:
-    """A tombstone: the generation ended; there is nothing to resume."""
+    """A tombstone: the generation ended; there is nothing to resume (GenerationEnded carries
+    its tokens, for a finished one's tail)."""
     ended = record.metadata.get(ENDED)
     if ended is not None:
-        tokens = record.metadata.get("generated", "?")
+        count = record.metadata.get("generated", "?")
+        generated = int(count) if count.isdigit() else None
+        prompt = record.metadata.get("prompt_tokens", "")
+        tokens = None
+        if generated is not None and prompt.isdigit():
+            tokens = list(record.token_ids[int(prompt) :])
+            tokens = tokens if len(tokens) == generated else None
         raise GenerationEnded(
-            f"this generation {ended}; {tokens} tokens (nothing to resume)",
-            int(tokens) if tokens.isdigit() else None,
+            f"this generation {ended}; {count} tokens (nothing to resume)",
+            generated,
+            finished=ended == "finished",
+            tokens=tokens,
         )

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from engine_service.checkpoints.attachments import DRAFT_SCHEMA
 from engine_service.checkpoints.manager import CheckpointManager
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE
-from engine_service.core.plans import Plan
+from engine_service.core.plans import Plan, ResumePlan
 from engine_service.errors import GenerationEnded, InvalidRequest
 from engine_service.protocol.requests import DraftSupport, GenerationRequest
 
@@ -66,6 +66,13 @@ class Planner:
                         f"tokens_held {req.tokens_held} exceeds the {ended.generated} tokens "
                         "this generation emits; resume with the count of tokens received"
                     ) from ended
+                # Finished while its client was losing the last tokens (a gateway killed
+                # mid-stream, its buffer with it): they are replayed from the tombstone,
+                # with the end, and nothing is computed. A generation that ended otherwise
+                # (cancelled, failed, a stop string) has no tail to give.
+                tokens = ended.tokens
+                if ended.finished and tokens and req.finished_by(tokens):
+                    return ResumePlan(key, tokens[:-1], tokens[-1], req.layout, parts=[])
                 raise
         if len(req.prompt) > BLOCK_SIZE:
             self.saves_settled(SAVES_WAIT_S)

@@ -16,7 +16,7 @@ from engine_service.loop.limits import Limits
 from engine_service.loop.parking import Parking
 from engine_service.loop.preemption import Preemption
 from engine_service.loop.row_isolation import isolate
-from engine_service.loop.step_checkpoints import StepCheckpoints
+from engine_service.loop.step_checkpoints import StepCheckpoints, first_snapshot_due
 from engine_service.model.folded_prefill import FoldingBatchGenerator
 from engine_service.model.loaded import LoadedModel
 from engine_service.protocol.engine_stats import EngineStats
@@ -39,6 +39,7 @@ class RowEndings:
     _parking: Parking
     _masks: BatchMasks
     _step_checkpoints: StepCheckpoints | None
+    _cancels_due: set[str]  # request ids to cancel once their first token is reported
     _lock: threading.Lock
     _stats: EngineStats
 
@@ -60,6 +61,33 @@ class RowEndings:
         timeout = self.limits.park.idle_timeout_s
         for request_id in self._parking.idle_expired(time.monotonic()):
             self._cancel(request_id, "idle", f"the client read nothing for {timeout:g} s")
+
+    def _cancel_keeping(self, request_id: str) -> None:
+        """A Cancel: now, or, for a row whose checkpoint is kept (its client went away) and
+        whose first token went ahead of the step that reports it, once that step ran. Its
+        first snapshot is taken after that report (step_checkpoints.save_prefixes): a row
+        removed before it left nothing to resume, so a client gone at its first token had to
+        start again (tests/test_engine_zoo_processes.py raced so under load)."""
+        job = self._by_id.get(request_id)
+        if (
+            job is not None
+            and job.keep_checkpoint
+            and job.uid >= 0
+            and job.token_sent_ahead is not None
+            and first_snapshot_due(job)
+        ):
+            self._cancels_due.add(request_id)
+            return
+        self._cancel(request_id)
+
+    def _end_cancels_due(self) -> None:
+        """The cancels _cancel_keeping put off whose rows' first tokens were reported (after
+        the step's prefix saves)."""
+        for request_id in list(self._cancels_due):
+            job = self._by_id.get(request_id)
+            if job is None or job.token_sent_ahead is None:
+                self._cancels_due.discard(request_id)
+                self._cancel(request_id)  # none: it finished meanwhile
 
     def _cancel(self, request_id: str, reason: FinishReason = "cancelled", error: str = "") -> None:
         job = self._by_id.get(request_id)

@@ -116,6 +116,7 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
         self._unconfirmed = ReadConfirmations()  # direct store hits in their first step
         self._rows: dict[int, Job] = {}
         self._by_id: dict[str, Job] = {}
+        self._cancels_due: set[str] = set()
         self._preemption = Preemption(limits.park)
         self._parking = Parking(
             self, self._preemption, checkpoints, self._waiting, self._by_id, self._inbox.put
@@ -223,6 +224,7 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
             self._flush_outbox()
             if self._step_checkpoints is not None:
                 self._step_checkpoints.save_prefixes(self._bg)
+            self._end_cancels_due()
         self._cancel_all("the engine is shutting down")
         self._flush_outbox()
 
@@ -259,7 +261,7 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
                 if job is not None:
                     job.keep_checkpoint = command.keep_checkpoint
                     job.ended = "finished" if command.stopped else "was cancelled"
-                self._cancel(command.request_id)
+                self._cancel_keeping(command.request_id)
             elif isinstance(command, (Park, Unpark)):
                 self._parking.command(command)
             elif isinstance(command, Restored):

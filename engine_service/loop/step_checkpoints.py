@@ -133,7 +133,7 @@ class StepCheckpoints:
             # the step in flight, and a burst of new rows paid that once per row.
             in_batch = [item.job.uid for item in due if item.finished_cache is None]
             extracted = bg.extract_cache(in_batch) if in_batch else {}
-            first = [i.job.uid for i in due if i.job.uid in extracted and _first_due(i.job)]
+            first = [i.job.uid for i in due if i.job.uid in extracted and first_snapshot_due(i.job)]
             pending = pending_tokens(bg, first) if first else {}
             for item in due:
                 job, r = item.job, item.job.request
@@ -183,6 +183,6 @@ class StepCheckpoints:
         return True
 
 
-def _first_due(job: Job) -> bool:
+def first_snapshot_due(job: Job) -> bool:
     """A checkpointed generation at its first token with no snapshot taken yet."""
     return bool(job.checkpoint_key) and job.snapshot is None and not job.last_checkpoint_at
