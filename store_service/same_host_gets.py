@@ -19,7 +19,9 @@ from store_service.errors import (
     Precondition,
 )
 from store_service.metrics import TRANSFERS, TransferPath
+from store_service.records import StoredRecord
 from store_service.region_copy import copy_in_parts, progress_part_bytes
+from store_service.regions import Region
 from store_service.storage import now_ms
 from store_service.store import CheckpointStore
 from store_service.wire import direct_placement_pb
@@ -54,16 +56,8 @@ def get_into_region(
         offset, span = request.region_offset, request.region_bytes
         if request.stream_if_larger and not region.fits(offset, span, record.payload_bytes):
             return False
-        parts = copy_in_parts(
-            store.state.storage,
-            record,
-            region,
-            offset,
-            span,
-            store.quarantine,
-            store.regions.copy_threads,
-            part_bytes=progress_part_bytes(record.payload_bytes) if request.progressive else 0,
-        )
+        part_bytes = progress_part_bytes(record.payload_bytes) if request.progressive else 0
+        parts = _copies(store, record, region, offset, span, part_bytes)
         if request.progressive:
             yield store_pb2.GetResponse(header=record.header)
             for verified in parts:
@@ -159,17 +153,8 @@ def get_records_into_region(
                 if not region.fits(offset, span, record.payload_bytes):
                     outcome.larger = True
                     continue
-                copies = copy_in_parts(
-                    store.state.storage,
-                    record,
-                    region,
-                    offset,
-                    span,
-                    store.quarantine,
-                    store.regions.copy_threads,
-                )
-                for _ in copies:
-                    pass
+                for _ in _copies(store, record, region, offset, span):
+                    pass  # verified into the region before it is answered
             except (NotFound, Aborted):
                 outcome.missing = True
                 continue
@@ -182,3 +167,24 @@ def get_records_into_region(
     finally:
         store.regions.done(region)
     return answer
+
+
+def _copies(
+    store: CheckpointStore,
+    record: StoredRecord,
+    region: Region,
+    offset: int,
+    span: int,
+    part_bytes: int = 0,
+) -> Generator[int, None, None]:
+    """The record's payload copied into the region at offset (region_copy.copy_in_parts)."""
+    return copy_in_parts(
+        store.state.storage,
+        record,
+        region,
+        offset,
+        span,
+        store.quarantine,
+        store.regions.copy_threads,
+        part_bytes=part_bytes,
+    )
