@@ -193,7 +193,7 @@ class GenerationLoads:
             if found.checkpoint is not None and not found.checkpoint.payload_bytes:
                 return found.checkpoint, candidates
             if found.damaged:
-                raise DataLoss("the record under the generation key is quarantined")
+                raise Corrupt("the checkpoint is damaged in the store (quarantined)")
             return store.get(key, namespace), candidates
         except StoreNotFound as exc:
             raise NotFound(

@@ -142,7 +142,8 @@ class StepCheckpoints:
                     # The generation's first snapshot, right after its prefill, saved now
                     # with the token the batch feeds next: a client gone before the next
                     # step (or an engine killed) leaves a generation that resumes.
-                    started, gens = time.perf_counter(), self.checkpoints.generations
+                    started = time.perf_counter()
+                    gens = self.checkpoints.generations
                     gens.save(job, gens.capture(job, found[0]), pending[job.uid])
                     self._count(started)
                 row = item.finished_cache or (found[0] if found is not None else None)
