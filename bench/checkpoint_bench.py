@@ -161,6 +161,14 @@ def bench_resume(stack: dict, vocab: int, tokens: int, samples: int = 1) -> dict
                         break
             _wait_covered(stack["store"], client, len(prompt) + received)
     stack["engine"] = engine
+    marker = "first token phases, resume (ms): "
+    phases = [
+        line.split(marker, 1)[1].strip()
+        for line in (stack["log_dir"] / "engine.log").read_text(errors="replace").splitlines()
+        if marker in line
+    ]
+    if phases:  # the engines ran at --log-level debug
+        print("  the resume's phases in the core, each sample: " + "; ".join(phases))
     first_new, first_computed = statistics.median(firsts), statistics.median(computed)
     print(
         f"  resume after {received} tokens: {first_new * 1e3:.1f} ms to the first new token "
@@ -353,6 +361,11 @@ def main() -> None:
         default=0,
         help="the TTFT's prefix records compressed to 8 or 4 bits (0: exact)",
     )
+    parser.add_argument(
+        "--engine-log-level",
+        default="info",
+        help="debug: the resume's phases in the core (plan, wait, restore and step) printed",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     skip = set(args.skip.split(",")) - {""}
@@ -387,10 +400,17 @@ def main() -> None:
                 str(16 << 30),
                 "--store-region-bytes",
                 str(args.region_bytes),
+                "--log-level",
+                args.engine_log_level,
                 log_dir=root,
             )
 
-        stack = {"engine": engine_proc(), "restart": engine_proc, "store": f"127.0.0.1:{port}"}
+        stack = {
+            "engine": engine_proc(),
+            "restart": engine_proc,
+            "store": f"127.0.0.1:{port}",
+            "log_dir": root,
+        }
         threads = os.environ.get("OPENBLAS_NUM_THREADS", "unset: a thread a core")
         print(
             f"model {args.model} on {out['device']} (BLAS {out['blas']}, OPENBLAS_NUM_THREADS "

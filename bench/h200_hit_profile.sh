@@ -20,13 +20,14 @@
 # hits against cold prefills and raw mlx-lm (the first token sent as soon as it is sampled).
 # Part m: raw mlx-lm's 16-token turn after 8k and 32k cached positions three ways (its
 # generator, the same with mx.clear_cache a no-op, the bare forward pass): where its 133 ms
-# at 32k goes (and F: the generator with the device pool kept). Part k: the device pool
-# (engine_service/cuda_runtime.py): a fresh allocation's host time and the direct landing's
-# launches with CUDA's default pool and with freed memory kept, at 8k and 32k sizes, and the
-# landing's phases at 1, 8 and 32 gather groups, and the planes landing at 8 and 64 planes a
-# launch (one launch: nothing allocated while gathers run). Part e: the 8B shape's 8k hit. Part q:
+# at 32k goes (and F: the generator with the device pool kept). Part k: the planes landing
+# at 8 and 64 planes a launch (one launch: nothing allocated while gathers run), each with
+# MLX's buffer cache emptied first and kept (the planes reused), at 8k and 32k sizes (the
+# pool and group probes: direct_landing_check.py --pool --groups 1,8,32). Part e: the 8B
+# shape's 8k hit. Part q:
 # the quick round (the planes' bytes, the pool probe at 8k size, the 8k and 32k hits).
-# Issue 37's next device call (seventh session's plan): "c r e".
+# Part w: the 8k and 32k hits by the plane gather at 8 planes a launch against one launch
+# (two engines, interleaved). Issue 37's next device calls (eighth session): "r e", "c", "k w".
 # Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
@@ -41,7 +42,8 @@ for part in ${1:-g r p t}; do
       ;;
     r)
       timeout 240 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape --repeat 3 \
-        --skip ttft,decode,restore,floor,local 2>&1 | tee "$out/resume.txt"
+        --skip ttft,decode,restore,floor,local --engine-log-level debug 2>&1 \
+        | tee "$out/resume.txt"
       ;;
     p)
       # CPU samples only (--idle floods the file: 84 MB at 250 Hz), summarized here.
@@ -76,7 +78,7 @@ for part in ${1:-g r p t}; do
       ;;
     k)
       for mib in 896 3584; do
-        timeout 200 python3 bench/direct_landing_check.py --mib $mib --rounds 4 --pool --groups 1,8,32 \
+        timeout 150 python3 bench/direct_landing_check.py --mib $mib --rounds 4 \
           --planes-per-launch 8,64 2>&1 \
           | tee -a "$out/pool_landing.txt"
       done
@@ -90,6 +92,15 @@ for part in ${1:-g r p t}; do
         | tee "$out/hit_8192_planes.txt"
       timeout 250 $hit --tokens 32768 --pairs 3 --think-s 0.5 2>&1 | grep -v '^  round' \
         | tee "$out/hit_32768_planes.txt"
+      ;;
+    w)
+      # Direct hits landed by the plane gather at 8 planes a launch against one launch for
+      # all (nothing allocated while gathers run), two engines, interleaved hits.
+      for tokens in 8192 32768; do
+        timeout 240 $hit --tokens $tokens --pairs 4 --think-s 0.5 \
+          --routes direct,direct-one-launch 2>&1 | grep -v '^  round' \
+          | tee "$out/hit_${tokens}_one_launch.txt"
+      done
       ;;
     e)
       timeout 300 python3 bench/hit_floor_bench.py --cold --routes direct --model llama3-8b-shape \

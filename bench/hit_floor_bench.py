@@ -150,7 +150,12 @@ def main() -> None:
     parser.add_argument("--model", default="tandem-tiny")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--pairs", type=int, default=7)
-    parser.add_argument("--routes", default="direct", help="direct, region or direct,region")
+    parser.add_argument(
+        "--routes",
+        default="direct",
+        help="comma list of direct, region, and direct-one-launch (direct hits landed by one "
+        "launch of the plane gather: TANDEM_PLANES_PER_LAUNCH=64)",
+    )
     parser.add_argument(
         "--cold", action="store_true", help="also the engine's cold prefill of a new prompt"
     )
@@ -195,10 +200,11 @@ def main() -> None:
                 "--spill-queue-bytes",  # a 32k-token prefix of the 0.6B shape is 3.5 GiB
                 str(16 << 30),
                 "--store-direct-reads",
-                "on" if route == "direct" else "off",
+                "off" if route == "region" else "on",
                 "--log-level",
                 "debug",
                 log_dir=root / route,
+                env={"TANDEM_PLANES_PER_LAUNCH": "64"} if route == "direct-one-launch" else None,
             )
             for route in routes
         }
@@ -257,13 +263,17 @@ def main() -> None:
             for engine in engines.values():
                 engine.stop()
             store.stop()
-        if "direct" in routes:
-            engine_log = root / "direct" / "engine.log"
-            engine_phases = phase_medians(engine_log, "direct hit phases (ms):")
-            gather_phases = phase_medians(engine_log, "direct gather phases (ms):")
-            store_phases = phase_medians(root / "store-store.log", "direct Get phases (ms):")
-            first_token = phase_medians(engine_log, "first token phases, store hit (ms):")
-            front_ttft = statistics.median(front_ttfts(engine_log)) * 1e3
+        phases = {}
+        for route in routes:
+            if route.startswith("direct"):
+                engine_log = root / route / "engine.log"
+                phases[route] = (
+                    phase_medians(engine_log, "direct hit phases (ms):"),
+                    phase_medians(engine_log, "direct gather phases (ms):"),
+                    phase_medians(engine_log, "first token phases, store hit (ms):"),
+                    statistics.median(front_ttfts(engine_log)) * 1e3,
+                )
+        store_phases = phase_medians(root / "store-store.log", "direct Get phases (ms):")
     print(
         f"{args.model} on {mx.default_device()}, {args.tokens} + 16 tokens, {args.pairs} rounds,"
         f" records {args.record_bits or 'exact'}{'-bit' if args.record_bits else ''}"
@@ -283,8 +293,10 @@ def main() -> None:
                 f"    cold prefill {statistics.median(colds) * 1e3:.1f} ms; cold / hit median"
                 f" {statistics.median(gain):.2f} ({min(gain):.2f}-{max(gain):.2f})"
             )
-    if "direct" in routes:
-        print(f"  direct hits' phases, medians (ms): engine {engine_phases}; store {store_phases}")
+    if phases:
+        print(f"  direct Gets' phases in the store, medians (ms): {store_phases}")
+    for route, (engine_phases, gather_phases, first_token, front_ttft) in phases.items():
+        print(f"  {route} hits' phases, medians (ms): engine {engine_phases}")
         print(
             f"    in the core, arrival to first token: {first_token}; the front's time to"
             f" first token {front_ttft:.1f} ms"

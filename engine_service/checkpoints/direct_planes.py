@@ -16,6 +16,7 @@ docs/performance.md, 2026-12-05, fifth session.)
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +26,9 @@ import numpy as np
 from tandem_client.records import Tensor
 
 # Outputs of one launch (a kernel's outputs are fixed when it is made: one kernel per count;
-# bench/direct_landing_check.py --planes-per-launch times others).
-PLANES_PER_LAUNCH = 8
+# bench/direct_landing_check.py --planes-per-launch times others, and TANDEM_PLANES_PER_LAUNCH
+# sets an engine's, for bench/hit_floor_bench.py --routes direct,direct-one-launch).
+PLANES_PER_LAUNCH = int(os.environ.get("TANDEM_PLANES_PER_LAUNCH", "8"))
 THREADS_PER_BLOCK = 256
 MAX_BLOCKS_PER_PIECE = 64
 GATHER_BLOCKS = 512  # thread blocks a launch uses at most: PCIe bounds it, not the SMs
