@@ -335,6 +335,24 @@ def bench_decode(address: str, vocab: int, repeat: int, tokens: int = 256) -> li
     return rows
 
 
+def round_phases(log: Path) -> None:
+    """The medians of the engine's debug lines on its checkpoint rounds (--engine-log-level
+    debug), by the rows in a round: where the step loop's time on checkpoints goes."""
+    by_rows: dict[str, dict[str, list[float]]] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        for marker in ("checkpoint round phases (ms): ", "checkpoint capture phases (ms): "):
+            if marker not in line:
+                continue
+            body, _, rows = line.split(marker, 1)[1].partition("(rows ")
+            phases = by_rows.setdefault(rows.rstrip(")\n "), {})
+            for part in body.split(","):
+                name, _, value = part.strip().rpartition(" ")
+                phases.setdefault(name, []).append(float(value))
+    for rows, phases in sorted(by_rows.items()):
+        shown = ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in phases.items())
+        print(f"  a round of {rows} row(s), medians (ms): {shown}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tandem-tiny")
@@ -447,6 +465,7 @@ def main() -> None:
                 out["decode"] = bench_decode(
                     stack["engine"].address, vocab, args.repeat, args.decode_tokens
                 )
+                round_phases(root / "engine.log")  # lines only at --engine-log-level debug
             if "restore" not in skip:
                 stack["engine"].stop()
                 loaded = load_model(spec, root)

@@ -11,7 +11,8 @@
 # 4-bit TurboQuant prefix records (the engine's path, not only the in-process restore).
 # Part c: decode with a checkpoint every 16 tokens against off, 16 ABBA pairs of 512 tokens,
 # and the share of each run the engine's step loop spent on checkpoints (Stats'
-# capture_seconds; issue 37's aim is at most 3%). Part n: the
+# capture_seconds; issue 37's aim is at most 3%), and where a round's time goes (the
+# engine's debug lines: capture, stage, wait, queue). Part s: part r's resume alone. Part n: the
 # 8k hit with MLX's CUDA graphs off (MLX_USE_CUDA_GRAPHS=0), for the gather launches' host
 # time: MLX-CUDA adds each kernel to a graph it instantiates or updates at each evaluation,
 # the suspect for ~2 ms a launch group. Part f: mlx-lm's BatchGenerator against the engine's
@@ -27,7 +28,8 @@
 # shape's 8k hit. Part q:
 # the quick round (the planes' bytes, the pool probe at 8k size, the 8k and 32k hits).
 # Part w: the 8k and 32k hits by the plane gather at 8 planes a launch against one launch
-# (two engines, interleaved). Issue 37's next device calls (eighth session): "r e", "c", "k w".
+# (two engines, interleaved). Issue 37's device calls in the eighth session: "r e", "c", "k w",
+# then "s c w".
 # Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
@@ -93,6 +95,12 @@ for part in ${1:-g r p t}; do
       timeout 250 $hit --tokens 32768 --pairs 3 --think-s 0.5 2>&1 | grep -v '^  round' \
         | tee "$out/hit_32768_planes.txt"
       ;;
+    s)
+      # Resume alone (part r without the batched streams), with the core's phases.
+      timeout 200 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape --repeat 3 \
+        --skip ttft,decode,restore,floor,local,batched --engine-log-level debug 2>&1 \
+        | tee "$out/resume_alone.txt"
+      ;;
     w)
       # Direct hits landed by the plane gather at 8 planes a launch against one launch for
       # all (nothing allocated while gathers run), two engines, interleaved hits.
@@ -117,7 +125,7 @@ for part in ${1:-g r p t}; do
       # of percent (24 pairs, 2026-12-05).
       timeout 450 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape --repeat 16 \
         --decode-tokens 512 --skip ttft,resume,batched,restore,floor,local \
-        2>&1 | tee "$out/checkpoint_cost.txt"
+        --engine-log-level debug 2>&1 | tee "$out/checkpoint_cost.txt"
       ;;
   esac
 done

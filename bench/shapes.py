@@ -28,6 +28,22 @@ SHAPES = {
         "tie_word_embeddings": True,
         "vocab_size": 151936,
     },
+    # The 0.6B shape's 28 layers and 8 KV heads, narrow: the host's work a step and a
+    # checkpoint round (a Python cost per layer and tensor) measured on a CPU.
+    "qwen3-0.6b-layers": {
+        "model_type": "qwen3",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": True,
+        "vocab_size": 4096,
+    },
     "llama3-8b-shape": {
         "model_type": "llama",
         "hidden_size": 4096,

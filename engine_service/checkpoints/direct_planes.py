@@ -107,6 +107,12 @@ def plane_pieces(
     )
 
 
+def plane_bytes(tensor: Tensor, columns: int) -> int:
+    """The bytes of a KV tensor's plane of `columns` positions (a launch's output for it)."""
+    _, heads, _, dim = tensor.shape
+    return heads * columns * dim * np.dtype(_numpy_dtype(tensor.dtype)).itemsize
+
+
 def _numpy_dtype(name: str) -> str:
     return "uint16" if name == "bfloat16" else name
 
@@ -143,8 +149,7 @@ class PlaneGather:
             source = np.where(pieces.source < 0, 0, base + pieces.source)
             target, index_column = pieces.target, np.full(pieces.source.size, index)
             rows.append(np.stack([source, index_column, target, pieces.nbytes // 16], axis=1))
-            _, heads, _, dim = tensor.shape
-            sizes.append(heads * columns * dim * np.dtype(_numpy_dtype(tensor.dtype)).itemsize)
+            sizes.append(plane_bytes(tensor, columns))
         table = np.concatenate(rows).astype(np.uint64)
         count = table.shape[0]
         longest = int(table[:, 3].max()) * 16

@@ -17,7 +17,9 @@ built upon). Other layouts store a whole snapshot under the generation key each 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +52,8 @@ from tandem_client.identity import generation_key, scope_digest
 from tandem_client.records import Checkpoint, Tensor
 from tandem_client.regions import RegionHold
 from tandem_client.store_client import StoreClient
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -192,7 +196,13 @@ class GenerationCheckpoints:
             return
         for r in ready:
             r.job.checkpointed = True  # its checkpoint is on its way: forget it if it ends
+        started = time.perf_counter()
         self._round = _Round(ready, self._staged(ready))
+        log.debug(  # where a round's time on the MLX thread goes (bench/checkpoint_bench.py)
+            "checkpoint round phases (ms): stage %.2f (rows %d)",
+            (time.perf_counter() - started) * 1e3,
+            len(ready),
+        )
 
     def complete_round(self) -> None:
         """Queues the round staged last (MLX thread). Every write of this class calls it
@@ -201,9 +211,17 @@ class GenerationCheckpoints:
         round_, self._round = self._round, None
         if round_ is None:
             return
+        started = time.perf_counter()
         round_.staged.wait()
+        waited = time.perf_counter()
         for r, (tensors, keep) in zip(round_.ready, round_.staged.tensors, strict=True):
             self._queue(r.job, r.snapshot, r.pending, tensors, keep)
+        log.debug(
+            "checkpoint round phases (ms): wait %.2f, queue %.2f (rows %d)",
+            (waited - started) * 1e3,
+            (time.perf_counter() - waited) * 1e3,
+            len(round_.ready),
+        )
 
     def _staged(self, ready: list[ReadySnapshot]) -> Staged:
         settle_all(

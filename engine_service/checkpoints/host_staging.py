@@ -70,6 +70,10 @@ class HostStaging:
             start = hold.span.offset
             pushes.append((sources[u], hold.region.buf[start : start + hold.span.size]))
         views_of, done = self.landing.push_many(pushes)
+        if done:
+            # Launched now, behind the captures' copies: the wait a step later then finds
+            # them written, rather than launching them and waiting on them itself.
+            mx.async_eval(done)
         pushed = dict(zip(wanted, views_of, strict=True))
         tensors: list[tuple[list[Tensor], RegionHold | None]] = [([], None)] * len(captures)
         for u, unit in enumerate(members):
