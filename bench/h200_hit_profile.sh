@@ -27,8 +27,8 @@
 # pool and group probes: direct_landing_check.py --pool --groups 1,8,32). Part e: the 8B
 # shape's 8k hit. Part q:
 # the quick round (the planes' bytes, the pool probe at 8k size, the 8k and 32k hits).
-# Part w: the 8k and 32k hits by the plane gather at 8 planes a launch against one launch
-# (two engines, interleaved). Issue 37's device calls in the eighth session: "r e", "c", "k w",
+# Part w: the 8k and 32k hits by the plane gather in one launch against launches of 8
+# planes (two engines, interleaved). Issue 37's device calls in the eighth session: "r e", "c", "k w",
 # then "s c w".
 # Writes text under $OUT.
 set -u
@@ -102,11 +102,12 @@ for part in ${1:-g r p t}; do
         | tee "$out/resume_alone.txt"
       ;;
     w)
-      # Direct hits landed by the plane gather at 8 planes a launch against one launch for
-      # all (nothing allocated while gathers run), two engines, interleaved hits.
+      # Direct hits landed by one launch of the plane gather (the default since the eighth
+      # session: nothing allocated while gathers run) against launches of 8 planes, two
+      # engines, interleaved hits.
       for tokens in 8192 32768; do
         timeout 240 $hit --tokens $tokens --pairs 4 --think-s 0.5 \
-          --routes direct,direct-one-launch 2>&1 | grep -v '^  round' \
+          --routes direct,direct-8-a-launch 2>&1 | grep -v '^  round' \
           | tee "$out/hit_${tokens}_one_launch.txt"
       done
       ;;

@@ -153,8 +153,8 @@ def main() -> None:
     parser.add_argument(
         "--routes",
         default="direct",
-        help="comma list of direct, region, and direct-one-launch (direct hits landed by one "
-        "launch of the plane gather: TANDEM_PLANES_PER_LAUNCH=64)",
+        help="comma list of direct, region, and direct-8-a-launch (direct hits landed by "
+        "launches of 8 planes each, TANDEM_PLANES_PER_LAUNCH=8, against the default one)",
     )
     parser.add_argument(
         "--cold", action="store_true", help="also the engine's cold prefill of a new prompt"
@@ -204,7 +204,7 @@ def main() -> None:
                 "--log-level",
                 "debug",
                 log_dir=root / route,
-                env={"TANDEM_PLANES_PER_LAUNCH": "64"} if route == "direct-one-launch" else None,
+                env={"TANDEM_PLANES_PER_LAUNCH": "8"} if route == "direct-8-a-launch" else None,
             )
             for route in routes
         }

@@ -150,8 +150,8 @@ def test_the_turboquant_kernels_compile(nvrtc: Nvrtc, recorder: Recorder) -> Non
 
 
 def test_the_plane_gather_compiles_at_each_launch_width(nvrtc: Nvrtc, recorder: Recorder) -> None:
-    """checkpoints/direct_planes.py: a direct store hit's planes gathered by one launch of 8
-    (the engine's) or 64 outputs, from a file's chunks (here one chunk a tensor)."""
+    """checkpoints/direct_planes.py: a direct store hit's planes gathered by one launch of 64
+    outputs (the engine's) or 8, from a file's chunks (here one chunk a tensor)."""
     group = []
     for index in range(3):
         shape = (1, 8, 40 + index, 128)
@@ -159,7 +159,7 @@ def test_the_plane_gather_compiles_at_each_launch_width(nvrtc: Nvrtc, recorder: 
         pieces = plane_pieces(tensor, [(4096 * 64 * index, tensor.nbytes)], 40 + index, 296)
         assert pieces is not None
         group.append((tensor, pieces))
-    for outputs in (PLANES_PER_LAUNCH, 64):
+    for outputs in (PLANES_PER_LAUNCH, 8):
         planes = PlaneGather().launch(group, 1 << 20, 296, outputs)
         assert [p.shape for p in planes.values()] == [(1, 8, 296, 128)] * 3
     _check(nvrtc, recorder)

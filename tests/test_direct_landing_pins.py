@@ -10,9 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import mlx.core as mx
-
-from engine_service.checkpoints.direct_landing import BLOCK, BlockPins, reserve_buffers
+from engine_service.checkpoints.direct_landing import BLOCK, BlockPins
 from tandem_client.data_file import DataFile
 
 
@@ -120,17 +118,3 @@ def test_a_new_file_lets_the_old_ones_pages_go(tmp_path: Path) -> None:
     assert pins.ensure(new, [(0, 4096)])
     assert set(cuda.registered) == {new.base}
 
-
-def test_reserved_planes_wait_in_mlxs_cache_for_the_gathers_outputs() -> None:
-    """The plane gather's outputs are reserved before its first launch (no allocation while
-    gathers run): the buffers wait in MLX's cache, and outputs of their sizes take them."""
-    sizes = [3 << 20, 3 << 20, 5 << 20]
-    mx.synchronize()
-    mx.clear_cache()
-    reserve_buffers(sizes)
-    cached = mx.get_cache_memory()
-    assert cached >= sum(sizes)
-    outputs = [mx.ones((n,), mx.uint8) for n in sizes]
-    mx.eval(outputs)
-    assert mx.get_cache_memory() <= cached - sum(sizes)  # taken from the cache, none new
-    assert all(int(o.sum().item()) == o.size for o in outputs)

@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine_service.checkpoints import direct_planes
-from engine_service.checkpoints.direct_planes import PlaneGather, plane_bytes, plane_pieces
+from engine_service.checkpoints.direct_planes import PlaneGather, plane_pieces
 from tandem_client.data_file import DataFile
 from tandem_client.records import Tensor
 
@@ -70,19 +70,6 @@ _GATHER_SOURCE = """
   }
   for (; i < n16; i += stride) { dst[i] = src[i]; }
 """
-
-
-def reserve_buffers(sizes: list[int]) -> None:
-    """Buffers of these sizes allocated now and handed back to MLX's buffer cache, from which
-    the plane gather's launches then take their outputs. A launch that allocates while
-    earlier gathers read pinned pages over PCIe spent ~1 ms of host time a plane in CUDA's
-    allocator (46 ms of a 32k-token hit's launches on an H100), and one launch for every plane
-    allocates nothing meanwhile but gives up the forward pass's overlap with the landing
-    (docs/performance.md, eighth session). Allocated before the first gather, they cost ~1
-    ms a GiB, and the zeros' writes ~0.5 ms a GiB of the GPU's time."""
-    reserved = [mx.zeros((n,), mx.uint8) for n in sizes]
-    mx.eval(reserved)
-    del reserved  # freed into MLX's cache (the allocator recycles a freed buffer at once)
 
 
 class HostPinning(Protocol):
@@ -289,8 +276,6 @@ class FilePins:
         planes: dict[int, mx.array] = {}
         per_launch = direct_planes.PLANES_PER_LAUNCH  # read here: a probe may set another
         with mx.stream(self._gather_stream()):
-            if len(usable) > per_launch:
-                reserve_buffers([plane_bytes(tensor, columns) for tensor, _ in usable])
             for at in range(0, len(usable), per_launch):
                 group = usable[at : at + per_launch]
                 pulled = self._planes.launch(group, file.base, columns, per_launch)

@@ -8,10 +8,16 @@ next tokens into it in place, but only when the plane owns its buffer: the group
 must copy whole, on the generation stream, before the first layer's forward pass can start.
 So here each plane is its own kernel output: the first `keep` positions of each head read
 from the data file's pinned pages, the rest of the plane zeros (KV past a row's length is
-never read unmasked, but must be finite), up to PLANES_PER_LAUNCH planes a launch, the launches
-in the model's layer order, so the forward pass may start on layer 0 while later layers cross
-PCIe. (On the H200 the merge's copy went and the hit's time moved within the runs' noise:
-docs/performance.md, 2026-12-05, fifth session.)
+never read unmasked, but must be finite), up to PLANES_PER_LAUNCH planes a launch (every
+plane of a model of up to 32 layers in one), in the model's layer order. (On the H200 the
+merge's copy went and the hit's time moved within the runs' noise: docs/performance.md,
+2026-12-05, fifth session.)
+
+One launch, not a launch every few layers: a launch allocates its outputs, and allocating while
+earlier gathers read pinned pages over PCIe cost ~1 ms of CUDA's host time a plane (46 ms of
+a 32k-token hit's launches on an H100). Launches of 8 planes let the forward pass start on
+layer 0 while later layers crossed PCIe, but a 32k-token hit took 1.16-1.25x as long, and an
+8k one as long (docs/performance.md, eighth session).
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ import numpy as np
 
 from tandem_client.records import Tensor
 
-# Outputs of one launch (a kernel's outputs are fixed when it is made: one kernel per count;
-# bench/direct_landing_check.py --planes-per-launch times others, and TANDEM_PLANES_PER_LAUNCH
-# sets an engine's, for bench/hit_floor_bench.py --routes direct,direct-one-launch).
-PLANES_PER_LAUNCH = int(os.environ.get("TANDEM_PLANES_PER_LAUNCH", "8"))
+# Outputs of one launch (a kernel's outputs are fixed when it is made: one kernel per count,
+# compiled at start-up; bench/direct_landing_check.py --planes-per-launch times others, and
+# TANDEM_PLANES_PER_LAUNCH sets an engine's, for bench/hit_floor_bench.py --routes
+# direct,direct-8-a-launch).
+PLANES_PER_LAUNCH = int(os.environ.get("TANDEM_PLANES_PER_LAUNCH", "64"))
 THREADS_PER_BLOCK = 256
 MAX_BLOCKS_PER_PIECE = 64
 GATHER_BLOCKS = 512  # thread blocks a launch uses at most: PCIe bounds it, not the SMs
