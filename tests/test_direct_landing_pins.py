@@ -117,4 +117,3 @@ def test_a_new_file_lets_the_old_ones_pages_go(tmp_path: Path) -> None:
     new = _file(tmp_path / "new.mdb", 1)  # compacted: another file
     assert pins.ensure(new, [(0, 4096)])
     assert set(cuda.registered) == {new.base}
-
