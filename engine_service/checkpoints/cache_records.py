@@ -68,12 +68,15 @@ class CapturedCache:
     layout: list[str]
     tokens: int  # sequence positions the caches hold
     packed: Packed | None = None  # its arrays are views of a shared buffer
+    encoded: dict[str, str] | None = None  # meta(), when it is shared (segment_capture.py)
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
     def meta(self) -> dict[str, str]:
+        if self.encoded is not None:
+            return dict(self.encoded)
         return {
             "codec": CODEC_VERSION,
             "cache": json.dumps(self.skeleton),

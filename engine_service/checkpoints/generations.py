@@ -16,7 +16,6 @@ built upon). Other layouts store a whole snapshot under the generation key each 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -240,6 +239,7 @@ class GenerationCheckpoints:
     ) -> bool:
         assert self.spill is not None
         r, key = job.request, job.checkpoint_key
+        captured, segment = snapshot.captured, snapshot.segment
         meta = GenerationMeta(
             prompt_tokens=len(r.prompt),
             generated=len(snapshot.generated),
@@ -247,10 +247,12 @@ class GenerationCheckpoints:
             seed=r.sampling.seed,
             max_tokens=r.max_tokens,
             options=options_digest(r.sampling).hex(),
+            # A segment's and its manifest's: the chain's live segments then.
+            chain_first=None if segment is None else segment.first,
+            chain_next=None if segment is None else segment.index + 1,
         )
         record = self._record(job, key, "generation", [*r.prompt, *snapshot.generated])
         job.checkpointed = True
-        captured, segment = snapshot.captured, snapshot.segment
         if segment is None:
             record.metadata = {**meta.to_metadata(), **captured.meta()}
             record.tensors = tensors
@@ -260,16 +262,16 @@ class GenerationCheckpoints:
         # A segment carries the generation's state when it was taken (its tokens, pending
         # token, chain): a chain's later segments have no manifest of their own.
         part = self._record(job, segment_key(key, segment.index), "object", record.token_ids)
-        chained = dataclasses.replace(meta, chain_first=segment.first, chain_next=segment.index + 1)
+        chained = meta.to_metadata()
         part.metadata = {
             **captured.meta(),
-            **chained.to_metadata(),
+            **chained,
             "segment_of": key.hex(),
             "start": str(segment.start),
         }
         part.tensors = tensors
         record.metadata = {
-            **chained.to_metadata(),
+            **chained,
             "codec": CODEC_VERSION,  # its segments' (their skeletons are theirs alone)
             "layout": "|".join(r.layout),
         }
