@@ -31,7 +31,7 @@ from engine_service.checkpoints.host_staging import HostStaging
 from engine_service.checkpoints.segment_capture import capture_together
 from engine_service.checkpoints.spill import SpillQueue
 from engine_service.kv.batch_cache import BatchQuantizedKVCache
-from engine_service.loop.jobs import Job, PendingSnapshot, ReadySnapshot
+from engine_service.loop.jobs import Job, ReadySnapshot
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.requests import GenerationRequest
 from engine_service.protocol.sampling_options import SamplingOptions
@@ -100,7 +100,12 @@ def jobs_for(rows: int, layers: int) -> list[Job]:
     jobs = []
     for uid in range(rows):
         request = GenerationRequest(
-            f"r{uid}", list(range(PROMPT - 1)), 1 << 16, SamplingOptions(), "", layout=["kv:plain"] * layers
+            f"r{uid}",
+            list(range(PROMPT - 1)),
+            1 << 16,
+            SamplingOptions(),
+            "",
+            layout=["kv:plain"] * layers,
         )
         job = Job(request, lambda events: None, uid=uid, tokens=[7])
         job.checkpoint_key = bytes([uid]) * 32
@@ -154,7 +159,11 @@ def main() -> None:
                     spill = SpillQueue(DroppingSink(), 1 << 36, counters)  # type: ignore[arg-type]
                     staging = HostStaging(ViewsOnlyPush(), client)
                     gens = GenerationCheckpoints("m", counters, None, spill, staging)
-                    ways[way] = (gens, jobs_for(args.rows, args.layers), batch(args.layers, args.rows))
+                    ways[way] = (
+                        gens,
+                        jobs_for(args.rows, args.layers),
+                        batch(args.layers, args.rows),
+                    )
                     spills.append(spill)
                 times: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
                 for r in range(args.rounds + 4):
@@ -173,7 +182,9 @@ def main() -> None:
         finally:
             server.stop(None)
     totals = {way: [sum(p.values()) for p in rounds] for way, rounds in times.items()}
-    print(f"a checkpoint round of {args.rows} rows x {args.layers} layers on {mx.default_device()}:")
+    print(
+        f"a checkpoint round of {args.rows} rows x {args.layers} layers on {mx.default_device()}:"
+    )
     for way, rounds in times.items():
         shown = ", ".join(
             f"{name} {statistics.median(p[name] for p in rounds) * 1e3:.2f}" for name in rounds[0]
