@@ -339,7 +339,11 @@ def round_phases(log: Path) -> None:
     """The medians of the engine's debug lines on its checkpoint rounds (--engine-log-level
     debug), by the rows in a round: where the step loop's time on checkpoints goes."""
     by_rows: dict[str, dict[str, list[float]]] = {}
+    together = taken = 0  # first snapshots cut from the batch together, of those taken
     for line in log.read_text(errors="replace").splitlines():
+        if "first snapshots: " in line:
+            cut, _, of = line.split("first snapshots: ", 1)[1].partition(" of ")
+            together, taken = together + int(cut), taken + int(of.split()[0])
         for marker in ("checkpoint round phases (ms): ", "checkpoint capture phases (ms): "):
             if marker not in line:
                 continue
@@ -351,6 +355,8 @@ def round_phases(log: Path) -> None:
     for rows, phases in sorted(by_rows.items()):
         shown = ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in phases.items())
         print(f"  a round of {rows} row(s), medians (ms): {shown}")
+    if taken:
+        print(f"  first snapshots cut from the batch together: {together} of {taken}")
 
 
 def main() -> None:

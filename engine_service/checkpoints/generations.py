@@ -172,13 +172,20 @@ class GenerationCheckpoints:
     def save(self, job: Job, snapshot: PendingSnapshot, pending: int) -> bool:
         """Queues a snapshot for the store once its pending token is known (MLX thread);
         False when it is not queued."""
+        return self.save_now([ReadySnapshot(job, snapshot, pending)])[0]
+
+    def save_now(self, ready: list[ReadySnapshot]) -> list[bool]:
+        """`save` for several snapshots, staged together and queued before it returns (one
+        wait on the device for all); per snapshot whether it is queued."""
         self.complete_round()
-        if self.spill is None:
-            return False
-        staged = self._staged([ReadySnapshot(job, snapshot, pending)])
+        if self.spill is None or not ready:
+            return [False] * len(ready)
+        staged = self._staged(ready)
         staged.wait()
-        ((tensors, keep),) = staged.tensors
-        return self._queue(job, snapshot, pending, tensors, keep)
+        return [
+            self._queue(r.job, r.snapshot, r.pending, tensors, keep)
+            for r, (tensors, keep) in zip(ready, staged.tensors, strict=True)
+        ]
 
     @property
     def round_staged(self) -> bool:

@@ -144,17 +144,17 @@ class StepCheckpoints:
             extracted = bg.extract_cache(in_batch) if in_batch else {}
             first = [i.job.uid for i in due if i.job.uid in extracted and first_snapshot_due(i.job)]
             pending = pending_tokens(bg, first) if first else {}
+            if pending:
+                # The generations' first snapshots, right after their prefill, saved now with
+                # the token the batch feeds next: a client gone before the next step (or an
+                # engine killed) leaves a generation that resumes.
+                started = time.perf_counter()
+                jobs = [item.job for item in due if item.job.uid in pending]
+                self._save_first_snapshots(bg, jobs, extracted, pending)
+                self._count(started)
             for item in due:
                 job, r = item.job, item.job.request
                 found = extracted.get(job.uid)
-                if found is not None and job.uid in pending:
-                    # The generation's first snapshot, right after its prefill, saved now
-                    # with the token the batch feeds next: a client gone before the next
-                    # step (or an engine killed) leaves a generation that resumes.
-                    started = time.perf_counter()
-                    gens = self.checkpoints.generations
-                    gens.save(job, gens.capture(job, found[0]), pending[job.uid])
-                    self._count(started)
                 row = item.finished_cache or (found[0] if found is not None else None)
                 if row is not None:  # None: the row left the batch meanwhile (parked)
                     self.checkpoints.prefixes.save(
@@ -162,6 +162,35 @@ class StepCheckpoints:
                     )
         finally:
             self._release_if_idle()
+
+    def _save_first_snapshots(
+        self,
+        bg: BatchGenerator,
+        jobs: list[Job],
+        extracted: dict[int, Any],
+        pending: dict[int, int],
+    ) -> None:
+        """First snapshots cut from the batch together, as a checkpoint round's are (one
+        copy a layer and plane, one push), then staged and queued with one wait: a burst of
+        new rows saved row by row paid a capture, a push a tensor and a wait on the device
+        each. Rows it cannot cut are captured from their extraction."""
+        gens = self.checkpoints.generations
+        batch = running_batch(bg)
+        together = (
+            capture_together(gens, jobs, list(batch.uids), list(batch.prompt_cache))
+            if batch is not None
+            else {}
+        )
+        ready = [
+            ReadySnapshot(
+                job,
+                together.get(job.uid) or gens.capture(job, extracted[job.uid][0]),
+                pending[job.uid],
+            )
+            for job in jobs
+        ]
+        gens.save_now(ready)
+        log.debug("first snapshots: %d of %d cut together", len(together), len(jobs))
 
     def expect_prefix(self, job: Job) -> None:
         """job's first token left before the step that reports it (first_tokens.py
