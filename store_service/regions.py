@@ -37,6 +37,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from store_service import region_prefault
 from store_service.errors import InvalidRequest, NotFound, Overloaded, Precondition
 from tandem_wire.auth import PermissionDenied
 
@@ -194,6 +195,7 @@ class Regions:
                     "mapped" if region.map is not None else "pread/pwrite",
                     region.peer,
                 )
+                region_prefault.start(region, self._hold_registered, self.done)
                 return self._lease(region)
             held = self._regions.get(key)
             if (
@@ -283,6 +285,14 @@ class Regions:
                 )
             region.busy += 1
         return region
+
+    def _hold_registered(self, region: Region) -> bool:
+        """Holds region as a copy does (until done) if it is still registered."""
+        with self._lock:
+            if self._regions.get((region.owner, region.name)) is not region:
+                return False
+            region.busy += 1
+        return True
 
     def done(self, region: Region) -> None:
         with self._lock:

@@ -4,6 +4,7 @@ memory region, against a real store process (store_service/regions.py)."""
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from tandem_client.regions import Arrival, RegionHold, RegionReads, SharedRegion
 from tandem_wire.auth import token_sha256
 from tandem_wire.pb import store_pb2, store_pb2_grpc
 from tests.conftest import flip_stored_byte
-from tests.servers import ROOT, start_store
+from tests.servers import ROOT, start_store, wait_until
 
 
 def _record(key: bytes, blocks: int = 1500) -> Checkpoint:
@@ -390,3 +391,39 @@ def test_a_span_whose_get_was_cut_short_is_not_lent_again_until_the_store_is_new
         assert reads.retired_bytes == 2 * (64 << 10)
         reads.reclaim_retired()
         assert reads.free_bytes == before and reads.retired_bytes == 0
+
+
+def _mapped_bytes(pid: int, name: str) -> int:
+    """The bytes of the region's memfd mapped into pid's page tables (its VMA's Rss)."""
+    mapped, inside = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+            inside = f"memfd:{name}" in line
+        elif inside and line.startswith("Rss:"):
+            mapped += int(line.split()[1]) * 1024
+    return mapped
+
+
+def test_a_registered_regions_pages_are_mapped_in_both_processes_before_any_copy(
+    tmp_path: Path,
+) -> None:
+    """store_service/region_prefault.py and SharedRegion: the pages of a region are mapped
+    into the store and into the caller ahead of the first copy, which otherwise paid a page
+    fault a page (tandem_wire/pages.py); nothing is copied meanwhile."""
+    store = start_store(tmp_path / "store")
+    try:
+        with StoreClient(store.address) as client, SharedRegion(32 << 20) as region:
+            wait_until(
+                lambda: _mapped_bytes(os.getpid(), region.name) >= region.size,
+                what="the caller's mapping of its region populated",
+            )
+            client.register_region(region)
+            assert store.proc is not None
+            pid = store.proc.pid
+            wait_until(
+                lambda: _mapped_bytes(pid, region.name) >= region.size,
+                what="the store's mapping of the region populated",
+            )
+            assert bytes(region.buf[:4096]) == bytes(4096)  # mapped, not written
+    finally:
+        store.stop()

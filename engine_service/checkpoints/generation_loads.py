@@ -10,6 +10,7 @@ chain's segments as far as they run on without a gap, each continuing the one be
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,8 @@ from tandem_client.record_reads import HeldRead
 from tandem_client.records import Checkpoint, HeaderRead
 from tandem_client.regions import RegionHold
 from tandem_client.store_client import StoreClient
+
+log = logging.getLogger(__name__)
 
 
 class GenerationLoads:
@@ -107,6 +110,7 @@ class GenerationLoads:
             raise Precondition("resume needs an engine started with --store")
         start = time.perf_counter()
         record, candidates = self._manifest(key, namespace)
+        manifest_read = time.perf_counter()
         refuse_ended(record)
         if record.model_id != self.model_id:
             raise Precondition(model_refusal(record.model_id, self.model_id))
@@ -119,6 +123,7 @@ class GenerationLoads:
             raise Precondition("checkpoint prompt differs from the request's")
         parts, tokens = [record], list(record.token_ids)
         holds: list[RegionHold] = []
+        chain_read = manifest_read
         try:
             if meta.chain_first is not None and meta.chain_next is not None:
                 first, listed = meta.chain_first, meta.chain_next
@@ -129,6 +134,7 @@ class GenerationLoads:
                 except NotFound:
                     self._refuse_if_ended(key, namespace)  # it may have ended meanwhile
                     raise
+                chain_read = time.perf_counter()
                 parts = [part.checkpoint for part in held]
                 holds = [part.hold for part in held if part.hold is not None]
                 later = parts[meta.chain_next - meta.chain_first :]  # after the manifest
@@ -137,6 +143,7 @@ class GenerationLoads:
                     tokens = list(segment.token_ids)
                 if later:
                     self._refuse_if_ended(key, namespace)  # a tombstone replaced the manifest
+            ended_checked = time.perf_counter()
             # Refuse here, with a status, what the MLX thread could not restore.
             for part in parts:
                 check_restorable(part.metadata, part.tensors, layout)
@@ -151,6 +158,16 @@ class GenerationLoads:
                 hold.release()
             raise
         self.counters.add(resumes=1)
+        done = time.perf_counter()
+        log.debug(  # bench/checkpoint_bench.py --engine-log-level debug prints these
+            "resume load phases (ms): manifest %.1f, chain %.1f, ended %.1f, checks %.1f "
+            "(segments %d)",
+            (manifest_read - start) * 1e3,
+            (chain_read - manifest_read) * 1e3,
+            (ended_checked - chain_read) * 1e3,
+            (done - ended_checked) * 1e3,
+            len(parts) - 1,
+        )
         return ResumePlan(
             key,
             generated=tokens[meta.prompt_tokens :],

@@ -13,6 +13,7 @@ only (memfd_create).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import logging
 import mmap
@@ -28,6 +29,7 @@ from pathlib import Path
 import grpc
 
 from tandem_client.errors import DataLoss, FailedPrecondition, TandemError
+from tandem_wire import pages
 from tandem_wire.pb import store_pb2
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,26 @@ class SharedRegion:
         self._link = SHM_DIR / self.name
         with contextlib.suppress(OSError):  # a name tag only: nothing depends on it
             os.symlink(f"/proc/{os.getpid()}/fd/{fd}", self._link)
+        # Its pages mapped now, off the caller's thread: the first read of each (a restore
+        # landing from it) faulted otherwise (tandem_wire/pages.py).
+        threading.Thread(target=self._populate, name="region-prefault", daemon=True).start()
+
+    def _populate(self) -> None:
+        """Holds a view of the mapping while it runs: a close meanwhile leaves the mapping to
+        go with the last view, as with a checkpoint's tensors."""
+        try:
+            view = (ctypes.c_char * self.size).from_buffer(self._map)
+        except (BufferError, ValueError, TypeError):
+            return  # closed already
+        try:
+            base = ctypes.addressof(view)
+            for offset in range(0, self.size, pages.STEP):
+                if self.fd < 0 or pages.populate(
+                    base + offset, min(pages.STEP, self.size - offset)
+                ):
+                    return  # closed, or an older kernel: pages fault in as they are used
+        finally:
+            del view
 
     def close(self) -> None:
         """Lets the region go; it is unmapped now, or when the last view of it goes (a
