@@ -77,6 +77,7 @@ class SharedRegion:
         self.size = size
         self.registration = 0  # what the store answered for it (same_host.py)
         self.store_instance = ""
+        own_memfd = fd is None
         if fd is None:
             fd = _sealed_memfd(self.name, size)
         try:
@@ -90,8 +91,10 @@ class SharedRegion:
         with contextlib.suppress(OSError):  # a name tag only: nothing depends on it
             os.symlink(f"/proc/{os.getpid()}/fd/{fd}", self._link)
         # Its pages mapped now, off the caller's thread: the first read of each (a restore
-        # landing from it) faulted otherwise (tandem_wire/pages.py).
-        threading.Thread(target=self._populate, name="region-prefault", daemon=True).start()
+        # landing from it) faulted otherwise (tandem_wire/pages.py). Only our own memfd's: a
+        # caller's file may live on a disk, whose pages a populate would read and dirty.
+        if own_memfd:
+            threading.Thread(target=self._populate, name="region-prefault", daemon=True).start()
 
     def _populate(self) -> None:
         """Holds a view of the mapping while it runs: a close meanwhile leaves the mapping to
