@@ -169,13 +169,13 @@ def bench_resume(stack: dict, vocab: int, tokens: int, samples: int = 1) -> dict
     ]
     if phases:  # the engines ran at --log-level debug
         print("  the resume's phases in the core, each sample: " + "; ".join(phases))
-        marker = "resume load phases (ms): "
-        loads = [
-            line.split(marker, 1)[1].strip()
-            for line in (stack["log_dir"] / "engine.log").read_text(errors="replace").splitlines()
-            if marker in line
-        ]
-        print("    of its plan, the checkpoint's reads and checks: " + "; ".join(loads))
+        lines = (stack["log_dir"] / "engine.log").read_text(errors="replace").splitlines()
+        for marker, what in (
+            ("resume load phases (ms): ", "of its plan, the checkpoint's reads and checks"),
+            ("resume restore phases (ms): ", "of its restore, on the MLX thread"),
+        ):
+            found = [line.split(marker, 1)[1].strip() for line in lines if marker in line]
+            print(f"    {what}: " + "; ".join(found))
     first_new, first_computed = statistics.median(firsts), statistics.median(computed)
     print(
         f"  resume after {received} tokens: {first_new * 1e3:.1f} ms to the first new token "

@@ -9,41 +9,44 @@ fault a page (docs/performance.md, eighth session).
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from tandem_wire import pages
-
-if TYPE_CHECKING:
-    from store_service.regions import Region
 
 log = logging.getLogger(__name__)
 
 
-def start(region: Region, hold: Callable[[Region], bool], done: Callable[[Region], None]) -> None:
-    """Maps region's pages on a daemon thread. hold(region): whether it is still registered,
-    and if so keeps it from being closed until done(region)."""
-    if region.map is not None:
-        threading.Thread(
-            target=_populate, args=(region, hold, done), name="region-prefault", daemon=True
-        ).start()
+def start(
+    mapping: mmap.mmap, size: int, name: str, hold: Callable[[], bool], done: Callable[[], None]
+) -> None:
+    """Maps the region's pages on a daemon thread. hold(): whether the region is still
+    registered, and if so keeps its mapping from being closed until done()."""
+    threading.Thread(
+        target=_populate,
+        args=(mapping, size, name, hold, done),
+        name="region-prefault",
+        daemon=True,
+    ).start()
 
 
 def _populate(
-    region: Region, hold: Callable[[Region], bool], done: Callable[[Region], None]
+    mapping: mmap.mmap, size: int, name: str, hold: Callable[[], bool], done: Callable[[], None]
 ) -> None:
-    assert region.map is not None
-    base = pages.address_of(region.map)
-    for offset in range(0, region.size, pages.STEP):
-        if not hold(region):
+    if not hold():
+        return
+    try:
+        base = pages.address_of(mapping)
+    finally:
+        done()
+    for offset in range(0, size, pages.STEP):
+        if not hold():
             return  # released meanwhile
         try:
-            problem = pages.populate(base + offset, min(pages.STEP, region.size - offset))
+            problem = pages.populate(base + offset, min(pages.STEP, size - offset))
         finally:
-            done(region)
+            done()
         if problem:
-            log.debug(
-                "region %r: its pages fault in as they are copied into (%s)", region.name, problem
-            )
+            log.debug("region %r: its pages fault in as they are copied into (%s)", name, problem)
             return

@@ -195,7 +195,14 @@ class Regions:
                     "mapped" if region.map is not None else "pread/pwrite",
                     region.peer,
                 )
-                region_prefault.start(region, self._hold_registered, self.done)
+                if region.map is not None:
+                    region_prefault.start(
+                        region.map,
+                        region.size,
+                        region.name,
+                        lambda: self._hold_registered(region),
+                        lambda: self.done(region),
+                    )
                 return self._lease(region)
             held = self._regions.get(key)
             if (

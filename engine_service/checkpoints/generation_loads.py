@@ -66,10 +66,18 @@ class GenerationLoads:
         start = time.perf_counter()
         try:
             caches = self._joined(plan)
+            joined = time.perf_counter()
             self.landing.settle()
         finally:
             plan.release()
-        self.counters.observe_restore(plan.nbytes, plan.fetch_s + time.perf_counter() - start)
+        done = time.perf_counter()
+        self.counters.observe_restore(plan.nbytes, plan.fetch_s + done - start)
+        log.debug(
+            "resume restore phases (ms): land and join %.1f, settle %.1f (MiB %d)",
+            (joined - start) * 1e3,
+            (done - joined) * 1e3,
+            plan.nbytes >> 20,
+        )
         return caches
 
     def _joined(self, plan: ResumePlan) -> list[Any]:
