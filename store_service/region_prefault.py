@@ -40,13 +40,6 @@ def _populate(
         base = pages.address_of(mapping)
     finally:
         done()
-    for offset in range(0, size, pages.STEP):
-        if not hold():
-            return  # released meanwhile
-        try:
-            problem = pages.populate(base + offset, min(pages.STEP, size - offset))
-        finally:
-            done()
-        if problem:
-            log.debug("region %r: its pages fault in as they are copied into (%s)", name, problem)
-            return
+    problem = pages.populate_in_steps(base, size, hold, done)
+    if problem:
+        log.debug("region %r: its pages fault in as they are copied into (%s)", name, problem)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from collections.abc import Callable
 from errno import EINVAL
 
 import numpy as np
@@ -44,3 +45,21 @@ def address_of(mapping: object) -> int:
     address = ctypes.addressof(view)
     del view
     return address
+
+
+def populate_in_steps(
+    address: int, nbytes: int, hold: Callable[[], bool], done: Callable[[], None]
+) -> str:
+    """`populate` a STEP at a time, each step between hold() (False: stop, the mapping is
+    going) and done(), so the mapping is held only meanwhile; "" when all is mapped or it
+    stopped, else why the kernel would not."""
+    for offset in range(0, nbytes, STEP):
+        if not hold():
+            return ""
+        try:
+            problem = populate(address + offset, min(STEP, nbytes - offset))
+        finally:
+            done()
+        if problem:
+            return problem
+    return ""

@@ -89,6 +89,12 @@ def dtype_name(a: mx.array) -> str:
     return str(a.dtype).removeprefix("mlx.core.")
 
 
+def stored_view(array: mx.array, dtype: str) -> mx.array:
+    """The array as a record stores it (bf16 viewed as uint16: WORD_VIEWS; no copy)."""
+    view = WORD_VIEWS.get(dtype)
+    return array.view(view[0]) if view else array
+
+
 def capture(caches: list[Any], tokens: int, wait: bool = True, prefix: str = "") -> CapturedCache:
     """Snapshot caches on the MLX thread.
 
@@ -103,8 +109,7 @@ def capture(caches: list[Any], tokens: int, wait: bool = True, prefix: str = "")
         if isinstance(value, mx.array):
             name = prefix
             dtype = dtype_name(value)
-            view = WORD_VIEWS.get(dtype)
-            stored = value.view(view[0]) if view else value
+            stored = stored_view(value, dtype)
             # MLX arrays are immutable: holding this reference keeps the snapshot's bytes even
             # as the batch writes on (an update then copies instead of reusing the buffer).
             arrays[name] = mx.contiguous(stored)

@@ -26,6 +26,7 @@ from engine_service.checkpoints.cache_records import (
     COMPRESSIBLE_DTYPES,
     CapturedCache,
     dtype_name,
+    stored_view,
 )
 from engine_service.checkpoints.device_landing import WORD_VIEWS
 from engine_service.kv.turboquant import codec_for
@@ -51,8 +52,7 @@ def compress(captured: CapturedCache, record: RecordFormat) -> CapturedCache:
     def keep(name: str, part: str, array: mx.array) -> str:
         part_name = f"{name}.{part}"
         part_dtype = dtype_name(array)
-        view = WORD_VIEWS.get(part_dtype)
-        arrays[part_name] = array.view(view[0]) if view else array
+        arrays[part_name] = stored_view(array, part_dtype)
         dtypes[part_name] = part_dtype
         return part_name
 

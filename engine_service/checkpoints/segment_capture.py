@@ -22,8 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as cache_lib
 
-from engine_service.checkpoints.cache_records import CapturedCache, Packed, dtype_name
-from engine_service.checkpoints.device_landing import WORD_VIEWS
+from engine_service.checkpoints.cache_records import CapturedCache, Packed, dtype_name, stored_view
 from engine_service.checkpoints.generation_meta import segmentable
 from engine_service.checkpoints.generations import GenerationCheckpoints
 from engine_service.kv.batch_cache import BatchQuantizedKVCache, ColumnCut
@@ -109,7 +108,7 @@ def _captures(
         plane_bytes = flat[0:1].nbytes
         # Every row's plane in one split of the buffer viewed as stored (bf16 as uint16): a
         # slice and a view each cost a round of 8 rows of a 28-layer model ~1 ms in Python.
-        stored = _stored_view(flat, dtype)
+        stored = stored_view(flat, dtype)
         pieces = mx.split(stored, stored.shape[0]) if stored.shape[0] > 1 else [stored]
 
         def row(q: int, i: int) -> mx.array:
@@ -160,12 +159,6 @@ def _plain_form(layers: int, positions: int, dtype: str) -> _PlainForm:
     return _PlainForm(skeleton, dtypes, layout, encoded)
 
 
-def _stored_view(array: mx.array, dtype: str) -> mx.array:
-    """The array as a record stores it (bf16 viewed as uint16: WORD_VIEWS)."""
-    view = WORD_VIEWS.get(dtype)
-    return array.view(view[0]) if view else array
-
-
 def plain_capture(
     pairs: list[tuple[mx.array, mx.array]], held: int, stored_as: str | None = None
 ) -> CapturedCache:
@@ -175,7 +168,7 @@ def plain_capture(
     8 rows of a 28-layer model spent ~4 ms of the MLX thread in the generic walk.
     tests/test_segment_capture.py holds the two to the same records.
 
-    stored_as: the planes' dtype when they are given viewed as stored already (_stored_view):
+    stored_as: the planes' dtype when they are given viewed as stored already (stored_view):
     every plane then has one shape, and the capture's form (skeleton, dtypes, record metadata)
     is shared with every other capture of that form (_plain_form)."""
     if stored_as is not None:
@@ -194,7 +187,7 @@ def plain_capture(
             name = f"l{i}.{j}"
             if stored_as is None:
                 dtypes[name] = dtype_name(plane)
-                arrays[name] = _stored_view(plane, dtypes[name])
+                arrays[name] = stored_view(plane, dtypes[name])
             else:
                 dtypes[name], arrays[name] = stored_as, plane
             state.append({"t": name})

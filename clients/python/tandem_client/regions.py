@@ -104,14 +104,13 @@ class SharedRegion:
         except (BufferError, ValueError, TypeError):
             return  # closed already
         try:
-            base = ctypes.addressof(view)
-            for offset in range(0, self.size, pages.STEP):
-                if self.fd < 0 or pages.populate(
-                    base + offset, min(pages.STEP, self.size - offset)
-                ):
-                    return  # closed, or an older kernel: pages fault in as they are used
+            # Stops once closed; a kernel that refuses leaves pages to fault in as used.
+            pages.populate_in_steps(ctypes.addressof(view), self.size, self._open, _nothing)
         finally:
             del view
+
+    def _open(self) -> bool:
+        return self.fd >= 0
 
     def close(self) -> None:
         """Lets the region go; it is unmapped now, or when the last view of it goes (a
@@ -134,6 +133,10 @@ class SharedRegion:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _sealed_memfd(name: str, size: int) -> int:
