@@ -18,7 +18,12 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from engine_service.checkpoints.cache_records import CODEC_VERSION, restore, to_host
+from engine_service.checkpoints.cache_records import (
+    CODEC_VERSION,
+    STACKED_CODEC_VERSION,
+    restore,
+    to_host,
+)
 from engine_service.checkpoints.generation_meta import MAX_CHAIN, GenerationMeta, segment_key
 from engine_service.checkpoints.generations import GenerationCheckpoints
 from engine_service.checkpoints.manager import CheckpointManager, CheckpointSettings
@@ -635,8 +640,19 @@ def test_a_damaged_generation_checkpoint_is_refused_with_a_status(
     skeleton = [{"class": "KVCache", "meta": [], "state": {"l": [{"t": "l0.0"}]}}]
     cache = {"codec": CODEC_VERSION, "layout": "|".join(layout), "cache": json.dumps(skeleton)}
     valid = Tensor("l0.0", "float32", (2, 8), bytes(64))
+    # A round's segment: its layers' planes inside one stacked tensor (segment_capture.py).
+    stacked = Tensor("kv", "float32", (2, 1, 4, 2), bytes(64))
+
+    def planes(*leaves: object) -> dict[str, str]:
+        layer = {"class": "KVCache", "meta": [], "state": {"l": [{"s": leaf} for leaf in leaves]}}
+        return {**cache, "codec": STACKED_CODEC_VERSION, "cache": json.dumps([layer])}
+
     cases: list[tuple[dict[str, str], list[Tensor], type[Exception]]] = [
         ({**state, "generated": "two"}, [], Corrupt),
+        ({**state, **planes(["kv", 0], ["kv", 2])}, [stacked], Corrupt),  # past its planes
+        ({**state, **planes(["kv", 0], ["kv"])}, [stacked], Corrupt),  # malformed
+        ({**state, **planes(["kv", 0], ["vk", 1])}, [stacked], Corrupt),  # not held
+        ({**state, **planes(["kv", 0], ["kv", 1]), "codec": CODEC_VERSION}, [stacked], Corrupt),
         ({**state, "segments_first": "0"}, [], Precondition),  # an older engine's chain
         ({**state, **cache}, [], Corrupt),  # the skeleton names a tensor it lacks
         ({**state, **cache, "codec": "tandem.cache.v0"}, [valid], Precondition),

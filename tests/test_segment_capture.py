@@ -1,8 +1,8 @@
 """A checkpoint round in-process: its segments cut from the batch together
-(checkpoints/segment_capture.py) are the very records the row-by-row path writes (same names,
-metadata, bytes and chain positions, over rows of different lengths, chains that start over,
-and rows it leaves out); its captures are staged as host bytes together
-(checkpoints/host_staging.py)."""
+(checkpoints/segment_capture.py), a stacked tensor a row, restore to the very caches the
+row-by-row path's records do (same chain positions and tokens, over rows of different
+lengths, chains that start over, and rows it leaves out); its captures are staged as host
+bytes together (checkpoints/host_staging.py)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,21 @@ import numpy as np
 import pytest
 from mlx_lm.models import cache as cache_lib
 
-from engine_service.checkpoints.cache_records import capture, settle
+from engine_service.checkpoints.cache_records import (
+    STACKED_CODEC_VERSION,
+    capture,
+    check_restorable,
+    restore,
+    restore_captured,
+    settle,
+    settle_all,
+    to_host,
+)
 from engine_service.checkpoints.device_landing import PUSH_ALIGN, Landing
 from engine_service.checkpoints.generation_meta import segment_key
 from engine_service.checkpoints.generations import GenerationCheckpoints
 from engine_service.checkpoints.host_staging import HostStaging
-from engine_service.checkpoints.segment_capture import capture_together
+from engine_service.checkpoints.segment_capture import STACKED, capture_together
 from engine_service.checkpoints.spill import SpillQueue
 from engine_service.kv.batch_cache import BatchQuantizedKVCache
 from engine_service.loop.jobs import Job, PendingSnapshot, ReadySnapshot
@@ -82,18 +91,32 @@ def _grow(jobs: list[Job], steps: int) -> None:
         job.tokens.extend([5] * steps)
 
 
-def _same(a: PendingSnapshot, b: PendingSnapshot) -> None:
-    settle(a.captured)
-    settle(b.captured)
-    assert a.segment == b.segment
-    assert a.generated == b.generated
-    assert a.captured.meta() == b.captured.meta()
-    assert a.captured.tokens == b.captured.tokens
-    assert list(a.captured.arrays) == list(b.captured.arrays)
-    for name, array in a.captured.arrays.items():
-        other = b.captured.arrays[name]
-        assert array.shape == other.shape and array.dtype == other.dtype
-        assert np.array_equal(np.array(array), np.array(other)), name
+def _same(together: PendingSnapshot, alone: PendingSnapshot) -> None:
+    """A row cut together: one stacked tensor, whose record (through host bytes, and checked
+    as a resume checks it) and capture restore to the caches the row-by-row path's do."""
+    a, b = together.captured, alone.captured
+    settle_all([a])
+    settle(b)
+    assert together.segment == alone.segment
+    assert together.generated == alone.generated
+    assert a.tokens == b.tokens and a.layout == b.layout
+    assert list(a.arrays) == [STACKED] and a.meta()["codec"] == STACKED_CODEC_VERSION
+    assert a.nbytes == b.nbytes
+    check_restorable(a.meta(), to_host(a), PLAIN)
+    restored = [
+        restore_captured(a, PLAIN),
+        restore(a.meta(), to_host(a), PLAIN),
+        restore_captured(b, PLAIN),
+    ]
+    for layer in zip(*restored, strict=True):
+        first = layer[0]
+        for cache in layer[1:]:
+            assert type(cache) is type(first) is cache_lib.KVCache
+            assert cache.offset == first.offset == a.tokens - together.segment.start  # type: ignore[union-attr]
+            for plane, want in ((cache.keys, first.keys), (cache.values, first.values)):
+                assert plane is not None and want is not None
+                assert plane.shape == want.shape and plane.dtype == want.dtype == mx.bfloat16
+                assert mx.array_equal(plane, want).item()
 
 
 def _row_by_row(

@@ -15,6 +15,7 @@ capture still in memory (the local prefix tier) without a trip through host byte
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable, Iterable
@@ -36,6 +37,11 @@ from engine_service.protocol.kv_codec import layout_accepts
 from tandem_client.records import Tensor
 
 CODEC_VERSION = "tandem.cache.v1"
+# Records whose skeleton names planes of a stacked tensor ({"s": [name, index]}: a checkpoint
+# round's segments, checkpoints/segment_capture.py). A codec of their own: an engine that
+# knows only v1 refuses them by name instead of misreading a stacked tensor as one plane.
+STACKED_CODEC_VERSION = "tandem.cache.v2"
+CODECS = frozenset({CODEC_VERSION, STACKED_CODEC_VERSION})
 # What a compressed array (checkpoints/record_codec.py) may have been before compression.
 COMPRESSIBLE_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 MAX_HEAD_DIM = 1024  # a TurboQuant record's head width: its codec is a d x d rotation
@@ -210,7 +216,14 @@ def restore(
     Raises Precondition naming what differs when the codec or layout does not match.
     """
     by_name = {t.name: t for t in tensors}
-    return _rebuild(meta, lambda name: to_array(by_name[name]), expected_layout)
+    landed: dict[str, mx.array] = {}  # a stacked tensor is named by each of its planes
+
+    def array(name: str) -> mx.array:
+        if name not in landed:
+            landed[name] = to_array(by_name[name])
+        return landed[name]
+
+    return _rebuild(meta, array, expected_layout)
 
 
 def plain_kv_only(meta: dict[str, str]) -> bool:
@@ -270,6 +283,20 @@ def check_restorable(
     _check_header(meta, expected_layout)
     by_name = {t.name: t for t in tensors}
 
+    def fits(name: Any) -> tuple[int, ...]:
+        """The shape of the tensor `name`, held and with bytes that fit it."""
+        t = by_name.get(name)
+        if t is None:
+            raise Corrupt(f"checkpoint names tensor {name!r} but does not hold it")
+        view = WORD_VIEWS.get(t.dtype)
+        try:
+            width = np.dtype(view[1] if view else t.dtype).itemsize
+        except TypeError as exc:
+            raise Corrupt(f"tensor {t.name!r} has unknown dtype {t.dtype!r}") from exc
+        if math.prod(t.shape) * width != t.nbytes:  # stored_nbytes for a direct read
+            raise Corrupt(f"tensor {t.name!r} holds bytes that do not fit {list(t.shape)}")
+        return tuple(t.shape)
+
     def visit(node: Any) -> None:
         if not isinstance(node, dict):
             raise Corrupt("checkpoint cache skeleton is malformed")
@@ -281,16 +308,17 @@ def check_restorable(
             for part in parts:
                 visit({"t": part})
         elif "t" in node:
-            t = by_name.get(node["t"])
-            if t is None:
-                raise Corrupt(f"checkpoint names tensor {node['t']!r} but does not hold it")
-            view = WORD_VIEWS.get(t.dtype)
+            fits(node["t"])
+        elif "s" in node:
+            if meta.get("codec") != STACKED_CODEC_VERSION:
+                raise Corrupt(f"a {meta.get('codec')!r} checkpoint names a stacked plane")
             try:
-                width = np.dtype(view[1] if view else t.dtype).itemsize
-            except TypeError as exc:
-                raise Corrupt(f"tensor {t.name!r} has unknown dtype {t.dtype!r}") from exc
-            if math.prod(t.shape) * width != t.nbytes:  # stored_nbytes for a direct read
-                raise Corrupt(f"tensor {t.name!r} holds bytes that do not fit {list(t.shape)}")
+                name, index = _stacked_plane(node)
+            except (TypeError, ValueError) as exc:
+                raise Corrupt("checkpoint names a malformed stacked plane") from exc
+            shape = fits(name)
+            if not shape or not 0 <= index < shape[0]:
+                raise Corrupt(f"checkpoint names plane {index} of tensor {name!r} {list(shape)}")
         elif "l" in node:
             for child in node["l"]:
                 visit(child)
@@ -319,12 +347,12 @@ def restore_captured(captured: CapturedCache, expected_layout: list[str]) -> lis
         dtype = captured.dtypes[name]
         return stored.view(getattr(mx, dtype)) if dtype in WORD_VIEWS else stored
 
-    return _rebuild(captured.meta(), array, expected_layout)
+    return _rebuild(captured.meta(), functools.cache(array), expected_layout)
 
 
 def _check_header(meta: dict[str, str], expected_layout: list[str]) -> None:
-    if meta.get("codec") != CODEC_VERSION:
-        raise Precondition(f"checkpoint codec {meta.get('codec')!r} is not {CODEC_VERSION!r}")
+    if meta.get("codec") not in CODECS:
+        raise Precondition(f"checkpoint codec {meta.get('codec')!r} is not one of {sorted(CODECS)}")
     layout = meta.get("layout", "").split("|")
     if not layout_accepts(list(expected_layout), layout):
         raise Precondition(
@@ -344,6 +372,9 @@ def _rebuild(
             return _expanded_turboquant(node["tq"], array)
         if "t" in node:
             return array(node["t"])
+        if "s" in node:
+            name, index = _stacked_plane(node)
+            return array(name)[index : index + 1]
         if "v" in node:
             return node["v"]
         return [decode(child) for child in node["l"]]
@@ -356,6 +387,19 @@ def _rebuild(
             cache.meta_state = tuple(layer["meta"])
         caches.append(cache)
     return caches
+
+
+def stacked_plane(name: str, index: int) -> dict[str, Any]:
+    """A skeleton leaf naming plane `index` (along the first axis) of the stacked tensor
+    `name`, restored as an array of one plane: [1, ...] (STACKED_CODEC_VERSION)."""
+    return {"s": [name, index]}
+
+
+def _stacked_plane(node: dict[str, Any]) -> tuple[str, int]:
+    name, index = node["s"]
+    if not isinstance(name, str) or not isinstance(index, int):
+        raise ValueError("a stacked plane is [tensor name, index]")
+    return name, index
 
 
 def _compressed_parts(node: dict[str, Any]) -> list[str]:

@@ -4,10 +4,11 @@ Every due row of a checkpoint round snapshots its newest positions. Cut row by r
 the row, slice its segment, copy), each row costs a copy per layer for keys and for values,
 each a kernel launch on a GPU, and the Python around them: 8 rows of a 28-layer model made 448
 copies a round. Here the rows whose segments start at the same batch column (the common case:
-rows checkpointed on the same steps) share one copy per layer and plane
-(BatchQuantizedKVCache.plain_columns), every row's tensors are views of it, built without the
-generic walk of cache state, and one async_eval schedules the whole round. The records are
-the very ones the row-by-row path writes.
+rows checkpointed on the same steps) share one copy (BatchQuantizedKVCache.plain_columns, then
+one stack of every layer's keys and values), every row's record is one tensor viewing it,
+built without the generic walk of cache state, and one async_eval schedules the whole round.
+Such a record names its layers' planes inside its one tensor (cache_records
+STACKED_CODEC_VERSION) and restores to the very caches the row-by-row path's record does.
 
 Rows this cannot cut (a layout that is not plain KV, a row not held plain, a layer cache of
 another kind) are left to the row-by-row path (loop/step_checkpoints.py).
@@ -16,13 +17,21 @@ another kind) are left to the row-by-row path (loop/step_checkpoints.py).
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as cache_lib
 
-from engine_service.checkpoints.cache_records import CapturedCache, Packed, dtype_name, stored_view
+from engine_service.checkpoints.cache_records import (
+    STACKED_CODEC_VERSION,
+    CapturedCache,
+    Packed,
+    dtype_name,
+    stacked_plane,
+    stored_view,
+)
 from engine_service.checkpoints.generation_meta import segmentable
 from engine_service.checkpoints.generations import GenerationCheckpoints
 from engine_service.kv.batch_cache import BatchQuantizedKVCache, ColumnCut
@@ -43,8 +52,9 @@ def capture_together(
 ) -> dict[int, PendingSnapshot]:
     """Snapshots of the jobs this can cut, by uid; uids and layer_caches: the running batch's
     rows and its cache per layer. The jobs left out have not been touched. pack: the round's
-    segments in one buffer (None: when the device pushes captures to the host, MLX-CUDA's
-    pinned region; on the CPU the stacking would only add a graph node per tensor)."""
+    captures share their buffer as one (Packed) to move to host memory at once (None: when
+    the device pushes captures to the host, MLX-CUDA's pinned region; elsewhere each row's
+    tensor is viewed where it lies)."""
     if pack is None:
         pack = generations.staging.landing.kind == "pinned"
     if not layer_caches or not all(isinstance(c, BatchQuantizedKVCache) for c in layer_caches):
@@ -92,92 +102,95 @@ def _captures(
     each of shape (rows, heads, columns, width)); helds: the positions each row holds. Also
     the arrays to evaluate for them.
 
-    Packed (planes of one shape and dtype, the common case), the planes are stacked into one
-    buffer, a copy each into it: every row's tensors are views of it, and the round moves to
-    host memory as one array (on MLX-CUDA one push into the region, not one per tensor).
-    Otherwise each plane is copied on its own and its rows viewed."""
+    Planes of one shape and dtype (the common case) are stacked row by row, one copy: a row's
+    record is then one tensor [2 x layers, heads, columns, width] (its skeleton names each
+    layer's keys and values as planes of it), a view of the round's buffer. Its bytes cost the
+    engine, the spill queue and the store one tensor a record, not one a layer and plane (a
+    round of 8 rows of a 28-layer model: 8 tensors, not 448). pack: the captures carry the
+    buffer as shared (Packed), so the round moves to host memory as one array (on MLX-CUDA one
+    push into the region). Planes that differ are copied each on its own and named one by
+    one (the record format of cache_records.capture)."""
     rows = len(helds)
-    packed = pack and len({(p.shape, p.dtype) for p in planes}) == 1
-    dtype: str | None = None  # set when the rows' planes are viewed as stored already
-    if packed:
+    if len({(p.shape, p.dtype) for p in planes}) == 1:
         dtype = dtype_name(planes[0])
-        # Plane q's row i at q * rows + i: a concatenation along the rows (a stack added a
-        # node a plane to the graph the MLX thread evaluates, and a reshape).
-        flat = mx.concatenate(planes, axis=0)
-        buffers = [flat]
-        plane_bytes = flat[0:1].nbytes
-        # Every row's plane in one split of the buffer viewed as stored (bf16 as uint16): a
-        # slice and a view each cost a round of 8 rows of a 28-layer model ~1 ms in Python.
-        stored = stored_view(flat, dtype)
-        pieces = mx.split(stored, stored.shape[0]) if stored.shape[0] > 1 else [stored]
-
-        def row(q: int, i: int) -> mx.array:
-            return pieces[q * rows + i]
-    else:
-        buffers = [mx.contiguous(p) for p in planes]  # a gather's is already: no copy then
-
-        def row(q: int, i: int) -> mx.array:
-            return buffers[q][i : i + 1]
-
-    captures = []
-    for i, held in enumerate(helds):
-        captured = plain_capture(
-            [(row(q, i), row(q + 1, i)) for q in range(0, len(planes), 2)], held, dtype
+        stacked = stored_view(mx.stack(planes, axis=1), dtype)  # (rows, planes, h, c, w)
+        form = _stacked_form(len(planes) // 2, planes[0].shape[2], dtype)
+        row_bytes = stacked.nbytes // rows
+        captures = []
+        for i, held in enumerate(helds):
+            captured = CapturedCache(
+                {STACKED: stacked[i]},
+                form.dtypes,
+                form.skeleton,
+                form.layout,
+                held,
+                encoded=form.encoded,
+            )
+            if pack:
+                captured.packed = Packed(stacked, {STACKED: i * row_bytes})
+            captures.append(captured)
+        return captures, [stacked]
+    buffers = [mx.contiguous(p) for p in planes]  # a gather's is already: no copy then
+    captures = [
+        plain_capture(
+            [(buffers[q][i : i + 1], buffers[q + 1][i : i + 1]) for q in range(0, len(planes), 2)],
+            held,
         )
-        if packed:
-            offsets = {name: (q * rows + i) * plane_bytes for q, name in enumerate(captured.arrays)}
-            captured.packed = Packed(buffers[0], offsets)
-        captures.append(captured)
+        for i, held in enumerate(helds)
+    ]
     return captures, buffers
 
 
+# The stacked tensor of a row's segment record (_captures).
+STACKED = "kv"
+
+
 @dataclass(frozen=True)
-class _PlainForm:
-    """What every plain capture of `layers` layers of `positions` positions of one dtype has
+class _StackedForm:
+    """What every stacked capture of `layers` layers of `positions` positions of one dtype has
     in common. Shared, never changed in place: a round of 8 rows of a 28-layer model built
     and encoded it 8 times (~1 ms of the MLX thread)."""
 
     skeleton: list[dict[str, Any]]
-    dtypes: dict[str, str]  # every tensor name, in order: l0.0, l0.1, l1.0, ...
+    dtypes: dict[str, str]
     layout: list[str]
     encoded: dict[str, str]  # CapturedCache.meta()
 
 
 @functools.lru_cache(maxsize=256)
-def _plain_form(layers: int, positions: int, dtype: str) -> _PlainForm:
-    dtypes = {f"l{i}.{j}": dtype for i in range(layers) for j in (0, 1)}
+def _stacked_form(layers: int, positions: int, dtype: str) -> _StackedForm:
+    """Layer i's keys are plane 2i of the stacked tensor, its values plane 2i + 1."""
     skeleton = [
         {
             "class": "KVCache",
             "meta": list(_KV_META),
-            "state": {"l": [{"t": f"l{i}.0"}, {"t": f"l{i}.1"}, {"v": positions}]},
+            "state": {
+                "l": [
+                    stacked_plane(STACKED, 2 * i),
+                    stacked_plane(STACKED, 2 * i + 1),
+                    {"v": positions},
+                ]
+            },
         }
         for i in range(layers)
     ]
+    dtypes = {STACKED: dtype}
     layout = [_KV_LAYOUT] * layers
-    encoded = CapturedCache({}, dtypes, skeleton, layout, 0).meta()
-    return _PlainForm(skeleton, dtypes, layout, encoded)
+    encoded = {
+        "codec": STACKED_CODEC_VERSION,
+        "cache": json.dumps(skeleton),
+        "dtypes": json.dumps(dtypes),
+        "layout": "|".join(layout),
+    }
+    return _StackedForm(skeleton, dtypes, layout, encoded)
 
 
-def plain_capture(
-    pairs: list[tuple[mx.array, mx.array]], held: int, stored_as: str | None = None
-) -> CapturedCache:
+def plain_capture(pairs: list[tuple[mx.array, mx.array]], held: int) -> CapturedCache:
     """What cache_records.capture makes of KVCache layers holding these (keys, values),
     built directly: no cache objects, no generic walk of their state, and no copy (each
     plane is a row of a row-major copy of the batch's planes, contiguous already). A round of
     8 rows of a 28-layer model spent ~4 ms of the MLX thread in the generic walk.
-    tests/test_segment_capture.py holds the two to the same records.
-
-    stored_as: the planes' dtype when they are given viewed as stored already (stored_view):
-    every plane then has one shape, and the capture's form (skeleton, dtypes, record metadata)
-    is shared with every other capture of that form (_plain_form)."""
-    if stored_as is not None:
-        form = _plain_form(len(pairs), pairs[0][0].shape[2], stored_as)
-        planes = (plane for pair in pairs for plane in pair)
-        arrays = dict(zip(form.dtypes, planes, strict=True))
-        return CapturedCache(
-            arrays, form.dtypes, form.skeleton, form.layout, held, encoded=form.encoded
-        )
+    tests/test_segment_capture.py holds the two to the same records."""
     arrays = {}
     dtypes: dict[str, str] = {}
     skeleton: list[dict[str, Any]] = []
@@ -185,11 +198,8 @@ def plain_capture(
         state: list[dict[str, Any]] = []
         for j, plane in enumerate((keys, values)):
             name = f"l{i}.{j}"
-            if stored_as is None:
-                dtypes[name] = dtype_name(plane)
-                arrays[name] = stored_view(plane, dtypes[name])
-            else:
-                dtypes[name], arrays[name] = stored_as, plane
+            dtypes[name] = dtype_name(plane)
+            arrays[name] = stored_view(plane, dtypes[name])
             state.append({"t": name})
         state.append({"v": keys.shape[2]})
         skeleton.append({"class": "KVCache", "meta": list(_KV_META), "state": {"l": state}})
