@@ -8,9 +8,14 @@ The staging goes through the pinned-region contract (HostStaging with a landing 
 "pinned" whose push only hands out the spans' views: no GPU here) and the queue into a
 SpillQueue whose sink drops the records, so what is timed is the MLX thread's own work, as
 the engine's debug lines on a round's phases count it on a GPU (checkpoint_bench.py
---engine-log-level debug). Rounds alternate (ABAB), the first few warm up.
+--engine-log-level debug). With `--sink store` the spill queue sends each round to a real
+store (in this process, through the region) and the spill thread's CPU time a round is
+reported too: the engine's other thread that holds the GIL for checkpoints. `--prompt`
+sets the rows' prompt length (their token lists travel with every record). Rounds alternate
+(ABAB), the first few warm up.
 
     python bench/checkpoint_round_bench.py [--layers 28] [--rows 8] [--rounds 24]
+        [--sink store] [--prompt 8192 --heads 1 --width 16]
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from store_service.store import CheckpointStore
 from tandem_client import StoreClient
 from tandem_client.regions import SharedRegion
 
-HEADS, WIDTH, PROMPT, EVERY = 8, 128, 64, 16
+EVERY = 16  # decode steps between two rounds
 
 
 class ViewsOnlyPush(Landing):
@@ -64,6 +69,24 @@ class ViewsOnlyPush(Landing):
         return out, done
 
 
+class TimedSink:
+    """The store client as the spill queue's sink, counting the spill thread's CPU time."""
+
+    def __init__(self, client: StoreClient) -> None:
+        self.client = client
+        self.cpu_s = 0.0
+
+    def put_many(self, items: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return self.client.put_many(items)
+        finally:
+            self.cpu_s += time.thread_time() - start
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
 class DroppingSink:
     """A store that takes every record and keeps none (the queue's sender stays cheap)."""
 
@@ -83,8 +106,10 @@ class DroppingSink:
         return True
 
 
-def batch(layers: int, rows: int) -> list[BatchQuantizedKVCache]:
-    planes = mx.zeros((1, HEADS, PROMPT, WIDTH), mx.bfloat16)
+def batch(
+    layers: int, rows: int, prompt: int, heads: int, width: int
+) -> list[BatchQuantizedKVCache]:
+    planes = mx.zeros((1, heads, prompt, width), mx.bfloat16)
     out = []
     for _ in range(layers):
         caches = []
@@ -96,12 +121,12 @@ def batch(layers: int, rows: int) -> list[BatchQuantizedKVCache]:
     return out
 
 
-def jobs_for(rows: int, layers: int) -> list[Job]:
+def jobs_for(rows: int, layers: int, prompt: int) -> list[Job]:
     jobs = []
     for uid in range(rows):
         request = GenerationRequest(
             f"r{uid}",
-            list(range(PROMPT - 1)),
+            list(range(prompt - 1)),
             1 << 16,
             SamplingOptions(),
             "",
@@ -144,52 +169,74 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=24)
+    parser.add_argument("--prompt", type=int, default=64, help="positions each row holds at first")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument(
+        "--sink", choices=("drop", "store"), default="drop", help="store: the spill thread sends"
+    )
     args = parser.parse_args()
+    shape = (args.prompt, args.heads, args.width)
     with tempfile.TemporaryDirectory(prefix="tandem-round-") as tmp:
-        store = CheckpointStore(StoreConfig(data_dir=Path(tmp) / "store"))
+        store = CheckpointStore(StoreConfig(data_dir=Path(tmp) / "store", capacity_bytes=16 << 30))
         server, port, _ = create_server(store, "127.0.0.1:0")
         server.start()
         try:
             with StoreClient(f"127.0.0.1:{port}") as client, SharedRegion(1 << 30) as region:
                 client.attach_region(region)
                 ways: dict[str, tuple[GenerationCheckpoints, list[Job], list[Any]]] = {}
-                spills = []
+                spills: dict[str, SpillQueue] = {}
+                sinks: dict[str, TimedSink] = {}
                 for way in ("row by row", "together"):
                     counters = CheckpointCounters()
-                    spill = SpillQueue(DroppingSink(), 1 << 36, counters)  # type: ignore[arg-type]
+                    if args.sink == "store":
+                        sink: Any = sinks.setdefault(way, TimedSink(client))
+                    else:
+                        sink = DroppingSink()
+                    spill = spills[way] = SpillQueue(sink, 1 << 36, counters)
                     staging = HostStaging(ViewsOnlyPush(), client)
                     gens = GenerationCheckpoints("m", counters, None, spill, staging)
                     ways[way] = (
                         gens,
-                        jobs_for(args.rows, args.layers),
-                        batch(args.layers, args.rows),
+                        jobs_for(args.rows, args.layers, args.prompt),
+                        batch(args.layers, args.rows, *shape),
                     )
-                    spills.append(spill)
                 times: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
                 for r in range(args.rounds + 4):
                     for way, (gens, jobs, layers) in ways.items():
                         for _ in range(EVERY):  # the decode steps between two rounds
-                            new = mx.zeros((args.rows, HEADS, 1, WIDTH), mx.bfloat16)
+                            new = mx.zeros((args.rows, args.heads, 1, args.width), mx.bfloat16)
                             written = [layer.update_and_fetch(new, new) for layer in layers]
                             mx.eval(written)
                         for job in jobs:
                             job.tokens.extend([5] * EVERY)
+                        sent = sinks[way].cpu_s if way in sinks else 0.0
                         phases = round_of(way, gens, jobs, layers)
+                        if way in sinks:  # round_of queued the round: sent, then counted
+                            spills[way].wait_sent()
+                            phases["spill thread"] = sinks[way].cpu_s - sent
                         if r >= 4:  # warm-up rounds left out
                             times[way].append(phases)
-                for spill in spills:
+                for spill in spills.values():
                     spill.wait_sent()
         finally:
             server.stop(None)
-    totals = {way: [sum(p.values()) for p in rounds] for way, rounds in times.items()}
+    mlx_thread = ("capture", "stage", "queue")
+    totals = {
+        way: [sum(p[name] for name in mlx_thread) for p in rounds] for way, rounds in times.items()
+    }
     print(
-        f"a checkpoint round of {args.rows} rows x {args.layers} layers on {mx.default_device()}:"
+        f"a checkpoint round of {args.rows} rows x {args.layers} layers ({args.heads} heads of "
+        f"{args.width}, prompts of {args.prompt - 1} tokens) on {mx.default_device()}:"
     )
     for way, rounds in times.items():
         shown = ", ".join(
             f"{name} {statistics.median(p[name] for p in rounds) * 1e3:.2f}" for name in rounds[0]
         )
-        print(f"  {way}: {statistics.median(totals[way]) * 1e3:.2f} ms ({shown} ms, medians)")
+        print(
+            f"  {way}: {statistics.median(totals[way]) * 1e3:.2f} ms of the MLX thread ({shown} "
+            "ms, medians)"
+        )
     ratios = [a / b for a, b in zip(totals["row by row"], totals["together"], strict=True)]
     print(
         f"  row by row / together, median of paired ratios {statistics.median(ratios):.2f} "

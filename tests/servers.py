@@ -344,16 +344,25 @@ class GatewayProcess:
 
 def generation_progress(store: Any, namespace: str | None = None) -> dict[bytes, int]:
     """Tokens each generation checkpoint in the store holds, by generation key: its record's,
-    or its chain's newest segment's (a chain's later segments have no manifest of their own,
-    docs/checkpoints.md)."""
+    or where its chain's newest segment ends (a chain's later segments have no manifest of
+    their own and carry the tokens of their own positions only, docs/checkpoints.md)."""
+    from engine_service.checkpoints.chain_tokens import TOKENS_BEFORE
     from engine_service.checkpoints.generation_meta import segment_key
 
     where = {"namespace": namespace} if namespace is not None else {}
-    segments = {r.key: r.token_count for r in store.list_all(kind="object", **where)}
+    segments = {r.key: r.namespace for r in store.list_all(kind="object", **where)}
     progress = {}
     for record in store.list_all(kind="generation", **where):
-        chain = (segments.get(segment_key(record.key, i), 0) for i in range(256))
-        progress[record.key] = max(record.token_count, *chain)
+        keys = [k for k in (segment_key(record.key, i) for i in range(256)) if k in segments]
+        ends = [record.token_count]
+        for at in range(0, len(keys), 64):
+            for read in store.get_headers(keys[at : at + 64], record.namespace):
+                segment = read.checkpoint
+                if segment is None:  # gone meanwhile
+                    continue
+                start = int(segment.metadata["start"]) if TOKENS_BEFORE in segment.metadata else 0
+                ends.append(start + len(segment.token_ids))
+        progress[record.key] = max(ends)
     return progress
 
 

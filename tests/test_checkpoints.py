@@ -12,7 +12,13 @@ import pytest
 
 from tandem_client import EngineClient, StoreClient, TandemError
 from tests.conftest import flip_stored_byte
-from tests.servers import ServiceProcess, free_port, start_engine, start_store_on
+from tests.servers import (
+    ServiceProcess,
+    free_port,
+    generation_progress,
+    start_engine,
+    start_store_on,
+)
 
 # 300 scattered token ids: four full 64-token blocks and a partial one
 PROMPT = [(i * 977) % 2000 + 3 for i in range(300)]
@@ -152,8 +158,7 @@ def _interrupted_then_resumed(
     # Segments carry the generation's state; wait until one covers most of what was read.
     _wait_for(
         lambda: any(
-            r.token_count >= len(PROMPT) + kill_at - 16
-            for r in store.list_all(kind="object", namespace=namespace)
+            n >= len(PROMPT) + kill_at - 16 for n in generation_progress(store, namespace).values()
         )
     )
     # Plain KV caches checkpoint as an append-only chain: a tensor-less manifest under the

@@ -24,6 +24,7 @@ from engine_service.checkpoints.cache_records import (
     restore,
     to_host,
 )
+from engine_service.checkpoints.chain_tokens import TOKENS_BEFORE, TokenDigest
 from engine_service.checkpoints.generation_meta import MAX_CHAIN, GenerationMeta, segment_key
 from engine_service.checkpoints.generations import GenerationCheckpoints
 from engine_service.checkpoints.manager import CheckpointManager, CheckpointSettings
@@ -525,6 +526,57 @@ def test_resume_reads_the_manifest_then_the_chain_as_far_as_it_runs(
         older = gens.loads.load(key, "default", request.prompt, request.layout)
     assert older.chain_next == first + 2 and len(older.replay) < len(plan.replay)
     _continues_exactly(tiny, gens, older, request.prompt)
+
+
+def test_a_later_segment_holds_its_own_tokens_and_a_digest_of_those_before(
+    tiny: LoadedModel, inprocess_store: str
+) -> None:
+    """A later chain segment carries the tokens of its own positions and a digest of every
+    token before them (chain_tokens.py), not the whole list; a resume rebuilds the list from
+    the manifest's. An older engine's segment (the whole list, no digest) continues a chain
+    too; one whose digest names other tokens is another run's: the chain ends before it."""
+    checkpoints = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
+    request, key = _kept_generation(tiny, checkpoints)
+    gens = checkpoints.generations
+    plan = gens.loads.load(key, "default", request.prompt, request.layout)
+    plan.release()
+    first = plan.chain_first
+    assert plan.chain_next - first >= 4
+    tokens = [*request.prompt, *plan.generated]
+
+    def load() -> ResumePlan:
+        return gens.loads.load(key, "default", request.prompt, request.layout)
+
+    with StoreClient(inprocess_store) as store:
+        end = len(store.get_header(key).token_ids)  # the manifest's: every token then
+        for index in range(first + 1, plan.chain_next):
+            header = store.get_header(segment_key(key, index))
+            start = int(header.metadata["start"])
+            assert start == end and len(header.token_ids) > 0
+            assert header.token_ids == tokens[start : start + len(header.token_ids)]
+            before = TokenDigest()
+            before.feed(tokens[:start])
+            assert header.metadata[TOKENS_BEFORE] == before.hexdigest()
+            end = start + len(header.token_ids)
+        assert end == len(tokens)
+
+        later = segment_key(key, first + 2)
+        older = store.get(later)  # as an engine before the digest wrote it
+        start = int(older.metadata["start"])
+        older.token_ids = tokens[: start + len(older.token_ids)]
+        older.token_count = len(older.token_ids)
+        del older.metadata[TOKENS_BEFORE]
+        store.put(older)
+        same = load()
+        assert (same.chain_next, same.generated) == (plan.chain_next, plan.generated)
+        _continues_exactly(tiny, gens, same, request.prompt)
+
+        other = store.get(later)  # another run's: other tokens before it
+        other.metadata[TOKENS_BEFORE] = "0" * 32
+        store.put(other)
+        cut = load()
+        assert cut.chain_next == first + 2 and len(cut.generated) < len(plan.generated)
+        _continues_exactly(tiny, gens, cut, request.prompt)
 
 
 def test_a_damaged_later_segment_ends_the_chain_before_it(

@@ -17,7 +17,13 @@ import pytest
 
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import InvalidArgument, NotFound
-from tests.servers import ServiceProcess, free_port, start_engine, start_store_on
+from tests.servers import (
+    ServiceProcess,
+    free_port,
+    generation_progress,
+    start_engine,
+    start_store_on,
+)
 
 PERSON = {
     "type": "object",
@@ -155,7 +161,7 @@ def test_a_constrained_generation_resumes_exactly_after_sigkill(
                     break
         with StoreClient(f"127.0.0.1:{port}") as admin:
             deadline = time.monotonic() + 30
-            while not any(r.token_count >= 20 for r in admin.list_all(kind="object")):
+            while not any(n >= 20 for n in generation_progress(admin).values()):
                 assert time.monotonic() < deadline, "no checkpoint past 20 tokens"
                 time.sleep(0.05)
         engine.kill()

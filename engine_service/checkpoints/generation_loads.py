@@ -21,6 +21,7 @@ from mlx_lm.models import cache as cache_lib
 from engine_service.checkpoints.attachments import check_attachment
 from engine_service.checkpoints.attachments import find as find_attachment
 from engine_service.checkpoints.cache_records import check_restorable, restore
+from engine_service.checkpoints.chain_tokens import TokenDigest, continued
 from engine_service.checkpoints.device_landing import Landing
 from engine_service.checkpoints.generation_meta import (
     MAX_CHAIN,
@@ -145,10 +146,14 @@ class GenerationLoads:
                 chain_read = time.perf_counter()
                 parts = [part.checkpoint for part in held]
                 holds = [part.hold for part in held if part.hold is not None]
-                later = parts[meta.chain_next - meta.chain_first :]  # after the manifest
+                later = held[meta.chain_next - meta.chain_first :]  # after the manifest
+                digest = TokenDigest()
                 for segment in later:
                     meta = GenerationMeta.from_metadata(segment.metadata)  # each says its state
-                    tokens = list(segment.token_ids)
+                    after = _after(tokens, digest, segment)
+                    if after is None:  # _chain read it as continuing: never
+                        raise Corrupt("a checkpoint segment does not continue its chain")
+                    tokens = after
                 if later:
                     self._refuse_if_ended(key, namespace)  # a tombstone replaced the manifest
             ended_checked = time.perf_counter()
@@ -344,13 +349,20 @@ def _gapless(segments: list[HeldSegment | None]) -> list[HeldSegment]:
 def _continuing(chain: list[HeldSegment], listed: int, tokens: list[int]) -> list[HeldSegment]:
     """The chain as far as each segment written after the manifest (from index `listed`
     on) continues the tokens before it (`tokens`: the manifest's, then each segment's): it
-    starts where they end and repeats them. One that does not is another run's."""
+    starts where they end, after the same tokens (chain_tokens.py). One that does not is
+    another run's."""
+    digest = TokenDigest()
     for i in range(listed, len(chain)):
-        later = chain[i]
-        if _start_of(later) != len(tokens) or later.token_ids[: len(tokens)] != tokens:
+        after = _after(tokens, digest, chain[i])
+        if after is None:
             return chain[:i]
-        tokens = later.token_ids
+        tokens = after
     return chain
+
+
+def _after(tokens: list[int], digest: TokenDigest, segment: HeldSegment) -> list[int] | None:
+    """The generation's tokens after a later segment (chain_tokens.continued)."""
+    return continued(tokens, digest, _start_of(segment), segment.token_ids, segment.metadata)
 
 
 def _start_of(segment: HeldSegment) -> int:

@@ -31,6 +31,7 @@ from engine_service.checkpoints.cache_records import (
     capture,
     settle_all,
 )
+from engine_service.checkpoints.chain_tokens import TOKENS_BEFORE, digest_before, tokens_between
 from engine_service.checkpoints.device_landing import Landing
 from engine_service.checkpoints.generation_loads import GenerationLoads
 from engine_service.checkpoints.generation_meta import (
@@ -258,9 +259,9 @@ class GenerationCheckpoints:
             chain_first=None if segment is None else segment.first,
             chain_next=None if segment is None else segment.index + 1,
         )
-        record = self._record(job, key, "generation", [*r.prompt, *snapshot.generated])
         job.checkpointed = True
         if segment is None:
+            record = self._record(job, key, "generation", [*r.prompt, *snapshot.generated])
             record.metadata = {**meta.to_metadata(), **captured.meta()}
             record.tensors = tensors
             record.attachments = [a.to_record() for a in snapshot.attachments]
@@ -268,7 +269,7 @@ class GenerationCheckpoints:
             return self.spill.put(Put(record, nbytes, keep=keep))
         # A segment carries the generation's state when it was taken (its tokens, pending
         # token, chain): a chain's later segments have no manifest of their own.
-        part = self._record(job, segment_key(key, segment.index), "object", record.token_ids)
+        part = self._record(job, segment_key(key, segment.index), "object", [])
         chained = meta.to_metadata()
         part.metadata = {
             **captured.meta(),
@@ -277,11 +278,25 @@ class GenerationCheckpoints:
             "start": str(segment.start),
         }
         part.tensors = tensors
-        record.metadata = {
-            **chained,
-            "codec": CODEC_VERSION,  # its segments' (their skeletons are theirs alone)
-            "layout": "|".join(r.layout),
-        }
+        items = [part]
+        if segment.index == segment.first:
+            # The chain's first (a whole snapshot) holds every token, and the manifest
+            # naming it goes right after it.
+            part.token_ids = [*r.prompt, *snapshot.generated]
+            record = self._record(job, key, "generation", part.token_ids)
+            record.metadata = {
+                **chained,
+                "codec": CODEC_VERSION,  # the engine's (each segment names its own)
+                "layout": "|".join(r.layout),
+            }
+            items.append(record)
+        else:
+            # A later one: its positions' tokens, and a digest of those before them.
+            held = len(r.prompt) + len(snapshot.generated)
+            part.token_ids = tokens_between(r.prompt, snapshot.generated, segment.start, held)
+            part.metadata[TOKENS_BEFORE] = digest_before(
+                job.chain.tokens, r.prompt, snapshot.generated, segment.start
+            )
 
         def wanted() -> bool:
             with self._lock:
@@ -295,11 +310,11 @@ class GenerationCheckpoints:
         # that is not stored. Only a chain's first segment has one: a later segment is found
         # by its index and says itself what state it holds, so a round costs the store one
         # record a row, not two (load reads the chain on from the manifest).
-        for item in (part, record) if segment.index == segment.first else (part,):
+        for item in items:
             nbytes = captured.nbytes if item is part else 0
-            held = keep if item is part else None
+            span = keep if item is part else None
             if not self.spill.put(
-                Put(item, nbytes, still_wanted=wanted, on_failed=broke, keep=held)
+                Put(item, nbytes, still_wanted=wanted, on_failed=broke, keep=span)
             ):
                 broke()
                 return False

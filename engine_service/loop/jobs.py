@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from engine_service.checkpoints.attachments import CapturedAttachment
 from engine_service.checkpoints.cache_records import CapturedCache
+from engine_service.checkpoints.chain_tokens import TokenDigest
 from engine_service.checkpoints.prefix_reuse import UnconfirmedRead
 from engine_service.core.plans import Plan, PrefixPlan, ResumePlan
 from engine_service.protocol.events import Finished, PrefixMissReason, PrefixSource, Sink
@@ -22,6 +23,8 @@ class ChainCursor:
     next_index: int = 0  # segments numbered so far (every index ever used)
     first: int = 0  # the first segment of the live chain
     covered: int = 0  # cache positions the live chain's segments hold
+    # The generation's tokens as far as its later segments named them (chain_tokens.py).
+    tokens: TokenDigest = field(default_factory=TokenDigest)
 
     def live(self) -> list[int]:
         return list(range(self.first, self.next_index))
