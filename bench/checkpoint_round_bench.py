@@ -161,6 +161,7 @@ def round_of(
         "capture": captured - started,
         "stage": staged - staging,
         "queue": queued - staged,
+        "bytes": float(sum(s.captured.nbytes for s in snapshots.values())),
     }
 
 
@@ -230,12 +231,17 @@ def main() -> None:
         f"{args.width}, prompts of {args.prompt - 1} tokens) on {mx.default_device()}:"
     )
     for way, rounds in times.items():
+        timed = [name for name in rounds[0] if name != "bytes"]
         shown = ", ".join(
-            f"{name} {statistics.median(p[name] for p in rounds) * 1e3:.2f}" for name in rounds[0]
+            f"{name} {statistics.median(p[name] for p in rounds) * 1e3:.2f}" for name in timed
         )
+        spill = [p["spill thread"] for p in rounds if "spill thread" in p]
         print(
             f"  {way}: {statistics.median(totals[way]) * 1e3:.2f} ms of the MLX thread ({shown} "
-            "ms, medians)"
+            f"ms, medians); means a round, chain restarts included: MLX thread "
+            f"{statistics.mean(totals[way]) * 1e3:.2f} ms"
+            + (f", spill thread {statistics.mean(spill) * 1e3:.2f} ms" if spill else "")
+            + f", {statistics.mean(p['bytes'] for p in rounds) / 2**20:.2f} MiB captured"
         )
     ratios = [a / b for a, b in zip(totals["row by row"], totals["together"], strict=True)]
     print(

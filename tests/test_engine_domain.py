@@ -579,6 +579,45 @@ def test_a_later_segment_holds_its_own_tokens_and_a_digest_of_those_before(
         _continues_exactly(tiny, gens, cut, request.prompt)
 
 
+def test_a_full_run_continues_from_its_base_and_the_run_before_it_goes(
+    tiny: LoadedModel, inprocess_store: str
+) -> None:
+    """Past MAX_CHAIN segments a chain's next run starts where its base (the whole first
+    snapshot, prompt included) ends: the prompt is not stored again. Its manifest names the
+    base under keys an engine that predates based runs does not read as a chain, the run
+    before it is deleted once that manifest is queued, and a resume continues exactly. A
+    base older than half its lease is not built upon: the next run is a whole snapshot."""
+    prompt = [(j * 37) % 500 + 3 for j in range(400)]
+    checkpoints = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
+    request, key = _kept_generation(tiny, checkpoints, prompt, tokens=8 * MAX_CHAIN + 40)
+    gens = checkpoints.generations
+    with StoreClient(inprocess_store) as store:
+        meta = store.get_header(key).metadata
+        assert "chain_first" not in meta and int(meta["chain_base"]) == 0
+        first = int(meta["run_first"])
+        assert first == MAX_CHAIN
+        base, *dead, run = store.get_headers([segment_key(key, i) for i in range(first + 1)])
+        assert base.checkpoint is not None and run.checkpoint is not None
+        assert all(d.checkpoint is None and not d.damaged for d in dead)  # the run before
+        assert int(run.checkpoint.metadata["start"]) == len(base.checkpoint.token_ids)
+        assert run.checkpoint.payload_bytes < base.checkpoint.payload_bytes / 2
+    plan = gens.loads.load(key, "default", request.prompt, request.layout)
+    assert (plan.chain_base, plan.chain_first) == (0, first) and plan.chain_next > first + 1
+    assert plan.base_end == len(plan.parts[0].token_ids) > len(prompt)
+    _continues_exactly(tiny, gens, plan, request.prompt)
+
+    stale = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
+    stale.generations.base_lease_s = 0
+    prompt = prompt[::-1]  # another generation
+    request, key = _kept_generation(tiny, stale, prompt, tokens=8 * MAX_CHAIN + 40)
+    with StoreClient(inprocess_store) as store:
+        meta = store.get_header(key).metadata
+    assert int(meta["chain_first"]) == MAX_CHAIN and "chain_base" not in meta
+    plan = stale.generations.loads.load(key, "default", request.prompt, request.layout)
+    assert plan.parts[0].token_ids[: len(prompt)] == prompt  # a whole snapshot again
+    _continues_exactly(tiny, stale.generations, plan, request.prompt)
+
+
 def test_a_damaged_later_segment_ends_the_chain_before_it(
     tiny: LoadedModel, tmp_path: Path
 ) -> None:
@@ -645,17 +684,21 @@ def _chunk_order(data_dir: Path) -> list[bytes]:
 
 
 def _kept_generation(
-    tiny: LoadedModel, checkpoints: CheckpointManager
+    tiny: LoadedModel,
+    checkpoints: CheckpointManager,
+    prompt: Sequence[int] = (7, 8, 9, 10),
+    tokens: int = 60,
 ) -> tuple[GenerationRequest, bytes]:
-    """A checkpointed generation of 60-odd tokens whose client went away: a client that goes
-    away keeps its checkpoint (finished ones are deleted). Its request and generation key."""
+    """A checkpointed generation of `tokens`-odd tokens whose client went away: a client that
+    goes away keeps its checkpoint (finished ones are deleted). Its request and generation
+    key."""
     scheduler = Scheduler(tiny, Limits(max_running=2), checkpoints=checkpoints)
     scheduler.start()
-    request = _request(tiny, "kept", [7, 8, 9, 10], 4000)
+    request = _request(tiny, "kept", list(prompt), 4000)
     request.checkpoint_interval = 8
     sink = Collector()
     scheduler.submit(request, sink)
-    _wait_for(lambda: len(sink.tokens) >= 60, "60 tokens of the kept row")
+    _wait_for(lambda: len(sink.tokens) >= tokens, f"{tokens} tokens of the kept row")
     scheduler.cancel("kept", keep_checkpoint=True)
     sink.wait()
     scheduler.shutdown()

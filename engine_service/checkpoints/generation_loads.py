@@ -133,20 +133,21 @@ class GenerationLoads:
         parts, tokens = [record], list(record.token_ids)
         holds: list[RegionHold] = []
         chain_read = manifest_read
+        base = meta.chain_base
         try:
             if meta.chain_first is not None and meta.chain_next is not None:
                 first, listed = meta.chain_first, meta.chain_next
+                headers = candidates if first == 0 and base is None else None
                 try:
-                    held = self._chain(
-                        key, namespace, first, listed, tokens, candidates if first == 0 else None
-                    )
+                    held = self._chain(key, namespace, first, listed, tokens, headers, base)
                 except NotFound:
                     self._refuse_if_ended(key, namespace)  # it may have ended meanwhile
                     raise
                 chain_read = time.perf_counter()
                 parts = [part.checkpoint for part in held]
                 holds = [part.hold for part in held if part.hold is not None]
-                later = held[meta.chain_next - meta.chain_first :]  # after the manifest
+                # After the base and the run's segments the manifest names.
+                later = held[(base is not None) + meta.chain_next - meta.chain_first :]
                 digest = TokenDigest()
                 for segment in later:
                     meta = GenerationMeta.from_metadata(segment.metadata)  # each says its state
@@ -189,6 +190,8 @@ class GenerationLoads:
             parts=parts,
             chain_first=meta.chain_first or 0,
             chain_next=meta.chain_next or 0,
+            chain_base=base if base is not None else meta.chain_first or 0,
+            base_end=len(parts[0].token_ids),
             attachments=kept,
             fetch_s=time.perf_counter() - start,
             holds=holds,
@@ -241,11 +244,13 @@ class GenerationLoads:
         listed: int,
         listed_tokens: list[int],
         candidates: list[HeaderRead] | None = None,
+        base: int | None = None,
     ) -> list[HeldSegment]:
-        """The segments of a chain: those the manifest lists ([first, listed), each
+        """The segments of a chain: its base when the manifest names one (required; the
+        whole snapshot the run continues), those the manifest lists ([first, listed), each
         required), then those written after it, as far as they run on without a gap, each
-        continuing the tokens before it (listed_tokens: the manifest's); a chain holds at
-        most MAX_CHAIN. candidates: the headers of segments first..first + MAX_CHAIN - 1, read
+        continuing the tokens before it (listed_tokens: the manifest's); a run holds at most
+        MAX_CHAIN. candidates: the headers of segments first..first + MAX_CHAIN - 1, read
         already (_manifest).
 
         Two rounds: every candidate's header in one call (GetHeaders, no payloads), then the
@@ -262,28 +267,36 @@ class GenerationLoads:
             raise Corrupt(f"generation checkpoint lists segments {first}..{listed - 1}")
         listed_count = listed - first
         indices = range(first, first + MAX_CHAIN)
+        bases = [] if base is None else [base]
         try:
             reads = candidates or store.get_headers(
-                [segment_key(key, i) for i in indices], namespace
+                [segment_key(key, i) for i in (*bases, *indices)], namespace
             )
         except TandemError as exc:
             raise _store_failure(exc) from exc
-        headers = [_header(read, i, i < listed) for read, i in zip(reads, indices, strict=True)]
+        based = [_header(read, i, True) for read, i in zip(reads, bases, strict=False)]
+        runs = zip(reads[len(bases) :], indices, strict=True)
+        headers = [_header(read, i, i < listed) for read, i in runs]
         run = _continuing(_gapless(headers), listed_count, listed_tokens)
+        ahead = _gapless(based)  # the base, required: never cut
+        if ahead and run and not _continues_base(ahead[0], run[0], listed_tokens):
+            raise Corrupt(f"segment {first} of this checkpoint does not continue its base")
         try:
             payloads = store.get_held_many(
-                [segment_key(key, first + i) for i in range(len(run))],
+                [segment_key(key, i) for i in (*bases, *range(first, first + len(run)))],
                 namespace,
-                [part.checkpoint.payload_bytes for part in run],  # from their headers
+                [part.checkpoint.payload_bytes for part in (*ahead, *run)],  # their headers'
             )
         except TandemError as exc:
             raise _store_failure(exc) from exc
-        parts = _segments(payloads, first, listed_count)
+        of_base, of_run = payloads[: len(bases)], payloads[len(bases) :]
+        base_parts = _gapless(_segments(of_base, base or 0, len(bases), also=of_run))
+        parts = _segments(of_run, first, listed_count, also=of_base)
         chain = _continuing(_gapless(parts), listed_count, listed_tokens)
         for part in parts[len(chain) :]:
             if part is not None and part.hold is not None:
                 part.hold.release()
-        return chain
+        return base_parts + chain
 
 
 @dataclass(frozen=True)
@@ -315,11 +328,13 @@ def _header(read: HeaderRead, index: int, required: bool) -> HeldSegment | None:
     raise NotFound(f"segment {index} of this checkpoint is not in the store")
 
 
-def _segments(reads: list[HeldRead], first: int, required: int) -> list[HeldSegment | None]:
+def _segments(
+    reads: list[HeldRead], first: int, required: int, also: list[HeldRead] | None = None
+) -> list[HeldSegment | None]:
     """A chain's segments as read, from index `first` on; None where one of those written
     after the manifest (past the first `required`) is missing or damaged: the chain ends
     before it. A required one missing is NOT_FOUND, damaged DATA_LOSS, every span read given
-    back first."""
+    back first (`also`: other reads of the same call, given back too)."""
     parts: list[HeldSegment | None] = []
     for i, read in enumerate(reads):
         if read.checkpoint is not None:
@@ -327,9 +342,9 @@ def _segments(reads: list[HeldRead], first: int, required: int) -> list[HeldSegm
             continue
         parts.append(None)
         if i < required:
-            for held in reads:
-                if held.hold is not None:
-                    held.hold.release()
+            for other in (*reads, *(also or [])):
+                if other.hold is not None:
+                    other.hold.release()
             if read.damaged:  # the store set it aside
                 raise Corrupt(f"segment {first + i} of this checkpoint is damaged in the store")
             raise NotFound(f"segment {first + i} of this checkpoint is not in the store")
@@ -363,6 +378,17 @@ def _continuing(chain: list[HeldSegment], listed: int, tokens: list[int]) -> lis
 def _after(tokens: list[int], digest: TokenDigest, segment: HeldSegment) -> list[int] | None:
     """The generation's tokens after a later segment (chain_tokens.continued)."""
     return continued(tokens, digest, _start_of(segment), segment.token_ids, segment.metadata)
+
+
+def _continues_base(base: HeldSegment, first: HeldSegment, tokens: list[int]) -> bool:
+    """Whether a run's first segment starts where the chain's base ends, the two holding
+    the manifest's tokens (`tokens`) between them."""
+    end = len(base.token_ids)
+    return (
+        _start_of(first) == end
+        and list(base.token_ids) == tokens[:end]
+        and list(first.token_ids) == tokens[end:]
+    )
 
 
 def _start_of(segment: HeldSegment) -> int:

@@ -29,9 +29,11 @@ class GenerationMeta:
     seed: int
     max_tokens: int
     options: str  # options_digest(...).hex()
-    # Chains only: the live segments are first .. next - 1.
+    # Chains only: the live run's segments are first .. next - 1, after the chain's base
+    # segment when it has one (a run that starts at the base's end).
     chain_first: int | None = None
     chain_next: int | None = None
+    chain_base: int | None = None
 
     @property
     def next_step(self) -> int:
@@ -48,8 +50,15 @@ class GenerationMeta:
             "options": self.options,
         }
         if self.chain_first is not None and self.chain_next is not None:
-            meta["chain_first"] = str(self.chain_first)
-            meta["chain_next"] = str(self.chain_next)
+            if self.chain_base is None:
+                meta["chain_first"] = str(self.chain_first)
+                meta["chain_next"] = str(self.chain_next)
+            else:
+                # Other names: an engine that predates based runs would read this run as
+                # a chain from position 0; it finds no chain here and refuses the record.
+                meta["chain_base"] = str(self.chain_base)
+                meta["run_first"] = str(self.chain_first)
+                meta["run_next"] = str(self.chain_next)
         return meta
 
     @classmethod
@@ -60,7 +69,9 @@ class GenerationMeta:
                 "it cannot be resumed by this one"
             )
         try:
-            chained = "chain_first" in meta
+            based = "chain_base" in meta
+            first, next_ = ("run_first", "run_next") if based else ("chain_first", "chain_next")
+            chained = first in meta
             return cls(
                 prompt_tokens=int(meta["prompt_tokens"]),
                 generated=int(meta["generated"]),
@@ -68,8 +79,9 @@ class GenerationMeta:
                 seed=int(meta["seed"]),
                 max_tokens=int(meta["max_tokens"]),
                 options=meta["options"],
-                chain_first=int(meta["chain_first"]) if chained else None,
-                chain_next=int(meta["chain_next"]) if chained else None,
+                chain_first=int(meta[first]) if chained else None,
+                chain_next=int(meta[next_]) if chained else None,
+                chain_base=int(meta["chain_base"]) if based else None,
             )
         except (KeyError, ValueError) as exc:
             raise Corrupt(f"generation checkpoint metadata is malformed ({exc!r})") from exc

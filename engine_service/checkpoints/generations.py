@@ -6,12 +6,15 @@ the store, pinned while the generation runs, and deleted when it ends.
 
 Chain policy (all of it is here): caches made only of plain KV layers grow only at the end,
 so a snapshot can hold just the positions added since the last one. Such snapshots are
-*segments* of an append-only chain, each its own record; after every segment a small
-*manifest* under the generation key carries the generation's state (tokens, pending token,
-step) and names the live segments. A resume reads the manifest and exactly the segments it
-lists. A chain starts over with a whole snapshot when there is none yet, when it reached
-MAX_CHAIN segments, or when a segment or manifest did not reach the store (a hole is never
-built upon). Other layouts store a whole snapshot under the generation key each time.
+*segments* of an append-only chain, each its own record saying the generation's state when
+it was taken. A chain begins with a whole snapshot, its *base*; a *run* of at most MAX_CHAIN
+segments follows, and a small *manifest* under the generation key, written with each run's
+first segment, names the run (and the base it continues); the run's later segments are found
+by their index. A full run starts over from the base's end (its first segment holds every
+position since the base, and the run before it is deleted); the chain starts over with a
+whole snapshot when there is none yet, when its base is too old to build on, or when a
+segment or manifest did not reach the store (a hole is never built upon). Other layouts
+store a whole snapshot under the generation key each time.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class GenerationCheckpoints:
         self.staging = staging if staging is not None else HostStaging(Landing(), None)
         self.loads = GenerationLoads(model_id, counters, store, self.staging.landing)
         self._lock = threading.Lock()
+        self.base_lease_s = spill.lease_s if spill is not None else 600
         self._round: _Round | None = None  # staged by save_round, queued at the next step
         # Generation key -> first segment of a chain that has a hole (a segment or manifest
         # that did not reach the store): its later records are not sent, its next snapshot
@@ -144,20 +148,33 @@ class GenerationCheckpoints:
         return PendingSnapshot(captured, job.tokens[:-1], None, list(attachments))
 
     def next_segment(self, job: Job) -> Segment:
-        """What a segmentable job's next snapshot holds (it advances the chain: capture it)."""
+        """What a segmentable job's next snapshot holds (it advances the chain: capture it).
+
+        A whole snapshot (the first, or after a record of the chain did not reach the store)
+        becomes the chain's base. A run that reached MAX_CHAIN segments starts over from the
+        base's end, not from position 0: its first segment holds every position since the
+        base (with a long prompt, a whole snapshot every MAX_CHAIN segments stored the prompt
+        again each time), and the run before it is deleted once its manifest is queued."""
         held = self.held(job)
         chain = job.chain
         with self._lock:
-            broken = self._broken.get(job.checkpoint_key) == chain.first
-        start = chain.covered
-        if (
-            chain.next_index == 0
-            or chain.covered == 0
-            or chain.next_index - chain.first >= MAX_CHAIN
-            or broken
-        ):
-            chain.first, start = chain.next_index, 0
-        segment = Segment(chain.next_index, chain.first, start)
+            broken = self._broken.get(job.checkpoint_key) in (chain.first, chain.base)
+        # A base's records are leased for lease_s from their Put and not renewed: one older
+        # than half of that is not built upon (a run's records stay as fresh as before).
+        stale = time.monotonic() - chain.base_at > self.base_lease_s / 2
+        full = chain.next_index - chain.first >= MAX_CHAIN
+        index, start = chain.next_index, chain.covered
+        based = None if chain.base == chain.first else chain.base
+        segment = Segment(index, chain.first, start, based)
+        if chain.next_index == 0 or chain.covered == 0 or broken or (full and stale):
+            chain.first = chain.base = index
+            chain.base_end, chain.base_at = held, time.monotonic()
+            segment = Segment(index, index, 0)
+        elif full:
+            # The run before: its segments past the base (the base is the first run's first).
+            dead = (chain.first + (chain.first == chain.base), index)
+            chain.first = index
+            segment = Segment(index, index, chain.base_end, chain.base, dead)
         chain.next_index += 1
         chain.covered = held
         return segment
@@ -258,6 +275,7 @@ class GenerationCheckpoints:
             # A segment's and its manifest's: the chain's live segments then.
             chain_first=None if segment is None else segment.first,
             chain_next=None if segment is None else segment.index + 1,
+            chain_base=None if segment is None else segment.base,
         )
         job.checkpointed = True
         if segment is None:
@@ -279,24 +297,24 @@ class GenerationCheckpoints:
         }
         part.tensors = tensors
         items = [part]
+        if segment.start == 0:
+            part.token_ids = [*r.prompt, *snapshot.generated]  # a whole snapshot: all of them
+        else:
+            # Its positions' tokens, and a digest of those before them.
+            held = len(r.prompt) + len(snapshot.generated)
+            part.token_ids = tokens_between(r.prompt, snapshot.generated, segment.start, held)
+            part.metadata[TOKENS_BEFORE] = digest_before(
+                job.chain.tokens, r.prompt, snapshot.generated, segment.start
+            )
         if segment.index == segment.first:
-            # The chain's first (a whole snapshot) holds every token, and the manifest
-            # naming it goes right after it.
-            part.token_ids = [*r.prompt, *snapshot.generated]
-            record = self._record(job, key, "generation", part.token_ids)
+            # A run's first segment: the manifest naming it (and the base) goes right after.
+            record = self._record(job, key, "generation", [*r.prompt, *snapshot.generated])
             record.metadata = {
                 **chained,
                 "codec": CODEC_VERSION,  # the engine's (each segment names its own)
                 "layout": "|".join(r.layout),
             }
             items.append(record)
-        else:
-            # A later one: its positions' tokens, and a digest of those before them.
-            held = len(r.prompt) + len(snapshot.generated)
-            part.token_ids = tokens_between(r.prompt, snapshot.generated, segment.start, held)
-            part.metadata[TOKENS_BEFORE] = digest_before(
-                job.chain.tokens, r.prompt, snapshot.generated, segment.start
-            )
 
         def wanted() -> bool:
             with self._lock:
@@ -318,6 +336,11 @@ class GenerationCheckpoints:
             ):
                 broke()
                 return False
+        if segment.replaces is not None:
+            # The run before this one, dead once its manifest landed (not sent otherwise:
+            # the manifest still in the store names it).
+            for index in range(*segment.replaces):
+                self.spill.delete(segment_key(key, index), r.namespace, still_wanted=wanted)
         return True
 
     def _record(self, job: Job, key: bytes, kind: str, token_ids: list[int]) -> Checkpoint:

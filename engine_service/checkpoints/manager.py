@@ -275,6 +275,8 @@ def starting_point(
         # Go on with the chain the checkpoint belongs to.
         job.chain.next_index, job.chain.first = plan.chain_next, plan.chain_first
         job.chain.covered = len(r.prompt) + len(plan.generated)
+        # Its base, of unknown age: a full run starts over with a whole snapshot.
+        job.chain.base, job.chain.base_end = plan.chain_base, plan.base_end
         job.checkpointed = True
         caches = checkpoints.generations.loads.materialize(plan)
         return StartingPoint([plan.pending], [*r.prompt, *plan.generated], caches, len(r.prompt))

@@ -69,6 +69,9 @@ class Put:
 class Delete:
     key: bytes
     namespace: str
+    # Checked just before sending: False skips it (e.g. the manifest that made the record
+    # dead did not land).
+    still_wanted: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -142,8 +145,10 @@ class SpillQueue:
         self._queue.put(item)
         return True
 
-    def delete(self, key: bytes, namespace: str) -> None:
-        self._queue.put(Delete(key, namespace))
+    def delete(
+        self, key: bytes, namespace: str, still_wanted: Callable[[], bool] | None = None
+    ) -> None:
+        self._queue.put(Delete(key, namespace, still_wanted))
 
     def wait_sent(self, timeout: float = 60.0) -> bool:
         """Waits until everything queued so far was sent (landed or failed)."""
@@ -244,8 +249,9 @@ class SpillQueue:
             self._send(batch[0])
             return 1
         if isinstance(batch[0], Delete):
-            keys = [d.key for d in batch if isinstance(d, Delete)]
-            self.sink.delete_many(keys, batch[0].namespace, force=True)
+            keys = [d.key for d in batch if isinstance(d, Delete) and _wanted(d)]
+            if keys:
+                self.sink.delete_many(keys, batch[0].namespace, force=True)
             return len(batch)
         wanted = []
         for put in batch:
@@ -292,6 +298,8 @@ class SpillQueue:
 
     def _send(self, item: Put | Delete) -> None:
         if isinstance(item, Delete):
+            if not _wanted(item):
+                return
             try:
                 self.sink.delete(item.key, item.namespace, force=True)
             except StoreNotFound:
@@ -323,3 +331,7 @@ class SpillQueue:
         self.counters.add(failed=1)
         if item.on_failed is not None:
             item.on_failed()
+
+
+def _wanted(item: Delete) -> bool:
+    return item.still_wanted is None or item.still_wanted()

@@ -86,8 +86,12 @@ class ResumePlan:
     layout: list[str]
     # The cache records, oldest first: one whole snapshot, or the segments of a chain.
     parts: list[Checkpoint]
-    chain_first: int = 0  # the chain's first live segment and the next index to write
+    chain_first: int = 0  # the live run's first segment and the next index to write
     chain_next: int = 0
+    # The chain's base (its whole snapshot, parts[0]; the run's first when they are one)
+    # and the positions it holds.
+    chain_base: int = 0
+    base_end: int = 0
     attachments: list[Attachment] = field(default_factory=list)  # checked companions
     fetch_s: float = 0.0
     # The region spans the parts' tensors still view (given back once they are arrays, or

@@ -21,8 +21,13 @@ class ChainCursor:
     """Where a generation's append-only checkpoint chain stands (plain KV caches only)."""
 
     next_index: int = 0  # segments numbered so far (every index ever used)
-    first: int = 0  # the first segment of the live chain
+    first: int = 0  # the first segment of the live run
     covered: int = 0  # cache positions the live chain's segments hold
+    # The whole snapshot the chain began with (its segment index, and the positions it
+    # holds): a full run starts over from its end, not from position 0 (generations.py).
+    base: int = 0
+    base_end: int = 0
+    base_at: float = 0.0  # time.monotonic() when the base was captured (0: unknown)
     # The generation's tokens as far as its later segments named them (chain_tokens.py).
     tokens: TokenDigest = field(default_factory=TokenDigest)
 
@@ -36,8 +41,13 @@ class Segment:
     cache position it holds (0: the chain starts here with a whole snapshot)."""
 
     index: int
-    first: int
+    first: int  # its run's first segment
     start: int
+    # A run that continues the chain's base (its first segment starts at the base's end):
+    # the base's index; None for a run that starts at position 0 (its first is the base).
+    base: int | None = None
+    # The segments of the run before it, which its manifest makes dead: [a, b).
+    replaces: tuple[int, int] | None = None
 
 
 @dataclass
