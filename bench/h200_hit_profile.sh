@@ -29,8 +29,9 @@
 # the quick round (the planes' bytes, the pool probe at 8k size, the 8k and 32k hits).
 # Part w: the 8k and 32k hits by the plane gather in one launch against launches of 8
 # planes (two engines, interleaved). Issue 37's device calls in the eighth session: "r e", "c", "k w",
-# then "s w" and "c". The next: "s c w" (the regions' prefault, the round changes after
-# dc65e40, one launch against 8).
+# then "s w" and "c". The next: "c s w" (the round changes after dc65e40 and the ninth
+# session's: one stacked tensor a segment record, later segments' own tokens only, full runs
+# continuing from the base; then the regions' prefault, one launch against 8).
 # Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
