@@ -25,7 +25,12 @@ from engine_service.checkpoints.cache_records import (
     to_host,
 )
 from engine_service.checkpoints.chain_tokens import TOKENS_BEFORE, TokenDigest
-from engine_service.checkpoints.generation_meta import MAX_CHAIN, GenerationMeta, segment_key
+from engine_service.checkpoints.generation_meta import (
+    MAX_CHAIN,
+    MERGE_FANOUT,
+    GenerationMeta,
+    segment_key,
+)
 from engine_service.checkpoints.generations import GenerationCheckpoints
 from engine_service.checkpoints.manager import CheckpointManager, CheckpointSettings
 from engine_service.checkpoints.prefix_cache import PrefixCache
@@ -579,43 +584,62 @@ def test_a_later_segment_holds_its_own_tokens_and_a_digest_of_those_before(
         _continues_exactly(tiny, gens, cut, request.prompt)
 
 
-def test_a_full_run_continues_from_its_base_and_the_run_before_it_goes(
+def test_full_runs_settle_into_parts_that_merge_a_level_at_a_time(
     tiny: LoadedModel, inprocess_store: str
 ) -> None:
-    """Past MAX_CHAIN segments a chain's next run starts where its base (the whole first
-    snapshot, prompt included) ends: the prompt is not stored again. Its manifest names the
-    base under keys an engine that predates based runs does not read as a chain, the run
-    before it is deleted once that manifest is queued, and a resume continues exactly. A
-    base older than half its lease is not built upon: the next run is a whole snapshot."""
-    prompt = [(j * 37) % 500 + 3 for j in range(400)]
+    """Past MAX_CHAIN segments a run settles: its first segment becomes a part of the chain
+    and the next run starts after it (the prompt is not stored again), the run's later
+    segments deleted once that manifest is queued. MERGE_FANOUT - 1 parts of one level and
+    the run after them merge into one part of the next. The manifest names the parts under
+    keys an engine that predates them does not read as a chain; a resume reads them and
+    continues exactly. A chain whose whole snapshot is older than half its lease starts over
+    with a whole snapshot instead."""
     checkpoints = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
-    request, key = _kept_generation(tiny, checkpoints, prompt, tokens=8 * MAX_CHAIN + 40)
     gens = checkpoints.generations
-    with StoreClient(inprocess_store) as store:
-        meta = store.get_header(key).metadata
-        assert "chain_first" not in meta and int(meta["chain_base"]) == 0
-        first = int(meta["run_first"])
-        assert first == MAX_CHAIN
-        base, *dead, run = store.get_headers([segment_key(key, i) for i in range(first + 1)])
-        assert base.checkpoint is not None and run.checkpoint is not None
-        assert all(d.checkpoint is None and not d.damaged for d in dead)  # the run before
-        assert int(run.checkpoint.metadata["start"]) == len(base.checkpoint.token_ids)
-        assert run.checkpoint.payload_bytes < base.checkpoint.payload_bytes / 2
-    plan = gens.loads.load(key, "default", request.prompt, request.layout)
-    assert (plan.chain_base, plan.chain_first) == (0, first) and plan.chain_next > first + 1
-    assert plan.base_end == len(plan.parts[0].token_ids) > len(prompt)
-    _continues_exactly(tiny, gens, plan, request.prompt)
+    every = 8 * MAX_CHAIN  # tokens a run of segments holds (checkpoint_interval 8)
 
-    stale = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
-    stale.generations.base_lease_s = 0
-    prompt = prompt[::-1]  # another generation
-    request, key = _kept_generation(tiny, stale, prompt, tokens=8 * MAX_CHAIN + 40)
+    def chain_of(prompt: list[int], runs: int) -> tuple[GenerationRequest, bytes, list[int]]:
+        request, key = _kept_generation(tiny, checkpoints, prompt, tokens=every * runs + 16)
+        with StoreClient(inprocess_store) as store:
+            meta = store.get_header(key).metadata
+            # Only engines that know parts see a chain; older ones refuse it by its codec.
+            assert "chain_first" not in meta and meta["codec"] == STACKED_CODEC_VERSION
+            parts = [int(i) for i in meta["chain_parts"].split(",")]
+            first = int(meta["run_first"])
+            keys = [segment_key(key, i) for i in range(first + 1)]
+            reads = [
+                r for at in range(0, len(keys), 64) for r in store.get_headers(keys[at : at + 64])
+            ]
+        assert first == MAX_CHAIN * runs
+        live = [i for i, read in enumerate(reads) if read.checkpoint is not None]
+        assert live == [*parts, first]  # the runs' later segments and merged parts are gone
+        # Each holds the positions after the one before: the prompt is stored once.
+        end = 0
+        for read in reads:
+            if read.checkpoint is not None:
+                assert int(read.checkpoint.metadata["start"]) == end
+                end += len(read.checkpoint.token_ids)
+        plan = gens.loads.load(key, "default", request.prompt, request.layout)
+        assert plan.chain_parts == tuple(parts) and plan.chain_first == first
+        _continues_exactly(tiny, gens, plan, request.prompt)
+        return request, key, parts
+
+    prompt = [(j * 37) % 500 + 3 for j in range(400)]
+    # Three runs: the whole snapshot, then two settled runs' first segments (level 1).
+    _, _, parts = chain_of(prompt, 3)
+    assert parts == [0, MAX_CHAIN, 2 * MAX_CHAIN]
+    # MERGE_FANOUT runs: the level-1 parts and the run after them merged into one.
+    _, _, parts = chain_of(prompt[::-1], MERGE_FANOUT)
+    assert parts == [0]
+
+    gens.base_lease_s = 0  # every whole snapshot too old to build on
+    request, key = _kept_generation(tiny, checkpoints, prompt[1:], tokens=every + 16)
     with StoreClient(inprocess_store) as store:
         meta = store.get_header(key).metadata
-    assert int(meta["chain_first"]) == MAX_CHAIN and "chain_base" not in meta
-    plan = stale.generations.loads.load(key, "default", request.prompt, request.layout)
-    assert plan.parts[0].token_ids[: len(prompt)] == prompt  # a whole snapshot again
-    _continues_exactly(tiny, stale.generations, plan, request.prompt)
+    assert int(meta["chain_first"]) == MAX_CHAIN and "chain_parts" not in meta
+    plan = gens.loads.load(key, "default", request.prompt, request.layout)
+    assert plan.parts[0].token_ids[: len(prompt) - 1] == prompt[1:]  # a whole snapshot again
+    _continues_exactly(tiny, gens, plan, request.prompt)
 
 
 def test_a_damaged_later_segment_ends_the_chain_before_it(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -21,7 +20,17 @@ from mlx_lm.models import cache as cache_lib
 from engine_service.checkpoints.attachments import check_attachment
 from engine_service.checkpoints.attachments import find as find_attachment
 from engine_service.checkpoints.cache_records import check_restorable, restore
-from engine_service.checkpoints.chain_tokens import TokenDigest, continued
+from engine_service.checkpoints.chain_reads import (
+    HeldSegment,
+    continuing,
+    gapless,
+    header_of,
+    segments_of,
+    settled_before,
+    start_of,
+    tokens_after,
+)
+from engine_service.checkpoints.chain_tokens import TokenDigest
 from engine_service.checkpoints.device_landing import Landing
 from engine_service.checkpoints.generation_meta import (
     MAX_CHAIN,
@@ -36,7 +45,6 @@ from engine_service.kv.batch_cache import BatchQuantizedKVCache
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from tandem_client.errors import DataLoss, TandemError
 from tandem_client.errors import NotFound as StoreNotFound
-from tandem_client.record_reads import HeldRead
 from tandem_client.records import Checkpoint, HeaderRead
 from tandem_client.regions import RegionHold
 from tandem_client.store_client import StoreClient
@@ -133,25 +141,25 @@ class GenerationLoads:
         parts, tokens = [record], list(record.token_ids)
         holds: list[RegionHold] = []
         chain_read = manifest_read
-        base = meta.chain_base
+        settled = meta.chain_parts
         try:
             if meta.chain_first is not None and meta.chain_next is not None:
                 first, listed = meta.chain_first, meta.chain_next
-                headers = candidates if first == 0 and base is None else None
+                headers = candidates if first == 0 and not settled else None
                 try:
-                    held = self._chain(key, namespace, first, listed, tokens, headers, base)
+                    held = self._chain(key, namespace, first, listed, tokens, headers, settled)
                 except NotFound:
                     self._refuse_if_ended(key, namespace)  # it may have ended meanwhile
                     raise
                 chain_read = time.perf_counter()
                 parts = [part.checkpoint for part in held]
                 holds = [part.hold for part in held if part.hold is not None]
-                # After the base and the run's segments the manifest names.
-                later = held[(base is not None) + meta.chain_next - meta.chain_first :]
+                # After the settled parts and the run's segments the manifest names.
+                later = held[len(settled) + meta.chain_next - meta.chain_first :]
                 digest = TokenDigest()
                 for segment in later:
                     meta = GenerationMeta.from_metadata(segment.metadata)  # each says its state
-                    after = _after(tokens, digest, segment)
+                    after = tokens_after(tokens, digest, segment)
                     if after is None:  # _chain read it as continuing: never
                         raise Corrupt("a checkpoint segment does not continue its chain")
                     tokens = after
@@ -190,8 +198,8 @@ class GenerationLoads:
             parts=parts,
             chain_first=meta.chain_first or 0,
             chain_next=meta.chain_next or 0,
-            chain_base=base if base is not None else meta.chain_first or 0,
-            base_end=len(parts[0].token_ids),
+            chain_parts=settled,
+            run_start=start_of(held[len(settled)]) if settled else 0,
             attachments=kept,
             fetch_s=time.perf_counter() - start,
             holds=holds,
@@ -244,14 +252,14 @@ class GenerationLoads:
         listed: int,
         listed_tokens: list[int],
         candidates: list[HeaderRead] | None = None,
-        base: int | None = None,
+        settled: tuple[int, ...] = (),
     ) -> list[HeldSegment]:
-        """The segments of a chain: its base when the manifest names one (required; the
-        whole snapshot the run continues), those the manifest lists ([first, listed), each
-        required), then those written after it, as far as they run on without a gap, each
-        continuing the tokens before it (listed_tokens: the manifest's); a run holds at most
-        MAX_CHAIN. candidates: the headers of segments first..first + MAX_CHAIN - 1, read
-        already (_manifest).
+        """The segments of a chain: the settled parts the manifest names (each required; the
+        whole snapshot first, each after it holding the positions after the one before),
+        the run's segments it lists ([first, listed), each required), then those written
+        after it, as far as they run on without a gap, each continuing the tokens before it
+        (listed_tokens: the manifest's); a run holds at most MAX_CHAIN. candidates: the
+        headers of segments first..first + MAX_CHAIN - 1, read already (_manifest).
 
         Two rounds: every candidate's header in one call (GetHeaders, no payloads), then the
         payloads of the segments that continue the chain in one call too (GetRecords), each
@@ -267,135 +275,35 @@ class GenerationLoads:
             raise Corrupt(f"generation checkpoint lists segments {first}..{listed - 1}")
         listed_count = listed - first
         indices = range(first, first + MAX_CHAIN)
-        bases = [] if base is None else [base]
         try:
             reads = candidates or store.get_headers(
-                [segment_key(key, i) for i in (*bases, *indices)], namespace
+                [segment_key(key, i) for i in (*settled, *indices)], namespace
             )
         except TandemError as exc:
             raise _store_failure(exc) from exc
-        based = [_header(read, i, True) for read, i in zip(reads, bases, strict=False)]
-        runs = zip(reads[len(bases) :], indices, strict=True)
-        headers = [_header(read, i, i < listed) for read, i in runs]
-        run = _continuing(_gapless(headers), listed_count, listed_tokens)
-        ahead = _gapless(based)  # the base, required: never cut
-        if ahead and run and not _continues_base(ahead[0], run[0], listed_tokens):
-            raise Corrupt(f"segment {first} of this checkpoint does not continue its base")
+        ahead = [header_of(read, i, True) for read, i in zip(reads, settled, strict=False)]
+        runs = zip(reads[len(settled) :], indices, strict=True)
+        headers = [header_of(read, i, i < listed) for read, i in runs]
+        run = continuing(gapless(headers), listed_count, listed_tokens)
+        parts_ahead = gapless(ahead)  # required: none is missing
+        if parts_ahead and run and not settled_before(parts_ahead, run[0], listed_tokens):
+            raise Corrupt(f"segment {first} of this checkpoint does not continue its parts")
         try:
             payloads = store.get_held_many(
-                [segment_key(key, i) for i in (*bases, *range(first, first + len(run)))],
+                [segment_key(key, i) for i in (*settled, *range(first, first + len(run)))],
                 namespace,
-                [part.checkpoint.payload_bytes for part in (*ahead, *run)],  # their headers'
+                [part.checkpoint.payload_bytes for part in (*parts_ahead, *run)],  # headers'
             )
         except TandemError as exc:
             raise _store_failure(exc) from exc
-        of_base, of_run = payloads[: len(bases)], payloads[len(bases) :]
-        base_parts = _gapless(_segments(of_base, base or 0, len(bases), also=of_run))
-        parts = _segments(of_run, first, listed_count, also=of_base)
-        chain = _continuing(_gapless(parts), listed_count, listed_tokens)
+        of_parts, of_run = payloads[: len(settled)], payloads[len(settled) :]
+        held_parts = segments_of(of_parts, 0, len(settled), also=of_run, indices=settled)
+        parts = segments_of(of_run, first, listed_count, also=of_parts)
+        chain = continuing(gapless(parts), listed_count, listed_tokens)
         for part in parts[len(chain) :]:
             if part is not None and part.hold is not None:
                 part.hold.release()
-        return base_parts + chain
-
-
-@dataclass(frozen=True)
-class HeldSegment:
-    """A chain segment read, and the region span its tensors view (None: they own their
-    bytes, or it is a header)."""
-
-    checkpoint: Checkpoint
-    hold: RegionHold | None
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.checkpoint.token_ids
-
-    @property
-    def metadata(self) -> dict[str, str]:
-        return self.checkpoint.metadata
-
-
-def _header(read: HeaderRead, index: int, required: bool) -> HeldSegment | None:
-    """A chain segment's header as read, or None where an optional one is missing or
-    damaged; a required one (the manifest lists it) missing is NOT_FOUND, damaged DATA_LOSS."""
-    if read.checkpoint is not None:
-        return HeldSegment(read.checkpoint, None)
-    if not required:
-        return None
-    if read.damaged:
-        raise Corrupt(f"segment {index} of this checkpoint is damaged in the store")
-    raise NotFound(f"segment {index} of this checkpoint is not in the store")
-
-
-def _segments(
-    reads: list[HeldRead], first: int, required: int, also: list[HeldRead] | None = None
-) -> list[HeldSegment | None]:
-    """A chain's segments as read, from index `first` on; None where one of those written
-    after the manifest (past the first `required`) is missing or damaged: the chain ends
-    before it. A required one missing is NOT_FOUND, damaged DATA_LOSS, every span read given
-    back first (`also`: other reads of the same call, given back too)."""
-    parts: list[HeldSegment | None] = []
-    for i, read in enumerate(reads):
-        if read.checkpoint is not None:
-            parts.append(HeldSegment(read.checkpoint, read.hold))
-            continue
-        parts.append(None)
-        if i < required:
-            for other in (*reads, *(also or [])):
-                if other.hold is not None:
-                    other.hold.release()
-            if read.damaged:  # the store set it aside
-                raise Corrupt(f"segment {first + i} of this checkpoint is damaged in the store")
-            raise NotFound(f"segment {first + i} of this checkpoint is not in the store")
-    return parts
-
-
-def _gapless(segments: list[HeldSegment | None]) -> list[HeldSegment]:
-    """The segments up to the first one missing."""
-    run: list[HeldSegment] = []
-    for segment in segments:
-        if segment is None:
-            break
-        run.append(segment)
-    return run
-
-
-def _continuing(chain: list[HeldSegment], listed: int, tokens: list[int]) -> list[HeldSegment]:
-    """The chain as far as each segment written after the manifest (from index `listed`
-    on) continues the tokens before it (`tokens`: the manifest's, then each segment's): it
-    starts where they end, after the same tokens (chain_tokens.py). One that does not is
-    another run's."""
-    digest = TokenDigest()
-    for i in range(listed, len(chain)):
-        after = _after(tokens, digest, chain[i])
-        if after is None:
-            return chain[:i]
-        tokens = after
-    return chain
-
-
-def _after(tokens: list[int], digest: TokenDigest, segment: HeldSegment) -> list[int] | None:
-    """The generation's tokens after a later segment (chain_tokens.continued)."""
-    return continued(tokens, digest, _start_of(segment), segment.token_ids, segment.metadata)
-
-
-def _continues_base(base: HeldSegment, first: HeldSegment, tokens: list[int]) -> bool:
-    """Whether a run's first segment starts where the chain's base ends, the two holding
-    the manifest's tokens (`tokens`) between them."""
-    end = len(base.token_ids)
-    return (
-        _start_of(first) == end
-        and list(base.token_ids) == tokens[:end]
-        and list(first.token_ids) == tokens[end:]
-    )
-
-
-def _start_of(segment: HeldSegment) -> int:
-    try:
-        return int(segment.metadata["start"])
-    except (KeyError, ValueError) as exc:
-        raise Corrupt(f"a checkpoint segment's metadata is malformed ({exc!r})") from exc
+        return gapless(held_parts) + chain
 
 
 def _store_failure(exc: TandemError) -> EngineError:

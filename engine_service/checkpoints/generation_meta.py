@@ -13,8 +13,14 @@ from engine_service.errors import Corrupt, GenerationEnded, Precondition
 from engine_service.protocol.sampling_options import SamplingOptions
 from tandem_client.records import Checkpoint
 
-# A chain holds at most this many segments before a whole snapshot starts a new one.
+# A chain's run holds at most this many segments; the next starts over after the chain's
+# settled parts (checkpoints/generations.py).
 MAX_CHAIN = 16
+# Settled parts of one level that merge into one of the next (a log-structured merge: each
+# position is stored again once a level, and a resume reads at most MERGE_FANOUT - 1 parts a
+# level), and the most a chain keeps before it starts over with a whole snapshot.
+MERGE_FANOUT = 8
+MAX_PARTS = 40
 # The metadata key of an ended generation's tombstone: how it ended.
 ENDED = "tandem.ended"
 
@@ -33,7 +39,7 @@ class GenerationMeta:
     # segment when it has one (a run that starts at the base's end).
     chain_first: int | None = None
     chain_next: int | None = None
-    chain_base: int | None = None
+    chain_parts: tuple[int, ...] = ()
 
     @property
     def next_step(self) -> int:
@@ -50,13 +56,13 @@ class GenerationMeta:
             "options": self.options,
         }
         if self.chain_first is not None and self.chain_next is not None:
-            if self.chain_base is None:
+            if not self.chain_parts:
                 meta["chain_first"] = str(self.chain_first)
                 meta["chain_next"] = str(self.chain_next)
             else:
-                # Other names: an engine that predates based runs would read this run as
+                # Other names: an engine that predates settled parts would read this run as
                 # a chain from position 0; it finds no chain here and refuses the record.
-                meta["chain_base"] = str(self.chain_base)
+                meta["chain_parts"] = ",".join(map(str, self.chain_parts))
                 meta["run_first"] = str(self.chain_first)
                 meta["run_next"] = str(self.chain_next)
         return meta
@@ -69,9 +75,12 @@ class GenerationMeta:
                 "it cannot be resumed by this one"
             )
         try:
-            based = "chain_base" in meta
+            based = "chain_parts" in meta
             first, next_ = ("run_first", "run_next") if based else ("chain_first", "chain_next")
             chained = first in meta
+            parts = tuple(int(i) for i in meta["chain_parts"].split(",")) if based else ()
+            if based and not 0 < len(parts) <= MAX_PARTS:
+                raise ValueError(f"{len(parts)} settled parts")
             return cls(
                 prompt_tokens=int(meta["prompt_tokens"]),
                 generated=int(meta["generated"]),
@@ -81,7 +90,7 @@ class GenerationMeta:
                 options=meta["options"],
                 chain_first=int(meta[first]) if chained else None,
                 chain_next=int(meta[next_]) if chained else None,
-                chain_base=int(meta["chain_base"]) if based else None,
+                chain_parts=parts,
             )
         except (KeyError, ValueError) as exc:
             raise Corrupt(f"generation checkpoint metadata is malformed ({exc!r})") from exc

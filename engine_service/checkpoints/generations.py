@@ -7,14 +7,14 @@ the store, pinned while the generation runs, and deleted when it ends.
 Chain policy (all of it is here): caches made only of plain KV layers grow only at the end,
 so a snapshot can hold just the positions added since the last one. Such snapshots are
 *segments* of an append-only chain, each its own record saying the generation's state when
-it was taken. A chain begins with a whole snapshot, its *base*; a *run* of at most MAX_CHAIN
-segments follows, and a small *manifest* under the generation key, written with each run's
-first segment, names the run (and the base it continues); the run's later segments are found
-by their index. A full run starts over from the base's end (its first segment holds every
-position since the base, and the run before it is deleted); the chain starts over with a
-whole snapshot when there is none yet, when its base is too old to build on, or when a
-segment or manifest did not reach the store (a hole is never built upon). Other layouts
-store a whole snapshot under the generation key each time.
+it was taken. A chain begins with a whole snapshot; *runs* of at most MAX_CHAIN segments
+follow, and a small *manifest* under the generation key, written with each run's first
+segment, names the run and the chain's settled *parts* before it; the run's later segments
+are found by their index. A full run settles into a part and the parts merge a level at a
+time (next_segment). The chain starts over with a whole snapshot when there is none yet,
+when it is too old to build on, or when a segment or manifest did not reach the store (a
+hole is never built upon). Other layouts store a whole snapshot under the generation key
+each time.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from mlx_lm.models import cache as cache_lib
 
 from engine_service.checkpoints.attachments import CapturedAttachment
 from engine_service.checkpoints.cache_records import (
-    CODEC_VERSION,
+    STACKED_CODEC_VERSION,
     CapturedCache,
     capture,
     settle_all,
@@ -40,6 +40,8 @@ from engine_service.checkpoints.generation_loads import GenerationLoads
 from engine_service.checkpoints.generation_meta import (
     ENDED,
     MAX_CHAIN,
+    MAX_PARTS,
+    MERGE_FANOUT,
     GenerationMeta,
     mode_of,
     options_digest,
@@ -48,7 +50,7 @@ from engine_service.checkpoints.generation_meta import (
 )
 from engine_service.checkpoints.host_staging import HostStaging, Staged
 from engine_service.checkpoints.spill import Put, SpillQueue
-from engine_service.loop.jobs import Job, PendingSnapshot, ReadySnapshot, Segment
+from engine_service.loop.jobs import ChainPart, Job, PendingSnapshot, ReadySnapshot, Segment
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.sampling_options import SamplingOptions
 from tandem_client.identity import generation_key, scope_digest
@@ -151,33 +153,47 @@ class GenerationCheckpoints:
         """What a segmentable job's next snapshot holds (it advances the chain: capture it).
 
         A whole snapshot (the first, or after a record of the chain did not reach the store)
-        becomes the chain's base. A run that reached MAX_CHAIN segments starts over from the
-        base's end, not from position 0: its first segment holds every position since the
-        base (with a long prompt, a whole snapshot every MAX_CHAIN segments stored the prompt
-        again each time), and the run before it is deleted once its manifest is queued."""
+        begins the chain. A run that reached MAX_CHAIN segments settles: its first segment
+        becomes a part of the chain, and the next run's first segment holds every position
+        after it, in place of the run's later segments (deleted once its manifest is
+        queued). Parts merge as a log-structured merge: MERGE_FANOUT - 1 parts of one level
+        and the run after them become one part of the next level, so a position is stored
+        again once a level, not once a run: a whole snapshot every MAX_CHAIN segments stored
+        the prompt and every token again each time (with an 8,192-token prompt, ~950 MB a
+        row of a 0.6B model every 256 tokens)."""
         held = self.held(job)
         chain = job.chain
         with self._lock:
-            broken = self._broken.get(job.checkpoint_key) in (chain.first, chain.base)
-        # A base's records are leased for lease_s from their Put and not renewed: one older
-        # than half of that is not built upon (a run's records stay as fresh as before).
+            broken = self._broken.get(job.checkpoint_key) == chain.first
+        # A whole snapshot's records are leased for lease_s from their Put and not renewed:
+        # a chain older than half of that starts over (its parts stay as fresh as runs were).
         stale = time.monotonic() - chain.base_at > self.base_lease_s / 2
         full = chain.next_index - chain.first >= MAX_CHAIN
-        index, start = chain.next_index, chain.covered
-        based = None if chain.base == chain.first else chain.base
-        segment = Segment(index, chain.first, start, based)
-        if chain.next_index == 0 or chain.covered == 0 or broken or (full and stale):
-            chain.first = chain.base = index
-            chain.base_end, chain.base_at = held, time.monotonic()
-            segment = Segment(index, index, 0)
-        elif full:
-            # The run before: its segments past the base (the base is the first run's first).
-            dead = (chain.first + (chain.first == chain.base), index)
-            chain.first = index
-            segment = Segment(index, index, chain.base_end, chain.base, dead)
+        index, head = chain.next_index, chain.head
         chain.next_index += 1
-        chain.covered = held
-        return segment
+        if (
+            index == 0
+            or chain.covered == 0
+            or head is None
+            or broken
+            or (full and (stale or len(chain.parts) >= MAX_PARTS))
+        ):
+            chain.first, chain.parts, chain.base_at = index, [], time.monotonic()
+            chain.head, chain.covered = ChainPart(index, 0, held, 0), held
+            return Segment(index, index, 0)
+        start, chain.covered = chain.covered, held
+        if not full:
+            return Segment(index, chain.first, start, tuple(p.index for p in chain.parts))
+        parts = [*chain.parts, head]
+        dead = list(range(chain.first + 1, index))  # the run's later segments
+        start, level = head.end, 1
+        group = MERGE_FANOUT - 1
+        while len(parts) > group and all(p.level == level for p in parts[-group:]):
+            merged, parts = parts[-group:], parts[:-group]  # the whole snapshot stays
+            start, level = merged[0].start, level + 1
+            dead += [p.index for p in merged]
+        chain.first, chain.parts, chain.head = index, parts, ChainPart(index, start, held, level)
+        return Segment(index, index, start, tuple(p.index for p in parts), tuple(dead))
 
     def save_parked(self, job: Job, snapshot: PendingSnapshot) -> bool:
         """A parked row's whole snapshot, its pending token the last of job.tokens (MLX
@@ -275,7 +291,7 @@ class GenerationCheckpoints:
             # A segment's and its manifest's: the chain's live segments then.
             chain_first=None if segment is None else segment.first,
             chain_next=None if segment is None else segment.index + 1,
-            chain_base=None if segment is None else segment.base,
+            chain_parts=() if segment is None else segment.parts,
         )
         job.checkpointed = True
         if segment is None:
@@ -311,7 +327,9 @@ class GenerationCheckpoints:
             record = self._record(job, key, "generation", [*r.prompt, *snapshot.generated])
             record.metadata = {
                 **chained,
-                "codec": CODEC_VERSION,  # the engine's (each segment names its own)
+                # Its segments' (each names its own; a manifest naming parts says the newer
+                # codec, so that an engine that predates both refuses it by name).
+                "codec": STACKED_CODEC_VERSION if segment.parts else part.metadata["codec"],
                 "layout": "|".join(r.layout),
             }
             items.append(record)
@@ -336,11 +354,10 @@ class GenerationCheckpoints:
             ):
                 broke()
                 return False
-        if segment.replaces is not None:
-            # The run before this one, dead once its manifest landed (not sent otherwise:
-            # the manifest still in the store names it).
-            for index in range(*segment.replaces):
-                self.spill.delete(segment_key(key, index), r.namespace, still_wanted=wanted)
+        # What this run's manifest made dead, once it landed (not sent otherwise: the
+        # manifest still in the store names them).
+        for index in segment.dead:
+            self.spill.delete(segment_key(key, index), r.namespace, still_wanted=wanted)
         return True
 
     def _record(self, job: Job, key: bytes, kind: str, token_ids: list[int]) -> Checkpoint:

@@ -31,7 +31,7 @@ from engine_service.checkpoints.prefix_snapshots import PrefixSnapshots
 from engine_service.checkpoints.spill import SpillQueue
 from engine_service.core.plans import Plan, PrefixMiss, PrefixPlan, ResumePlan
 from engine_service.errors import EngineError, Unavailable
-from engine_service.loop.jobs import Job, StartingPoint
+from engine_service.loop.jobs import ChainPart, Job, StartingPoint
 from engine_service.model.loaded import LoadedModel
 from engine_service.protocol.checkpoint_stats import CheckpointCounters, CheckpointStats
 from engine_service.protocol.events import PrefixMissReason
@@ -275,8 +275,10 @@ def starting_point(
         # Go on with the chain the checkpoint belongs to.
         job.chain.next_index, job.chain.first = plan.chain_next, plan.chain_first
         job.chain.covered = len(r.prompt) + len(plan.generated)
-        # Its base, of unknown age: a full run starts over with a whole snapshot.
-        job.chain.base, job.chain.base_end = plan.chain_base, plan.base_end
+        # Its parts and run, of unknown age: a full run starts over with a whole snapshot.
+        parts = [ChainPart(i, 0, 0, 0) for i in plan.chain_parts]  # only named again
+        job.chain.parts, job.chain.base_at = parts, 0.0
+        job.chain.head = ChainPart(plan.chain_first, plan.run_start, job.chain.covered, 1)
         job.checkpointed = True
         caches = checkpoints.generations.loads.materialize(plan)
         return StartingPoint([plan.pending], [*r.prompt, *plan.generated], caches, len(r.prompt))

@@ -88,10 +88,10 @@ class ResumePlan:
     parts: list[Checkpoint]
     chain_first: int = 0  # the live run's first segment and the next index to write
     chain_next: int = 0
-    # The chain's base (its whole snapshot, parts[0]; the run's first when they are one)
-    # and the positions it holds.
-    chain_base: int = 0
-    base_end: int = 0
+    # The chain's settled parts before the run (their segment indices: parts' first ones),
+    # and the first position the run's first segment holds.
+    chain_parts: tuple[int, ...] = ()
+    run_start: int = 0
     attachments: list[Attachment] = field(default_factory=list)  # checked companions
     fetch_s: float = 0.0
     # The region spans the parts' tensors still view (given back once they are arrays, or

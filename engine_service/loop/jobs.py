@@ -16,6 +16,18 @@ from engine_service.protocol.requests import GenerationRequest
 from engine_service.sampling.constraints import ConstrainedRow
 
 
+@dataclass(frozen=True)
+class ChainPart:
+    """A settled segment of a chain, before its live run: the whole snapshot it began with
+    (level 0, from position 0), or a run's first segment, which holds positions since the
+    part before it (level 1: one run's; each level up merges MERGE_FANOUT of the one below)."""
+
+    index: int
+    start: int
+    end: int
+    level: int
+
+
 @dataclass
 class ChainCursor:
     """Where a generation's append-only checkpoint chain stands (plain KV caches only)."""
@@ -23,31 +35,28 @@ class ChainCursor:
     next_index: int = 0  # segments numbered so far (every index ever used)
     first: int = 0  # the first segment of the live run
     covered: int = 0  # cache positions the live chain's segments hold
-    # The whole snapshot the chain began with (its segment index, and the positions it
-    # holds): a full run starts over from its end, not from position 0 (generations.py).
-    base: int = 0
-    base_end: int = 0
-    base_at: float = 0.0  # time.monotonic() when the base was captured (0: unknown)
+    # The settled parts before the live run, in position order (checkpoints/generations.py),
+    # and the live run's first segment.
+    parts: list[ChainPart] = field(default_factory=list)
+    head: ChainPart | None = None
+    base_at: float = 0.0  # time.monotonic() when the chain's whole snapshot was taken (0: unknown)
     # The generation's tokens as far as its later segments named them (chain_tokens.py).
     tokens: TokenDigest = field(default_factory=TokenDigest)
-
-    def live(self) -> list[int]:
-        return list(range(self.first, self.next_index))
 
 
 @dataclass(frozen=True)
 class Segment:
-    """One snapshot as a chain segment: its index, its chain's first segment, and the first
+    """One snapshot as a chain segment: its index, its run's first segment, and the first
     cache position it holds (0: the chain starts here with a whole snapshot)."""
 
     index: int
     first: int  # its run's first segment
     start: int
-    # A run that continues the chain's base (its first segment starts at the base's end):
-    # the base's index; None for a run that starts at position 0 (its first is the base).
-    base: int | None = None
-    # The segments of the run before it, which its manifest makes dead: [a, b).
-    replaces: tuple[int, int] | None = None
+    # The settled parts its run continues (their indices, in position order); none for a
+    # run that starts at position 0 (its first is the chain's whole snapshot).
+    parts: tuple[int, ...] = ()
+    # The segments its run's manifest makes dead (the run before, and the parts merged).
+    dead: tuple[int, ...] = ()
 
 
 @dataclass
