@@ -323,7 +323,8 @@ class GenerationCheckpoints:
                 job.chain.tokens, r.prompt, snapshot.generated, segment.start
             )
         if segment.index == segment.first:
-            # A run's first segment: the manifest naming it (and the base) goes right after.
+            # A run's first segment: the manifest naming it (and the parts before it) goes
+            # right after.
             record = self._record(job, key, "generation", [*r.prompt, *snapshot.generated])
             record.metadata = {
                 **chained,
@@ -343,9 +344,9 @@ class GenerationCheckpoints:
                 self._broken[key] = segment.first
 
         # The segment first, then the manifest naming it: a manifest never lists a segment
-        # that is not stored. Only a chain's first segment has one: a later segment is found
+        # that is not stored. Only a run's first segment has one: a later segment is found
         # by its index and says itself what state it holds, so a round costs the store one
-        # record a row, not two (load reads the chain on from the manifest).
+        # record a row, not two (load reads the run on from the manifest).
         for item in items:
             nbytes = captured.nbytes if item is part else 0
             span = keep if item is part else None
