@@ -47,17 +47,19 @@ LAYERS, HEADS, WIDTH = 3, 2, 8
 PLAIN = ["kv:plain"] * LAYERS
 
 
-def _batch(lengths: list[int], seed: int) -> list[BatchQuantizedKVCache]:
-    """One batch cache per layer over rows holding `lengths` positions (bfloat16)."""
+def _batch(lengths: list[int], seed: int, heads: Sequence[int] = ()) -> list[BatchQuantizedKVCache]:
+    """One batch cache per layer over rows holding `lengths` positions (bfloat16); heads:
+    each layer's KV heads (HEADS each by default)."""
     layers = []
     for layer in range(LAYERS):
         rows = []
+        h = heads[layer] if heads else HEADS
         for row, n in enumerate(lengths):
             k1, k2 = mx.random.split(mx.random.key(1000 * seed + 100 * layer + row))
             cache = cache_lib.KVCache()
             cache.update_and_fetch(
-                mx.random.normal((1, HEADS, n, WIDTH), key=k1).astype(mx.bfloat16),
-                mx.random.normal((1, HEADS, n, WIDTH), key=k2).astype(mx.bfloat16),
+                mx.random.normal((1, h, n, WIDTH), key=k1).astype(mx.bfloat16),
+                mx.random.normal((1, h, n, WIDTH), key=k2).astype(mx.bfloat16),
             )
             rows.append(cache)
         layers.append(BatchQuantizedKVCache.merge(rows))
@@ -154,6 +156,27 @@ def test_segments_cut_together_are_the_records_cut_row_by_row(pack: bool) -> Non
 
     # Segments after the first hold only what is new since the row's last one.
     assert [got[0].segment.start, got[0].captured.tokens] == [11, 14]  # type: ignore[union-attr]
+
+
+def test_layers_of_other_shapes_are_cut_together_into_the_row_by_row_records() -> None:
+    """Layers whose planes differ (here in KV heads) cannot stack into one tensor: each
+    plane is named on its own, the very record (names, metadata, bytes) the row-by-row path
+    writes."""
+    lengths, heads = [5, 9], [2, 4, 1]
+    layers = _batch(lengths, seed=2, heads=heads)
+    together_gens = GenerationCheckpoints("m", CheckpointCounters())
+    alone_gens = GenerationCheckpoints("m", CheckpointCounters())
+    together_jobs, alone_jobs = _jobs(lengths, [PLAIN] * 2), _jobs(lengths, [PLAIN] * 2)
+    got = capture_together(together_gens, together_jobs, [0, 1], layers)
+    want = _row_by_row(alone_gens, alone_jobs, layers)
+    for uid in (0, 1):
+        a, b = got[uid].captured, want[uid].captured
+        settle(a)
+        settle(b)
+        assert got[uid].segment == want[uid].segment and a.meta() == b.meta()
+        assert list(a.arrays) == list(b.arrays) == [f"l{i}.{j}" for i in range(3) for j in (0, 1)]
+        for name, array in a.arrays.items():
+            assert np.array_equal(np.array(array), np.array(b.arrays[name])), name
 
 
 class _HostPush(Landing):
