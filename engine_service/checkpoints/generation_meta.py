@@ -35,8 +35,8 @@ class GenerationMeta:
     seed: int
     max_tokens: int
     options: str  # options_digest(...).hex()
-    # Chains only: the live run's segments are first .. next - 1, after the chain's base
-    # segment when it has one (a run that starts at the base's end).
+    # Chains only: the live run's segments are first .. next - 1, after the chain's settled
+    # parts when it has them (their segment indices, in position order).
     chain_first: int | None = None
     chain_next: int | None = None
     chain_parts: tuple[int, ...] = ()
