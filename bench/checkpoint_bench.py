@@ -297,14 +297,16 @@ async def _decode(address: str, prompts: list[list[int]], tokens: int, interval:
         return DecodeRun(sum(counts) / seconds, captured / seconds)
 
 
-def bench_decode(address: str, vocab: int, repeat: int, tokens: int = 256) -> list[dict]:
+def bench_decode(
+    address: str, vocab: int, repeat: int, tokens: int = 256, prompt_tokens: int = 64
+) -> list[dict]:
     """Off and on runs alternate, and the cost is the median of the pairs' ratios: this box's
     speed drifts by tens of percent between runs, which separate blocks would mistake for cost.
     Prints the pairs' interquartile range beside their extremes (a lent GPU's rare stalls
     swing single pairs by tens of percent)."""
     rows = []
     for streams in (1, 8):
-        prompts = [random_prompt(64, vocab, seed=1000 + i) for i in range(streams)]
+        prompts = [random_prompt(prompt_tokens, vocab, seed=1000 + i) for i in range(streams)]
         offs, ons, shares = [], [], []
         asyncio.run(_decode(address, prompts, 64, 0))  # warm both paths first
         asyncio.run(_decode(address, prompts, 64, 16))
@@ -375,6 +377,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument(
         "--decode-tokens", type=int, default=256, help="tokens a stream in each decode-cost run"
+    )
+    parser.add_argument(
+        "--decode-prompt",
+        type=int,
+        default=64,
+        help="each stream's prompt in the decode-cost runs (its checkpoints carry it)",
     )
     parser.add_argument(
         "--region-bytes",
@@ -476,7 +484,11 @@ def main() -> None:
             if "decode" not in skip:
                 print("decode with generation checkpoints every 16 tokens vs off:")
                 out["decode"] = bench_decode(
-                    stack["engine"].address, vocab, args.repeat, args.decode_tokens
+                    stack["engine"].address,
+                    vocab,
+                    args.repeat,
+                    args.decode_tokens,
+                    args.decode_prompt,
                 )
                 round_phases(root / "engine.log")  # lines only at --engine-log-level debug
             if "restore" not in skip:

@@ -31,7 +31,8 @@
 # planes (two engines, interleaved). Issue 37's device calls in the eighth session: "r e", "c", "k w",
 # then "s w" and "c". The next: "c s w" (the round changes after dc65e40 and the ninth
 # session's: one stacked tensor a segment record, later segments' own tokens only, full runs
-# continuing from the base; then the regions' prefault, one launch against 8).
+# settling into parts; then the regions' prefault, one launch against 8), then "l"
+# (part c after 8,192-token prompts).
 # Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
@@ -122,6 +123,13 @@ for part in ${1:-g r p t}; do
         timeout 200 python3 bench/step_floor_probe.py --prefix $prefix --rounds 5 2>&1 \
           | tail -7 | tee -a "$out/step_floor.txt"
       done
+      ;;
+    l)
+      # Part c after 8,192-token prompts: the chains' parts (no whole snapshot of the prompt
+      # every 16 segments) and the later segments' own tokens, where they weigh.
+      timeout 450 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape --repeat 8 \
+        --decode-tokens 512 --decode-prompt 8192 --skip ttft,resume,batched,restore,floor,local \
+        --engine-log-level debug 2>&1 | tee "$out/checkpoint_cost_long.txt"
       ;;
     c)
       # Runs of 512 tokens a stream: a lent GPU's rare stalls swung 256-token pairs by tens
