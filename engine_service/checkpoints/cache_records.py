@@ -216,14 +216,7 @@ def restore(
     Raises Precondition naming what differs when the codec or layout does not match.
     """
     by_name = {t.name: t for t in tensors}
-    landed: dict[str, mx.array] = {}  # a stacked tensor is named by each of its planes
-
-    def array(name: str) -> mx.array:
-        if name not in landed:
-            landed[name] = to_array(by_name[name])
-        return landed[name]
-
-    return _rebuild(meta, array, expected_layout)
+    return _rebuild(meta, lambda name: to_array(by_name[name]), expected_layout)
 
 
 def plain_kv_only(meta: dict[str, str]) -> bool:
@@ -347,7 +340,7 @@ def restore_captured(captured: CapturedCache, expected_layout: list[str]) -> lis
         dtype = captured.dtypes[name]
         return stored.view(getattr(mx, dtype)) if dtype in WORD_VIEWS else stored
 
-    return _rebuild(captured.meta(), functools.cache(array), expected_layout)
+    return _rebuild(captured.meta(), array, expected_layout)
 
 
 def _check_header(meta: dict[str, str], expected_layout: list[str]) -> None:
@@ -364,6 +357,7 @@ def _rebuild(
     meta: dict[str, str], array: Callable[[str], mx.array], expected_layout: list[str]
 ) -> list[Any]:
     _check_header(meta, expected_layout)
+    array = functools.cache(array)  # a stacked tensor is named by each of its planes
 
     def decode(node: dict[str, Any]) -> Any:
         if "q" in node:

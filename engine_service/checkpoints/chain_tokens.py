@@ -57,9 +57,9 @@ def tokens_between(prompt: Sequence[int], generated: Sequence[int], a: int, b: i
 def digest_before(
     digest: TokenDigest, prompt: Sequence[int], generated: Sequence[int], start: int
 ) -> str:
-    """The digest of the tokens of positions [0, start), `digest` fed on to there (MLX
-    thread: a generation's chain keeps one, ChainCursor.tokens). A digest past `start` (its
-    chain started over) is fed again from 0."""
+    """The digest of the tokens of positions [0, start), `digest` fed on to there (a
+    generation's chain keeps one, ChainCursor.tokens; a resume's walk along a chain
+    another). A digest past `start` (its chain started over) is fed again from 0."""
     if digest.count > start:
         digest.reset()
     digest.feed(tokens_between(prompt, generated, digest.count, start))
@@ -75,22 +75,15 @@ def continued(
 ) -> list[int] | None:
     """The generation's tokens after a later segment that starts at `start`, from `tokens`
     (those before it); None when the segment does not continue them: it starts elsewhere, or
-    it is another run's (other tokens before it). `digest` follows the tokens returned (fed
-    from 0 again when it does not hold those given)."""
+    it is another run's (other tokens before it). `digest`: the one a chain walk feeds as its
+    tokens grow (digest_before)."""
     if start != len(tokens):
         return None
     before = metadata.get(TOKENS_BEFORE)
     if before is None:  # an older engine's segment: the whole list
         if list(segment_tokens[: len(tokens)]) != tokens:
             return None
-        new = list(segment_tokens[len(tokens) :])
-        if digest.count == len(tokens):
-            digest.feed(new)
-        return [*tokens, *new]
-    if digest.count != len(tokens):
-        digest.reset()
-        digest.feed(tokens)
-    if digest.hexdigest() != before:
+        return list(segment_tokens)
+    if digest_before(digest, tokens, (), start) != before:
         return None
-    digest.feed(segment_tokens)
     return [*tokens, *segment_tokens]

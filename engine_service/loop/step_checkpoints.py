@@ -21,7 +21,7 @@ from mlx_lm.generate import BatchGenerator
 
 from engine_service.checkpoints.manager import CheckpointManager
 from engine_service.checkpoints.segment_capture import capture_together
-from engine_service.loop.jobs import Job, ReadySnapshot
+from engine_service.loop.jobs import Job, PendingSnapshot, ReadySnapshot
 from engine_service.model.mlx_compat import pending_tokens, running_batch
 
 log = logging.getLogger(__name__)
@@ -113,14 +113,10 @@ class StepCheckpoints:
 
     def _capture(self, bg: BatchGenerator, jobs: list[Job]) -> None:
         self._due = {}
-        batch = running_batch(bg)
-        if batch is not None:
-            together = capture_together(
-                self.checkpoints.generations, jobs, list(batch.uids), list(batch.prompt_cache)
-            )
-            for job in jobs:
-                job.snapshot = together.get(job.uid, job.snapshot)
-            jobs = [job for job in jobs if job.uid not in together]
+        together = self._cut_together(bg, jobs)
+        for job in jobs:
+            job.snapshot = together.get(job.uid, job.snapshot)
+        jobs = [job for job in jobs if job.uid not in together]
         if not jobs:
             return
         extracted = bg.extract_cache([job.uid for job in jobs])
@@ -175,12 +171,7 @@ class StepCheckpoints:
         new rows saved row by row paid a capture, a push a tensor and a wait on the device
         each. Rows it cannot cut are captured from their extraction."""
         gens = self.checkpoints.generations
-        batch = running_batch(bg)
-        together = (
-            capture_together(gens, jobs, list(batch.uids), list(batch.prompt_cache))
-            if batch is not None
-            else {}
-        )
+        together = self._cut_together(bg, jobs)
         ready = [
             ReadySnapshot(
                 job,
@@ -191,6 +182,15 @@ class StepCheckpoints:
         ]
         gens.save_now(ready)
         log.debug("first snapshots: %d of %d cut together", len(together), len(jobs))
+
+    def _cut_together(self, bg: BatchGenerator, jobs: list[Job]) -> dict[int, PendingSnapshot]:
+        """The snapshots of the jobs the running batch's rows can be cut together for, by
+        uid (segment_capture.py); the others are left untouched."""
+        batch = running_batch(bg)
+        if batch is None:
+            return {}
+        gens = self.checkpoints.generations
+        return capture_together(gens, jobs, list(batch.uids), list(batch.prompt_cache))
 
     def expect_prefix(self, job: Job) -> None:
         """job's first token left before the step that reports it (first_tokens.py
