@@ -40,8 +40,8 @@ from engine_service.sampling.constraints import Grammars
 from tandem_client import EngineClient, StoreClient
 from tandem_client.errors import InvalidArgument
 from tandem_wire.pb import engine_pb2
+from tests.generation_rows import Collector
 from tests.servers import ServiceProcess, free_port, start_engine, start_store_on
-from tests.test_engine_domain import Collector
 
 SELF_REQUIRING = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 NOTHING = r"[^\s\S]"

@@ -26,7 +26,7 @@ from engine_service.protocol.requests import GenerationRequest, stop_token_ids
 from engine_service.protocol.sampling_options import SamplingOptions
 from engine_service.sampling.constraints import ConstrainedRow, apply_bitmask
 from engine_service.sampling.masks import StepOrder
-from tests.test_engine_domain import Collector
+from tests.generation_rows import Collector
 
 DATE = r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"
 POINT = {

@@ -8,14 +8,13 @@ import json
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import lmdb
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from engine_service.checkpoints.cache_records import (
@@ -26,17 +25,18 @@ from engine_service.checkpoints.cache_records import (
 )
 from engine_service.checkpoints.chain_tokens import TOKENS_BEFORE, TokenDigest
 from engine_service.checkpoints.generation_meta import (
+    BASED_CODEC_VERSION,
     MAX_CHAIN,
     MERGE_FANOUT,
+    BaseLease,
     GenerationMeta,
     segment_key,
 )
-from engine_service.checkpoints.generations import GenerationCheckpoints
 from engine_service.checkpoints.manager import CheckpointManager, CheckpointSettings
-from engine_service.checkpoints.prefix_cache import PrefixCache
+from engine_service.checkpoints.prefix_cache import BLOCK_SIZE, PrefixCache
 from engine_service.checkpoints.prefix_reuse import PrefixReuse
 from engine_service.checkpoints.restore_cost import PROBE_EVERY, RestoreCost
-from engine_service.checkpoints.spill import Put, SpillQueue
+from engine_service.checkpoints.spill import Pin, Put, SpillQueue
 from engine_service.core.plans import PrefixPlan, ResumePlan
 from engine_service.errors import (
     AlreadyExists,
@@ -53,8 +53,8 @@ from engine_service.loop.scheduler import Scheduler
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
-from engine_service.protocol.events import Event, Finished, Started, Token
-from engine_service.protocol.requests import GenerationRequest, stop_token_ids
+from engine_service.protocol.events import Event, Started, Token
+from engine_service.protocol.requests import GenerationRequest
 from engine_service.protocol.sampling_options import SamplingOptions
 from store_service.config import StoreConfig
 from store_service.records import StoredRecord, chunk_key, record_key
@@ -62,61 +62,25 @@ from store_service.server import create_server
 from store_service.store import CheckpointStore
 from tandem_client import Checkpoint, StoreClient, Tensor
 from tandem_client.direct import DirectHold
+from tandem_client.errors import NotFound as StoreNotFound
 from tandem_client.errors import PutManyFailed, TandemError
 from tandem_client.errors import Unavailable as StoreUnavailable
-from tandem_client.records import PutItem
+from tandem_client.identity import prefix_key
+from tandem_client.records import Lease, PutItem
 from tests.conftest import flip_stored_byte
+from tests.generation_rows import (
+    Collector,
+    continues_exactly,
+    greedy,
+    kept_generation,
+    request_for,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
 def tiny(engine_data_dir: Path) -> LoadedModel:
     return load_model("", engine_data_dir)
-
-
-class Collector:
-    """A request's sink: events arrive on the MLX thread, tests wait for Finished."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-        self.done = threading.Event()
-
-    def __call__(self, events: list[Event]) -> None:
-        self.events.extend(events)
-        if any(isinstance(e, Finished) for e in events):
-            self.done.set()
-
-    def wait(self, timeout: float = 60.0) -> Finished:
-        assert self.done.wait(timeout), "no Finished event"
-        finished = [e for e in self.events if isinstance(e, Finished)]
-        assert len(finished) == 1 and self.events[-1] is finished[0]
-        return finished[0]
-
-    @property
-    def tokens(self) -> list[int]:
-        return [e.token_id for e in self.events if isinstance(e, Token)]
-
-
-def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    """Polls an observable condition until it holds; fails naming it after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not reached in {timeout:g} s"
-        time.sleep(0.01)
-
-
-def _request(
-    loaded: LoadedModel, rid: str, prompt: list[int], max_tokens: int, **sampling: object
-) -> GenerationRequest:
-    options = SamplingOptions(ignore_eos=True, **sampling)  # type: ignore[arg-type]
-    return GenerationRequest(
-        request_id=rid,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        sampling=options,
-        namespace="default",
-        stop_ids=stop_token_ids(options, loaded.eos_token_ids),
-        layout=list(loaded.layout),
-    )
 
 
 @pytest.fixture
@@ -129,20 +93,16 @@ def scheduler(tiny: LoadedModel) -> Iterator[Scheduler]:
         s.shutdown()
 
 
-def _greedy(loaded: LoadedModel, prompt: list[int], n: int) -> list[int]:
-    return [int(t) for t, _ in generate_step(mx.array(prompt), loaded.model, max_tokens=n)]
-
-
 def test_scheduler_delivers_what_mlx_lm_generates(tiny: LoadedModel, scheduler: Scheduler) -> None:
     prompts = [[5, 6, 7, 8], list(range(20, 70)), [300, 301]]
     sinks = [Collector() for _ in prompts]
     for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
-        scheduler.submit(_request(tiny, f"r{i}", prompt, 12 + i), sink)
+        scheduler.submit(request_for(tiny, f"r{i}", prompt, 12 + i), sink)
     for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
         finished = sink.wait()
         assert finished.reason == "length"
         assert isinstance(sink.events[0], Started) and sink.events[0].prompt_tokens == len(prompt)
-        assert sink.tokens == _greedy(tiny, prompt, 12 + i)
+        assert sink.tokens == greedy(tiny, prompt, 12 + i)
     stats = scheduler.stats()
     assert stats.requests_total == 3 and stats.generated_tokens_total == 12 + 13 + 14
     assert scheduler.pending() == 0
@@ -164,9 +124,9 @@ def test_a_first_token_leaves_before_the_step_after_it(
 
     prompt = list(range(40, 90))
     before = scheduler.stats().steps_total
-    scheduler.submit(_request(tiny, "three", prompt, 3), recording)
+    scheduler.submit(request_for(tiny, "three", prompt, 3), recording)
     assert sink.wait().reason == "length"
-    assert sink.tokens == _greedy(tiny, prompt, 3)
+    assert sink.tokens == greedy(tiny, prompt, 3)
     with_token = [(steps, d) for steps, d in deliveries if any(isinstance(e, Token) for e in d)]
     assert with_token[0][0] == before  # the first token: before any step reported it
     assert with_token[1][0] > before
@@ -176,7 +136,7 @@ def test_scheduler_seeded_rows_are_reproducible(tiny: LoadedModel, scheduler: Sc
     runs = []
     for rid in ("a", "b"):
         sink = Collector()
-        scheduler.submit(_request(tiny, rid, [9, 10, 11], 16, temperature=1.0, seed=7), sink)
+        scheduler.submit(request_for(tiny, rid, [9, 10, 11], 16, temperature=1.0, seed=7), sink)
         sink.wait()
         runs.append(sink.tokens)
     assert runs[0] == runs[1] and len(runs[0]) == 16
@@ -184,15 +144,15 @@ def test_scheduler_seeded_rows_are_reproducible(tiny: LoadedModel, scheduler: Sc
 
 def test_scheduler_cancel_deadline_and_limits(tiny: LoadedModel, scheduler: Scheduler) -> None:
     long = Collector()
-    scheduler.submit(_request(tiny, "long", [1, 2, 3], 4000), long)
+    scheduler.submit(request_for(tiny, "long", [1, 2, 3], 4000), long)
     with pytest.raises(AlreadyExists):
-        scheduler.submit(_request(tiny, "long", [1, 2, 3], 10), Collector())
-    _wait_for(lambda: bool(long.tokens), "the long row's first token")
+        scheduler.submit(request_for(tiny, "long", [1, 2, 3], 10), Collector())
+    wait_for(lambda: bool(long.tokens), "the long row's first token")
     assert scheduler.cancel("long")
     assert long.wait().reason == "cancelled"
     assert not scheduler.cancel("long")  # finished: unknown now
     late = Collector()
-    request = _request(tiny, "late", [1, 2, 3], 4000)
+    request = request_for(tiny, "late", [1, 2, 3], 4000)
     request.deadline = time.monotonic() - 1
     scheduler.submit(request, late)
     assert late.wait().reason == "deadline"
@@ -200,14 +160,14 @@ def test_scheduler_cancel_deadline_and_limits(tiny: LoadedModel, scheduler: Sche
     # 4 running + 2 queued fit; the 7th is refused, naming the limits.
     sinks = [Collector() for _ in range(6)]
     for i, sink in enumerate(sinks):
-        scheduler.submit(_request(tiny, f"fill{i}", [4, 5], 4000), sink)
+        scheduler.submit(request_for(tiny, f"fill{i}", [4, 5], 4000), sink)
     with pytest.raises(Overloaded, match="--max-running 4"):
-        scheduler.submit(_request(tiny, "one-too-many", [4, 5], 10), Collector())
+        scheduler.submit(request_for(tiny, "one-too-many", [4, 5], 10), Collector())
     scheduler.shutdown()
     for sink in sinks:
         assert sink.wait().reason == "cancelled"
     with pytest.raises(Unavailable):
-        scheduler.submit(_request(tiny, "after", [4, 5], 10), Collector())
+        scheduler.submit(request_for(tiny, "after", [4, 5], 10), Collector())
 
 
 # -- the spill queue against a fake sink -------------------------------------------------------
@@ -271,6 +231,23 @@ class FakeSink:
         self.log.append("flush")
         return not self.down
 
+    def pin(
+        self,
+        key: bytes,
+        namespace: str = "",
+        *,
+        ttl_s: int = 0,
+        holder: str = "",
+        lease_id: str = "",
+    ) -> Lease:
+        self.log.append(f"pin {key.decode()} {lease_id}".rstrip())
+        if key not in self.puts:
+            raise StoreNotFound(f"no record {key!r}")
+        return Lease(lease_id or f"lease-{len(self.log)}", holder, 0)
+
+    def unpin(self, key: bytes, lease_id: str, namespace: str = "") -> None:
+        self.log.append(f"unpin {key.decode()} {lease_id}")
+
 
 def _put(key: bytes, nbytes: int, **kw: object) -> Put:
     record = Checkpoint(key=key, tensors=[Tensor("t", "uint8", (nbytes,), bytes(nbytes))])
@@ -319,7 +296,7 @@ def test_spill_queue_is_bounded_and_flush_is_a_barrier() -> None:
     barrier.start()
     # "a" is held inside the sink (observed, not slept for): nothing queued behind it, the
     # barrier included, can have been passed.
-    _wait_for(sink.entered.is_set, "the first put held at the sink")
+    wait_for(sink.entered.is_set, "the first put held at the sink")
     assert not result and barrier.is_alive()  # the barrier waits for what was queued before it
     assert sink.flushes == 0
     sink.gate.set()
@@ -340,7 +317,7 @@ def test_puts_queued_together_leave_in_one_call_and_keep_their_order() -> None:
     spill = SpillQueue(sink, capacity_bytes=1 << 20, counters=counters)
     sink.gate.clear()
     spill.put(_put(b"first", 10))  # taken at once, held at the sink
-    _wait_for(sink.entered.is_set, "the first put held at the sink")  # alone in its call
+    wait_for(sink.entered.is_set, "the first put held at the sink")  # alone in its call
     for i in range(5):
         spill.put(_put(b"p%d" % i, 10))
     spill.delete(b"p0", "default")  # a delete ends a batch: it keeps its place
@@ -377,7 +354,7 @@ def test_spill_queue_counts_failures_and_skips_unwanted_puts() -> None:
         spill.flush()
         return b"probe" in sink.puts
 
-    _wait_for(a_probe_lands, "a put sent again after the backoff")
+    wait_for(a_probe_lands, "a put sent again after the backoff")
     assert counters.snapshot().store_up is True
     sink.puts.clear()
     spill.put(_put(b"skip", 10, still_wanted=lambda: False))
@@ -385,6 +362,39 @@ def test_spill_queue_counts_failures_and_skips_unwanted_puts() -> None:
     result = spill.flush()
     assert sink.puts == [b"z"] and result.failed == 1 and result.flushed == 1
     assert counters.snapshot().store_up is True
+
+
+def test_a_lease_is_taken_renewed_and_given_back_in_queue_order() -> None:
+    """A Pin goes out after the Puts queued before it (a chain's base is pinned once its
+    record landed), renews the lease it was granted, and an Unpin gives that lease back. A
+    Pin on a record the store lacks calls its on_failed, and what was queued behind it on
+    that condition is not sent."""
+    sink, counters = FakeSink(), CheckpointCounters()
+    spill = SpillQueue(sink, capacity_bytes=1 << 20, counters=counters)
+    lease = BaseLease(b"base", "default")
+    spill.put(_put(b"base", 10, pinned=False))
+    spill.pin(Pin(lease, "engine/test"))
+    spill.pin(Pin(lease, "engine/test"))  # renewed: the same lease
+    spill.unpin(lease)
+    assert spill.flush().durable
+    granted = lease.lease_id
+    assert granted and sink.log == [
+        "put base",
+        "pin base",
+        f"pin base {granted}",
+        f"unpin base {granted}",
+        "flush",
+    ]
+
+    broken: list[str] = []
+    missing = BaseLease(b"gone", "default")
+    spill.pin(Pin(missing, "engine/test", on_failed=lambda: broken.append("gone")))
+    spill.put(_put(b"rests-on-it", 10, still_wanted=lambda: not broken))
+    spill.unpin(missing)  # never granted: nothing to give back
+    result = spill.flush()
+    assert broken == ["gone"] and missing.lease_id == ""
+    assert b"rests-on-it" not in sink.puts and result.failed == 1
+    assert not any(entry.startswith("unpin gone") for entry in sink.log)
 
 
 # -- prefix reuse: a local hit never leaves the device ------------------------------------------
@@ -467,8 +477,8 @@ def test_a_direct_hit_used_before_its_verdict_counts_only_once_confirmed(
         plan = reader.prefixes.find(prompt, "ns", layout)
         assert isinstance(plan, PrefixPlan) and isinstance(plan.hold, DirectHold)
         arrival = plan.hold.arrival
-        _wait_for(lambda: arrival.verified == arrival.total, "the store's verdict")
-        _wait_for(lambda: store.direct.counts()[1] >= 1, "the lease's lapse")
+        wait_for(lambda: arrival.verified == arrival.total, "the store's verdict")
+        wait_for(lambda: store.direct.counts()[1] >= 1, "the lease's lapse")
         restored, read = reader.prefixes.materialize(plan, confirm_later=True)
         assert restored is not None and read is not None
         assert not reader.prefixes.confirm(read)
@@ -497,7 +507,7 @@ def test_resume_reads_the_manifest_then_the_chain_as_far_as_it_runs(
     state. A resume reads the chain on from the manifest, stops at a gap, and continues
     exactly from the last segment it could read."""
     checkpoints = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
-    request, key = _kept_generation(tiny, checkpoints)
+    request, key = kept_generation(tiny, checkpoints)
     gens = checkpoints.generations
     with StoreClient(inprocess_store) as store:
         manifest = store.get_header(key)
@@ -523,14 +533,14 @@ def test_resume_reads_the_manifest_then_the_chain_as_far_as_it_runs(
         assert reads is not None and len(plan.holds) == len(plan.parts)
         lent = sum(h.span.size for h in plan.holds)
         free = reads.free_bytes
-        _continues_exactly(tiny, gens, plan, request.prompt)
+        continues_exactly(tiny, gens, plan, request.prompt)
         assert reads.free_bytes >= free + lent and all(h.released for h in plan.holds)
 
         # A gap (a later segment lost): the resume stops before it, from an older state.
         store.delete(segment_key(key, first + 2), "default", force=True)
         older = gens.loads.load(key, "default", request.prompt, request.layout)
     assert older.chain_next == first + 2 and len(older.replay) < len(plan.replay)
-    _continues_exactly(tiny, gens, older, request.prompt)
+    continues_exactly(tiny, gens, older, request.prompt)
 
 
 def test_a_later_segment_holds_its_own_tokens_and_a_digest_of_those_before(
@@ -541,7 +551,7 @@ def test_a_later_segment_holds_its_own_tokens_and_a_digest_of_those_before(
     the manifest's. An older engine's segment (the whole list, no digest) continues a chain
     too; one whose digest names other tokens is another run's: the chain ends before it."""
     checkpoints = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
-    request, key = _kept_generation(tiny, checkpoints)
+    request, key = kept_generation(tiny, checkpoints)
     gens = checkpoints.generations
     plan = gens.loads.load(key, "default", request.prompt, request.layout)
     plan.release()
@@ -574,14 +584,14 @@ def test_a_later_segment_holds_its_own_tokens_and_a_digest_of_those_before(
         store.put(older)
         same = load()
         assert (same.chain_next, same.generated) == (plan.chain_next, plan.generated)
-        _continues_exactly(tiny, gens, same, request.prompt)
+        continues_exactly(tiny, gens, same, request.prompt)
 
         other = store.get(later)  # another run's: other tokens before it
         other.metadata[TOKENS_BEFORE] = "0" * 32
         store.put(other)
         cut = load()
         assert cut.chain_next == first + 2 and len(cut.generated) < len(plan.generated)
-        _continues_exactly(tiny, gens, cut, request.prompt)
+        continues_exactly(tiny, gens, cut, request.prompt)
 
 
 def test_full_runs_settle_into_parts_that_merge_a_level_at_a_time(
@@ -593,18 +603,22 @@ def test_full_runs_settle_into_parts_that_merge_a_level_at_a_time(
     the run after them merge into one part of the next. The manifest names the parts under
     keys an engine that predates them does not read as a chain; a resume reads them and
     continues exactly. A chain whose whole snapshot is older than half its lease starts over
-    with a whole snapshot instead."""
+    with a whole snapshot instead. A prompt shorter than a block has no prefix record: its
+    chain starts at position 0; a longer one's rests on its prompt's record (the chain's
+    positions start after it)."""
     checkpoints = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
     gens = checkpoints.generations
     every = 8 * MAX_CHAIN  # tokens a run of segments holds (checkpoint_interval 8)
 
     def chain_of(prompt: list[int], runs: int) -> tuple[GenerationRequest, bytes, list[int]]:
-        request, key = _kept_generation(tiny, checkpoints, prompt, tokens=every * runs + 16)
+        request, key = kept_generation(tiny, checkpoints, prompt, tokens=every * runs + 16)
         with StoreClient(inprocess_store) as store:
             meta = store.get_header(key).metadata
             # Only engines that know parts see a chain; older ones refuse it by its codec.
-            assert "chain_first" not in meta and meta["codec"] == STACKED_CODEC_VERSION
-            parts = [int(i) for i in meta["chain_parts"].split(",")]
+            assert "chain_first" not in meta
+            based = len(prompt) >= BLOCK_SIZE
+            assert meta["codec"] == (BASED_CODEC_VERSION if based else STACKED_CODEC_VERSION)
+            parts = [int(i) for i in meta["base_parts" if based else "chain_parts"].split(",")]
             first = int(meta["run_first"])
             keys = [segment_key(key, i) for i in range(first + 1)]
             reads = [
@@ -614,32 +628,37 @@ def test_full_runs_settle_into_parts_that_merge_a_level_at_a_time(
         live = [i for i, read in enumerate(reads) if read.checkpoint is not None]
         assert live == [*parts, first]  # the runs' later segments and merged parts are gone
         # Each holds the positions after the one before: the prompt is stored once.
-        end = 0
+        end = len(prompt) if based else 0
         for read in reads:
             if read.checkpoint is not None:
                 assert int(read.checkpoint.metadata["start"]) == end
                 end += len(read.checkpoint.token_ids)
         plan = gens.loads.load(key, "default", request.prompt, request.layout)
         assert plan.chain_parts == tuple(parts) and plan.chain_first == first
-        _continues_exactly(tiny, gens, plan, request.prompt)
+        assert (plan.base is not None) == based
+        continues_exactly(tiny, gens, plan, request.prompt)
         return request, key, parts
 
     prompt = [(j * 37) % 500 + 3 for j in range(400)]
     # Three runs: the whole snapshot, then two settled runs' first segments (level 1).
-    _, _, parts = chain_of(prompt, 3)
+    _, _, parts = chain_of(prompt[: BLOCK_SIZE - 8], 3)
     assert parts == [0, MAX_CHAIN, 2 * MAX_CHAIN]
     # MERGE_FANOUT runs: the level-1 parts and the run after them merged into one.
     _, _, parts = chain_of(prompt[::-1], MERGE_FANOUT)
     assert parts == [0]
 
     gens.base_lease_s = 0  # every whole snapshot too old to build on
-    request, key = _kept_generation(tiny, checkpoints, prompt[1:], tokens=every + 16)
+    request, key = kept_generation(tiny, checkpoints, prompt[1:], tokens=every + 16)
     with StoreClient(inprocess_store) as store:
         meta = store.get_header(key).metadata
-    assert int(meta["chain_first"]) == MAX_CHAIN and "chain_parts" not in meta
+        base = prefix_key(checkpoints.prefixes.scope("default", request.layout), prompt[1:])
+        assert len(store.inspect(base).leases) == 1  # taken, then renewed
+    assert int(meta["run_first"]) == MAX_CHAIN and meta["base_parts"] == ""
     plan = gens.loads.load(key, "default", request.prompt, request.layout)
-    assert plan.parts[0].token_ids[: len(prompt) - 1] == prompt[1:]  # a whole snapshot again
-    _continues_exactly(tiny, gens, plan, request.prompt)
+    # A whole snapshot again, after the base (every position from the prompt's end on).
+    assert plan.base is not None and plan.base.key == base
+    assert int(plan.parts[1].metadata["start"]) == len(prompt) - 1
+    continues_exactly(tiny, gens, plan, request.prompt)
 
 
 def test_a_damaged_later_segment_ends_the_chain_before_it(
@@ -654,7 +673,7 @@ def test_a_damaged_later_segment_ends_the_chain_before_it(
     server.start()
     address = f"127.0.0.1:{port}"
     checkpoints = CheckpointManager(tiny, CheckpointSettings(store=address))
-    request, key = _kept_generation(tiny, checkpoints)
+    request, key = kept_generation(tiny, checkpoints)
     gens = checkpoints.generations
     whole = gens.loads.load(key, "default", request.prompt, request.layout)
     assert whole.chain_next - whole.chain_first >= 4
@@ -680,7 +699,7 @@ def test_a_damaged_later_segment_ends_the_chain_before_it(
         gens = checkpoints.generations
         older = gens.loads.load(key, "default", request.prompt, request.layout)
         assert older.chain_next == whole.chain_first + 2
-        _continues_exactly(tiny, gens, older, request.prompt)
+        continues_exactly(tiny, gens, older, request.prompt)
         # The segments read after the damaged one were given back, unused.
         assert gens.loads.store is not None
         reads = gens.loads.store._reads
@@ -705,44 +724,6 @@ def _chunk_order(data_dir: Path) -> list[bytes]:
             return [bytes(k) for k, _ in txn.cursor()]
     finally:
         env.close()
-
-
-def _kept_generation(
-    tiny: LoadedModel,
-    checkpoints: CheckpointManager,
-    prompt: Sequence[int] = (7, 8, 9, 10),
-    tokens: int = 60,
-) -> tuple[GenerationRequest, bytes]:
-    """A checkpointed generation of `tokens`-odd tokens whose client went away: a client that
-    goes away keeps its checkpoint (finished ones are deleted). Its request and generation
-    key."""
-    scheduler = Scheduler(tiny, Limits(max_running=2), checkpoints=checkpoints)
-    scheduler.start()
-    request = _request(tiny, "kept", list(prompt), 4000)
-    request.checkpoint_interval = 8
-    sink = Collector()
-    scheduler.submit(request, sink)
-    _wait_for(lambda: len(sink.tokens) >= tokens, f"{tokens} tokens of the kept row")
-    scheduler.cancel("kept", keep_checkpoint=True)
-    sink.wait()
-    scheduler.shutdown()
-    assert checkpoints.flush().durable
-    gens = checkpoints.generations
-    return request, gens.key("default", request.prompt, request.sampling, "kept", request.layout)
-
-
-def _continues_exactly(
-    tiny: LoadedModel, gens: GenerationCheckpoints, plan: ResumePlan, prompt: list[int]
-) -> None:
-    """The restored caches continue exactly as the uninterrupted generation did."""
-    caches = gens.loads.materialize(plan)
-    assert caches[0].offset == len(prompt) + len(plan.generated)
-    # Joined with a batch step of room: a lone resumed row joins its batch without a copy.
-    assert caches[0].keys.shape[2] == caches[0].offset + BatchQuantizedKVCache.step
-    full = _greedy(tiny, prompt, len(plan.replay) + 1)
-    assert plan.replay == full[:-1]
-    logits = tiny.model(mx.array([[plan.pending]]), cache=caches)
-    assert mx.argmax(logits[0, -1]).item() == full[-1]
 
 
 def test_a_damaged_generation_checkpoint_is_refused_with_a_status(

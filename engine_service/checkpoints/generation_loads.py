@@ -22,9 +22,11 @@ from engine_service.checkpoints.attachments import find as find_attachment
 from engine_service.checkpoints.cache_records import check_restorable, restore
 from engine_service.checkpoints.chain_reads import (
     HeldSegment,
+    base_of,
     continuing,
     gapless,
     header_of,
+    held_base_of,
     segments_of,
     settled_before,
     start_of,
@@ -34,6 +36,7 @@ from engine_service.checkpoints.chain_tokens import TokenDigest
 from engine_service.checkpoints.device_landing import Landing
 from engine_service.checkpoints.generation_meta import (
     MAX_CHAIN,
+    ChainBase,
     GenerationMeta,
     model_refusal,
     refuse_ended,
@@ -94,6 +97,9 @@ class GenerationLoads:
             (whole,) = plan.parts
             return self._restored(whole, plan.layout)
         parts = [self._restored(p, plan.layout) for p in plan.parts]
+        if plan.base is not None:  # the prompt's record: the positions the chain rests on
+            for cache in parts[0]:
+                cache.offset = plan.base.tokens
         caches = []
         for layer in zip(*parts, strict=True):
             # Joined with a batch step of zero columns after them, in the same copy: the
@@ -141,19 +147,26 @@ class GenerationLoads:
         parts, tokens = [record], list(record.token_ids)
         holds: list[RegionHold] = []
         chain_read = manifest_read
-        settled = meta.chain_parts
+        settled, base, run_start = meta.chain_parts, meta.chain_base, 0
         try:
             if meta.chain_first is not None and meta.chain_next is not None:
                 first, listed = meta.chain_first, meta.chain_next
-                headers = candidates if first == 0 and not settled else None
+                headers = candidates if first == 0 and not settled and not base else None
                 try:
-                    held = self._chain(key, namespace, first, listed, tokens, headers, settled)
+                    held = self._chain(
+                        key, namespace, first, listed, tokens, headers, settled, base
+                    )
                 except NotFound:
                     self._refuse_if_ended(key, namespace)  # it may have ended meanwhile
                     raise
                 chain_read = time.perf_counter()
                 parts = [part.checkpoint for part in held]
                 holds = [part.hold for part in held if part.hold is not None]
+                if base is not None:
+                    held = held[1:]  # the chain's own segments, after its base
+                    if parts[0].model_id != self.model_id:
+                        raise Corrupt("the prefix record a checkpoint rests on is another model's")
+                run_start = start_of(held[len(settled)])
                 # After the settled parts and the run's segments the manifest names.
                 later = held[len(settled) + meta.chain_next - meta.chain_first :]
                 digest = TokenDigest()
@@ -199,7 +212,8 @@ class GenerationLoads:
             chain_first=meta.chain_first or 0,
             chain_next=meta.chain_next or 0,
             chain_parts=settled,
-            run_start=start_of(held[len(settled)]) if settled else 0,
+            run_start=run_start,
+            base=base,
             attachments=kept,
             fetch_s=time.perf_counter() - start,
             holds=holds,
@@ -253,13 +267,16 @@ class GenerationLoads:
         listed_tokens: list[int],
         candidates: list[HeaderRead] | None = None,
         settled: tuple[int, ...] = (),
+        base: ChainBase | None = None,
     ) -> list[HeldSegment]:
         """The segments of a chain: the settled parts the manifest names (each required; the
         whole snapshot first, each after it holding the positions after the one before),
         the run's segments it lists ([first, listed), each required), then those written
         after it, as far as they run on without a gap, each continuing the tokens before it
         (listed_tokens: the manifest's); a run holds at most MAX_CHAIN. candidates: the
-        headers of segments first..first + MAX_CHAIN - 1, read already (_manifest).
+        headers of segments first..first + MAX_CHAIN - 1, read already (_manifest). A chain
+        resting on a base (a prompt's prefix record, required) has it first, and its parts
+        start where the base's positions end.
 
         Two rounds: every candidate's header in one call (GetHeaders, no payloads), then the
         payloads of the segments that continue the chain in one call too (GetRecords), each
@@ -275,35 +292,48 @@ class GenerationLoads:
             raise Corrupt(f"generation checkpoint lists segments {first}..{listed - 1}")
         listed_count = listed - first
         indices = range(first, first + MAX_CHAIN)
+        based = [base.key] if base is not None else []
         try:
             reads = candidates or store.get_headers(
-                [segment_key(key, i) for i in (*settled, *indices)], namespace
+                [*based, *(segment_key(key, i) for i in (*settled, *indices))], namespace
             )
         except TandemError as exc:
             raise _store_failure(exc) from exc
+        under = [base_of(reads[0], base, listed_tokens)] if base is not None else []
+        reads = reads[len(based) :]
         ahead = [header_of(read, i, True) for read, i in zip(reads, settled, strict=False)]
         runs = zip(reads[len(settled) :], indices, strict=True)
         headers = [header_of(read, i, i < listed) for read, i in runs]
         run = continuing(gapless(headers), listed_count, listed_tokens)
         parts_ahead = gapless(ahead)  # required: none is missing
-        if parts_ahead and run and not settled_before(parts_ahead, run[0], listed_tokens):
+        begins = base.tokens if base is not None else 0
+        if (
+            (parts_ahead or base)
+            and run
+            and not settled_before(parts_ahead, run[0], listed_tokens, begins)
+        ):
             raise Corrupt(f"segment {first} of this checkpoint does not continue its parts")
         try:
             payloads = store.get_held_many(
-                [segment_key(key, i) for i in (*settled, *range(first, first + len(run)))],
+                [
+                    *based,
+                    *(segment_key(key, i) for i in (*settled, *range(first, first + len(run)))),
+                ],
                 namespace,
-                [part.checkpoint.payload_bytes for part in (*parts_ahead, *run)],  # headers'
+                [part.checkpoint.payload_bytes for part in (*under, *parts_ahead, *run)],
             )
         except TandemError as exc:
             raise _store_failure(exc) from exc
+        of_base, payloads = payloads[: len(based)], payloads[len(based) :]
         of_parts, of_run = payloads[: len(settled)], payloads[len(settled) :]
-        held_parts = segments_of(of_parts, 0, len(settled), also=of_run, indices=settled)
-        parts = segments_of(of_run, first, listed_count, also=of_parts)
+        held_base = [held_base_of(read, [*of_parts, *of_run]) for read in of_base]
+        held_parts = segments_of(of_parts, 0, len(settled), [*of_run, *of_base], settled)
+        parts = segments_of(of_run, first, listed_count, also=[*of_parts, *of_base])
         chain = continuing(gapless(parts), listed_count, listed_tokens)
         for part in parts[len(chain) :]:
             if part is not None and part.hold is not None:
                 part.hold.release()
-        return gapless(held_parts) + chain
+        return held_base + gapless(held_parts) + chain
 
 
 def _store_failure(exc: TandemError) -> EngineError:

@@ -23,6 +23,29 @@ MERGE_FANOUT = 8
 MAX_PARTS = 40
 # The metadata key of an ended generation's tombstone: how it ended.
 ENDED = "tandem.ended"
+# What a manifest whose chain rests on a prompt's prefix record says it needs to be read: an
+# engine that predates bases finds no chain under its keys and refuses this codec by name.
+BASED_CODEC_VERSION = "tandem.chain.v3"
+
+
+@dataclass(frozen=True)
+class ChainBase:
+    """A prompt's prefix record a chain rests on: the chain holds positions from `tokens` on,
+    the record the first `tokens` (it may hold more: a record is trimmed to what the row
+    restored from it). The generation pins it while it runs; it is never deleted with it."""
+
+    key: bytes
+    tokens: int
+
+
+@dataclass
+class BaseLease:
+    """A lease on a chain's base record, taken (and renewed) by the spill thread, given back
+    when the generation ends."""
+
+    key: bytes
+    namespace: str
+    lease_id: str = ""  # "" until the store granted it
 
 
 @dataclass(frozen=True)
@@ -40,6 +63,7 @@ class GenerationMeta:
     chain_first: int | None = None
     chain_next: int | None = None
     chain_parts: tuple[int, ...] = ()
+    chain_base: ChainBase | None = None
 
     @property
     def next_step(self) -> int:
@@ -56,7 +80,15 @@ class GenerationMeta:
             "options": self.options,
         }
         if self.chain_first is not None and self.chain_next is not None:
-            if not self.chain_parts:
+            if self.chain_base is not None:
+                # Other names again: an engine that knows parts but not bases would read
+                # this run from position 0; it finds no chain and refuses the codec.
+                meta["chain_base"] = self.chain_base.key.hex()
+                meta["base_tokens"] = str(self.chain_base.tokens)
+                meta["base_parts"] = ",".join(map(str, self.chain_parts))
+                meta["run_first"] = str(self.chain_first)
+                meta["run_next"] = str(self.chain_next)
+            elif not self.chain_parts:
                 meta["chain_first"] = str(self.chain_first)
                 meta["chain_next"] = str(self.chain_next)
             else:
@@ -75,11 +107,13 @@ class GenerationMeta:
                 "it cannot be resumed by this one"
             )
         try:
-            based = "chain_parts" in meta
+            base = _base_of(meta)
+            listed = meta.get("chain_parts") if base is None else meta["base_parts"]
+            based = listed is not None
             first, next_ = ("run_first", "run_next") if based else ("chain_first", "chain_next")
             chained = first in meta
-            parts = tuple(int(i) for i in meta["chain_parts"].split(",")) if based else ()
-            if based and not 0 < len(parts) <= MAX_PARTS:
+            parts = tuple(int(i) for i in listed.split(",")) if listed else ()
+            if based and not (0 if base else 1) <= len(parts) <= MAX_PARTS:
                 raise ValueError(f"{len(parts)} settled parts")
             return cls(
                 prompt_tokens=int(meta["prompt_tokens"]),
@@ -91,9 +125,20 @@ class GenerationMeta:
                 chain_first=int(meta[first]) if chained else None,
                 chain_next=int(meta[next_]) if chained else None,
                 chain_parts=parts,
+                chain_base=base,
             )
         except (KeyError, ValueError) as exc:
             raise Corrupt(f"generation checkpoint metadata is malformed ({exc!r})") from exc
+
+
+def _base_of(meta: dict[str, str]) -> ChainBase | None:
+    """The prefix record a chain's metadata says it rests on (ValueError: malformed)."""
+    if "chain_base" not in meta:
+        return None
+    key, tokens = bytes.fromhex(meta["chain_base"]), int(meta["base_tokens"])
+    if len(key) != 32 or tokens <= 0:
+        raise ValueError("a malformed chain base")
+    return ChainBase(key, tokens)
 
 
 def options_digest(options: SamplingOptions) -> bytes:

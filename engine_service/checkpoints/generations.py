@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,10 +39,13 @@ from engine_service.checkpoints.chain_tokens import TOKENS_BEFORE, digest_before
 from engine_service.checkpoints.device_landing import Landing
 from engine_service.checkpoints.generation_loads import GenerationLoads
 from engine_service.checkpoints.generation_meta import (
+    BASED_CODEC_VERSION,
     ENDED,
     MAX_CHAIN,
     MAX_PARTS,
     MERGE_FANOUT,
+    BaseLease,
+    ChainBase,
     GenerationMeta,
     mode_of,
     options_digest,
@@ -49,7 +53,7 @@ from engine_service.checkpoints.generation_meta import (
     segmentable,
 )
 from engine_service.checkpoints.host_staging import HostStaging, Staged
-from engine_service.checkpoints.spill import Put, SpillQueue
+from engine_service.checkpoints.spill import Pin, Put, SpillQueue
 from engine_service.loop.jobs import ChainPart, Job, PendingSnapshot, ReadySnapshot, Segment
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.sampling_options import SamplingOptions
@@ -171,6 +175,8 @@ class GenerationCheckpoints:
         full = chain.next_index - chain.first >= MAX_CHAIN
         index, head = chain.next_index, chain.head
         chain.next_index += 1
+        if broken:
+            chain.base = None  # its lease may be what failed: the chain starts at 0
         if (
             index == 0
             or chain.covered == 0
@@ -178,12 +184,16 @@ class GenerationCheckpoints:
             or broken
             or (full and (stale or len(chain.parts) >= MAX_PARTS))
         ):
+            # A whole snapshot: every position, or those after the chain's base (its lease
+            # taken or renewed with it).
+            start = chain.base.tokens if chain.base is not None else 0
             chain.first, chain.parts, chain.base_at = index, [], time.monotonic()
-            chain.head, chain.covered = ChainPart(index, 0, held, 0), held
-            return Segment(index, index, 0)
+            chain.head, chain.covered = ChainPart(index, start, held, 0), held
+            return Segment(index, index, start, base=chain.base)
         start, chain.covered = chain.covered, held
         if not full:
-            return Segment(index, chain.first, start, tuple(p.index for p in chain.parts))
+            listed = tuple(p.index for p in chain.parts)
+            return Segment(index, chain.first, start, listed, base=chain.base)
         parts = [*chain.parts, head]
         dead = list(range(chain.first + 1, index))  # the run's later segments
         start, level = head.end, 1
@@ -193,7 +203,29 @@ class GenerationCheckpoints:
             start, level = merged[0].start, level + 1
             dead += [p.index for p in merged]
         chain.first, chain.parts, chain.head = index, parts, ChainPart(index, start, held, level)
-        return Segment(index, index, start, tuple(p.index for p in parts), tuple(dead))
+        settled = tuple(p.index for p in parts)
+        return Segment(index, index, start, settled, tuple(dead), chain.base)
+
+    def rest_on(self, job: Job, base: ChainBase | None) -> None:
+        """Before a job's first snapshot (MLX thread): its chain rests on `base`, a prefix
+        record in the store holding the row's first base.tokens positions bit for bit (one
+        the row restored, or the one its own prompt is saved as), so the chain does not
+        store the prompt again: with an 8,192-token prompt, ~950 MB a row of a 0.6B model
+        once more, and its copy off the device on the step loop. The record is pinned with
+        the chain's first segment; if that fails the chain starts over at position 0."""
+        if base is not None and self.spill is not None and segmentable(job.request.layout):
+            job.chain.base = base
+            job.chain.lease = BaseLease(base.key, job.request.namespace)
+
+    def hold_base(self, job: Job) -> None:
+        """A resumed job whose chain rests on a base (MLX thread): this engine takes a lease
+        of its own on it (given back when the job ends); if the record is gone, the next
+        snapshot starts the chain over."""
+        base = job.chain.base
+        if base is None or self.spill is None:
+            return
+        job.chain.lease = BaseLease(base.key, job.request.namespace)
+        self._pin(job, job.chain.first)
 
     def save_parked(self, job: Job, snapshot: PendingSnapshot) -> bool:
         """A parked row's whole snapshot, its pending token the last of job.tokens (MLX
@@ -292,6 +324,7 @@ class GenerationCheckpoints:
             chain_first=None if segment is None else segment.first,
             chain_next=None if segment is None else segment.index + 1,
             chain_parts=() if segment is None else segment.parts,
+            chain_base=None if segment is None else segment.base,
         )
         job.checkpointed = True
         if segment is None:
@@ -313,7 +346,7 @@ class GenerationCheckpoints:
         }
         part.tensors = tensors
         items = [part]
-        if segment.start == 0:
+        if segment.start == 0 and segment.base is None:
             part.token_ids = [*r.prompt, *snapshot.generated]  # a whole snapshot: all of them
         else:
             # Its positions' tokens, and a digest of those before them.
@@ -330,18 +363,14 @@ class GenerationCheckpoints:
                 **chained,
                 # Its segments' (each names its own; a manifest naming parts says the newer
                 # codec, so that an engine that predates both refuses it by name).
-                "codec": STACKED_CODEC_VERSION if segment.parts else part.metadata["codec"],
+                "codec": _manifest_codec(segment, part.metadata["codec"]),
                 "layout": "|".join(r.layout),
             }
             items.append(record)
 
-        def wanted() -> bool:
-            with self._lock:
-                return self._broken.get(key) != segment.first
-
-        def broke() -> None:
-            with self._lock:
-                self._broken[key] = segment.first
+        wanted, broke = self._chain_hooks(key, segment.first)
+        if segment.base is not None and segment.index == segment.first and not segment.parts:
+            self._pin(job, segment.first)  # a chain (re)starting over its base: leased first
 
         # The segment first, then the manifest naming it: a manifest never lists a segment
         # that is not stored. Only a run's first segment has one: a later segment is found
@@ -360,6 +389,30 @@ class GenerationCheckpoints:
         for index in segment.dead:
             self.spill.delete(segment_key(key, index), r.namespace, still_wanted=wanted)
         return True
+
+    def _chain_hooks(self, key: bytes, first: int) -> tuple[Callable[[], bool], Callable[[], None]]:
+        """For what a chain's run (from segment `first`) sends: whether the run is still
+        whole, and marking it broken (its next snapshot starts the chain over)."""
+
+        def wanted() -> bool:
+            with self._lock:
+                return self._broken.get(key) != first
+
+        def broke() -> None:
+            with self._lock:
+                self._broken[key] = first
+
+        return wanted, broke
+
+    def _pin(self, job: Job, first: int) -> None:
+        """Queues the lease on a job's chain base (taken, or renewed), ahead of the records
+        that rest on it; a run whose base could not be pinned is not sent."""
+        lease = job.chain.lease
+        if lease is None or self.spill is None:
+            return
+        wanted, broke = self._chain_hooks(job.checkpoint_key, first)
+        holder = f"engine/{job.checkpoint_key.hex()[:12]}"
+        self.spill.pin(Pin(lease, holder, still_wanted=wanted, on_failed=broke))
 
     def _record(self, job: Job, key: bytes, kind: str, token_ids: list[int]) -> Checkpoint:
         r = job.request
@@ -397,8 +450,18 @@ class GenerationCheckpoints:
         spill.put(Put(tombstone, 0, pinned=False, on_failed=lambda: spill.delete(key, namespace)))
         for index in range(job.chain.next_index):
             self.spill.delete(segment_key(key, index), namespace)
+        if job.chain.lease is not None:  # the base record stays: a prefix like any other
+            spill.unpin(job.chain.lease)
         with self._lock:
             self._broken.pop(key, None)
+
+
+def _manifest_codec(segment: Segment, records: str) -> str:
+    """What a run's manifest says reading it needs: a chain resting on a base, or naming
+    settled parts, says a codec that engines predating them refuse by name."""
+    if segment.base is not None:
+        return BASED_CODEC_VERSION
+    return STACKED_CODEC_VERSION if segment.parts else records
 
 
 def _positions(row_caches: list[Any], start: int) -> list[Any]:

@@ -22,7 +22,7 @@ import grpc
 import mlx.core as mx
 
 from engine_service.checkpoints.device_landing import landing_for
-from engine_service.checkpoints.generation_meta import deterministic_suffix
+from engine_service.checkpoints.generation_meta import ChainBase, deterministic_suffix
 from engine_service.checkpoints.generations import GenerationCheckpoints
 from engine_service.checkpoints.host_staging import HostStaging
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE, PrefixCache
@@ -189,6 +189,8 @@ class CheckpointManager:
                 reason = "not restorable"
             else:
                 cached = plan.matched
+                if not r.prefix_record.tag:  # the store's copy holds these very bytes
+                    job.restored_prefix = ChainBase(plan.key, cached)
         elif isinstance(plan, PrefixMiss):
             job.plan = None  # a whole prefill, as a prompt that was never looked up
         if reason:
@@ -279,6 +281,8 @@ def starting_point(
         parts = [ChainPart(i, 0, 0, 0) for i in plan.chain_parts]  # only named again
         job.chain.parts, job.chain.base_at = parts, 0.0
         job.chain.head = ChainPart(plan.chain_first, plan.run_start, job.chain.covered, 1)
+        job.chain.base = plan.base
+        checkpoints.generations.hold_base(job)
         job.checkpointed = True
         caches = checkpoints.generations.loads.materialize(plan)
         return StartingPoint([plan.pending], [*r.prompt, *plan.generated], caches, len(r.prompt))

@@ -354,6 +354,21 @@ class PrefixReuse:
             raise DataLoss("the direct read's lease lapsed before the arrays were made")
         return caches, held
 
+    def sent_as(
+        self,
+        prompt: list[int],
+        namespace: str,
+        layout: list[str],
+        record: RecordFormat = EXACT_RECORD,
+    ) -> bytes | None:
+        """The key `save` will send a prompt's caches to the store under, holding exactly
+        those bytes: None when it keeps nothing (too short, kept already) or the store's
+        copy would be compressed."""
+        if self.spill is None or record.tag or len(prompt) < self.min_prefix_tokens:
+            return None
+        key = prefix_key(self.scope(namespace, layout, record), prompt)
+        return None if self._kept(key) else key
+
     def save(
         self,
         row_caches: list[Any],

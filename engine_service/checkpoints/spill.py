@@ -17,11 +17,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine_service.checkpoints.generation_meta import BaseLease
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.flush import FlushResult
 from tandem_client.errors import AlreadyExists, PutManyFailed, TandemError
 from tandem_client.errors import NotFound as StoreNotFound
-from tandem_client.records import Checkpoint, PutItem
+from tandem_client.records import Checkpoint, Lease, PutItem
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,18 @@ class CheckpointSink(Protocol):
     def put_many(self, items: Sequence[PutItem]) -> object: ...
 
     def flush(self) -> bool: ...
+
+    def pin(
+        self,
+        key: bytes,
+        namespace: str = "",
+        *,
+        ttl_s: int = 0,
+        holder: str = "",
+        lease_id: str = "",
+    ) -> Lease: ...
+
+    def unpin(self, key: bytes, lease_id: str, namespace: str = "") -> None: ...
 
 
 @dataclass
@@ -75,6 +88,24 @@ class Delete:
 
 
 @dataclass
+class Pin:
+    """A lease on a record this engine builds on but does not own (a chain's base): taken,
+    or renewed once granted, for the queue's lease_s; its id lands in `lease`."""
+
+    lease: BaseLease
+    holder: str
+    still_wanted: Callable[[], bool] | None = None
+    on_failed: Callable[[], None] | None = None  # the record is gone, or the store is down
+
+
+@dataclass
+class Unpin:
+    """Gives back a lease a Pin took (none taken: nothing to do)."""
+
+    lease: BaseLease
+
+
+@dataclass
 class _Barrier:
     done: threading.Event
 
@@ -100,7 +131,7 @@ class StoreDown(TandemError):
     """Raised inside the spill loop while it backs off from an unreachable store."""
 
 
-_Item = Put | Delete | _Barrier
+_Item = Put | Delete | Pin | Unpin | _Barrier
 
 
 class SpillQueue:
@@ -150,6 +181,12 @@ class SpillQueue:
     ) -> None:
         self._queue.put(Delete(key, namespace, still_wanted))
 
+    def pin(self, item: Pin) -> None:
+        self._queue.put(item)
+
+    def unpin(self, lease: BaseLease) -> None:
+        self._queue.put(Unpin(lease))
+
     def wait_sent(self, timeout: float = 60.0) -> bool:
         """Waits until everything queued so far was sent (landed or failed)."""
         done = threading.Event()
@@ -181,6 +218,9 @@ class SpillQueue:
             if isinstance(item, _Barrier):
                 item.done.set()
                 continue
+            if isinstance(item, Pin | Unpin):
+                self._lease(item, retry_at)
+                continue
             batch: list[Put | Delete] = [item]
             carry = self._more_puts(batch) if isinstance(item, Put) else self._more_deletes(batch)
             sent = 0
@@ -210,6 +250,33 @@ class SpillQueue:
                         with self._lock:
                             self._queued_bytes -= done.nbytes
                         self.counters.add(queued_bytes=-done.nbytes)
+
+    def _lease(self, item: Pin | Unpin, retry_at: float) -> None:
+        """Takes, renews or gives back a lease (a failed Pin calls its on_failed: what rests
+        on the record is not built on; a failed Unpin leaves a lease that lapses)."""
+        lease = item.lease
+        try:
+            if isinstance(item, Unpin):
+                if lease.lease_id:
+                    self.sink.unpin(lease.key, lease.lease_id, lease.namespace)
+                return
+            if item.still_wanted is not None and not item.still_wanted():
+                return
+            if time.monotonic() < retry_at:
+                raise StoreDown("store unreachable; backing off")
+            granted = self.sink.pin(
+                lease.key,
+                lease.namespace,
+                ttl_s=self.lease_s,
+                holder=item.holder,
+                lease_id=lease.lease_id,
+            )
+            lease.lease_id = granted.lease_id
+        except TandemError as exc:
+            if isinstance(item, Pin):
+                log.warning("a chain's base record could not be pinned (%s)", exc)
+                if item.on_failed is not None:
+                    item.on_failed()
 
     def _more_puts(self, batch: list[Put | Delete]) -> _Item | None:
         """Adds the Puts queued right behind the first, within the batch bounds; returns

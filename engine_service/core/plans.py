@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine_service.checkpoints.cache_records import CapturedCache
+from engine_service.checkpoints.generation_meta import ChainBase
 from engine_service.protocol.events import PrefixMissReason, PrefixSource
 from tandem_client.direct import DirectHold
 from tandem_client.records import Attachment, Checkpoint
@@ -92,6 +93,8 @@ class ResumePlan:
     # and the first position the run's first segment holds.
     chain_parts: tuple[int, ...] = ()
     run_start: int = 0
+    # The prefix record the chain rests on: then parts[0], its first base.tokens positions.
+    base: ChainBase | None = None
     attachments: list[Attachment] = field(default_factory=list)  # checked companions
     fetch_s: float = 0.0
     # The region spans the parts' tensors still view (given back once they are arrays, or

@@ -74,7 +74,7 @@ class FirstTokens:
                 if job.uid in self._rows and not step_failed:
                     self._bg.remove([job.uid])
                 self._rows.pop(job.uid, None)
-                job.plan = None
+                job.plan, job.restored_prefix = None, None
                 self._start_again(job)
             if outcome.started is not None:
                 self.emit(job, [outcome.started])

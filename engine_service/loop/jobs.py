@@ -9,6 +9,7 @@ from typing import Any, Literal
 from engine_service.checkpoints.attachments import CapturedAttachment
 from engine_service.checkpoints.cache_records import CapturedCache
 from engine_service.checkpoints.chain_tokens import TokenDigest
+from engine_service.checkpoints.generation_meta import BaseLease, ChainBase
 from engine_service.checkpoints.prefix_reuse import UnconfirmedRead
 from engine_service.core.plans import Plan, PrefixPlan, ResumePlan
 from engine_service.protocol.events import Finished, PrefixMissReason, PrefixSource, Sink
@@ -42,6 +43,10 @@ class ChainCursor:
     base_at: float = 0.0  # time.monotonic() when the chain's whole snapshot was taken (0: unknown)
     # The generation's tokens as far as its later segments named them (chain_tokens.py).
     tokens: TokenDigest = field(default_factory=TokenDigest)
+    # The prompt's prefix record the chain rests on (None: it starts at position 0), and the
+    # store's lease on it that this engine holds (its id set by the spill thread).
+    base: ChainBase | None = None
+    lease: BaseLease | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class Segment:
     parts: tuple[int, ...] = ()
     # The segments its run's manifest makes dead (the run before, and the parts merged).
     dead: tuple[int, ...] = ()
+    base: ChainBase | None = None  # the prefix record the chain rests on (start from its end)
 
 
 @dataclass
@@ -92,6 +98,9 @@ class Job:
     snapshot: PendingSnapshot | None = None
     last_checkpoint_at: int = 0  # len(tokens) at the last generation snapshot
     chain: ChainCursor = field(default_factory=ChainCursor)
+    # The store record its caches' first positions were restored from, bit for bit (None:
+    # computed here): what its checkpoint chain may rest on (generations.rest_on).
+    restored_prefix: ChainBase | None = None
     admitted_at: float = 0.0
     # When the core received it (time.monotonic): a burst is gathered from arrivals, so a
     # request that spent its window being planned (a store read) is not held for it again.

@@ -171,7 +171,7 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
 
     def starting_point(self, job: Job, confirm_later: bool = False) -> StartingPoint:
         if job.recompute:  # its batch failed under it (loop/row_isolation.py)
-            job.recompute = False
+            job.recompute, job.restored_prefix = False, None
             return recompute_point(job)
         parked = self._preemption.restart_from(job)
         if parked is not None:

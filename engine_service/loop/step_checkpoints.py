@@ -19,6 +19,7 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator
 
+from engine_service.checkpoints.generation_meta import ChainBase
 from engine_service.checkpoints.manager import CheckpointManager
 from engine_service.checkpoints.segment_capture import capture_together
 from engine_service.loop.jobs import Job, PendingSnapshot, ReadySnapshot
@@ -140,14 +141,14 @@ class StepCheckpoints:
             extracted = bg.extract_cache(in_batch) if in_batch else {}
             first = [i.job.uid for i in due if i.job.uid in extracted and first_snapshot_due(i.job)]
             pending = pending_tokens(bg, first) if first else {}
+            ready: list[ReadySnapshot] = []
+            started = time.perf_counter()
             if pending:
                 # The generations' first snapshots, right after their prefill, saved now with
                 # the token the batch feeds next: a client gone before the next step (or an
                 # engine killed) leaves a generation that resumes.
-                started = time.perf_counter()
                 jobs = [item.job for item in due if item.job.uid in pending]
-                self._save_first_snapshots(bg, jobs, extracted, pending)
-                self._count(started)
+                ready = self._first_snapshots(bg, jobs, extracted, pending)
             for item in due:
                 job, r = item.job, item.job.request
                 found = extracted.get(job.uid)
@@ -156,23 +157,35 @@ class StepCheckpoints:
                     self.checkpoints.prefixes.save(
                         row, r.prompt, r.namespace, r.layout, r.prefix_record
                     )
+            if ready:
+                # Queued behind the prompts' prefix records: a chain resting on one pins it
+                # once it is in the store.
+                self.checkpoints.generations.save_now(ready)
+                self._count(started)
         finally:
             self._release_if_idle()
 
-    def _save_first_snapshots(
+    def _first_snapshots(
         self,
         bg: BatchGenerator,
         jobs: list[Job],
         extracted: dict[int, Any],
         pending: dict[int, int],
-    ) -> None:
+    ) -> list[ReadySnapshot]:
         """First snapshots cut from the batch together, as a checkpoint round's are (one
-        copy a layer and plane, one push), then staged and queued with one wait: a burst of
+        copy a layer and plane, one push), to be staged and queued with one wait: a burst of
         new rows saved row by row paid a capture, a push a tensor and a wait on the device
-        each. Rows it cannot cut are captured from their extraction."""
-        gens = self.checkpoints.generations
+        each. Rows it cannot cut are captured from their extraction. Each chain rests on
+        its prompt's prefix record where the store has (or is sent) the row's very bytes of
+        those positions: the record its prompt is saved as now, or the one it restored."""
+        gens, prefixes = self.checkpoints.generations, self.checkpoints.prefixes
+        for job in jobs:
+            r = job.request
+            own = prefixes.sent_as(r.prompt, r.namespace, r.layout, r.prefix_record)
+            gens.rest_on(job, ChainBase(own, len(r.prompt)) if own else job.restored_prefix)
         together = self._cut_together(bg, jobs)
-        ready = [
+        log.debug("first snapshots: %d of %d cut together", len(together), len(jobs))
+        return [
             ReadySnapshot(
                 job,
                 together.get(job.uid) or gens.capture(job, extracted[job.uid][0]),
@@ -180,8 +193,6 @@ class StepCheckpoints:
             )
             for job in jobs
         ]
-        gens.save_now(ready)
-        log.debug("first snapshots: %d of %d cut together", len(together), len(jobs))
 
     def _cut_together(self, bg: BatchGenerator, jobs: list[Job]) -> dict[int, PendingSnapshot]:
         """The snapshots of the jobs the running batch's rows can be cut together for, by

@@ -1,0 +1,131 @@
+"""A generation's checkpoint chain resting on its prompt's prefix record (generations.rest_on):
+the chain stores only the positions after the record, the generation pins the record while it
+runs and gives the lease back when it ends, and a resume reads the record first. A real
+in-process store and the embedded model; every resume is checked against the uninterrupted
+generation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine_service.checkpoints.generation_meta import BASED_CODEC_VERSION, segment_key
+from engine_service.checkpoints.manager import CheckpointManager, CheckpointSettings
+from engine_service.errors import NotFound
+from engine_service.loop.limits import Limits
+from engine_service.loop.scheduler import Scheduler
+from engine_service.model.loaded import LoadedModel
+from engine_service.model.loading import load_model
+from store_service.config import StoreConfig
+from store_service.server import create_server
+from store_service.store import CheckpointStore
+from tandem_client import StoreClient
+from tandem_client.identity import prefix_key
+from tests.generation_rows import Collector, continues_exactly, kept_generation, request_for
+
+PROMPT = [(j * 53) % 700 + 3 for j in range(300)]
+
+
+@pytest.fixture(scope="module")
+def tiny(engine_data_dir: Path) -> LoadedModel:
+    return load_model("", engine_data_dir)
+
+
+@pytest.fixture
+def store_address(tmp_path: Path) -> Iterator[str]:
+    store = CheckpointStore(StoreConfig(data_dir=tmp_path / "store"))
+    server, port, _ = create_server(store, "127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None).wait()
+        store.close()
+
+
+def _finished_generation(tiny: LoadedModel, checkpoints: CheckpointManager) -> None:
+    """A checkpointed generation of PROMPT run to its end (its checkpoint is deleted)."""
+    scheduler = Scheduler(tiny, Limits(max_running=2), checkpoints=checkpoints)
+    scheduler.start()
+    try:
+        request = request_for(tiny, "finished", PROMPT, 40)
+        request.checkpoint_interval = 8
+        sink = Collector()
+        scheduler.submit(request, sink)
+        sink.wait()
+    finally:
+        scheduler.shutdown()
+    assert checkpoints.flush().durable
+
+
+def test_a_chain_rests_on_its_prompts_prefix_record(tiny: LoadedModel, store_address: str) -> None:
+    """The first generation of a prompt saves the prompt's prefix record and its chain
+    starts after it, the record pinned for it; the next generation of the same prompt
+    restores all but the prompt's last position from that record and its chain rests on
+    those. Both resume exactly. A finished generation gives its lease back; a resume whose
+    base is gone is NOT_FOUND."""
+    checkpoints = CheckpointManager(tiny, CheckpointSettings(store=store_address))
+    gens = checkpoints.generations
+    base = prefix_key(checkpoints.prefixes.scope("default", list(tiny.layout)), PROMPT)
+    try:
+        request, key = kept_generation(tiny, checkpoints, PROMPT, tokens=40, rid="first")
+        _, again_key = kept_generation(tiny, checkpoints, PROMPT, tokens=40, rid="again")
+        with StoreClient(store_address) as store:
+            for generation, rests_on in ((key, len(PROMPT)), (again_key, len(PROMPT) - 1)):
+                meta = store.get_header(generation).metadata
+                assert meta.get("chain_base") == base.hex(), (rests_on, meta)
+                assert meta["base_tokens"] == str(rests_on)
+                # Engines that predate bases find no chain here and refuse the codec.
+                assert meta["codec"] == BASED_CODEC_VERSION
+                assert "chain_first" not in meta and "chain_parts" not in meta
+                first = store.get_header(segment_key(generation, 0))
+                assert int(first.metadata["start"]) == rests_on  # the prompt is not stored again
+            leases = store.inspect(base).leases
+            assert len(leases) == 2 and all(x.holder.startswith("engine/") for x in leases)
+
+            for generation in (key, again_key):
+                plan = gens.loads.load(generation, "default", request.prompt, request.layout)
+                assert plan.base is not None and plan.base.key == base
+                assert plan.parts[0].key == base
+                continues_exactly(tiny, gens, plan, PROMPT)
+
+            _finished_generation(tiny, checkpoints)
+            assert store.inspect(base).leases == leases  # its own lease given back
+
+            store.admin_delete(base, force=True)
+            with pytest.raises(NotFound, match="prefix record"):
+                gens.loads.load(key, "default", request.prompt, request.layout)
+    finally:
+        checkpoints.close()
+
+
+def test_a_chain_whose_base_cannot_be_pinned_starts_over_at_position_0(
+    tiny: LoadedModel, store_address: str
+) -> None:
+    """A generation whose caches came from a prefix record the store no longer holds (here:
+    a local hit of a record deleted from the store) cannot pin it: the run resting on it is
+    not sent, and the chain starts over with a whole snapshot from position 0, which
+    resumes exactly."""
+    checkpoints = CheckpointManager(tiny, CheckpointSettings(store=store_address))
+    gens = checkpoints.generations
+    base = prefix_key(checkpoints.prefixes.scope("default", list(tiny.layout)), PROMPT)
+    try:
+        kept_generation(tiny, checkpoints, PROMPT, tokens=20, rid="first")
+        with StoreClient(store_address) as store:
+            store.admin_delete(base, force=True)
+            request, key = kept_generation(
+                tiny, checkpoints, PROMPT, tokens=60, rid="after", all_sent=False
+            )
+            meta = store.get_header(key).metadata
+            assert "chain_base" not in meta and int(meta["chain_first"]) > 0
+            whole = store.get_header(segment_key(key, int(meta["chain_first"])))
+            assert int(whole.metadata["start"]) == 0
+            (missing,) = store.get_headers([segment_key(key, 0)])
+            assert missing.checkpoint is None  # the run on the base was never sent
+        plan = gens.loads.load(key, "default", request.prompt, request.layout)
+        assert plan.base is None
+        continues_exactly(tiny, gens, plan, PROMPT)
+    finally:
+        checkpoints.close()
