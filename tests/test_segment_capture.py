@@ -40,7 +40,7 @@ from store_service.config import StoreConfig
 from store_service.server import create_server
 from store_service.store import CheckpointStore
 from tandem_client import Checkpoint, StoreClient
-from tandem_client.records import PutItem
+from tandem_client.records import Lease, PutItem
 from tandem_client.regions import SharedRegion
 
 LAYERS, HEADS, WIDTH = 3, 2, 8
@@ -274,6 +274,20 @@ class _Recorder:
 
     def flush(self) -> bool:
         return True
+
+    def pin(
+        self,
+        key: bytes,
+        namespace: str = "",
+        *,
+        ttl_s: int = 0,
+        holder: str = "",
+        lease_id: str = "",
+    ) -> Lease:
+        raise AssertionError("these rows' chains rest on no prefix record")
+
+    def unpin(self, key: bytes, lease_id: str, namespace: str = "") -> None:
+        raise AssertionError("these rows' chains rest on no prefix record")
 
 
 def test_a_round_reaches_the_store_a_step_later_and_before_anything_saved_after_it() -> None:
