@@ -1,4 +1,4 @@
-"""A generation's checkpoint chain resting on its prompt's prefix record (generations.rest_on):
+"""A generation's checkpoint chain resting on its prompt's prefix record (chain_policy.rest_on):
 the chain stores only the positions after the record, the generation pins the record while it
 runs and gives the lease back when it ends, and a resume reads the record first. A real
 in-process store and the embedded model; every resume is checked against the uninterrupted

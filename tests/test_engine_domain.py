@@ -647,7 +647,7 @@ def test_full_runs_settle_into_parts_that_merge_a_level_at_a_time(
     _, _, parts = chain_of(prompt[::-1], MERGE_FANOUT)
     assert parts == [0]
 
-    gens.base_lease_s = 0  # every whole snapshot too old to build on
+    gens.chains.base_lease_s = 0  # every whole snapshot too old to build on
     request, key = kept_generation(tiny, checkpoints, prompt[1:], tokens=every + 16)
     with StoreClient(inprocess_store) as store:
         meta = store.get_header(key).metadata

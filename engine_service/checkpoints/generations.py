@@ -4,25 +4,19 @@ Every `checkpoint_interval` tokens the MLX thread captures a row's caches; one s
 when the token sampled in between (the pending token) is known, the snapshot is queued for
 the store, pinned while the generation runs, and deleted when it ends.
 
-Chain policy (all of it is here): caches made only of plain KV layers grow only at the end,
-so a snapshot can hold just the positions added since the last one. Such snapshots are
-*segments* of an append-only chain, each its own record saying the generation's state when
-it was taken. A chain begins with a whole snapshot; *runs* of at most MAX_CHAIN segments
-follow, and a small *manifest* under the generation key, written with each run's first
-segment, names the run and the chain's settled *parts* before it; the run's later segments
-are found by their index. A full run settles into a part and the parts merge a level at a
-time (next_segment). The chain starts over with a whole snapshot when there is none yet,
-when it is too old to build on, or when a segment or manifest did not reach the store (a
-hole is never built upon). Other layouts store a whole snapshot under the generation key
+Caches made only of plain KV layers grow only at the end, so a snapshot can hold just the
+positions added since the last one: such snapshots are *segments* of an append-only chain
+(checkpoints/chain_policy.py says what each holds), each its own record saying the
+generation's state when it was taken; a small *manifest* under the generation key, written
+with each run's first segment, names the run, the chain's settled parts before it and the
+prefix record it rests on. Other layouts store a whole snapshot under the generation key
 each time.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,17 +29,13 @@ from engine_service.checkpoints.cache_records import (
     capture,
     settle_all,
 )
+from engine_service.checkpoints.chain_policy import ChainPolicy
 from engine_service.checkpoints.chain_tokens import TOKENS_BEFORE, digest_before, tokens_between
 from engine_service.checkpoints.device_landing import Landing
 from engine_service.checkpoints.generation_loads import GenerationLoads
 from engine_service.checkpoints.generation_meta import (
     BASED_CODEC_VERSION,
     ENDED,
-    MAX_CHAIN,
-    MAX_PARTS,
-    MERGE_FANOUT,
-    BaseLease,
-    ChainBase,
     GenerationMeta,
     mode_of,
     options_digest,
@@ -53,8 +43,8 @@ from engine_service.checkpoints.generation_meta import (
     segmentable,
 )
 from engine_service.checkpoints.host_staging import HostStaging, Staged
-from engine_service.checkpoints.spill import Pin, Put, SpillQueue
-from engine_service.loop.jobs import ChainPart, Job, PendingSnapshot, ReadySnapshot, Segment
+from engine_service.checkpoints.spill import Put, SpillQueue
+from engine_service.loop.jobs import Job, PendingSnapshot, ReadySnapshot, Segment
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.sampling_options import SamplingOptions
 from tandem_client.identity import generation_key, scope_digest
@@ -89,13 +79,8 @@ class GenerationCheckpoints:
         # How captures become host bytes (through the store's region when attached).
         self.staging = staging if staging is not None else HostStaging(Landing(), None)
         self.loads = GenerationLoads(model_id, counters, store, self.staging.landing)
-        self._lock = threading.Lock()
-        self.base_lease_s = spill.lease_s if spill is not None else 600
+        self.chains = ChainPolicy(spill)  # what each snapshot of a chain holds
         self._round: _Round | None = None  # staged by save_round, queued at the next step
-        # Generation key -> first segment of a chain that has a hole (a segment or manifest
-        # that did not reach the store): its later records are not sent, its next snapshot
-        # starts a new chain.
-        self._broken: dict[bytes, int] = {}
 
     def key(
         self,
@@ -154,78 +139,8 @@ class GenerationCheckpoints:
         return PendingSnapshot(captured, job.tokens[:-1], None, list(attachments))
 
     def next_segment(self, job: Job) -> Segment:
-        """What a segmentable job's next snapshot holds (it advances the chain: capture it).
-
-        A whole snapshot (the first, or after a record of the chain did not reach the store)
-        begins the chain. A run that reached MAX_CHAIN segments settles: its first segment
-        becomes a part of the chain, and the next run's first segment holds every position
-        after it, in place of the run's later segments (deleted once its manifest is
-        queued). Parts merge as a log-structured merge: MERGE_FANOUT - 1 parts of one level
-        and the run after them become one part of the next level, so a position is stored
-        again once a level, not once a run: a whole snapshot every MAX_CHAIN segments stored
-        the prompt and every token again each time (with an 8,192-token prompt, ~950 MB a
-        row of a 0.6B model every 256 tokens)."""
-        held = self.held(job)
-        chain = job.chain
-        with self._lock:
-            broken = self._broken.get(job.checkpoint_key) == chain.first
-        # A whole snapshot's records are leased for lease_s from their Put and not renewed:
-        # a chain older than half of that starts over (its parts stay as fresh as runs were).
-        stale = time.monotonic() - chain.base_at > self.base_lease_s / 2
-        full = chain.next_index - chain.first >= MAX_CHAIN
-        index, head = chain.next_index, chain.head
-        chain.next_index += 1
-        if broken:
-            chain.base = None  # its lease may be what failed: the chain starts at 0
-        if (
-            index == 0
-            or chain.covered == 0
-            or head is None
-            or broken
-            or (full and (stale or len(chain.parts) >= MAX_PARTS))
-        ):
-            # A whole snapshot: every position, or those after the chain's base (its lease
-            # taken or renewed with it).
-            start = chain.base.tokens if chain.base is not None else 0
-            chain.first, chain.parts, chain.base_at = index, [], time.monotonic()
-            chain.head, chain.covered = ChainPart(index, start, held, 0), held
-            return Segment(index, index, start, base=chain.base)
-        start, chain.covered = chain.covered, held
-        if not full:
-            listed = tuple(p.index for p in chain.parts)
-            return Segment(index, chain.first, start, listed, base=chain.base)
-        parts = [*chain.parts, head]
-        dead = list(range(chain.first + 1, index))  # the run's later segments
-        start, level = head.end, 1
-        group = MERGE_FANOUT - 1
-        while len(parts) > group and all(p.level == level for p in parts[-group:]):
-            merged, parts = parts[-group:], parts[:-group]  # the whole snapshot stays
-            start, level = merged[0].start, level + 1
-            dead += [p.index for p in merged]
-        chain.first, chain.parts, chain.head = index, parts, ChainPart(index, start, held, level)
-        settled = tuple(p.index for p in parts)
-        return Segment(index, index, start, settled, tuple(dead), chain.base)
-
-    def rest_on(self, job: Job, base: ChainBase | None) -> None:
-        """Before a job's first snapshot (MLX thread): its chain rests on `base`, a prefix
-        record in the store holding the row's first base.tokens positions bit for bit (one
-        the row restored, or the one its own prompt is saved as), so the chain does not
-        store the prompt again: with an 8,192-token prompt, ~950 MB a row of a 0.6B model
-        once more, and its copy off the device on the step loop. The record is pinned with
-        the chain's first segment; if that fails the chain starts over at position 0."""
-        if base is not None and self.spill is not None and segmentable(job.request.layout):
-            job.chain.base = base
-            job.chain.lease = BaseLease(base.key, job.request.namespace)
-
-    def hold_base(self, job: Job) -> None:
-        """A resumed job whose chain rests on a base (MLX thread): this engine takes a lease
-        of its own on it (given back when the job ends); if the record is gone, the next
-        snapshot starts the chain over."""
-        base = job.chain.base
-        if base is None or self.spill is None:
-            return
-        job.chain.lease = BaseLease(base.key, job.request.namespace)
-        self._pin(job, job.chain.first)
+        """What a segmentable job's next snapshot holds (it advances the chain: capture it)."""
+        return self.chains.next_segment(job, self.held(job))
 
     def save_parked(self, job: Job, snapshot: PendingSnapshot) -> bool:
         """A parked row's whole snapshot, its pending token the last of job.tokens (MLX
@@ -368,9 +283,9 @@ class GenerationCheckpoints:
             }
             items.append(record)
 
-        wanted, broke = self._chain_hooks(key, segment.first)
+        wanted, broke = self.chains.hooks(key, segment.first)
         if segment.base is not None and segment.index == segment.first and not segment.parts:
-            self._pin(job, segment.first)  # a chain (re)starting over its base: leased first
+            self.chains.pin(job, segment.first)  # a chain (re)starting over its base: leased first
 
         # The segment first, then the manifest naming it: a manifest never lists a segment
         # that is not stored. Only a run's first segment has one: a later segment is found
@@ -389,30 +304,6 @@ class GenerationCheckpoints:
         for index in segment.dead:
             self.spill.delete(segment_key(key, index), r.namespace, still_wanted=wanted)
         return True
-
-    def _chain_hooks(self, key: bytes, first: int) -> tuple[Callable[[], bool], Callable[[], None]]:
-        """For what a chain's run (from segment `first`) sends: whether the run is still
-        whole, and marking it broken (its next snapshot starts the chain over)."""
-
-        def wanted() -> bool:
-            with self._lock:
-                return self._broken.get(key) != first
-
-        def broke() -> None:
-            with self._lock:
-                self._broken[key] = first
-
-        return wanted, broke
-
-    def _pin(self, job: Job, first: int) -> None:
-        """Queues the lease on a job's chain base (taken, or renewed), ahead of the records
-        that rest on it; a run whose base could not be pinned is not sent."""
-        lease = job.chain.lease
-        if lease is None or self.spill is None:
-            return
-        wanted, broke = self._chain_hooks(job.checkpoint_key, first)
-        holder = f"engine/{job.checkpoint_key.hex()[:12]}"
-        self.spill.pin(Pin(lease, holder, still_wanted=wanted, on_failed=broke))
 
     def _record(self, job: Job, key: bytes, kind: str, token_ids: list[int]) -> Checkpoint:
         r = job.request
@@ -450,10 +341,7 @@ class GenerationCheckpoints:
         spill.put(Put(tombstone, 0, pinned=False, on_failed=lambda: spill.delete(key, namespace)))
         for index in range(job.chain.next_index):
             self.spill.delete(segment_key(key, index), namespace)
-        if job.chain.lease is not None:  # the base record stays: a prefix like any other
-            spill.unpin(job.chain.lease)
-        with self._lock:
-            self._broken.pop(key, None)
+        self.chains.forget(job)
 
 
 def _manifest_codec(segment: Segment, records: str) -> str:

@@ -282,7 +282,7 @@ def starting_point(
         job.chain.parts, job.chain.base_at = parts, 0.0
         job.chain.head = ChainPart(plan.chain_first, plan.run_start, job.chain.covered, 1)
         job.chain.base = plan.base
-        checkpoints.generations.hold_base(job)
+        checkpoints.generations.chains.hold_base(job)
         job.checkpointed = True
         caches = checkpoints.generations.loads.materialize(plan)
         return StartingPoint([plan.pending], [*r.prompt, *plan.generated], caches, len(r.prompt))

@@ -99,7 +99,7 @@ class Job:
     last_checkpoint_at: int = 0  # len(tokens) at the last generation snapshot
     chain: ChainCursor = field(default_factory=ChainCursor)
     # The store record its caches' first positions were restored from, bit for bit (None:
-    # computed here): what its checkpoint chain may rest on (generations.rest_on).
+    # computed here): what its checkpoint chain may rest on (chain_policy.rest_on).
     restored_prefix: ChainBase | None = None
     admitted_at: float = 0.0
     # When the core received it (time.monotonic): a burst is gathered from arrivals, so a

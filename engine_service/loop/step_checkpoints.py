@@ -182,7 +182,7 @@ class StepCheckpoints:
         for job in jobs:
             r = job.request
             own = prefixes.sent_as(r.prompt, r.namespace, r.layout, r.prefix_record)
-            gens.rest_on(job, ChainBase(own, len(r.prompt)) if own else job.restored_prefix)
+            gens.chains.rest_on(job, ChainBase(own, len(r.prompt)) if own else job.restored_prefix)
         together = self._cut_together(bg, jobs)
         log.debug("first snapshots: %d of %d cut together", len(together), len(jobs))
         return [
