@@ -269,6 +269,7 @@ class DecodeRun:
 
     tokens_per_second: float
     capture_share: float
+    saved_bytes: int  # what its checkpoints stored (Stats' saved_bytes)
 
 
 async def _decode(address: str, prompts: list[list[int]], tokens: int, interval: int) -> DecodeRun:
@@ -289,12 +290,19 @@ async def _decode(address: str, prompts: list[list[int]], tokens: int, interval:
                 count += len(message.token_ids)
             return count
 
-        before = (await stub.Stats(stats)).checkpoints.capture_seconds
+        before = (await stub.Stats(stats)).checkpoints
+        captured, saved = before.capture_seconds, before.saved_bytes
         start = time.perf_counter()
         counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         seconds = time.perf_counter() - start
-        captured = (await stub.Stats(stats)).checkpoints.capture_seconds - before
-        return DecodeRun(sum(counts) / seconds, captured / seconds)
+        if interval:  # the records reached the store (prefixes too: a Flush waits for them)
+            await stub.Flush(engine_pb2.EngineFlushRequest())
+        after = (await stub.Stats(stats)).checkpoints
+        return DecodeRun(
+            sum(counts) / seconds,
+            (after.capture_seconds - captured) / seconds,
+            after.saved_bytes - saved,
+        )
 
 
 def bench_decode(
@@ -307,7 +315,7 @@ def bench_decode(
     rows = []
     for streams in (1, 8):
         prompts = [random_prompt(prompt_tokens, vocab, seed=1000 + i) for i in range(streams)]
-        offs, ons, shares = [], [], []
+        offs, ons, shares, stored = [], [], [], []
         asyncio.run(_decode(address, prompts, 64, 0))  # warm both paths first
         asyncio.run(_decode(address, prompts, 64, 16))
         for pair in range(repeat):
@@ -317,6 +325,7 @@ def bench_decode(
                 (ons if interval else offs).append(run.tokens_per_second)
                 if interval:
                     shares.append(run.capture_share)
+                    stored.append(run.saved_bytes / streams)
         costs = [1 - on / off for off, on in zip(offs, ons, strict=True)]
         cost = statistics.median(costs)
         low, _, high = statistics.quantiles(costs, n=4) if len(costs) > 1 else (cost,) * 3
@@ -331,6 +340,7 @@ def bench_decode(
                 "costs": costs,
                 "capture_share": share,
                 "capture_shares": shares,
+                "stored_bytes_a_generation": stored,
             }
         )
         print(
@@ -339,7 +349,9 @@ def bench_decode(
             f"{100 * min(costs):.1f} to {100 * max(costs):.1f}; median of {repeat} paired runs "
             f"of {tokens} tokens a stream, ABBA); the step loop's time on checkpoints "
             f"{100 * share:.2f}% of the runs' wall time ({100 * min(shares):.2f}-"
-            f"{100 * max(shares):.2f})"
+            f"{100 * max(shares):.2f}); stored a generation "
+            f"{statistics.median(stored) / 2**20:.1f} MiB (its checkpoints, and a prompt's "
+            f"prefix record when one was saved)"
         )
     return rows
 

@@ -81,18 +81,21 @@ def kept_generation(
     tokens: int = 60,
     rid: str = "kept",
     all_sent: bool = True,
+    planned: bool = True,
 ) -> tuple[GenerationRequest, bytes]:
     """A checkpointed generation of `tokens`-odd tokens whose client went away: a client that
     goes away keeps its checkpoint (finished ones are deleted). Its request and generation
     key. Planned as the engine's core plans it (a stored prefix of its prompt restored).
-    all_sent: every record it queued reached the store (else only the flush's end)."""
+    all_sent: every record it queued reached the store (else only the flush's end).
+    planned: False to prefill its whole prompt whatever is stored."""
     scheduler = Scheduler(tiny, Limits(max_running=2), checkpoints=checkpoints)
     scheduler.start()
     request = request_for(tiny, rid, list(prompt), 4000)
     request.checkpoint_interval = 8
     sink = Collector()
     planner = Planner(checkpoints, DraftSupport())
-    scheduler.submit(request, sink, planner.plan(request) if planner.needed(request) else None)
+    plan = planner.plan(request) if planned and planner.needed(request) else None
+    scheduler.submit(request, sink, plan)
     wait_for(lambda: len(sink.tokens) >= tokens, f"{tokens} tokens of the kept row")
     scheduler.cancel(rid, keep_checkpoint=True)
     sink.wait()

@@ -129,3 +129,31 @@ def test_a_chain_whose_base_cannot_be_pinned_starts_over_at_position_0(
         continues_exactly(tiny, gens, plan, PROMPT)
     finally:
         checkpoints.close()
+
+
+def test_a_chain_does_not_rest_on_another_engines_record_of_its_prompt(
+    tiny: LoadedModel, store_address: str
+) -> None:
+    """Two engines on one store prefill the same new prompt: the store keeps the first
+    one's prefix record (if_absent), which does not hold the second row's bytes. The second
+    engine's chain therefore starts over at position 0 rather than rest on it, and resumes
+    exactly."""
+    first = CheckpointManager(tiny, CheckpointSettings(store=store_address))
+    second = CheckpointManager(tiny, CheckpointSettings(store=store_address))
+    try:
+        kept_generation(tiny, first, PROMPT, tokens=20, rid="first")
+        request, key = kept_generation(
+            tiny, second, PROMPT, tokens=60, rid="second", all_sent=False, planned=False
+        )
+        with StoreClient(store_address) as store:
+            meta = store.get_header(key).metadata
+            assert "chain_base" not in meta and int(meta["chain_first"]) > 0
+            (never,) = store.get_headers([segment_key(key, 0)])
+            assert never.checkpoint is None  # the run resting on the other record
+        gens = second.generations
+        plan = gens.loads.load(key, "default", request.prompt, request.layout)
+        assert plan.base is None
+        continues_exactly(tiny, gens, plan, PROMPT)
+    finally:
+        first.close()
+        second.close()

@@ -14,7 +14,7 @@ import pytest
 from valkey.crc import key_slot
 
 from store_service.tier.local_cluster import SLOTS, LocalCluster
-from store_service.tier.records import manifest_key
+from store_service.tier.records import TierRecords, manifest_key
 from tandem_client import Checkpoint, StoreClient, TandemError
 from tests.conftest import make_checkpoint
 from tests.servers import free_port, wait_until
@@ -91,6 +91,27 @@ def test_a_record_stored_on_one_node_is_served_on_the_other(tmp_path: Path, clus
             assert gone.value.code == grpc.StatusCode.NOT_FOUND
         finally:
             fresh.stop()
+
+
+def test_a_prefix_record_pinned_is_in_the_tier_when_the_pin_is_answered(
+    tmp_path: Path,
+    cluster,  # noqa: ANN001
+) -> None:
+    """Prefix records are written behind; one an engine pins (a generation's checkpoint
+    chain rests on it, docs/checkpoints.md) is written through, as the chain's own records
+    are: a node lost right after loses no generation resting on it. Here the tier lost the
+    record after the write-behind copy; the Pin writes it again before it answers."""
+    prefix = _prefix(b"base-1", "t")
+    with two_nodes(tmp_path, cluster) as (a, b), StoreClient(a.address) as node_a:
+        node_a.put(prefix)
+        node_a.flush()  # copied behind
+        tier = TierRecords(raw_client(cluster), ttl_s=60)
+        assert tier.delete(_ikey(b"base-1"))
+        lease = node_a.pin(b"base-1", "t", ttl_s=60, holder="engine/test")
+        assert tier.manifest(_ikey(b"base-1")) is not None
+        node_a.pin(b"base-1", "t", ttl_s=60, holder="engine/test", lease_id=lease.lease_id)
+        with StoreClient(b.address) as node_b:
+            assert _same_payload(node_b.get(b"base-1", "t"), prefix)
 
 
 def test_damage_inside_valkey_is_a_miss_never_wrong_bytes(tmp_path: Path, cluster) -> None:  # noqa: ANN001

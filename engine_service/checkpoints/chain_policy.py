@@ -134,6 +134,10 @@ class ChainPolicy:
         holder = f"engine/{job.checkpoint_key.hex()[:12]}"
         self.spill.pin(Pin(lease, holder, still_wanted=wanted, on_failed=broke))
 
+    def breaker(self, job: Job) -> Callable[[], None]:
+        """What marks the job's live run broken (its next snapshot starts the chain over)."""
+        return self.hooks(job.checkpoint_key, job.chain.first)[1]
+
     def forget(self, job: Job) -> None:
         """A generation that ended: the lease on its chain's base is given back (the record
         stays, a prefix like any other) and its broken mark goes."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -376,8 +377,10 @@ class PrefixReuse:
         namespace: str,
         layout: list[str],
         record: RecordFormat = EXACT_RECORD,
+        on_exists: Callable[[], None] | None = None,
     ) -> None:
-        """Keeps a prompt's caches (MLX thread; row_caches hold prompt + 1 token)."""
+        """Keeps a prompt's caches (MLX thread; row_caches hold prompt + 1 token).
+        on_exists: the store kept another record of the prompt (not these bytes)."""
         if len(prompt) < self.min_prefix_tokens or not can_trim_prompt_cache(row_caches):
             return  # untrimmable: an exact snapshot was kept during prefill (prefix_snapshots)
         scope = self.scope(namespace, layout, record)
@@ -386,7 +389,7 @@ class PrefixReuse:
             return
         trim_prompt_cache(row_caches, 1)
         where = Destination(key, scope, namespace, layout, record)
-        self._keep(where, row_caches, prompt, trimmable=True)
+        self._keep(where, row_caches, prompt, trimmable=True, on_exists=on_exists)
 
     def save_exact(
         self,
@@ -413,7 +416,12 @@ class PrefixReuse:
         return key in self._saved_keys if self.spill is not None else key in self.local
 
     def _keep(
-        self, where: Destination, caches: list[Any], prompt: list[int], trimmable: bool
+        self,
+        where: Destination,
+        caches: list[Any],
+        prompt: list[int],
+        trimmable: bool,
+        on_exists: Callable[[], None] | None = None,
     ) -> None:
         """Captures caches holding exactly `prompt` into the local tier and the spill queue
         (the store's copy compressed when the request asked: record_codec.py)."""
@@ -449,6 +457,7 @@ class PrefixReuse:
                 pinned=False,
                 # Not in the store after all: let a later prompt send it again.
                 on_failed=lambda: self._saved_keys.pop(key, None),
+                on_exists=on_exists,
                 keep=keep,
             )
         )

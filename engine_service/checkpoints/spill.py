@@ -73,6 +73,8 @@ class Put:
     # Checked just before sending: False skips the put (e.g. its chain broke meanwhile).
     still_wanted: Callable[[], bool] | None = None
     on_failed: Callable[[], None] | None = None  # after a put that did not land
+    # if_absent: another record was there already (the one kept: not these bytes).
+    on_exists: Callable[[], None] | None = None
     # What the tensors' bytes live in (a region span, checkpoints/host_staging.py): dropped with
     # the item.
     keep: object = None
@@ -335,6 +337,7 @@ class SpillQueue:
             rest = wanted[exc.stored + 1 :]
             if isinstance(exc.cause, AlreadyExists):  # if_absent: an equal record is there
                 self._landed(wanted[exc.stored : exc.stored + 1])
+                _exists(wanted[exc.stored])
                 for put in rest:
                     self._send_or_fail(put)
                 return len(batch)
@@ -386,7 +389,7 @@ class SpillQueue:
             else:
                 self.sink.put(item.record, if_absent=item.if_absent)
         except AlreadyExists:
-            pass  # if_absent: an equal record is there already
+            _exists(item)  # if_absent: an equal record is there already
         with self._lock:
             self._since_flush.flushed += 1
         self.counters.add(saved=1, saved_bytes=item.nbytes)
@@ -398,6 +401,11 @@ class SpillQueue:
         self.counters.add(failed=1)
         if item.on_failed is not None:
             item.on_failed()
+
+
+def _exists(put: Put) -> None:
+    if put.on_exists is not None:
+        put.on_exists()
 
 
 def _wanted(item: Delete) -> bool:

@@ -149,13 +149,20 @@ class StepCheckpoints:
                 # engine killed) leaves a generation that resumes.
                 jobs = [item.job for item in due if item.job.uid in pending]
                 ready = self._first_snapshots(bg, jobs, extracted, pending)
+            chains = self.checkpoints.generations.chains
             for item in due:
                 job, r = item.job, item.job.request
                 found = extracted.get(job.uid)
                 row = item.finished_cache or (found[0] if found is not None else None)
                 if row is not None:  # None: the row left the batch meanwhile (parked)
+                    # A chain resting on the record its prompt is saved as now (the whole
+                    # prompt: a restored one holds less) rests on nothing if the store kept
+                    # another engine's record instead (not the row's bytes).
+                    base = job.chain.base
+                    own = base is not None and base.tokens == len(r.prompt)
+                    on_exists = chains.breaker(job) if own else None
                     self.checkpoints.prefixes.save(
-                        row, r.prompt, r.namespace, r.layout, r.prefix_record
+                        row, r.prompt, r.namespace, r.layout, r.prefix_record, on_exists
                     )
             if ready:
                 # Queued behind the prompts' prefix records: a chain resting on one pins it

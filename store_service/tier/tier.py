@@ -88,6 +88,29 @@ class Tier:
         else:
             self.behind.offer(record.ikey, record.payload_bytes)
 
+    def hold(self, record: StoredRecord) -> None:
+        """A prefix record being pinned: an engine's generation checkpoint chain rests on it
+        (docs/checkpoints.md), and the chain's own records are written through, so it is too
+        (unless the tier holds it already, or durability is `local`): written behind, it
+        could still be in this store's queue when the node is lost, and the generation with
+        it.
+
+        Raises:
+            TierUnavailable: the cluster did not take it. Overloaded: the namespace is over
+                its tier quota.
+        """
+        if record.header.kind != KIND_PREFIX or self.config.durability == Durability.LOCAL:
+            return
+        if self._reachable():
+            try:
+                if self.records.manifest(record.ikey) is not None:
+                    return
+            except Corrupt:
+                pass  # written again below
+            except TierUnavailable as exc:
+                self._count_error(exc)
+        self._write(record, through=True)
+
     def _copy_behind(self, ikey: bytes) -> None:
         try:
             record = self.store.local_record(ikey)

@@ -7,9 +7,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from store_service.config import StoreConfig
-from store_service.errors import NotFound
+from store_service.errors import Corrupt, NotFound
 from store_service.put_spec import PutSpec
-from store_service.records import StoredRecord, normalize_namespace, prefix_scope, record_key
+from store_service.records import (
+    Lease,
+    StoredRecord,
+    normalize_namespace,
+    prefix_scope,
+    record_key,
+)
 from store_service.store import CheckpointStore
 from store_service.tier.tier import Tier
 from store_service.wire import LookupQuery, LookupResult, PutResult
@@ -36,6 +42,22 @@ class TieredStore(CheckpointStore):
         result = super().put(spec, chunks)
         self.shared.after_commit(self.local_record(spec.ikey))
         return result
+
+    def pin(self, namespace: str, key: bytes, ttl_s: int, holder: str, lease_id: str) -> Lease:
+        """Takes or renews a lease; a prefix record's first lease first writes it through to
+        the tier (Tier.hold: something written through rests on it).
+
+        Raises (besides CheckpointStore.pin's):
+            TierUnavailable: the tier did not take it (no lease is taken). Overloaded.
+        """
+        if not lease_id:
+            try:
+                record = self.local_record(record_key(normalize_namespace(namespace), key))
+            except (NotFound, Corrupt):
+                pass  # CheckpointStore.pin answers for it
+            else:
+                self.shared.hold(record)
+        return super().pin(namespace, key, ttl_s, holder, lease_id)
 
     def open_record(self, namespace: str, key: bytes) -> StoredRecord:
         try:
