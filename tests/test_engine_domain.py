@@ -36,7 +36,8 @@ from engine_service.checkpoints.manager import CheckpointManager, CheckpointSett
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE, PrefixCache
 from engine_service.checkpoints.prefix_reuse import PrefixReuse
 from engine_service.checkpoints.restore_cost import PROBE_EVERY, RestoreCost
-from engine_service.checkpoints.spill import Pin, Put, SpillQueue
+from engine_service.checkpoints.spill import SpillQueue
+from engine_service.checkpoints.spill_items import Pin, Put
 from engine_service.core.plans import PrefixPlan, ResumePlan
 from engine_service.errors import (
     AlreadyExists,

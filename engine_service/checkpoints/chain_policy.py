@@ -23,7 +23,8 @@ from engine_service.checkpoints.generation_meta import (
     ChainBase,
     segmentable,
 )
-from engine_service.checkpoints.spill import Pin, SpillQueue
+from engine_service.checkpoints.spill import SpillQueue
+from engine_service.checkpoints.spill_items import Pin
 from engine_service.loop.jobs import ChainPart, Job, Segment
 
 

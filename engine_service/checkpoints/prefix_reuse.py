@@ -41,7 +41,8 @@ from engine_service.checkpoints.host_staging import HostStaging
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE, PrefixCache
 from engine_service.checkpoints.record_codec import compress
 from engine_service.checkpoints.restore_cost import RestoreCost
-from engine_service.checkpoints.spill import Put, SpillQueue
+from engine_service.checkpoints.spill import SpillQueue
+from engine_service.checkpoints.spill_items import Put
 from engine_service.core.plans import PrefixMiss, PrefixPlan
 from engine_service.errors import Corrupt, Precondition
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
