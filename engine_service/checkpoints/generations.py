@@ -103,6 +103,7 @@ class GenerationCheckpoints:
         r = job.request
         if self.spill is not None and r.checkpoint_interval:
             job.checkpoint_key = self.key(r.namespace, r.prompt, r.sampling, r.request_id, r.layout)
+            job.options_digest = options_digest(r.sampling).hex()  # once, not every round
 
     @staticmethod
     def due(job: Job) -> bool:
@@ -235,7 +236,7 @@ class GenerationCheckpoints:
             pending=pending,
             seed=r.sampling.seed,
             max_tokens=r.max_tokens,
-            options=options_digest(r.sampling).hex(),
+            options=job.options_digest or options_digest(r.sampling).hex(),
             # A segment's and its manifest's: the chain's live segments then.
             chain_first=None if segment is None else segment.first,
             chain_next=None if segment is None else segment.index + 1,

@@ -93,6 +93,7 @@ class Job:
     tokens: list[int] = field(default_factory=list)  # generated so far (resumed ones too)
     constrained: ConstrainedRow | None = None  # its structured-output processor, in a batch
     checkpoint_key: bytes = b""
+    options_digest: str = ""  # its sampling options' digest, hex (generation_meta.py)
     checkpointed: bool = False  # something of it is in (or on its way to) the store
     keep_checkpoint: bool = False  # a client that went away may come back and resume
     snapshot: PendingSnapshot | None = None
