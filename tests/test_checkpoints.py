@@ -170,6 +170,9 @@ def _interrupted_then_resumed(
     (manifest,) = store.list_all(kind="generation", namespace=namespace)
     segments = store.list_all(kind="object", namespace=namespace)
     assert manifest.payload_bytes == 0 and len(segments) >= 2
+    # The chain rests on the prompt's prefix record: the prompt is stored once.
+    based = store.get_header(manifest.key, namespace).metadata
+    assert based["base_tokens"] == str(len(PROMPT))
     reads = store.get_headers([s.key for s in segments], namespace)
     held = [r.checkpoint for r in reads if r.checkpoint is not None]
     deltas = [c for c in held if int(c.metadata["start"]) > 0]
