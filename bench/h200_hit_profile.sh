@@ -33,7 +33,7 @@
 # session's: one stacked tensor a segment record, later segments' own tokens only, full runs
 # settling into parts; then the regions' prefault, one launch against 8), then "l"
 # (part c after 8,192-token prompts).
-# Writes text under $OUT.
+# PAIRS: the ABBA pairs of parts c and l (16 and 8). Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader; nproc
@@ -127,15 +127,15 @@ for part in ${1:-g r p t}; do
     l)
       # Part c after 8,192-token prompts: the chains' parts (no whole snapshot of the prompt
       # every 16 segments) and the later segments' own tokens, where they weigh.
-      timeout 450 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape --repeat 8 \
-        --decode-tokens 512 --decode-prompt 8192 --skip ttft,resume,batched,restore,floor,local \
+      timeout 450 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape \
+        --repeat "${PAIRS:-8}" --decode-tokens 512 --decode-prompt 8192 --skip ttft,resume,batched,restore,floor,local \
         --engine-log-level debug 2>&1 | tee "$out/checkpoint_cost_long.txt"
       ;;
     c)
       # Runs of 512 tokens a stream: a lent GPU's rare stalls swung 256-token pairs by tens
       # of percent (24 pairs, 2026-12-05).
-      timeout 450 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape --repeat 16 \
-        --decode-tokens 512 --skip ttft,resume,batched,restore,floor,local \
+      timeout 450 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape \
+        --repeat "${PAIRS:-16}" --decode-tokens 512 --skip ttft,resume,batched,restore,floor,local \
         --engine-log-level debug 2>&1 | tee "$out/checkpoint_cost.txt"
       ;;
   esac
