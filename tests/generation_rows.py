@@ -19,7 +19,7 @@ from engine_service.kv.batch_cache import BatchQuantizedKVCache
 from engine_service.loop.limits import Limits
 from engine_service.loop.scheduler import Scheduler
 from engine_service.model.loaded import LoadedModel
-from engine_service.protocol.events import Event, Finished, Token
+from engine_service.protocol.events import Event, Finished, Started, Token
 from engine_service.protocol.requests import DraftSupport, GenerationRequest, stop_token_ids
 from engine_service.protocol.sampling_options import SamplingOptions
 
@@ -45,6 +45,10 @@ class Collector:
     @property
     def tokens(self) -> list[int]:
         return [e.token_id for e in self.events if isinstance(e, Token)]
+
+    @property
+    def started(self) -> Started:
+        return next(e for e in self.events if isinstance(e, Started))
 
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:

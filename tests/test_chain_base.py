@@ -6,7 +6,6 @@ generation."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,6 @@ from engine_service.loop.limits import Limits
 from engine_service.loop.scheduler import Scheduler
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
-from store_service.config import StoreConfig
-from store_service.server import create_server
-from store_service.store import CheckpointStore
 from tandem_client import StoreClient
 from tandem_client.identity import prefix_key
 from tests.generation_rows import Collector, continues_exactly, kept_generation, request_for
@@ -31,18 +27,6 @@ PROMPT = [(j * 53) % 700 + 3 for j in range(300)]
 @pytest.fixture(scope="module")
 def tiny(engine_data_dir: Path) -> LoadedModel:
     return load_model("", engine_data_dir)
-
-
-@pytest.fixture
-def store_address(tmp_path: Path) -> Iterator[str]:
-    store = CheckpointStore(StoreConfig(data_dir=tmp_path / "store"))
-    server, port, _ = create_server(store, "127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.stop(None).wait()
-        store.close()
 
 
 def _finished_generation(tiny: LoadedModel, checkpoints: CheckpointManager) -> None:
@@ -60,19 +44,21 @@ def _finished_generation(tiny: LoadedModel, checkpoints: CheckpointManager) -> N
     assert checkpoints.flush().durable
 
 
-def test_a_chain_rests_on_its_prompts_prefix_record(tiny: LoadedModel, store_address: str) -> None:
+def test_a_chain_rests_on_its_prompts_prefix_record(
+    tiny: LoadedModel, inprocess_store: str
+) -> None:
     """The first generation of a prompt saves the prompt's prefix record and its chain
     starts after it, the record pinned for it; the next generation of the same prompt
     restores all but the prompt's last position from that record and its chain rests on
     those. Both resume exactly. A finished generation gives its lease back; a resume whose
     base is gone is NOT_FOUND."""
-    checkpoints = CheckpointManager(tiny, CheckpointSettings(store=store_address))
+    checkpoints = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
     gens = checkpoints.generations
     base = prefix_key(checkpoints.prefixes.scope("default", list(tiny.layout)), PROMPT)
     try:
         request, key = kept_generation(tiny, checkpoints, PROMPT, tokens=40, rid="first")
         _, again_key = kept_generation(tiny, checkpoints, PROMPT, tokens=40, rid="again")
-        with StoreClient(store_address) as store:
+        with StoreClient(inprocess_store) as store:
             for generation, rests_on in ((key, len(PROMPT)), (again_key, len(PROMPT) - 1)):
                 meta = store.get_header(generation).metadata
                 assert meta.get("chain_base") == base.hex(), (rests_on, meta)
@@ -102,18 +88,18 @@ def test_a_chain_rests_on_its_prompts_prefix_record(tiny: LoadedModel, store_add
 
 
 def test_a_chain_whose_base_cannot_be_pinned_starts_over_at_position_0(
-    tiny: LoadedModel, store_address: str
+    tiny: LoadedModel, inprocess_store: str
 ) -> None:
     """A generation whose caches came from a prefix record the store no longer holds (here:
     a local hit of a record deleted from the store) cannot pin it: the run resting on it is
     not sent, and the chain starts over with a whole snapshot from position 0, which
     resumes exactly."""
-    checkpoints = CheckpointManager(tiny, CheckpointSettings(store=store_address))
+    checkpoints = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
     gens = checkpoints.generations
     base = prefix_key(checkpoints.prefixes.scope("default", list(tiny.layout)), PROMPT)
     try:
         kept_generation(tiny, checkpoints, PROMPT, tokens=20, rid="first")
-        with StoreClient(store_address) as store:
+        with StoreClient(inprocess_store) as store:
             store.admin_delete(base, force=True)
             request, key = kept_generation(
                 tiny, checkpoints, PROMPT, tokens=60, rid="after", all_sent=False
@@ -132,20 +118,20 @@ def test_a_chain_whose_base_cannot_be_pinned_starts_over_at_position_0(
 
 
 def test_a_chain_does_not_rest_on_another_engines_record_of_its_prompt(
-    tiny: LoadedModel, store_address: str
+    tiny: LoadedModel, inprocess_store: str
 ) -> None:
     """Two engines on one store prefill the same new prompt: the store keeps the first
     one's prefix record (if_absent), which does not hold the second row's bytes. The second
     engine's chain therefore starts over at position 0 rather than rest on it, and resumes
     exactly."""
-    first = CheckpointManager(tiny, CheckpointSettings(store=store_address))
-    second = CheckpointManager(tiny, CheckpointSettings(store=store_address))
+    first = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
+    second = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
     try:
         kept_generation(tiny, first, PROMPT, tokens=20, rid="first")
         request, key = kept_generation(
             tiny, second, PROMPT, tokens=60, rid="second", all_sent=False, planned=False
         )
-        with StoreClient(store_address) as store:
+        with StoreClient(inprocess_store) as store:
             meta = store.get_header(key).metadata
             assert "chain_base" not in meta and int(meta["chain_first"]) > 0
             (never,) = store.get_headers([segment_key(key, 0)])

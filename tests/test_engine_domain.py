@@ -427,18 +427,6 @@ def test_a_local_prefix_hit_reuses_the_captured_arrays(tiny: LoadedModel) -> Non
 # -- generation checkpoints: a resume reads exactly the segments its manifest lists ------------
 
 
-@pytest.fixture
-def inprocess_store(tmp_path: Path) -> Iterator[str]:
-    store = CheckpointStore(StoreConfig(data_dir=tmp_path / "store"))
-    server, port, _ = create_server(store, "127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.stop(None).wait()
-        store.close()
-
-
 def test_a_direct_hit_used_before_its_verdict_counts_only_once_confirmed(
     tiny: LoadedModel, tmp_path: Path
 ) -> None:

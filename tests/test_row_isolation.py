@@ -27,7 +27,7 @@ from engine_service.protocol.events import Finished, Started, Token
 from engine_service.protocol.kv_codec import KVCodec, StorageKind
 from engine_service.protocol.requests import GenerationRequest, stop_token_ids
 from engine_service.protocol.sampling_options import SamplingOptions
-from tests.zoo_checks import Collector
+from tests.generation_rows import Collector
 
 LONG = 96  # the plain streams' length (the failing row ends after ~25 steps)
 QUANTIZED_FROM = 29
@@ -95,13 +95,13 @@ def test_plain_streams_batched_with_a_failing_row_complete(tiny: LoadedModel) ->
         short = [5, 6, 7, 8, 9]
         scheduler.submit(_request(loaded, "eight-bit", short, 100, quantized), culprit)
 
-        end = culprit.finished()
+        end = culprit.wait(120.0)
         assert end.reason == "error" and end.failure == "ModelFailed"
         assert "attention sinks" in end.error
         # It ran until its row converted, then failed alone.
         assert QUANTIZED_FROM - len(short) - 1 <= len(culprit.tokens) < 100
         for prompt, sink in zip(prompts, plain, strict=True):
-            assert sink.finished().reason == "length"
+            assert sink.wait(120.0).reason == "length"
             assert sum(isinstance(e, Started) for e in sink.events) == 1
             expected = generate_step(mx.array(prompt), tiny.model, max_tokens=LONG)
             assert sink.tokens == [int(t) for t, _ in expected]
@@ -164,10 +164,10 @@ def test_a_first_token_already_sent_is_kept_when_the_next_step_fails(tiny: Loade
         innocent, culprit = Collector(), Collector()
         scheduler.submit(_request(loaded, "short", short, 12, KVCodec()), innocent)
         scheduler.submit(_request(loaded, "long", long, 12, KVCodec()), culprit)
-        end = culprit.finished()
+        end = culprit.wait(120.0)
         assert end.reason == "error" and end.failure == "ModelFailed"
         assert len(culprit.tokens) == 1  # its first token, sent before the step failed
-        assert innocent.finished().reason == "length"
+        assert innocent.wait(120.0).reason == "length"
         expected = generate_step(mx.array(short), tiny.model, max_tokens=12)
         assert innocent.tokens == [int(t) for t, _ in expected]
         assert scheduler.stats().isolated_failures_total == 1

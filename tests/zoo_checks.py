@@ -14,7 +14,6 @@ tests/test_model_zoo_*.py run it and compare with the committed matrix;
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -29,10 +28,10 @@ from engine_service.loop.limits import Limits
 from engine_service.loop.scheduler import Scheduler
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
-from engine_service.protocol.events import Event, Finished, Started, Token
 from engine_service.protocol.kv_codec import GROUP_SIZES, PLAIN_KV, KVCodec, request_layout
 from engine_service.protocol.requests import DraftSupport, GenerationRequest, stop_token_ids
 from engine_service.protocol.sampling_options import SamplingOptions
+from tests.generation_rows import Collector
 from tests.model_zoo import build_zoo_model
 
 TOKENS = 16
@@ -62,34 +61,6 @@ class ZooRow:
     @staticmethod
     def columns() -> list[str]:
         return [f.name for f in fields(ZooRow)]
-
-
-class Collector:
-    """A request's sink: the loop's events for it, and when it finished."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-        self.done = threading.Event()
-
-    def __call__(self, events: list[Event]) -> None:
-        self.events.extend(events)
-        if any(isinstance(e, Finished) for e in events):
-            self.done.set()
-
-    def finished(self, timeout: float = 120.0) -> Finished:
-        if not self.done.wait(timeout):
-            raise AssertionError(f"no Finished event in {timeout:g} s")
-        last = self.events[-1]
-        assert isinstance(last, Finished)
-        return last
-
-    @property
-    def tokens(self) -> list[int]:
-        return [e.token_id for e in self.events if isinstance(e, Token)]
-
-    @property
-    def started(self) -> Started:
-        return next(e for e in self.events if isinstance(e, Started))
 
 
 def prompt_of(length: int, seed: int, vocab: int) -> list[int]:
@@ -137,7 +108,7 @@ class Engine:
             self.scheduler.submit(r, sink, self.planner.plan(r) if self.planner.needed(r) else None)
             sinks.append(sink)
         for sink in sinks:
-            end = sink.finished()
+            end = sink.wait(120.0)
             refused = refusals and end.reason == "error" and end.failure == "InvalidRequest"
             if end.reason not in ("length", "stop") and not refused:
                 raise AssertionError(f"{end.reason}: {end.error}")
@@ -194,7 +165,7 @@ def _resume(engine: Engine, loaded: LoadedModel, store: str, prompt: list[int]) 
         assert time.monotonic() < deadline, "no tokens"
         time.sleep(0.005)
     engine.scheduler.cancel(r.request_id, keep_checkpoint=True)
-    sink.finished()
+    sink.wait(120.0)
     assert engine.checkpoints.flush().durable
     fresh = Engine(loaded, store)
     try:
@@ -205,7 +176,7 @@ def _resume(engine: Engine, loaded: LoadedModel, store: str, prompt: list[int]) 
         replay = plan.replay  # type: ignore[union-attr]
         resumed = Collector()
         fresh.scheduler.submit(again, resumed, plan)
-        resumed.finished()
+        resumed.wait(120.0)
     finally:
         fresh.close()
     _same(replay + resumed.tokens, solo_reference(loaded, prompt, n), "resumed vs whole run")
@@ -236,7 +207,7 @@ def _quantized(engine: Engine, loaded: LoadedModel, codecs: list[KVCodec]) -> st
     plain = request(loaded, "q-plain", prompt_of(LENGTHS[1], 6, loaded.vocab_size))
     rows = [request(loaded, f"q-{i}", prompt, codec) for i, codec in enumerate(codecs)]
     together = engine.run([plain, *rows], refusals=True)
-    ends = [sink.finished() for sink in together]
+    ends = [sink.wait(120.0) for sink in together]
     assert ends[0].reason == "length", "a plain row beside refused ones completes"
     refused = [end for end in ends[1:] if end.reason == "error"]
     if refused:
