@@ -195,7 +195,7 @@ def bench_local_hit(loaded, tokens: int, repeat: int) -> dict:  # noqa: ANN001
     caches = make_prompt_cache(loaded.model)
     loaded.model(mx.array([prompt[: tokens + 1]]), cache=caches)
     mx.eval([c.state for c in caches])
-    manager.prefixes.save(caches, prompt[:tokens], "bench", layout)
+    manager.prefixes.saves.save(caches, prompt[:tokens], "bench", layout)
     plan = manager.prefixes.find(prompt, "bench", layout)
     assert plan is not None and plan.matched == tokens, plan
     captured = plan.local

@@ -406,7 +406,7 @@ def test_a_local_prefix_hit_reuses_the_captured_arrays(tiny: LoadedModel) -> Non
     prompt = [(i * 37) % 1900 + 3 for i in range(200)]
     caches = make_prompt_cache(tiny.model)
     tiny.model(mx.array([prompt[:129]]), cache=caches)  # a 128-token prompt + its first token
-    reuse.save(caches, prompt[:128], "ns", list(tiny.layout))
+    reuse.saves.save(caches, prompt[:128], "ns", list(tiny.layout))
     plan = reuse.find(prompt, "ns", list(tiny.layout))
     assert isinstance(plan, PrefixPlan) and plan.source == "local" and plan.matched == 128
     assert plan.local is not None
@@ -444,7 +444,7 @@ def test_a_direct_hit_used_before_its_verdict_counts_only_once_confirmed(
     try:
         caches = make_prompt_cache(tiny.model)
         tiny.model(mx.array([prompt[:129]]), cache=caches)
-        writer.prefixes.save(caches, prompt[:128], "ns", layout)
+        writer.prefixes.saves.save(caches, prompt[:128], "ns", layout)
         assert writer.flush().durable
         rest = mx.array([prompt[128:140]])
         want = tiny.model(rest, cache=restore_from(writer, prompt, layout))

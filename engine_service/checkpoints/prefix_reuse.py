@@ -9,8 +9,8 @@ store once (deduplicated, `if_absent`). Caches that cannot be trimmed are kept a
 instead, taken during prefill (checkpoints/prefix_snapshots.py): they serve their own length only. A
 prompt that finds nothing gets a `PrefixMiss` saying why.
 
-`find` runs on the core's planning pool (it may call the store); `materialize` and `save` on the MLX
-thread.
+`find` runs on the core's planning pool (it may call the store); `materialize` on the MLX
+thread, as do the saves (checkpoints/prefix_saves.py).
 
 A hit read directly out of the store's data file may be used before the store's verdict
 (`confirm_later`): its gather is only queued, the row's first forward pass runs over it (the
@@ -21,17 +21,14 @@ recompute. No token ever comes from bytes the store did not vouch for.
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from engine_service.checkpoints.cache_records import (
-    capture,
     check_restorable,
     restore_captured,
 )
@@ -39,28 +36,23 @@ from engine_service.checkpoints.device_landing import Landing
 from engine_service.checkpoints.hit_caches import hit_caches
 from engine_service.checkpoints.host_staging import HostStaging
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE, PrefixCache
-from engine_service.checkpoints.record_codec import compress
+from engine_service.checkpoints.prefix_saves import PrefixSaves
 from engine_service.checkpoints.restore_cost import RestoreCost
 from engine_service.checkpoints.spill import SpillQueue
-from engine_service.checkpoints.spill_items import Put
 from engine_service.core.plans import PrefixMiss, PrefixPlan
 from engine_service.errors import Corrupt, Precondition
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.requests import EXACT_RECORD, RecordFormat
 from tandem_client.direct import DirectHold
 from tandem_client.errors import DataLoss, TandemError
-from tandem_client.identity import block_hashes, prefix_key, scope_digest
-from tandem_client.records import Checkpoint, LookupResult
+from tandem_client.identity import block_hashes, scope_digest
+from tandem_client.records import LookupResult
 from tandem_client.store_client import StoreClient
 
 log = logging.getLogger(__name__)
 
 # How long the MLX thread waits for a part of a progressive Get (the store copies GB/s).
 ARRIVAL_TIMEOUT_S = 30.0
-
-# Prefix keys already spilled, remembered up to this many (a miss only costs a Put the store
-# answers with ALREADY_EXISTS).
-SAVED_KEYS = 100_000
 
 
 @dataclass(frozen=True)
@@ -71,17 +63,6 @@ class UnconfirmedRead:
     hold: DirectHold
     spent_s: float  # the read's time so far: its Get and making its caches, not the step's
     made_at: float = 0.0  # time.perf_counter() when its caches were made
-
-
-@dataclass(frozen=True)
-class Destination:
-    """Where a kept prefix goes: its key and scope, and whose records it joins."""
-
-    key: bytes
-    scope: bytes
-    namespace: str
-    layout: list[str]
-    record: RecordFormat  # how the store's copy is kept (record_codec.py)
 
 
 class PrefixReuse:
@@ -104,13 +85,15 @@ class PrefixReuse:
         self.counters = counters
         self.store = store
         self.spill = spill
-        self.min_prefix_tokens = min_prefix_tokens
         self.cost = RestoreCost()  # store hit or prefill, decided per request
         # How captures become host bytes, and (its landing) how store bytes become arrays:
         # through the store's shared-memory region when the engine attached one.
         self.staging = staging if staging is not None else HostStaging(Landing(), None)
         self.landing = self.staging.landing
-        self._saved_keys: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        # Keeping prompts' caches (prefix_saves.py): sent to the store through `spill`.
+        self.saves = PrefixSaves(
+            model_id, local, self.scope, spill, self.staging, min_prefix_tokens
+        )
 
     def scope(
         self, namespace: str, layout: list[str], record: RecordFormat = EXACT_RECORD
@@ -355,110 +338,3 @@ class PrefixReuse:
         if not lease_held:
             raise DataLoss("the direct read's lease lapsed before the arrays were made")
         return caches, held
-
-    def sent_as(
-        self,
-        prompt: list[int],
-        namespace: str,
-        layout: list[str],
-        record: RecordFormat = EXACT_RECORD,
-    ) -> bytes | None:
-        """The key `save` will send a prompt's caches to the store under, holding exactly
-        those bytes: None when it keeps nothing (too short, kept already) or the store's
-        copy would be compressed."""
-        if self.spill is None or record.tag or len(prompt) < self.min_prefix_tokens:
-            return None
-        key = prefix_key(self.scope(namespace, layout, record), prompt)
-        return None if self._kept(key) else key
-
-    def save(
-        self,
-        row_caches: list[Any],
-        prompt: list[int],
-        namespace: str,
-        layout: list[str],
-        record: RecordFormat = EXACT_RECORD,
-        on_exists: Callable[[], None] | None = None,
-    ) -> None:
-        """Keeps a prompt's caches (MLX thread; row_caches hold prompt + 1 token).
-        on_exists: the store kept another record of the prompt (not these bytes)."""
-        if len(prompt) < self.min_prefix_tokens or not can_trim_prompt_cache(row_caches):
-            return  # untrimmable: an exact snapshot was kept during prefill (prefix_snapshots)
-        scope = self.scope(namespace, layout, record)
-        key = prefix_key(scope, prompt)
-        if self._kept(key):
-            return
-        trim_prompt_cache(row_caches, 1)
-        where = Destination(key, scope, namespace, layout, record)
-        self._keep(where, row_caches, prompt, trimmable=True, on_exists=on_exists)
-
-    def save_exact(
-        self,
-        caches: list[Any],
-        tokens: list[int],
-        namespace: str,
-        layout: list[str],
-        record: RecordFormat = EXACT_RECORD,
-    ) -> None:
-        """Keeps caches holding exactly `tokens` that cannot be trimmed (MLX thread): they
-        serve a prompt that starts with those tokens, at that length only."""
-        if len(tokens) < self.min_prefix_tokens:
-            return
-        scope = self.scope(namespace, layout, record)
-        key = prefix_key(scope, tokens)
-        if not self._kept(key):
-            where = Destination(key, scope, namespace, layout, record)
-            self._keep(where, caches, tokens, trimmable=False)
-
-    def _kept(self, key: bytes) -> bool:
-        """Whether a prefix is kept already: sent to the store (or on its way), or, with no
-        store, in the local tier. One whose Put failed (the store was down) is kept again by
-        the next prompt that computes it, though the local tier still holds it."""
-        return key in self._saved_keys if self.spill is not None else key in self.local
-
-    def _keep(
-        self,
-        where: Destination,
-        caches: list[Any],
-        prompt: list[int],
-        trimmable: bool,
-        on_exists: Callable[[], None] | None = None,
-    ) -> None:
-        """Captures caches holding exactly `prompt` into the local tier and the spill queue
-        (the store's copy compressed when the request asked: record_codec.py)."""
-        key, namespace, layout = where.key, where.namespace, where.layout
-        captured = capture(caches, len(prompt))
-        chain = block_hashes(prompt, BLOCK_SIZE, where.scope)
-        self.local.add(key, captured, chain, len(prompt), exact=not trimmable)
-        if self.spill is None:
-            return
-        self._saved_keys[key] = None
-        if len(self._saved_keys) > SAVED_KEYS:
-            self._saved_keys.popitem(last=False)
-        stored = compress(captured, where.record)
-        tensors, keep = self.staging.tensors(stored)
-        record = Checkpoint(
-            key=key,
-            kind="prefix",
-            namespace=namespace,
-            model_id=self.model_id,
-            layout=layout,
-            token_ids=list(prompt),
-            trimmable=trimmable,
-            block_size=BLOCK_SIZE,
-            block_hashes=chain,
-            metadata={**stored.meta(), "tokens": str(len(prompt))},
-            tensors=tensors,
-        )
-        self.spill.put(
-            Put(
-                record,
-                stored.nbytes,
-                if_absent=True,
-                pinned=False,
-                # Not in the store after all: let a later prompt send it again.
-                on_failed=lambda: self._saved_keys.pop(key, None),
-                on_exists=on_exists,
-                keep=keep,
-            )
-        )

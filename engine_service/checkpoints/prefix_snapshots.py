@@ -89,7 +89,7 @@ class PrefixSnapshots:
             self.model(mx.array(prompt[at : min(at + self.prefill_step, k)])[None], cache=caches)
             mx.eval([c.state for c in caches])
         keep_window(caches)
-        self.prefixes.save_exact(
+        self.prefixes.saves.save_exact(
             caches, prompt[:k], request.namespace, request.layout, request.prefix_record
         )
         return caches

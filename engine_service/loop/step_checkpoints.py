@@ -161,7 +161,7 @@ class StepCheckpoints:
                     base = job.chain.base
                     own = base is not None and base.tokens == len(r.prompt)
                     on_exists = chains.breaker(job) if own else None
-                    self.checkpoints.prefixes.save(
+                    self.checkpoints.prefixes.saves.save(
                         row, r.prompt, r.namespace, r.layout, r.prefix_record, on_exists
                     )
             if ready:
@@ -188,7 +188,7 @@ class StepCheckpoints:
         gens, prefixes = self.checkpoints.generations, self.checkpoints.prefixes
         for job in jobs:
             r = job.request
-            own = prefixes.sent_as(r.prompt, r.namespace, r.layout, r.prefix_record)
+            own = prefixes.saves.sent_as(r.prompt, r.namespace, r.layout, r.prefix_record)
             gens.chains.rest_on(job, ChainBase(own, len(r.prompt)) if own else job.restored_prefix)
         together = self._cut_together(bg, jobs)
         log.debug("first snapshots: %d of %d cut together", len(together), len(jobs))
