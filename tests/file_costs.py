@@ -16,6 +16,8 @@ import pytest
 
 SECONDS = {
     "test_checkpoints.py": 56,
+    "test_cuda_kernels.py": 38,  # 2026-12-06: unlisted, it started last and ran alone
+    "test_engine_domain.py": 26,
     "test_training_ranks.py": 20,
     "test_determinism.py": 45,
     "test_docs_examples.py": 39,
@@ -30,7 +32,7 @@ SECONDS = {
     "test_turboquant_rows.py": 24,
     "test_speculative.py": 24,
     "test_speculative_rows.py": 23,
-    "test_model_zoo.py": 22,
+    "test_model_zoo.py": 31,
     "test_quantized_kv.py": 22,
     "test_gateway_pair.py": 22,
     "test_engine_zoo_processes.py": 22,
