@@ -142,13 +142,14 @@ class StepCheckpoints:
             first = [i.job.uid for i in due if i.job.uid in extracted and first_snapshot_due(i.job)]
             pending = pending_tokens(bg, first) if first else {}
             ready: list[ReadySnapshot] = []
-            started = time.perf_counter()
             if pending:
                 # The generations' first snapshots, right after their prefill, saved now with
                 # the token the batch feeds next: a client gone before the next step (or an
                 # engine killed) leaves a generation that resumes.
+                started = time.perf_counter()
                 jobs = [item.job for item in due if item.job.uid in pending]
                 ready = self._first_snapshots(bg, jobs, extracted, pending)
+                self._count(started)
             chains = self.checkpoints.generations.chains
             for item in due:
                 job, r = item.job, item.job.request
@@ -167,6 +168,7 @@ class StepCheckpoints:
             if ready:
                 # Queued behind the prompts' prefix records: a chain resting on one pins it
                 # once it is in the store.
+                started = time.perf_counter()
                 self.checkpoints.generations.save_now(ready)
                 self._count(started)
         finally:
