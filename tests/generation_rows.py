@@ -20,6 +20,7 @@ from engine_service.loop.limits import Limits
 from engine_service.loop.scheduler import Scheduler
 from engine_service.model.loaded import LoadedModel
 from engine_service.protocol.events import Event, Finished, Started, Token
+from engine_service.protocol.kv_codec import PLAIN_KV, KVCodec
 from engine_service.protocol.requests import DraftSupport, GenerationRequest, stop_token_ids
 from engine_service.protocol.sampling_options import SamplingOptions
 
@@ -60,7 +61,12 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 60.0) ->
 
 
 def request_for(
-    loaded: LoadedModel, rid: str, prompt: list[int], max_tokens: int, **sampling: object
+    loaded: LoadedModel,
+    rid: str,
+    prompt: list[int],
+    max_tokens: int,
+    kv: KVCodec = PLAIN_KV,
+    **sampling: object,
 ) -> GenerationRequest:
     options = SamplingOptions(ignore_eos=True, **sampling)  # type: ignore[arg-type]
     return GenerationRequest(
@@ -70,6 +76,7 @@ def request_for(
         sampling=options,
         namespace="default",
         stop_ids=stop_token_ids(options, loaded.eos_token_ids),
+        kv=kv,
         layout=list(loaded.layout),
     )
 

@@ -25,9 +25,7 @@ from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
 from engine_service.protocol.events import Finished, Started, Token
 from engine_service.protocol.kv_codec import KVCodec, StorageKind
-from engine_service.protocol.requests import GenerationRequest, stop_token_ids
-from engine_service.protocol.sampling_options import SamplingOptions
-from tests.generation_rows import Collector
+from tests.generation_rows import Collector, request_for
 
 LONG = 96  # the plain streams' length (the failing row ends after ~25 steps)
 QUANTIZED_FROM = 29
@@ -64,22 +62,6 @@ def tiny(engine_data_dir: Path) -> LoadedModel:
     return load_model("", engine_data_dir)
 
 
-def _request(
-    loaded: LoadedModel, rid: str, prompt: list[int], n: int, kv: KVCodec
-) -> GenerationRequest:
-    options = SamplingOptions(ignore_eos=True)
-    return GenerationRequest(
-        request_id=rid,
-        prompt=prompt,
-        max_tokens=n,
-        sampling=options,
-        namespace="default",
-        stop_ids=stop_token_ids(options, loaded.eos_token_ids),
-        kv=kv,
-        layout=list(loaded.layout),
-    )
-
-
 def test_plain_streams_batched_with_a_failing_row_complete(tiny: LoadedModel) -> None:
     failing = FailsOnAffineRows(tiny.model)
     loaded = LoadedModel(**{**tiny.__dict__, "model": failing})
@@ -89,11 +71,11 @@ def test_plain_streams_batched_with_a_failing_row_complete(tiny: LoadedModel) ->
         prompts = [list(range(10 + 7 * i, 40 + 9 * i)) for i in range(3)]
         plain = [Collector() for _ in prompts]
         for i, (prompt, sink) in enumerate(zip(prompts, plain, strict=True)):
-            scheduler.submit(_request(loaded, f"plain-{i}", prompt, LONG, KVCodec()), sink)
+            scheduler.submit(request_for(loaded, f"plain-{i}", prompt, LONG, KVCodec()), sink)
         culprit = Collector()
         quantized = KVCodec(8, 64, QUANTIZED_FROM)
         short = [5, 6, 7, 8, 9]
-        scheduler.submit(_request(loaded, "eight-bit", short, 100, quantized), culprit)
+        scheduler.submit(request_for(loaded, "eight-bit", short, 100, quantized), culprit)
 
         end = culprit.wait(120.0)
         assert end.reason == "error" and end.failure == "ModelFailed"
@@ -125,7 +107,7 @@ def test_a_row_that_failed_in_the_engine_ends_its_stream_with_a_status(
         events = RequestStream()
         events.push([Started(5, 0), Token(7)])
         events.push([Finished("error", error="the model failed", failure=failure)])
-        request = _request(tiny, "r", [1, 2, 3, 4, 5], 8, KVCodec())
+        request = request_for(tiny, "r", [1, 2, 3, 4, 5], 8, KVCodec())
         got: list[int] = []
         async for chunk in respond(request, tiny.tokenizer, events, 0.0, [], lambda: None):
             got += chunk.token_ids
@@ -162,8 +144,8 @@ def test_a_first_token_already_sent_is_kept_when_the_next_step_fails(tiny: Loade
     try:
         short, long = list(range(30, 60)), list(range(100, 300))
         innocent, culprit = Collector(), Collector()
-        scheduler.submit(_request(loaded, "short", short, 12, KVCodec()), innocent)
-        scheduler.submit(_request(loaded, "long", long, 12, KVCodec()), culprit)
+        scheduler.submit(request_for(loaded, "short", short, 12, KVCodec()), innocent)
+        scheduler.submit(request_for(loaded, "long", long, 12, KVCodec()), culprit)
         end = culprit.wait(120.0)
         assert end.reason == "error" and end.failure == "ModelFailed"
         assert len(culprit.tokens) == 1  # its first token, sent before the step failed

@@ -142,13 +142,14 @@ class StepCheckpoints:
             first = [i.job.uid for i in due if i.job.uid in extracted and first_snapshot_due(i.job)]
             pending = pending_tokens(bg, first) if first else {}
             ready: list[ReadySnapshot] = []
+            on_own: set[int] = set()  # rows whose chains rest on the record saved below
             if pending:
                 # The generations' first snapshots, right after their prefill, saved now with
                 # the token the batch feeds next: a client gone before the next step (or an
                 # engine killed) leaves a generation that resumes.
                 started = time.perf_counter()
                 jobs = [item.job for item in due if item.job.uid in pending]
-                ready = self._first_snapshots(bg, jobs, extracted, pending)
+                ready, on_own = self._first_snapshots(bg, jobs, extracted, pending)
                 self._count(started)
             chains = self.checkpoints.generations.chains
             for item in due:
@@ -156,12 +157,10 @@ class StepCheckpoints:
                 found = extracted.get(job.uid)
                 row = item.finished_cache or (found[0] if found is not None else None)
                 if row is not None:  # None: the row left the batch meanwhile (parked)
-                    # A chain resting on the record its prompt is saved as now (the whole
-                    # prompt: a restored one holds less) rests on nothing if the store kept
-                    # another engine's record instead (not the row's bytes).
-                    base = job.chain.base
-                    own = base is not None and base.tokens == len(r.prompt)
-                    on_exists = chains.breaker(job) if own else None
+                    # A chain resting on the record its prompt is saved as now rests on
+                    # nothing if the store kept another engine's record instead (not the
+                    # row's bytes).
+                    on_exists = chains.breaker(job) if job.uid in on_own else None
                     self.checkpoints.prefixes.saves.save(
                         row, r.prompt, r.namespace, r.layout, r.prefix_record, on_exists
                     )
@@ -180,21 +179,25 @@ class StepCheckpoints:
         jobs: list[Job],
         extracted: dict[int, Any],
         pending: dict[int, int],
-    ) -> list[ReadySnapshot]:
+    ) -> tuple[list[ReadySnapshot], set[int]]:
         """First snapshots cut from the batch together, as a checkpoint round's are (one
         copy a layer and plane, one push), to be staged and queued with one wait: a burst of
         new rows saved row by row paid a capture, a push a tensor and a wait on the device
         each. Rows it cannot cut are captured from their extraction. Each chain rests on
         its prompt's prefix record where the store has (or is sent) the row's very bytes of
-        those positions: the record its prompt is saved as now, or the one it restored."""
+        those positions: the record its prompt is saved as now, or the one it restored.
+        Also the uids of the rows resting on the record their prompt is saved as now."""
         gens, prefixes = self.checkpoints.generations, self.checkpoints.prefixes
+        on_own = set()
         for job in jobs:
             r = job.request
             own = prefixes.saves.sent_as(r.prompt, r.namespace, r.layout, r.prefix_record)
             gens.chains.rest_on(job, ChainBase(own, len(r.prompt)) if own else job.restored_prefix)
+            if own and job.chain.base is not None:
+                on_own.add(job.uid)
         together = self._cut_together(bg, jobs)
         log.debug("first snapshots: %d of %d cut together", len(together), len(jobs))
-        return [
+        ready = [
             ReadySnapshot(
                 job,
                 together.get(job.uid) or gens.capture(job, extracted[job.uid][0]),
@@ -202,6 +205,7 @@ class StepCheckpoints:
             )
             for job in jobs
         ]
+        return ready, on_own
 
     def _cut_together(self, bg: BatchGenerator, jobs: list[Job]) -> dict[int, PendingSnapshot]:
         """The snapshots of the jobs the running batch's rows can be cut together for, by
