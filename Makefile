@@ -53,7 +53,9 @@ test: $(PB_STAMP) $(NODE_STAMP)
 # engines killed under streams through the gateway (tests/test_gateway_failover.py), and an
 # engine of every zoo architecture killed after its first tokens (tests/test_engine_zoo_processes.py),
 # and whole nodes (store and engine, disk gone) lost under streams on the shared tier
-# (tests/test_tier_nodes.py). Each run draws a fresh seed, printed: `make soak SOAK_SEED=<seed>` replays one.
+# (tests/test_tier_nodes.py), and the projection kernel compiled at every tiling and shape it
+# serves (tests/test_cuda_kernels.py; the suite compiles each tiling at its extremes). Each
+# run draws a fresh seed, printed: `make soak SOAK_SEED=<seed>` replays one.
 SOAK_KILLS ?= 30
 ifndef SOAK_SEED
 SOAK_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
@@ -62,8 +64,8 @@ soak: $(PB_STAMP) $(NODE_STAMP)
 	@echo "==> soak seed $(SOAK_SEED) (replay: make soak SOAK_SEED=$(SOAK_SEED))"
 	TANDEM_SOAK_KILLS=$(SOAK_KILLS) TANDEM_SOAK_SEED=$(SOAK_SEED) \
 		TANDEM_GATEWAY_KILLS=$(SOAK_KILLS) TANDEM_ZOO_KILLS=all TANDEM_NODE_KILLS=$(SOAK_KILLS) \
-		$(PY) -m pytest -q -s tests/test_faults.py tests/test_gateway_failover.py \
-		tests/test_engine_zoo_processes.py tests/test_tier_nodes.py
+		TANDEM_ALL_TILINGS=1 $(PY) -m pytest -q -s tests/test_faults.py tests/test_gateway_failover.py \
+		tests/test_engine_zoo_processes.py tests/test_tier_nodes.py tests/test_cuda_kernels.py
 
 # What a user installs elsewhere, into dist/: the server sdist and wheel (tandem), the client
 # sdist and wheel (tandem-client: grpcio + protobuf, the CLI) and the Node.js client's tarball

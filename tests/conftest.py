@@ -40,6 +40,11 @@ collect_ignore = (
 # The engines tests start skip the warm-up (a second each on two cores, dozens of engines);
 # test_engine_core.py starts one with it.
 os.environ.setdefault("TANDEM_ENGINE_WARMUP", "0")
+# Their shared-memory regions 64 MiB, not the CPU default's 256: each engine with a store
+# maps its pages in at start (0.5 s of CPU for 256 MiB here), and the store its own mapping
+# of them; the largest record a test moves through a region is ~10 MiB. The default's sizing
+# is test_engine_domain's.
+os.environ.setdefault("TANDEM_ENGINE_STORE_REGION_BYTES", str(64 << 20))
 
 
 @pytest.fixture

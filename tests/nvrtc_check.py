@@ -94,6 +94,7 @@ class Launch:
     name: str
     source: str
     threads: int
+    template: tuple[tuple[str, Any], ...] = ()  # the constants it was built with
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,8 @@ class Recorder:
                 template or [],
                 header,
             )
-            self.launches.append(Launch(kernel_name, text, block[0] * block[1] * block[2]))
+            threads = block[0] * block[1] * block[2]
+            self.launches.append(Launch(kernel_name, text, threads, tuple(template or [])))
             return [
                 mx.zeros(shape, dtype=dtype)
                 for shape, dtype in zip(output_shapes, output_dtypes, strict=True)

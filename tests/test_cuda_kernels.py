@@ -1,7 +1,8 @@
-"""Our MLX-CUDA kernels compile, as MLX compiles them, for every launch their modules make on
-the shapes we serve, and each launch fits an SM (tests/nvrtc_check.py). CI has no GPU: before
-this, a kernel that did not compile, or asked for more registers than an SM has ("too many
-resources requested for launch"), was found only on a lent device.
+"""Our MLX-CUDA kernels compile, as MLX compiles them, for the launches their modules make on
+the shapes we serve (the projection's: each tiling it chooses at its extremes; every one, and
+more attention shapes, under `make soak`), and each launch fits an SM (tests/nvrtc_check.py).
+CI has no GPU: before this, a kernel that did not compile, or asked for more registers than
+an SM has ("too many resources requested for launch"), was found only on a lent device.
 
 The modules run as on MLX-CUDA, on the CPU's arrays, with `mx.fast.cuda_kernel` recording
 each call: their launch arithmetic (grids, blocks, template arguments, output shapes) is the
@@ -13,7 +14,9 @@ region's pull and push (device_landing.py). Not yet: a direct hit's group gather
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -25,7 +28,7 @@ from engine_service.model import invariant_matmul_cuda
 from engine_service.model.invariant_matmul_cuda import ROWS, Asked, invariant_matmul
 from tandem_client.records import Tensor
 from tandem_client.regions import SharedRegion
-from tests.nvrtc_check import Compiled, Nvrtc, Recorder, cuda_root
+from tests.nvrtc_check import Compiled, Launch, Nvrtc, Recorder, cuda_root
 
 MAX_THREADS = 1024  # a block's threads on any CUDA device
 
@@ -49,9 +52,13 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     return recording
 
 
-def _check(nvrtc: Nvrtc, recorder: Recorder) -> list[Compiled]:
+def _check(
+    nvrtc: Nvrtc, recorder: Recorder, choose: Callable[[list[Launch]], list[Launch]] | None = None
+) -> list[Compiled]:
     launches = recorder.distinct()
     assert launches, "nothing was launched"
+    if choose is not None:
+        launches = choose(launches)
     results = [nvrtc.compile(launch) for launch in launches]
     for result in results:
         name = result.launch.name
@@ -84,6 +91,35 @@ PROJECTIONS = [
 ROW_COUNTS = [1, 2, 8, 9, 16, 17, 32, 33, 64, 128, 129]
 
 
+# Every launch the projections make (63 compiles, ~20 s of CPU) under `make soak`.
+ALL_TILINGS = os.environ.get("TANDEM_ALL_TILINGS") == "1"
+
+
+def _each_tiling(launches: list[Launch]) -> list[Launch]:
+    """Of the launches of one tiling (its constants but K and N), those of its smallest and
+    largest K (a loop's trips, unrolled or not, change its registers) and of its narrowest N
+    (the odd width's edge tiles); every launch under TANDEM_ALL_TILINGS=1."""
+    if ALL_TILINGS:
+        return launches
+    tilings: dict[tuple[tuple[str, Any], ...], list[Launch]] = {}
+    for launch in launches:
+        tiling = tuple(c for c in launch.template if c[0] not in ("K", "N"))
+        tilings.setdefault(tiling, []).append(launch)
+    chosen: dict[int, Launch] = {}
+    for group in tilings.values():
+        constants = [dict(launch.template) for launch in group]
+        picks = [
+            min(range(len(group)), key=lambda i: constants[i]["K"]),
+            max(range(len(group)), key=lambda i: constants[i]["K"]),
+        ]
+        narrowest = min(range(len(group)), key=lambda i: constants[i]["N"])
+        if constants[narrowest]["N"] < min(constants[i]["N"] for i in picks):
+            picks.append(narrowest)
+        for pick in picks:
+            chosen[id(group[pick])] = group[pick]
+    return list(chosen.values())
+
+
 def test_the_projection_kernel_compiles_and_fits_for_every_tiling_it_chooses(
     nvrtc: Nvrtc, recorder: Recorder
 ) -> None:
@@ -98,7 +134,7 @@ def test_the_projection_kernel_compiles_and_fits_for_every_tiling_it_chooses(
     for rows in (1, 8):
         x = mx.zeros((rows, 4096), dtype=mx.bfloat16)
         invariant_matmul(x, mx.zeros((1024, 4096), dtype=mx.bfloat16), Asked(prefetch=True))
-    results = _check(nvrtc, recorder)
+    results = _check(nvrtc, recorder, _each_tiling)
     # Every block size the chosen tilings ask for was compiled (a block is the K splits).
     assert {r.launch.threads for r in results} == {invariant_matmul_cuda.SPLITS * 32}
     # Calls past ROWS rows run as blocks of ROWS: launches of at most ROWS rows each.
@@ -106,7 +142,11 @@ def test_the_projection_kernel_compiles_and_fits_for_every_tiling_it_chooses(
     assert ROWS == 128
 
 
-ATTENTION_SHAPES = [(16, 8, 128), (32, 8, 128), (14, 2, 64), (64, 8, 128), (8, 8, 256)]
+# (heads, KV heads, head dim): each head dim, and the query groups' extremes (7 and 8 a KV
+# head, 1); Qwen3-0.6B's and Llama-3-8B's groups (2, 4) too under `make soak`.
+ATTENTION_SHAPES = [(14, 2, 64), (64, 8, 128), (8, 8, 256)]
+if ALL_TILINGS:
+    ATTENTION_SHAPES += [(16, 8, 128), (32, 8, 128)]
 
 
 def test_the_decode_attention_kernels_compile_eager_and_as_a_compiled_step_calls_them(

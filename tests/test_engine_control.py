@@ -130,9 +130,9 @@ def test_prompt_longer_than_the_context_is_invalid_argument(engine_client: Engin
         engine_client.generate([5] * 8192, max_tokens=4)
     assert failure.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "context" in str(failure.value)
-    # 4,096-token prompts are served.
-    got = engine_client.generate([5, 6, 7, 8] * 1024, max_tokens=3, ignore_eos=True)
-    assert got.usage is not None and got.usage.prompt_tokens == 4096
+    # Long prompts are served: 2,560 tokens, two prefill chunks (of 2,048).
+    got = engine_client.generate([5, 6, 7, 8] * 640, max_tokens=3, ignore_eos=True)
+    assert got.usage is not None and got.usage.prompt_tokens == 2560
     assert len(got.token_ids) == 3
 
 

@@ -5,6 +5,7 @@ checkpoints against a store served in this process."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections import Counter
@@ -583,6 +584,24 @@ def test_a_later_segment_holds_its_own_tokens_and_a_digest_of_those_before(
         continues_exactly(tiny, gens, cut, request.prompt)
 
 
+# Runs of 4 segments merging 3 at a time (the engine's 16 and 8): the same settling and
+# merging in an eighth of the tokens.
+SHORT_CHAIN, SHORT_FANOUT = 4, 3
+
+
+@pytest.fixture
+def short_chains(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SHORT_CHAIN and SHORT_FANOUT in every engine module that took the constants (the
+    writer's policy and the reader's bound alike)."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("engine_service."):
+            if getattr(module, "MAX_CHAIN", None) == MAX_CHAIN:
+                monkeypatch.setattr(module, "MAX_CHAIN", SHORT_CHAIN)
+            if getattr(module, "MERGE_FANOUT", None) == MERGE_FANOUT:
+                monkeypatch.setattr(module, "MERGE_FANOUT", SHORT_FANOUT)
+
+
+@pytest.mark.usefixtures("short_chains")
 def test_full_runs_settle_into_parts_that_merge_a_level_at_a_time(
     tiny: LoadedModel, inprocess_store: str
 ) -> None:
@@ -597,7 +616,7 @@ def test_full_runs_settle_into_parts_that_merge_a_level_at_a_time(
     positions start after it)."""
     checkpoints = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
     gens = checkpoints.generations
-    every = 8 * MAX_CHAIN  # tokens a run of segments holds (checkpoint_interval 8)
+    every = 8 * SHORT_CHAIN  # tokens a run of segments holds (checkpoint_interval 8)
 
     def chain_of(prompt: list[int], runs: int) -> tuple[GenerationRequest, bytes, list[int]]:
         request, key = kept_generation(tiny, checkpoints, prompt, tokens=every * runs + 16)
@@ -613,7 +632,7 @@ def test_full_runs_settle_into_parts_that_merge_a_level_at_a_time(
             reads = [
                 r for at in range(0, len(keys), 64) for r in store.get_headers(keys[at : at + 64])
             ]
-        assert first == MAX_CHAIN * runs
+        assert first == SHORT_CHAIN * runs
         live = [i for i, read in enumerate(reads) if read.checkpoint is not None]
         assert live == [*parts, first]  # the runs' later segments and merged parts are gone
         # Each holds the positions after the one before: the prompt is stored once.
@@ -629,11 +648,12 @@ def test_full_runs_settle_into_parts_that_merge_a_level_at_a_time(
         return request, key, parts
 
     prompt = [(j * 37) % 500 + 3 for j in range(400)]
-    # Three runs: the whole snapshot, then two settled runs' first segments (level 1).
-    _, _, parts = chain_of(prompt[: BLOCK_SIZE - 8], 3)
-    assert parts == [0, MAX_CHAIN, 2 * MAX_CHAIN]
-    # MERGE_FANOUT runs: the level-1 parts and the run after them merged into one.
-    _, _, parts = chain_of(prompt[::-1], MERGE_FANOUT)
+    # FANOUT - 1 runs: the whole snapshot, then the settled runs' first segments (level 1).
+    runs = SHORT_FANOUT - 1
+    _, _, parts = chain_of(prompt[: BLOCK_SIZE - 8], runs)
+    assert parts == list(range(0, runs * SHORT_CHAIN, SHORT_CHAIN)) and len(parts) >= 2
+    # FANOUT runs: the level-1 parts and the run after them merged into one.
+    _, _, parts = chain_of(prompt[::-1], SHORT_FANOUT)
     assert parts == [0]
 
     gens.chains.base_lease_s = 0  # every whole snapshot too old to build on
@@ -642,7 +662,7 @@ def test_full_runs_settle_into_parts_that_merge_a_level_at_a_time(
         meta = store.get_header(key).metadata
         base = prefix_key(checkpoints.prefixes.scope("default", request.layout), prompt[1:])
         assert len(store.inspect(base).leases) == 1  # taken, then renewed
-    assert int(meta["run_first"]) == MAX_CHAIN and meta["base_parts"] == ""
+    assert int(meta["run_first"]) == SHORT_CHAIN and meta["base_parts"] == ""
     plan = gens.loads.load(key, "default", request.prompt, request.layout)
     # A whole snapshot again, after the base (every position from the prompt's end on).
     assert plan.base is not None and plan.base.key == base

@@ -35,6 +35,7 @@ def _streams(directory: Path) -> Path:
 def _train(streams: Path, out: Path, ranks: int) -> dict[str, float]:
     command = [sys.executable, "-m", "training", "--streams", str(streams), "--out", str(out)]
     command += ["--models", "tandem-tiny-draft", "--steps", "3", "--ranks", str(ranks)]
+    command += ["--batch", "8", "--context", "64"]  # the split, not the model, is the point
     subprocess.run(command, check=True, cwd=ROOT, timeout=600, capture_output=True)
     report: dict[str, float] = json.loads((out / "tandem-tiny-draft.json").read_text())
     return report
@@ -57,7 +58,7 @@ def test_a_rank_that_fails_ends_the_run_with_its_status(tmp_path: Path) -> None:
     streams = _streams(tmp_path / "streams")
     command = [sys.executable, "-m", "training", "--streams", str(streams)]
     command += ["--out", str(tmp_path / "out"), "--models", "tandem-tiny-draft"]
-    command += ["--steps", "2", "--ranks", "3"]  # 32 windows do not split over 3 ranks
+    command += ["--steps", "2", "--ranks", "3", "--batch", "8"]  # 8 windows over 3 ranks
     done = subprocess.run(command, cwd=ROOT, timeout=600, capture_output=True, text=True)
     assert done.returncode != 0
-    assert "does not split over 3 ranks" in done.stderr
+    assert "a batch of 8 does not split over 3 ranks" in done.stderr

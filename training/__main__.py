@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=TRAINED_DIR)
     parser.add_argument("--models", default=",".join(TRAINED_MODELS))
     parser.add_argument("--steps", type=int, default=Recipe.steps)
+    parser.add_argument("--batch", type=int, default=Recipe.batch, help="windows a step")
+    parser.add_argument("--context", type=int, default=Recipe.context, help="tokens a window")
     parser.add_argument(
         "--check", action="store_true", help="compare with the committed training reports"
     )
@@ -88,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
 
     failures = 0
     for name in args.models.split(","):
-        recipe = replace(Recipe(), model=name, steps=args.steps)
+        recipe = replace(
+            Recipe(), model=name, steps=args.steps, batch=args.batch, context=args.context
+        )
         start = time.monotonic()
         model, _, train_loss, held = train(recipe, train_ids, held_ids, log, group)
         if not leader:
@@ -124,6 +128,7 @@ def _launch(args: argparse.Namespace, count: int) -> int:
             streams = Path(scratch)
             main(["--prepare", "--out", str(streams)])
         argv = ["--out", str(args.out), "--models", args.models, "--steps", str(args.steps)]
+        argv += ["--batch", str(args.batch), "--context", str(args.context)]
         argv += ["--streams", str(streams), "--device", args.device]
         print(f"training in {count} ranks (training/ranks.py)")
         return ranks.launch(count, argv + (["--check"] if args.check else []))
