@@ -21,7 +21,13 @@ from engine_service.loop.scheduler import Scheduler
 from engine_service.model.loaded import LoadedModel
 from engine_service.protocol.events import Event, Finished, Started, Token
 from engine_service.protocol.kv_codec import PLAIN_KV, KVCodec
-from engine_service.protocol.requests import DraftSupport, GenerationRequest, stop_token_ids
+from engine_service.protocol.requests import (
+    EXACT_RECORD,
+    DraftSupport,
+    GenerationRequest,
+    RecordFormat,
+    stop_token_ids,
+)
 from engine_service.protocol.sampling_options import SamplingOptions
 
 
@@ -93,16 +99,21 @@ def kept_generation(
     rid: str = "kept",
     all_sent: bool = True,
     planned: bool = True,
+    record: RecordFormat = EXACT_RECORD,
+    emitted: list[int] | None = None,
 ) -> tuple[GenerationRequest, bytes]:
     """A checkpointed generation of `tokens`-odd tokens whose client went away: a client that
     goes away keeps its checkpoint (finished ones are deleted). Its request and generation
     key. Planned as the engine's core plans it (a stored prefix of its prompt restored).
     all_sent: every record it queued reached the store (else only the flush's end).
-    planned: False to prefill its whole prompt whatever is stored."""
+    planned: False to prefill its whole prompt whatever is stored. record: how its prompt's
+    prefix record is kept (and which records it restores). emitted: extended with the tokens
+    the row sent."""
     scheduler = Scheduler(tiny, Limits(max_running=2), checkpoints=checkpoints)
     scheduler.start()
     request = request_for(tiny, rid, list(prompt), 4000)
     request.checkpoint_interval = 8
+    request.prefix_record = record
     sink = Collector()
     planner = Planner(checkpoints, DraftSupport())
     plan = planner.plan(request) if planned and planner.needed(request) else None
@@ -111,6 +122,8 @@ def kept_generation(
     scheduler.cancel(rid, keep_checkpoint=True)
     sink.wait()
     scheduler.shutdown()
+    if emitted is not None:
+        emitted.extend(sink.tokens)
     flushed = checkpoints.flush()
     assert flushed.durable or (not all_sent and flushed.missing == 0)
     gens = checkpoints.generations

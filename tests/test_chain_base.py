@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from engine_service.checkpoints.generation_meta import BASED_CODEC_VERSION, segment_key
 from engine_service.checkpoints.manager import CheckpointManager, CheckpointSettings
+from engine_service.core.planner import Planner
 from engine_service.errors import NotFound
 from engine_service.loop.limits import Limits
 from engine_service.loop.scheduler import Scheduler
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
+from engine_service.protocol.requests import DraftSupport, RecordFormat
 from tandem_client import StoreClient
 from tandem_client.identity import prefix_key
 from tests.generation_rows import Collector, continues_exactly, kept_generation, request_for
@@ -143,3 +146,68 @@ def test_a_chain_does_not_rest_on_another_engines_record_of_its_prompt(
     finally:
         first.close()
         second.close()
+
+
+def test_a_chain_rests_on_a_compressed_record_it_restored_from_the_store(
+    tiny: LoadedModel, inprocess_store: str
+) -> None:
+    """A request keeping its prefix as an 8-bit record: the first engine's row computed the
+    prompt's caches itself, which the compressed record does not hold, so its chain starts at
+    position 0. A fresh engine's row restores the prompt from that record and holds its
+    expansion bit for bit: its chain rests on the record, and the resume continues as the
+    row did."""
+    record = RecordFormat(bits=8)
+    first = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
+    fresh = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
+    try:
+        _, computed = kept_generation(tiny, first, PROMPT, tokens=20, rid="first", record=record)
+        emitted: list[int] = []
+        request, key = kept_generation(
+            tiny, fresh, PROMPT, tokens=40, rid="again", record=record, emitted=emitted
+        )
+        base = prefix_key(fresh.prefixes.scope("default", request.layout, record), PROMPT)
+        with StoreClient(inprocess_store) as store:
+            assert "chain_base" not in store.get_header(computed).metadata
+            meta = store.get_header(key).metadata
+            assert meta["chain_base"] == base.hex()
+            assert meta["base_tokens"] == str(len(PROMPT) - 1)
+            assert int(store.get_header(segment_key(key, 0)).metadata["start"]) == len(PROMPT) - 1
+        gens = fresh.generations
+        plan = gens.loads.load(key, "default", request.prompt, request.layout)
+        assert plan.base is not None and plan.base.key == base
+        caches = gens.loads.materialize(plan)
+        assert caches[0].offset == len(PROMPT) + len(plan.generated)
+        assert plan.replay == emitted[: len(plan.replay)]
+        # Not a cold prefill's continuation (the prefix is 8-bit): an uninterrupted row's
+        # that restored the same record on a third engine.
+        reference = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
+        try:
+            want = _planned_generation(tiny, reference, len(plan.replay) + 1, record)
+        finally:
+            reference.close()
+        assert want[:-1] == plan.replay
+        logits = tiny.model(mx.array([[plan.pending]]), cache=caches)
+        assert mx.argmax(logits[0, -1]).item() == want[-1]
+    finally:
+        first.close()
+        fresh.close()
+
+
+def _planned_generation(
+    tiny: LoadedModel, checkpoints: CheckpointManager, tokens: int, record: RecordFormat
+) -> list[int]:
+    """PROMPT's greedy tokens from the prefix the store serves it, run to the end."""
+    scheduler = Scheduler(tiny, Limits(max_running=2), checkpoints=checkpoints)
+    scheduler.start()
+    try:
+        request = request_for(tiny, "reference", PROMPT, tokens)
+        request.prefix_record = record
+        sink = Collector()
+        planner = Planner(checkpoints, DraftSupport())
+        scheduler.submit(request, sink, planner.plan(request))
+        sink.wait()
+        assert sink.started.cached_prompt_tokens == len(PROMPT) - 1  # restored, as the row was
+        assert sink.started.prefix_source.startswith("store")
+        return sink.tokens
+    finally:
+        scheduler.shutdown()

@@ -189,7 +189,10 @@ class CheckpointManager:
                 reason = "not restorable"
             else:
                 cached = plan.matched
-                if not r.prefix_record.tag:  # the store's copy holds these very bytes
+                # The store's copy holds these very bytes: an exact record, or a compressed
+                # one restored from the store (the row holds its expansion; the local tier
+                # keeps a compressed prompt's caches as computed, not as stored).
+                if not r.prefix_record.tag or plan.source == "store":
                     job.restored_prefix = ChainBase(plan.key, cached)
         elif isinstance(plan, PrefixMiss):
             job.plan = None  # a whole prefill, as a prompt that was never looked up
