@@ -19,6 +19,7 @@ from engine_service.loop.limits import Limits
 from engine_service.loop.scheduler import Scheduler
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
+from engine_service.protocol.kv_codec import Scheme
 from engine_service.protocol.requests import DraftSupport, RecordFormat
 from tandem_client import StoreClient
 from tandem_client.identity import prefix_key
@@ -148,15 +149,19 @@ def test_a_chain_does_not_rest_on_another_engines_record_of_its_prompt(
         second.close()
 
 
+@pytest.mark.parametrize(
+    "record",
+    [RecordFormat(bits=8), RecordFormat(bits=3, scheme=Scheme.TURBOQUANT)],
+    ids=["affine8", "turboquant3"],
+)
 def test_a_chain_rests_on_a_compressed_record_it_restored_from_the_store(
-    tiny: LoadedModel, inprocess_store: str
+    tiny: LoadedModel, inprocess_store: str, record: RecordFormat
 ) -> None:
-    """A request keeping its prefix as an 8-bit record: the first engine's row computed the
+    """A request keeping its prefix as a compressed record: the first engine's row computed the
     prompt's caches itself, which the compressed record does not hold, so its chain starts at
     position 0. A fresh engine's row restores the prompt from that record and holds its
     expansion bit for bit: its chain rests on the record, and the resume continues as the
     row did."""
-    record = RecordFormat(bits=8)
     first = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
     fresh = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
     try:
@@ -178,7 +183,7 @@ def test_a_chain_rests_on_a_compressed_record_it_restored_from_the_store(
         caches = gens.loads.materialize(plan)
         assert caches[0].offset == len(PROMPT) + len(plan.generated)
         assert plan.replay == emitted[: len(plan.replay)]
-        # Not a cold prefill's continuation (the prefix is 8-bit): an uninterrupted row's
+        # Not a cold prefill's continuation (the prefix is compressed): an uninterrupted row's
         # that restored the same record on a third engine.
         reference = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
         try:
