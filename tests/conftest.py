@@ -174,18 +174,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture
-def inprocess_store(tmp_path: Path) -> Iterator[str]:
-    """A real store in this process (its gRPC server on a loopback port, its LMDB file under
-    tmp_path), for domain tests of the engine's checkpoint code: its address."""
-    from store_service.config import StoreConfig
-    from store_service.server import create_server
-    from store_service.store import CheckpointStore
-
-    store = CheckpointStore(StoreConfig(data_dir=tmp_path / "store"))
-    server, port, _ = create_server(store, "127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.stop(None).wait()
-        store.close()
+def inprocess_store(store: InProcessStore) -> str:
+    """The address of the test's own store (`store`: served from this process, its LMDB file
+    under tmp_path), for domain tests of the engine's checkpoint code."""
+    return store.address

@@ -20,7 +20,7 @@ from engine_service.loop.scheduler import Scheduler
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
 from engine_service.protocol.kv_codec import Scheme
-from engine_service.protocol.requests import DraftSupport, RecordFormat
+from engine_service.protocol.requests import EXACT_RECORD, DraftSupport, RecordFormat
 from tandem_client import StoreClient
 from tandem_client.identity import prefix_key
 from tests.generation_rows import Collector, continues_exactly, kept_generation, request_for
@@ -33,19 +33,30 @@ def tiny(engine_data_dir: Path) -> LoadedModel:
     return load_model("", engine_data_dir)
 
 
-def _finished_generation(tiny: LoadedModel, checkpoints: CheckpointManager) -> None:
-    """A checkpointed generation of PROMPT run to its end (its checkpoint is deleted)."""
+def _run_to_end(
+    tiny: LoadedModel,
+    checkpoints: CheckpointManager,
+    tokens: int,
+    interval: int = 0,
+    record: RecordFormat = EXACT_RECORD,
+    planned: bool = False,
+) -> Collector:
+    """A generation of PROMPT run to its end (a checkpointed one's checkpoint is deleted):
+    every `interval` tokens checkpointed, its prefix kept as `record`, planned as the core
+    plans it (a stored prefix restored) or prefilled whole."""
     scheduler = Scheduler(tiny, Limits(max_running=2), checkpoints=checkpoints)
     scheduler.start()
     try:
-        request = request_for(tiny, "finished", PROMPT, 40)
-        request.checkpoint_interval = 8
+        request = request_for(tiny, "to-the-end", PROMPT, tokens)
+        request.checkpoint_interval = interval
+        request.prefix_record = record
         sink = Collector()
-        scheduler.submit(request, sink)
+        plan = Planner(checkpoints, DraftSupport()).plan(request) if planned else None
+        scheduler.submit(request, sink, plan)
         sink.wait()
+        return sink
     finally:
         scheduler.shutdown()
-    assert checkpoints.flush().durable
 
 
 def test_a_chain_rests_on_its_prompts_prefix_record(
@@ -81,7 +92,8 @@ def test_a_chain_rests_on_its_prompts_prefix_record(
                 assert plan.parts[0].key == base
                 continues_exactly(tiny, gens, plan, PROMPT)
 
-            _finished_generation(tiny, checkpoints)
+            _run_to_end(tiny, checkpoints, 40, interval=8)
+            assert checkpoints.flush().durable
             assert store.inspect(base).leases == leases  # its own lease given back
 
             store.admin_delete(base, force=True)
@@ -187,32 +199,15 @@ def test_a_chain_rests_on_a_compressed_record_it_restored_from_the_store(
         # that restored the same record on a third engine.
         reference = CheckpointManager(tiny, CheckpointSettings(store=inprocess_store))
         try:
-            want = _planned_generation(tiny, reference, len(plan.replay) + 1, record)
+            ran = _run_to_end(tiny, reference, len(plan.replay) + 1, record=record, planned=True)
         finally:
             reference.close()
+        assert ran.started.cached_prompt_tokens == len(PROMPT) - 1  # restored, as the row was
+        assert ran.started.prefix_source.startswith("store")
+        want = ran.tokens
         assert want[:-1] == plan.replay
         logits = tiny.model(mx.array([[plan.pending]]), cache=caches)
         assert mx.argmax(logits[0, -1]).item() == want[-1]
     finally:
         first.close()
         fresh.close()
-
-
-def _planned_generation(
-    tiny: LoadedModel, checkpoints: CheckpointManager, tokens: int, record: RecordFormat
-) -> list[int]:
-    """PROMPT's greedy tokens from the prefix the store serves it, run to the end."""
-    scheduler = Scheduler(tiny, Limits(max_running=2), checkpoints=checkpoints)
-    scheduler.start()
-    try:
-        request = request_for(tiny, "reference", PROMPT, tokens)
-        request.prefix_record = record
-        sink = Collector()
-        planner = Planner(checkpoints, DraftSupport())
-        scheduler.submit(request, sink, planner.plan(request))
-        sink.wait()
-        assert sink.started.cached_prompt_tokens == len(PROMPT) - 1  # restored, as the row was
-        assert sink.started.prefix_source.startswith("store")
-        return sink.tokens
-    finally:
-        scheduler.shutdown()
