@@ -26,7 +26,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +45,7 @@ from bench.checkpoint_restore import (  # noqa: E402
     bench_restore,
     random_prompt,
 )
+from bench.decode_cost import bench_decode  # noqa: E402
 from bench.engine_bench import model_spec  # noqa: E402
 from engine_service import blas  # noqa: E402
 from engine_service.model.loading import load_model  # noqa: E402
@@ -259,101 +259,6 @@ def bench_batched_resume(stack: dict, vocab: int, streams: int, tokens: int) -> 
     equal = sum(p + r == f for p, r, f in zip(partial, rest, full, strict=True))
     print(f"  {equal}/{streams} concurrently resumed streams equal their uninterrupted run")
     return {"streams": streams, "equal": equal}
-
-
-@dataclass
-class DecodeRun:
-    """One decode run: its tokens/s, and the share of its wall time the engine's step loop
-    spent on generation checkpoints (Stats' capture_seconds: a direct measure of their cost
-    on the critical path, with none of the run-to-run drift that throughput pairs carry)."""
-
-    tokens_per_second: float
-    capture_share: float
-    saved_bytes: int  # what its checkpoints stored (Stats' saved_bytes)
-
-
-async def _decode(address: str, prompts: list[list[int]], tokens: int, interval: int) -> DecodeRun:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = engine_pb2_grpc.EngineStub(channel)
-        stats = engine_pb2.EngineStatsRequest()
-
-        async def one(i: int, prompt: list[int]) -> int:
-            request = engine_pb2.GenerateRequest(
-                token_ids=prompt,
-                max_tokens=tokens,
-                checkpoint_interval=interval,
-                request_id=f"decode-{interval}-{i}-{time.monotonic_ns()}",
-                sampling=engine_pb2.SamplingParams(ignore_eos=True),
-            )
-            count = 0
-            async for message in stub.Generate(request):
-                count += len(message.token_ids)
-            return count
-
-        before = (await stub.Stats(stats)).checkpoints
-        captured, saved = before.capture_seconds, before.saved_bytes
-        start = time.perf_counter()
-        counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        seconds = time.perf_counter() - start
-        if interval:  # the records reached the store (prefixes too: a Flush waits for them)
-            await stub.Flush(engine_pb2.EngineFlushRequest())
-        after = (await stub.Stats(stats)).checkpoints
-        return DecodeRun(
-            sum(counts) / seconds,
-            (after.capture_seconds - captured) / seconds,
-            after.saved_bytes - saved,
-        )
-
-
-def bench_decode(
-    address: str, vocab: int, repeat: int, tokens: int = 256, prompt_tokens: int = 64
-) -> list[dict]:
-    """Off and on runs alternate, and the cost is the median of the pairs' ratios: this box's
-    speed drifts by tens of percent between runs, which separate blocks would mistake for cost.
-    Prints the pairs' interquartile range beside their extremes (a lent GPU's rare stalls
-    swing single pairs by tens of percent)."""
-    rows = []
-    for streams in (1, 8):
-        prompts = [random_prompt(prompt_tokens, vocab, seed=1000 + i) for i in range(streams)]
-        offs, ons, shares, stored = [], [], [], []
-        asyncio.run(_decode(address, prompts, 64, 0))  # warm both paths first
-        asyncio.run(_decode(address, prompts, 64, 16))
-        for pair in range(repeat):
-            # ABBA: the side that runs first alternates, so a drift within a pair cancels.
-            for interval in (0, 16) if pair % 2 == 0 else (16, 0):
-                run = asyncio.run(_decode(address, prompts, tokens, interval))
-                (ons if interval else offs).append(run.tokens_per_second)
-                if interval:
-                    shares.append(run.capture_share)
-                    stored.append(run.saved_bytes / streams)
-        costs = [1 - on / off for off, on in zip(offs, ons, strict=True)]
-        cost = statistics.median(costs)
-        low, _, high = statistics.quantiles(costs, n=4) if len(costs) > 1 else (cost,) * 3
-        off, on = statistics.median(offs), statistics.median(ons)
-        share = statistics.median(shares)
-        rows.append(
-            {
-                "streams": streams,
-                "off_tps": off,
-                "interval16_tps": on,
-                "cost": cost,
-                "costs": costs,
-                "capture_share": share,
-                "capture_shares": shares,
-                "stored_bytes_a_generation": stored,
-            }
-        )
-        print(
-            f"  {streams} stream(s): off {off:7.0f} tok/s   every 16 tokens {on:7.0f} tok/s   "
-            f"cost {100 * cost:5.1f}% (quartiles {100 * low:.1f} to {100 * high:.1f}, extremes "
-            f"{100 * min(costs):.1f} to {100 * max(costs):.1f}; median of {repeat} paired runs "
-            f"of {tokens} tokens a stream, ABBA); the step loop's time on checkpoints "
-            f"{100 * share:.2f}% of the runs' wall time ({100 * min(shares):.2f}-"
-            f"{100 * max(shares):.2f}); stored a generation "
-            f"{statistics.median(stored) / 2**20:.1f} MiB (its checkpoints, and a prompt's "
-            f"prefix record when one was saved)"
-        )
-    return rows
 
 
 def round_phases(log: Path) -> None:
