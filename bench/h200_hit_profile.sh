@@ -11,8 +11,9 @@
 # 4-bit TurboQuant prefix records (the engine's path, not only the in-process restore).
 # Part c: decode with a checkpoint every 16 tokens against off, 16 ABBA pairs of 512 tokens,
 # and the share of each run the engine's step loop spent on checkpoints (Stats'
-# capture_seconds; issue 37's aim is at most 3%), and where a round's time goes (the
-# engine's debug lines: capture, stage, wait, queue). Part s: part r's resume alone. Part n: the
+# capture_seconds; issue 37's aim is at most 3%), the steady cost beside the plain one (each
+# gap between tokens capped at 4x the median: bench/decode_cost.py), and where a round's time
+# goes (the engine's debug lines: capture, stage, wait, queue). Part s: part r's resume alone. Part n: the
 # 8k hit with MLX's CUDA graphs off (MLX_USE_CUDA_GRAPHS=0), for the gather launches' host
 # time: MLX-CUDA adds each kernel to a graph it instantiates or updates at each evaluation,
 # the suspect for ~2 ms a launch group. Part f: mlx-lm's BatchGenerator against the engine's
