@@ -52,27 +52,23 @@ class DecodeRun:
 
 
 def steady_rate(streams: list[StreamTimes], factor: float = STALL_FACTOR) -> tuple[float, int]:
-    """The streams' summed tokens/s after their first message, each stream's gaps capped at
-    factor x the median gap a token of all the streams' gaps; and how many were capped.
-    Streams run side by side, so their rates add."""
-    per_token = [
-        (s.arrivals[i] - s.arrivals[i - 1]) / s.tokens[i]
+    """The streams' summed tokens/s after their first message, each gap capped at factor x
+    the median gap a token of all the streams' gaps; and how many were capped. Streams run
+    side by side, so their rates add. (Every message recorded carries a token.)"""
+    gaps = [
+        [(s.arrivals[i] - s.arrivals[i - 1], s.tokens[i]) for i in range(1, len(s.arrivals))]
         for s in streams
-        for i in range(1, len(s.arrivals))
-        if s.tokens[i]
     ]
+    per_token = [gap / count for stream in gaps for gap, count in stream]
     if not per_token:
         return 0.0, 0
     cap = factor * statistics.median(per_token)
     rate, capped = 0.0, 0
-    for s in streams:
-        seconds, tokens = 0.0, 0
-        for i in range(1, len(s.arrivals)):
-            gap, count = s.arrivals[i] - s.arrivals[i - 1], s.tokens[i]
-            if gap > cap * max(count, 1):
-                gap, capped = cap * max(count, 1), capped + 1
-            seconds, tokens = seconds + gap, tokens + count
-        rate += tokens / seconds if seconds > 0 else 0.0
+    for stream in gaps:
+        kept = [min(gap, cap * count) for gap, count in stream]
+        capped += sum(k < gap for k, (gap, _) in zip(kept, stream, strict=True))
+        seconds = sum(kept)
+        rate += sum(count for _, count in stream) / seconds if seconds > 0 else 0.0
     return rate, capped
 
 
