@@ -89,7 +89,7 @@ def bench_restore(
     region = SharedRegion(max(region_bytes, nbytes + (64 << 20)))
     near = StoreClient(store.address, timeout=1800)
     near.attach_region(region, slots=1)
-    landing = landing_for(region)
+    landing = landing_for(region, 2 * len(caches))
     originals = [a for c in caches for a in c.state if isinstance(a, mx.array)]
     try:
         for i in range(2 * repeat + 2):

@@ -141,18 +141,25 @@ def allocation_host_times(cuda: DevicePool | None, nbytes: int, rounds: int) -> 
     )
 
 
-def time_planes(client: StoreClient, landing, mib: int, counts: list[int], rounds: int) -> None:  # noqa: ANN001
-    """A KV-shaped record of about mib MiB (28 layers of [1, 8, T, 128] keys and values)
-    landed as planes with room at each count of planes a launch, interleaved: the launches'
-    host time and the landing's whole time, medians."""
-    positions = (mib << 20) // (56 * 8 * 256)
+def time_planes(  # noqa: PLR0913
+    client: StoreClient,
+    landing,  # noqa: ANN001
+    mib: int,
+    counts: list[int],
+    rounds: int,
+    layers: int,
+) -> None:
+    """A KV-shaped record of about mib MiB (layers of [1, 8, T, 128] keys and values) landed
+    as planes with room at each count of planes a launch (0: all in one, the engine's),
+    interleaved: the launches' host time and the landing's whole time, medians."""
+    positions = (mib << 20) // (2 * layers * 8 * 256)
     shape = (1, 8, positions, 128)
     kv = Checkpoint(
         key=b"planes-timed",
         kind="prefix",
         tensors=[
             Tensor(f"l{i}.{kind}", "bfloat16", shape, np.zeros(shape, np.uint16))
-            for i in range(28)
+            for i in range(layers)
             for kind in ("k", "v")
         ],
     )
@@ -182,14 +189,15 @@ def time_planes(client: StoreClient, landing, mib: int, counts: list[int], round
             del planes
             if r:
                 times[(count, cleared)].append((launched - start, done - start))
-    direct_planes.PLANES_PER_LAUNCH = counts[0]
+    direct_planes.PLANES_PER_LAUNCH = 0
     for (count, cleared), pairs in times.items():
         launch = statistics.median(p[0] for p in pairs) * 1e3
         whole = statistics.median(p[1] for p in pairs) * 1e3
         cache = "MLX's cache emptied" if cleared else "MLX's cache kept"
+        width = count or "all"
         print(
-            f"  planes, {count} a launch, {cache} ({mib} MiB): launches {launch:.1f} ms, "
-            f"all {whole:.1f} ms"
+            f"  planes, {width} a launch, {cache} ({mib} MiB, {layers} layers): launches "
+            f"{launch:.1f} ms, all {whole:.1f} ms"
         )
 
 
@@ -206,7 +214,11 @@ def main() -> None:
     parser.add_argument(
         "--planes-per-launch",
         default="",
-        help="also the planes landing at each of these counts of planes a launch (e.g. 8,64)",
+        help="also the planes landing at each of these counts of planes a launch (e.g. 8,64;"
+        " 0: all in one, the engine's)",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=28, help="the planes landing's layers (28: Qwen3-0.6B's)"
     )
     parser.add_argument(
         "--groups",
@@ -224,7 +236,7 @@ def main() -> None:
             with SharedRegion(max(256 << 20, (args.mib + 64) << 20)) as region:
                 direct = StoreClient(f"127.0.0.1:{port}", timeout=600)
                 direct.attach_region(region, direct=True)
-                landing = landing_for(region)
+                landing = landing_for(region, 2 * args.layers)
                 print(f"{mx.default_device()}: landing {landing.kind}")
                 if args.pool:
                     for nbytes in (1 << 30, args.mib << 20):
@@ -254,7 +266,7 @@ def main() -> None:
                     copied.attach_region(copied_region, direct=False)
                     routes = {
                         "direct": (direct, landing),
-                        "region": (copied, landing_for(copied_region)),
+                        "region": (copied, landing_for(copied_region, 2 * args.layers)),
                     }
                     if args.pool:
                         routes["direct, pool kept"] = (direct, landing)
@@ -305,7 +317,7 @@ def main() -> None:
                     )
                 counts = [int(c) for c in args.planes_per_launch.split(",") if c]
                 if counts:
-                    time_planes(direct, landing, args.mib, counts, args.rounds)
+                    time_planes(direct, landing, args.mib, counts, args.rounds, args.layers)
                 for groups in [int(g) for g in args.groups.split(",") if g]:
                     direct_landing.GROUPS = groups
                     direct_landing.MIN_GROUP_BYTES = 1 << 20

@@ -29,7 +29,8 @@
 # shape's 8k hit. Part q:
 # the quick round (the planes' bytes, the pool probe at 8k size, the 8k and 32k hits).
 # Part w: the 8k and 32k hits by the plane gather in one launch against launches of 8
-# planes (two engines, interleaved). Issue 37's device calls in the eighth session: "r e", "c", "k w",
+# planes (two engines, interleaved). Part d: a 64-layer model's hit (128 planes) in one launch
+# against launches of 64. Issue 37's device calls in the eighth session: "r e", "c", "k w",
 # then "s w" and "c". The next: "c s w" (the round changes after dc65e40 and the ninth
 # session's: one stacked tensor a segment record, later segments' own tokens only, full runs
 # settling into parts; then the regions' prefault, one launch against 8), then "l"
@@ -114,6 +115,16 @@ for part in ${1:-g r p t}; do
           --routes direct,direct-8-a-launch 2>&1 | grep -v '^  round' \
           | tee "$out/hit_${tokens}_one_launch.txt"
       done
+      ;;
+    d)
+      # A model of more than 32 layers (Qwen3-32B's 64: 128 planes, 2 GiB at 8k): its hit's
+      # planes in one launch (the engine's now) against launches of 64 (the engine's widest
+      # before), the landing alone, then the engine's hits on two engines, interleaved.
+      timeout 150 python3 bench/direct_landing_check.py --mib 2048 --rounds 4 --layers 64 \
+        --planes-per-launch 64,0 2>&1 | tee "$out/deep_landing.txt"
+      timeout 300 python3 bench/hit_floor_bench.py --cold --routes direct,direct-64-a-launch \
+        --model qwen3-64-layers-shape --tokens 8192 --pairs 4 --think-s 0.5 --capacity-gib 16 \
+        2>&1 | grep -v '^  round' | tee "$out/hit_deep_8k.txt"
       ;;
     e)
       timeout 300 python3 bench/hit_floor_bench.py --cold --routes direct --model llama3-8b-shape \

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import statistics
 import sys
 import tempfile
@@ -145,6 +146,13 @@ def front_ttfts(log: Path) -> list[float]:
     return out[1:] or out
 
 
+def _launch_width_env(route: str) -> dict[str, str] | None:
+    """direct-N-a-launch: the engine's environment that makes its direct hits launch N planes
+    at a time."""
+    match = re.fullmatch(r"direct-(\d+)-a-launch", route)
+    return {"TANDEM_PLANES_PER_LAUNCH": match.group(1)} if match else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tandem-tiny")
@@ -153,8 +161,8 @@ def main() -> None:
     parser.add_argument(
         "--routes",
         default="direct",
-        help="comma list of direct, region, and direct-8-a-launch (direct hits landed by "
-        "launches of 8 planes each, TANDEM_PLANES_PER_LAUNCH=8, against the default one)",
+        help="comma list of direct, region, and direct-N-a-launch (direct hits landed by "
+        "launches of N planes each, TANDEM_PLANES_PER_LAUNCH=N, against the default: all in one)",
     )
     parser.add_argument(
         "--cold", action="store_true", help="also the engine's cold prefill of a new prompt"
@@ -204,7 +212,7 @@ def main() -> None:
                 "--log-level",
                 "debug",
                 log_dir=root / route,
-                env={"TANDEM_PLANES_PER_LAUNCH": "8"} if route == "direct-8-a-launch" else None,
+                env=_launch_width_env(route),
             )
             for route in routes
         }

@@ -22,7 +22,12 @@ import mlx.core as mx
 import pytest
 
 from engine_service.checkpoints.device_landing import PinnedLanding
-from engine_service.checkpoints.direct_planes import PLANES_PER_LAUNCH, PlaneGather, plane_pieces
+from engine_service.checkpoints.direct_planes import (
+    PlaneGather,
+    kernel_outputs,
+    launch_width,
+    plane_pieces,
+)
 from engine_service.kv import row_attention_cuda, turboquant_cuda
 from engine_service.model import invariant_matmul_cuda
 from engine_service.model.invariant_matmul_cuda import ROWS, Asked, invariant_matmul
@@ -190,8 +195,10 @@ def test_the_turboquant_kernels_compile(nvrtc: Nvrtc, recorder: Recorder) -> Non
 
 
 def test_the_plane_gather_compiles_at_each_launch_width(nvrtc: Nvrtc, recorder: Recorder) -> None:
-    """checkpoints/direct_planes.py: a direct store hit's planes gathered by one launch of 64
-    outputs (the engine's) or 8, from a file's chunks (here one chunk a tensor)."""
+    """checkpoints/direct_planes.py: a direct store hit's planes gathered by one launch of each
+    width the engine's kernels have (64 outputs: up to 32 layers; 256: up to 128, a pointer
+    an output in the kernel's parameters) or of 8, from a file's chunks (here one chunk a
+    tensor)."""
     group = []
     for index in range(3):
         shape = (1, 8, 40 + index, 128)
@@ -199,7 +206,9 @@ def test_the_plane_gather_compiles_at_each_launch_width(nvrtc: Nvrtc, recorder: 
         pieces = plane_pieces(tensor, [(4096 * 64 * index, tensor.nbytes)], 40 + index, 296)
         assert pieces is not None
         group.append((tensor, pieces))
-    for outputs in (PLANES_PER_LAUNCH, 8):
+    widths = {kernel_outputs(launch_width(planes)) for planes in (56, 64, 80, 160, 256, 400)}
+    assert widths == {64, 128, 192, 256}
+    for outputs in (*sorted(widths), 8):
         planes = PlaneGather().launch(group, 1 << 20, 296, outputs)
         assert [p.shape for p in planes.values()] == [(1, 8, 296, 128)] * 3
     _check(nvrtc, recorder)

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine_service.checkpoints import direct_planes
 from engine_service.checkpoints.device_landing import host_plane
 from engine_service.checkpoints.direct_planes import plane_pieces
 from tandem_client.records import Tensor
@@ -74,3 +75,20 @@ def test_what_the_plane_gather_cannot_read_is_left_to_the_host() -> None:
     assert plane_pieces(narrow, [(0, 128)], 4, 16) is None
     flat = Tensor("k", "bfloat16", (16, 8), bytes(256))
     assert plane_pieces(flat, whole, 4, 16) is None
+
+
+def test_a_hit_lands_in_one_launch_up_to_the_widest_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every plane of a hit in one launch (allocating while earlier gathers read over PCIe
+    cost ~1 ms a plane on an H100), from a few kernels of WIDTH_STEP steps: Qwen3-0.6B's 56
+    planes and Llama-3-8B's 64 take the 64-output kernel, Qwen3-32B's 128 and Llama-3-70B's
+    160 one launch of a wider one; past the widest, launches of it."""
+    assert direct_planes.PLANES_PER_LAUNCH == 0  # the engine's default: not set
+    widths = {planes: direct_planes.launch_width(planes) for planes in (1, 56, 64, 128, 160, 300)}
+    assert widths == {1: 1, 56: 56, 64: 64, 128: 128, 160: 160, 300: 256}
+    outputs = {w: direct_planes.kernel_outputs(w) for w in widths.values()}
+    assert outputs == {1: 64, 56: 64, 64: 64, 128: 128, 160: 192, 256: 256}
+    monkeypatch.setattr(direct_planes, "PLANES_PER_LAUNCH", 8)  # a bench's forced width
+    assert direct_planes.launch_width(160) == 8
+    assert direct_planes.kernel_outputs(8) == 8

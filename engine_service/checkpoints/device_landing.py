@@ -306,8 +306,9 @@ class PinnedLanding(Landing):
         if pending:
             mx.eval(pending)
 
-    def warm(self) -> None:
-        """Compiles the kernel now (~1.4 s on first use) rather than on the first restore."""
+    def warm(self, kv_planes: int) -> None:
+        """Compiles the kernels now (~1.4 s on first use) rather than on the first restore;
+        the plane gather's for a hit of the model's kv_planes (keys and values a layer)."""
         probe = self.region.buf[4096 : 4096 + (1 << 20)]
         arr = self.array(Tensor("warm", "uint8", (probe.nbytes,), probe))
         self.settle()
@@ -319,7 +320,7 @@ class PinnedLanding(Landing):
         if pushed is None or bytes(pushed[0]) != np.array(source).tobytes():
             raise RuntimeError("the pinned push wrote other bytes than the device holds")
         self._file_pins = FilePins(self._cuda, self.settle)
-        self._file_pins.warm(self._device_base + 4096, probe)
+        self._file_pins.warm(self._device_base + 4096, probe, kv_planes)
 
     def close(self) -> None:
         self.settle()
@@ -334,13 +335,14 @@ def _address(tensor: Tensor) -> int:
     return np.frombuffer(data, np.uint8).ctypes.data if data.nbytes else 0
 
 
-def landing_for(region: SharedRegion | None) -> Landing:
-    """The best landing this backend offers for the region (the host copy when in doubt)."""
+def landing_for(region: SharedRegion | None, kv_planes: int) -> Landing:
+    """The best landing this backend offers for the region (the host copy when in doubt), for
+    a model whose prefix records hold kv_planes KV planes (its direct hits' launch width)."""
     if region is None or not mx.cuda.is_available():
         return Landing()
     try:
         pinned = PinnedLanding(region, CudaRuntime.load())
-        pinned.warm()
+        pinned.warm(kv_planes)
     except (OSError, RuntimeError, AttributeError) as exc:
         log.warning("restores copy through the host (no pinned device path: %s)", exc)
         return Landing()

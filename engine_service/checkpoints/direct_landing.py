@@ -274,11 +274,12 @@ class FilePins:
             return {}
         ensured = time.perf_counter()
         planes: dict[int, mx.array] = {}
-        per_launch = direct_planes.PLANES_PER_LAUNCH  # read here: a probe may set another
+        width = direct_planes.launch_width(len(usable))
+        outputs = direct_planes.kernel_outputs(width)
         with mx.stream(self._gather_stream()):
-            for at in range(0, len(usable), per_launch):
-                group = usable[at : at + per_launch]
-                pulled = self._planes.launch(group, file.base, columns, per_launch)
+            for at in range(0, len(usable), width):
+                group = usable[at : at + width]
+                pulled = self._planes.launch(group, file.base, columns, outputs)
                 mx.async_eval(list(pulled.values()))  # in layer order, as `arrays`
                 planes.update(pulled)
         self._log_phases(started, ensured)
@@ -329,19 +330,21 @@ class FilePins:
             for t, start in placed
         }
 
-    def warm(self, device_address: int, host: memoryview) -> None:
-        """Compiles the gather kernel now (a second or so on first use), not in the first
-        restore, which the restore-or-prefill choice would take for the route's speed:
-        gathers host's bytes (pinned, at device_address) in two pieces and checks them."""
+    def warm(self, device_address: int, host: memoryview, kv_planes: int) -> None:
+        """Compiles the gather kernels now (a second or so each on first use), not in the
+        first restore, which the restore-or-prefill choice would take for the route's speed:
+        gathers host's bytes (pinned, at device_address) in two pieces and checks them; the
+        plane gather's kernel is the one a hit of kv_planes planes launches."""
         half = host.nbytes // 32 * 16
         table = [device_address, 0, half // 16, device_address + half, half, half // 16]
         pulled = self._gather(table, 2 * half, half)
         want = np.frombuffer(host, np.uint8)[: 2 * half]
         if not bool(mx.array_equal(pulled, mx.array(want))):
             raise RuntimeError("the gather read other bytes than the host holds")
-        self.gathers_planes = self._plane_gather_works(device_address, host)
+        outputs = direct_planes.kernel_outputs(direct_planes.launch_width(kv_planes))
+        self.gathers_planes = self._plane_gather_works(device_address, host, outputs)
 
-    def _plane_gather_works(self, device_address: int, host: memoryview) -> bool:
+    def _plane_gather_works(self, device_address: int, host: memoryview, outputs: int) -> bool:
         """The plane gather checked the same way, 2 heads of 64 positions, 40 kept in planes
         of 96 columns; one that fails leaves direct hits to the group gather (logged)."""
         kv = Tensor("warm", "uint16", (1, 2, 64, 64), b"")
@@ -351,7 +354,7 @@ class FilePins:
         expected = np.zeros((1, 2, 96, 64), np.uint16)
         expected[:, :, :40] = source[:, :, :40]
         try:
-            plane = self._planes.launch([(kv, pieces)], device_address, 96)[id(kv)]
+            plane = self._planes.launch([(kv, pieces)], device_address, 96, outputs)[id(kv)]
             if bool(mx.array_equal(plane, mx.array(expected))):
                 return True
             problem = "it read other bytes than the host holds"

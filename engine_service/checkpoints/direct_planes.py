@@ -8,16 +8,17 @@ next tokens into it in place, but only when the plane owns its buffer: the group
 must copy whole, on the generation stream, before the first layer's forward pass can start.
 So here each plane is its own kernel output: the first `keep` positions of each head read
 from the data file's pinned pages, the rest of the plane zeros (KV past a row's length is
-never read unmasked, but must be finite), up to PLANES_PER_LAUNCH planes a launch (every
-plane of a model of up to 32 layers in one), in the model's layer order. (On the H200 the
-merge's copy went and the hit's time moved within the runs' noise: docs/performance.md,
-2026-12-05, fifth session.)
+never read unmasked, but must be finite), every plane of a hit in one launch (up to
+MAX_PLANES_PER_LAUNCH), in the model's layer order. (On the H200 the merge's copy went and the
+hit's time moved within the runs' noise: docs/performance.md, 2026-12-05, fifth session.)
 
 One launch, not a launch every few layers: a launch allocates its outputs, and allocating while
 earlier gathers read pinned pages over PCIe cost ~1 ms of CUDA's host time a plane (46 ms of
 a 32k-token hit's launches on an H100). Launches of 8 planes let the forward pass start on
 layer 0 while later layers crossed PCIe, but a 32k-token hit took 1.16-1.25x as long, and an
-8k one as long (docs/performance.md, eighth session).
+8k one as long (docs/performance.md, eighth session). A launch's outputs are fixed when its
+kernel is made, so widths come in steps of WIDTH_STEP (a few kernels, the model's compiled at
+start-up): a model of more than 32 layers (Qwen3-32B's 64, Llama-3-70B's 80) still lands in one.
 """
 
 from __future__ import annotations
@@ -31,11 +32,14 @@ import numpy as np
 
 from tandem_client.records import Tensor
 
-# Outputs of one launch (a kernel's outputs are fixed when it is made: one kernel per count,
-# compiled at start-up; bench/direct_landing_check.py --planes-per-launch times others, and
-# TANDEM_PLANES_PER_LAUNCH sets an engine's, for bench/hit_floor_bench.py --routes
-# direct,direct-8-a-launch).
-PLANES_PER_LAUNCH = int(os.environ.get("TANDEM_PLANES_PER_LAUNCH", "64"))
+WIDTH_STEP = 64  # a launch's outputs: a multiple of this (the planes of 32 layers)
+# The most outputs a launch takes: a pointer each in the kernel's parameters (2 KiB of CUDA's
+# 4 KiB), and the planes of a 128-layer model.
+MAX_PLANES_PER_LAUNCH = 256
+# Planes a launch when set (0: all of a hit's, up to the maximum): bench/direct_landing_check.py
+# --planes-per-launch times others, and TANDEM_PLANES_PER_LAUNCH sets an engine's, for
+# bench/hit_floor_bench.py --routes direct,direct-8-a-launch.
+PLANES_PER_LAUNCH = int(os.environ.get("TANDEM_PLANES_PER_LAUNCH", "0"))
 THREADS_PER_BLOCK = 256
 MAX_BLOCKS_PER_PIECE = 64
 GATHER_BLOCKS = 512  # thread blocks a launch uses at most: PCIe bounds it, not the SMs
@@ -120,6 +124,19 @@ def plane_bytes(tensor: Tensor, columns: int) -> int:
     return heads * columns * dim * np.dtype(_numpy_dtype(tensor.dtype)).itemsize
 
 
+def launch_width(planes: int) -> int:
+    """How many planes each launch of a hit of `planes` gathers (PLANES_PER_LAUNCH, read at
+    the call: a probe may set it)."""
+    return PLANES_PER_LAUNCH or min(MAX_PLANES_PER_LAUNCH, max(1, planes))
+
+
+def kernel_outputs(width: int) -> int:
+    """The outputs of the kernel a launch of `width` planes uses (the spare ones are 16
+    bytes each): few kernels to compile, one for every model of up to 32 layers (a width
+    PLANES_PER_LAUNCH forces, its own)."""
+    return PLANES_PER_LAUNCH or -(-width // WIDTH_STEP) * WIDTH_STEP
+
+
 def _numpy_dtype(name: str) -> str:
     return "uint16" if name == "bfloat16" else name
 
@@ -135,7 +152,7 @@ class PlaneGather:
         group: list[tuple[Tensor, PlanePieces]],
         base: int,
         columns: int,
-        outputs: int = PLANES_PER_LAUNCH,
+        outputs: int = WIDTH_STEP,
     ) -> dict[int, mx.array]:
         """One launch of the kernel with `outputs` outputs (at least len(group)): each
         tensor's plane from its pieces (file offsets + base: the file's device address).

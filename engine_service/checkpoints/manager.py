@@ -119,7 +119,9 @@ class CheckpointManager:
         self.region = self._attach_region() if self.store is not None else None
         # Captures become host bytes, and store bytes arrays, through the region when the
         # store took one: one staging for prefixes and generations.
-        staging = HostStaging(landing_for(self.region), self.store if self.region else None)
+        # A layer's keys and values: the planes of a direct hit, landed in one launch.
+        landing = landing_for(self.region, 2 * len(loaded.layout))
+        staging = HostStaging(landing, self.store if self.region else None)
         self.prefixes = PrefixReuse(
             self.model_id,
             PrefixCache(settings.local_cache_bytes),
