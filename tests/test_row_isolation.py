@@ -1,4 +1,6 @@
-"""A row the model fails on mid-stream ends alone; the rows batched with it go on exactly.
+"""A row the model fails on mid-stream ends alone; the rows batched with it go on exactly. A step
+that runs the device out of memory is the batch's: its rows run again, fewer at a time, and a
+row that runs it out of memory alone ends RESOURCE_EXHAUSTED, not INTERNAL.
 
 In-process, on the tiny model whose attention is made to fail on affine-quantized rows past
 a length the start-up probe's short rows never reach (a failure nobody knew of: the probe
@@ -16,10 +18,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from engine_service.errors import Corrupt, ModelFailed
+from engine_service.errors import Corrupt, ModelFailed, Overloaded
 from engine_service.front.response_stream import RequestStream, respond
 from engine_service.kv.batch_cache import BatchQuantizedKVCache
 from engine_service.loop.limits import Limits
+from engine_service.loop.memory_pressure import RELAX_STEPS, is_out_of_memory
 from engine_service.loop.scheduler import Scheduler
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
@@ -96,7 +99,12 @@ def test_plain_streams_batched_with_a_failing_row_complete(tiny: LoadedModel) ->
 
 @pytest.mark.parametrize(
     "failure,kind",
-    [("ModelFailed", ModelFailed), ("Corrupt", Corrupt), ("", ModelFailed)],
+    [
+        ("ModelFailed", ModelFailed),
+        ("Corrupt", Corrupt),
+        ("", ModelFailed),
+        ("Overloaded", Overloaded),
+    ],
 )
 def test_a_row_that_failed_in_the_engine_ends_its_stream_with_a_status(
     tiny: LoadedModel, failure: str, kind: type[Exception]
@@ -155,3 +163,107 @@ def test_a_first_token_already_sent_is_kept_when_the_next_step_fails(tiny: Loade
         assert scheduler.stats().isolated_failures_total == 1
     finally:
         scheduler.shutdown()
+
+
+# What MLX-CUDA raised on an H100 when 8 rows of 8,192-token prompts ran it out of memory.
+CUDA_OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"
+
+
+class RunsOutOfMemoryPastRows:
+    """The model, raising MLX-CUDA's allocation failure on any call over more than `rows` rows
+    once armed (after the start-up probe): a device with room for `rows` rows at a time."""
+
+    def __init__(self, model: Any, rows: int) -> None:
+        self.model = model
+        self.rows = rows
+        self.armed = False
+        self.raised = 0
+        self.widest = 0  # the most rows a call ran with
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> Any:
+        if self.armed and inputs.shape[0] > self.rows:
+            self.raised += 1
+            raise RuntimeError(CUDA_OOM)
+        self.widest = max(self.widest, inputs.shape[0]) if self.armed else 0
+        return self.model(inputs, cache=cache, **kwargs)
+
+
+def test_rows_that_ran_the_device_out_of_memory_together_run_fewer_at_a_time(
+    tiny: LoadedModel,
+) -> None:
+    """Five streams on a device with room for two rows: every stream completes with the tokens
+    of its uninterrupted run (RELAX_STEPS is passed, so the ceiling rises into the failure
+    again), none ends with an error."""
+    crowded = RunsOutOfMemoryPastRows(tiny.model, 2)
+    loaded = LoadedModel(**{**tiny.__dict__, "model": crowded})
+    scheduler = Scheduler(loaded, Limits(max_running=8, max_queued=8))
+    scheduler.start()
+    crowded.armed = True
+    try:
+        length = RELAX_STEPS + 40
+        prompts = [list(range(20 + 5 * i, 50 + 3 * i)) for i in range(5)]
+        sinks = [Collector() for _ in prompts]
+        for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
+            scheduler.submit(request_for(loaded, f"crowded-{i}", prompt, length, KVCodec()), sink)
+        for prompt, sink in zip(prompts, sinks, strict=True):
+            end = sink.wait(300.0)
+            assert end.reason == "length", end.error
+            expected = generate_step(mx.array(prompt), tiny.model, max_tokens=length)
+            assert sink.tokens == [int(t) for t, _ in expected]
+        assert crowded.raised >= 2  # the first batch, and again once the ceiling rose
+        assert crowded.widest <= 2
+        assert scheduler.stats().isolated_failures_total == 0  # no request failed
+    finally:
+        scheduler.shutdown()
+
+
+class RunsOutOfMemoryOnLongRows(FailsOnLongBatches):
+    """FailsOnLongBatches with MLX-CUDA's allocation failure: the long row cannot run even
+    alone."""
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> Any:
+        if inputs.shape[1] == 1 and cache and cache[0].size() > self.past:
+            raise RuntimeError(CUDA_OOM)
+        return self.model(inputs, cache=cache, **kwargs)
+
+
+def test_a_row_that_runs_the_device_out_of_memory_alone_ends_resource_exhausted(
+    tiny: LoadedModel,
+) -> None:
+    loaded = LoadedModel(**{**tiny.__dict__, "model": RunsOutOfMemoryOnLongRows(tiny.model, 150)})
+    scheduler = Scheduler(loaded, Limits(max_running=4, max_queued=4))
+    scheduler.start()
+    try:
+        short, long = list(range(30, 60)), list(range(100, 300))
+        innocent, culprit = Collector(), Collector()
+        scheduler.submit(request_for(loaded, "short", short, 12, KVCodec()), innocent)
+        scheduler.submit(request_for(loaded, "long", long, 12, KVCodec()), culprit)
+        end = culprit.wait(120.0)
+        assert end.reason == "error" and end.failure == "Overloaded"
+        assert "out of memory" in end.error and "alone" in end.error
+        assert innocent.wait(120.0).reason == "length"
+        expected = generate_step(mx.array(short), tiny.model, max_tokens=12)
+        assert innocent.tokens == [int(t) for t, _ in expected]
+    finally:
+        scheduler.shutdown()
+
+
+@pytest.mark.parametrize(
+    "failure,expected",
+    [
+        (RuntimeError(CUDA_OOM), True),
+        (RuntimeError("[metal::malloc] Attempting to allocate 40000000000 bytes"), True),
+        (RuntimeError("[METAL] Command buffer execution failed: Insufficient Memory"), True),
+        (MemoryError(), True),
+        (RuntimeError("std::bad_alloc"), True),
+        (ValueError("Quantized SDPA does not support attention sinks."), False),
+        (RuntimeError("[reshape] Cannot reshape array of size 6 into shape (4,)"), False),
+    ],
+)
+def test_what_counts_as_the_device_running_out_of_memory(
+    failure: Exception, expected: bool
+) -> None:
+    assert is_out_of_memory(failure) is expected

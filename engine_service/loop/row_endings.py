@@ -7,12 +7,16 @@ A mixin of `Scheduler`: the attributes and methods declared below are the schedu
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 
-from engine_service.errors import EngineError, ModelFailed
+import mlx.core as mx
+
+from engine_service.errors import EngineError, ModelFailed, Overloaded
 from engine_service.loop.jobs import Job
 from engine_service.loop.limits import Limits
+from engine_service.loop.memory_pressure import RowCeiling, is_out_of_memory
 from engine_service.loop.parking import Parking
 from engine_service.loop.preemption import Preemption
 from engine_service.loop.row_isolation import isolate
@@ -23,6 +27,8 @@ from engine_service.protocol.engine_stats import EngineStats
 from engine_service.protocol.events import Event, Finished, FinishReason
 from engine_service.sampling.masks import BatchMasks
 from engine_service.speculative.lane import SpeculativeLane
+
+log = logging.getLogger(__name__)
 
 
 class RowEndings:
@@ -38,6 +44,7 @@ class RowEndings:
     _preemption: Preemption
     _parking: Parking
     _masks: BatchMasks
+    _ceiling: RowCeiling  # fewer rows at a time after the device ran out of memory
     _step_checkpoints: StepCheckpoints | None
     _cancels_due: set[str]  # request ids to cancel once their first token is reported
     _lock: threading.Lock
@@ -111,9 +118,19 @@ class RowEndings:
                 job.keep_checkpoint = True  # the client may retry with resume
                 self._cancel(job.request.request_id, "deadline", "deadline exceeded")
 
-    def _isolate(self) -> None:
+    def _isolate(self, failure: Exception) -> None:
         """After a failed step (loop/row_isolation.py): the rows the model fails on alone end,
-        the others wait at the front of the queue to start again by recompute."""
+        the others wait at the front of the queue to start again by recompute. A step that ran
+        the device out of memory is the batch's (loop/memory_pressure.py): MLX's cached
+        buffers go back first, and rows that each run alone start again fewer at a time."""
+        crowded = is_out_of_memory(failure)
+        if crowded:
+            log.warning(
+                "the device ran out of memory (MLX: %d MiB in use, %d MiB cached); emptying"
+                " the cache and trying each row alone",
+                mx.get_active_memory() >> 20,
+                mx.get_cache_memory() >> 20,
+            )
         jobs = list(self._rows.values())
         for job in [job for job in jobs if job.stream_ended]:  # its client has all of it
             self.finish(job)
@@ -127,14 +144,28 @@ class RowEndings:
         self._rows.clear()
         self._bg = self._new_batch_generator()
         self._masks.settle(self._rows)
-        verdicts = isolate(self.loaded.model, jobs, self._new_batch_generator)
+        if crowded:
+            mx.clear_cache()  # the failed batch's buffers, now freed, and any kept before
+        verdicts = isolate(self.loaded.model, jobs, self._new_batch_generator, crowded)
         for verdict in reversed(verdicts):
-            if verdict.culprit:
+            if verdict.culprit and is_out_of_memory(verdict.failure):
+                verdict.job.uid = -1
+                why = f"the device ran out of memory running this request alone: {verdict.failure}"
+                self._end_failed(verdict.job, why, Overloaded, keep_checkpoint=True)
+            elif verdict.culprit:
                 verdict.job.uid = -1
                 why = f"the model failed on this request: {verdict.failure}"
                 self._end_failed(verdict.job, why, ModelFailed, keep_checkpoint=True)
             else:
                 self._start_again(verdict.job)
+        if crowded and not any(v.culprit for v in verdicts):
+            self._ceiling.lower(len(verdicts))
+            log.warning(
+                "%d rows ran the device out of memory together, each runs alone: at most %d"
+                " run at a time for now",
+                len(verdicts),
+                self._ceiling.limit(self.limits.max_running),
+            )
         with self._lock:
             self._stats.isolated_failures_total += sum(v.culprit for v in verdicts)
 

@@ -77,10 +77,13 @@ def try_alone(model: Any, job: Job, new_batch: Callable[[], BatchGenerator]) -> 
     return Verdict(job, "")
 
 
-def isolate(model: Any, jobs: list[Job], new_batch: Callable[[], BatchGenerator]) -> list[Verdict]:
-    """Each row of a failed step tried alone; every row a culprit when none fails alone."""
+def isolate(
+    model: Any, jobs: list[Job], new_batch: Callable[[], BatchGenerator], crowded: bool = False
+) -> list[Verdict]:
+    """Each row of a failed step tried alone; every row a culprit when none fails alone,
+    unless the step failed for want of memory (crowded: they run again, fewer at a time)."""
     verdicts = [try_alone(model, job, new_batch) for job in jobs]
-    if not any(v.culprit for v in verdicts):
+    if not any(v.culprit for v in verdicts) and not crowded:
         log.error("the step failed with %d rows that each run alone: all of them end", len(jobs))
         return [Verdict(job, "the batch failed with this row in it") for job in jobs]
     return verdicts

@@ -17,7 +17,7 @@ import time
 from engine_service.checkpoints.manager import CheckpointManager, starting_point
 from engine_service.core.capability_probe import ProbeFailed, kv_refusal, prepare_to_serve
 from engine_service.core.plans import PrefixPlan
-from engine_service.errors import Corrupt, InvalidRequest
+from engine_service.errors import Corrupt, InvalidRequest, Overloaded
 from engine_service.loop.admissions import gather_burst
 from engine_service.loop.batch_model import batch_model
 from engine_service.loop.commands import Cancel, Park, Restored, Submit, Unpark
@@ -26,6 +26,7 @@ from engine_service.loop.idle_buffers import IdleBuffers
 from engine_service.loop.inbox import SchedulerInbox
 from engine_service.loop.jobs import Job, StartingPoint
 from engine_service.loop.limits import Limits
+from engine_service.loop.memory_pressure import RowCeiling, is_out_of_memory
 from engine_service.loop.new_rows import NewRows
 from engine_service.loop.parking import Parking
 from engine_service.loop.preemption import Preemption, restart_point
@@ -118,6 +119,7 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
         self._by_id: dict[str, Job] = {}
         self._cancels_due: set[str] = set()
         self._preemption = Preemption(limits.park)
+        self._ceiling = RowCeiling()
         self._parking = Parking(
             self, self._preemption, checkpoints, self._waiting, self._by_id, self._inbox.put
         )
@@ -283,7 +285,7 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
             self._stats.speculative = dataclasses.replace(self._speculative.counters)
 
     def _admit(self) -> None:
-        free = self.limits.max_running - self._running()
+        free = self._ceiling.limit(self.limits.max_running) - self._running()
         batch, arriving = [], []
         while free > 0 and self._waiting:
             job = self._waiting.popleft()
@@ -317,7 +319,9 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
                 rows.add(job, start)
             except Exception as exc:  # a checkpoint that cannot be restored ends its request
                 log.exception("restoring %s failed", job.request.request_id)
-                self._end_failed(job, f"restoring the checkpoint failed: {exc}", Corrupt)
+                memory = is_out_of_memory(exc)  # not the checkpoint: a retry may fit
+                failure = Overloaded if memory else Corrupt
+                self._end_failed(job, f"restoring the checkpoint failed: {exc}", failure, memory)
                 continue
             started = None
             if fresh:
@@ -347,11 +351,12 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
     def _step(self) -> None:
         try:
             _, responses = self._bg.next()
-        except Exception:  # a row the model fails on must not end the rows beside it
+        except Exception as exc:  # a row the model fails on must not end the rows beside it
             log.exception("a batch step of %d rows failed; trying each alone", len(self._rows))
             self._confirm_reads(step_failed=True)
-            self._isolate()
+            self._isolate(exc)
             return
+        self._ceiling.stepped(self.limits.max_running)
         self._confirm_reads()
         self._masks.settle(self._rows)
         self._send_first_tokens()
@@ -386,7 +391,8 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
         if self._step_checkpoints is not None:
             self._step_checkpoints.save_ready(self._rows)
             self._step_checkpoints.capture_due(self._bg, self._rows, self._stats.steps_total)
-        self._parking.step(self._bg, self._rows, self.limits.max_running - self._running())
+        free = self._ceiling.limit(self.limits.max_running) - self._running()
+        self._parking.step(self._bg, self._rows, free)
         with self._lock:
             self._stats.add_step(len(responses), time.monotonic())
             if self._stats.steps_total % KV_BYTES_EVERY == 0:  # a sum over layers: not each step
