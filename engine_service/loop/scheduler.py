@@ -22,7 +22,7 @@ from engine_service.loop.admissions import gather_burst
 from engine_service.loop.batch_model import batch_model
 from engine_service.loop.commands import Cancel, Park, Restored, Submit, Unpark
 from engine_service.loop.first_tokens import FirstTokens
-from engine_service.loop.idle_buffers import IdleBuffers
+from engine_service.loop.idle_buffers import IdleBuffers, bound_cache
 from engine_service.loop.inbox import SchedulerInbox
 from engine_service.loop.jobs import Job, StartingPoint
 from engine_service.loop.limits import Limits
@@ -184,6 +184,8 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
     # -- the engine thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        if cap := bound_cache():
+            log.info("MLX's buffer cache holds at most %d MiB", cap >> 20)
         if not self.deterministic:
             self._last_positions = LastPositions.probe(self._batch_model)
         self._bg = self._new_batch_generator()
