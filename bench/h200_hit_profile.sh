@@ -26,15 +26,13 @@
 # at 8 and 64 planes a launch (one launch: nothing allocated while gathers run), each with
 # MLX's buffer cache emptied first and kept (the planes reused), at 8k and 32k sizes (the
 # pool and group probes: direct_landing_check.py --pool --groups 1,8,32). Part e: the 8B
-# shape's 8k hit. Part q:
+# shape's 8k hit, one launch against launches of 8. Part q:
 # the quick round (the planes' bytes, the pool probe at 8k size, the 8k and 32k hits).
 # Part w: the 8k and 32k hits by the plane gather in one launch against launches of 8
 # planes (two engines, interleaved). Part d: a 64-layer model's hit (128 planes) in one launch
-# against launches of 64. Issue 37's device calls in the eighth session: "r e", "c", "k w",
-# then "s w" and "c". The next: "c s w" (the round changes after dc65e40 and the ninth
-# session's: one stacked tensor a segment record, later segments' own tokens only, full runs
-# settling into parts; then the regions' prefault, one launch against 8), then "l"
-# (part c after 8,192-token prompts).
+# against launches of 64. Issue 37's device calls in the thirteenth session: "d e", "c", "l"
+# (twice more after the out-of-memory changes). The next: "e" (paired now), "s" (the
+# resume's plan after the regions' prefault), "w" at 32k.
 # PAIRS: the ABBA pairs of parts c and l (16 and 8). Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
@@ -127,8 +125,12 @@ for part in ${1:-g r p t}; do
         2>&1 | grep -v '^  round' | tee "$out/hit_deep_8k.txt"
       ;;
     e)
-      timeout 300 python3 bench/hit_floor_bench.py --cold --routes direct --model llama3-8b-shape \
-        --tokens 8000 --pairs 3 --think-s 0.5 2>&1 | grep -v '^  round' | tee "$out/hit_8b_8k.txt"
+      # One launch against launches of 8 planes (the forward pass overlapping the later
+      # layers' gather), two engines interleaved: the 8B's heavier forward pass may make the
+      # overlap worth more than the allocations it costs (thirteenth session: not paired yet).
+      timeout 400 python3 bench/hit_floor_bench.py --cold --routes direct,direct-8-a-launch \
+        --model llama3-8b-shape --tokens 8000 --pairs 4 --think-s 0.5 --capacity-gib 16 2>&1 \
+        | grep -v '^  round' | tee "$out/hit_8b_8k.txt"
       ;;
     m)
       for prefix in 8192 32768; do
