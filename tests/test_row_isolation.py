@@ -11,6 +11,7 @@ tokens, and from then on every step of its batch raises.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -267,3 +268,35 @@ def test_what_counts_as_the_device_running_out_of_memory(
     failure: Exception, expected: bool
 ) -> None:
     assert is_out_of_memory(failure) is expected
+
+
+def test_a_speculative_row_out_of_memory_ends_resource_exhausted(
+    tiny: LoadedModel, engine_data_dir: Path
+) -> None:
+    """Speculative rows run as a batch of their own (speculative/lane.py): a round or a
+    prefill that runs the device out of memory ends its request RESOURCE_EXHAUSTED, not
+    INTERNAL; a plain row beside it goes on exactly."""
+    draft = load_model("tandem-tiny-draft", engine_data_dir)
+    crowded = RunsOutOfMemoryPastRows(draft.model, 0)  # no room for the draft at all
+    scheduler = Scheduler(
+        tiny,
+        Limits(max_running=4, max_queued=4),
+        draft=LoadedModel(**{**draft.__dict__, "model": crowded}),
+    )
+    scheduler.start()
+    crowded.armed = True
+    try:
+        plain, speculative = Collector(), Collector()
+        prompt = list(range(40, 70))
+        scheduler.submit(request_for(tiny, "plain", prompt, 16, KVCodec()), plain)
+        request = dataclasses.replace(request_for(tiny, "drafted", prompt, 16), num_draft=3)
+        scheduler.submit(request, speculative)
+        end = speculative.wait(120.0)
+        assert end.reason == "error" and end.failure == "Overloaded"
+        assert "out of memory" in end.error
+        assert crowded.raised >= 1
+        assert plain.wait(120.0).reason == "length"
+        expected = generate_step(mx.array(prompt), tiny.model, max_tokens=16)
+        assert plain.tokens == [int(t) for t, _ in expected]
+    finally:
+        scheduler.shutdown()
