@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models import cache as cache_lib
 
 from engine_service.checkpoints.attachments import CapturedAttachment
@@ -46,6 +47,7 @@ from engine_service.checkpoints.host_staging import HostStaging, Staged
 from engine_service.checkpoints.spill import SpillQueue
 from engine_service.checkpoints.spill_items import Put
 from engine_service.loop.jobs import Job, PendingSnapshot, ReadySnapshot, Segment
+from engine_service.loop.memory_pressure import is_out_of_memory
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.sampling_options import SamplingOptions
 from tandem_client.identity import generation_key, scope_digest
@@ -163,8 +165,15 @@ class GenerationCheckpoints:
         self.complete_round()
         if self.spill is None or not ready:
             return [False] * len(ready)
-        staged = self._staged(ready)
-        staged.wait()
+        staged = None
+        try:
+            staged = self._staged(ready)
+            staged.wait()
+        except Exception as exc:  # noqa: BLE001 - lost snapshots, not the engine loop
+            if staged is not None:
+                staged.release()
+            self.lost([r.job for r in ready], exc)
+            return [False] * len(ready)
         return [
             self._queue(r.job, r.snapshot, r.pending, tensors, keep)
             for r, (tensors, keep) in zip(ready, staged.tensors, strict=True)
@@ -186,7 +195,11 @@ class GenerationCheckpoints:
         for r in ready:
             r.job.checkpointed = True  # its checkpoint is on its way: forget it if it ends
         started = time.perf_counter()
-        self._round = _Round(ready, self._staged(ready))
+        try:
+            self._round = _Round(ready, self._staged(ready))
+        except Exception as exc:  # noqa: BLE001 - lost snapshots, not the engine loop
+            self.lost([r.job for r in ready], exc)
+            return
         log.debug(  # where a round's time on the MLX thread goes (bench/checkpoint_bench.py)
             "checkpoint round phases (ms): stage %.2f (rows %d)",
             (time.perf_counter() - started) * 1e3,
@@ -201,7 +214,12 @@ class GenerationCheckpoints:
         if round_ is None:
             return
         started = time.perf_counter()
-        round_.staged.wait()
+        try:
+            round_.staged.wait()
+        except Exception as exc:  # noqa: BLE001 - lost snapshots, not the engine loop
+            round_.staged.release()
+            self.lost([r.job for r in round_.ready], exc)
+            return
         waited = time.perf_counter()
         for r, (tensors, keep) in zip(round_.ready, round_.staged.tensors, strict=True):
             self._queue(r.job, r.snapshot, r.pending, tensors, keep)
@@ -211,6 +229,24 @@ class GenerationCheckpoints:
             (time.perf_counter() - waited) * 1e3,
             len(round_.ready),
         )
+
+    def lost(self, jobs: list[Job], failure: Exception) -> None:
+        """Snapshots cut but never queued (their capture, copy or push raised: a device out of
+        memory, ...). Each job's live run is marked broken, so its next snapshot starts the
+        chain over instead of building on the hole (a resume never reads a chain missing a
+        segment); its row goes on. Counted as failed saves."""
+        log.error(
+            "%d generation snapshots lost (%s); their chains start over at the next snapshot",
+            len(jobs),
+            failure,
+            exc_info=failure,
+        )
+        if is_out_of_memory(failure):
+            mx.clear_cache()  # the device's cached buffers back for the rows that go on
+        self.counters.add(failed=max(1, len(jobs)))
+        for job in jobs:
+            if job.checkpoint_key:
+                self.chains.breaker(job)()
 
     def _staged(self, ready: list[ReadySnapshot]) -> Staged:
         settle_all(

@@ -35,6 +35,12 @@ class Staged:
             mx.eval(self.pushes)
             self.pushes = []
 
+    def release(self) -> None:
+        """Gives the spans back unsent (the round was lost before its Puts were queued)."""
+        holds = {id(hold): hold for _, hold in self.tensors if hold is not None}
+        for hold in holds.values():
+            hold.release()
+
 
 class HostStaging:
     def __init__(self, landing: Landing, store: StoreClient | None) -> None:

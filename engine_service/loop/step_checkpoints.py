@@ -104,6 +104,8 @@ class StepCheckpoints:
         jobs = [job for uid, job in self._due.items() if uid in rows]
         try:
             self._capture(bg, jobs)
+        except Exception as exc:  # noqa: BLE001 - the rows go on; their chains start over
+            self.checkpoints.generations.lost([j for j in jobs if j.snapshot is None], exc)
         finally:
             self._count(started)
         log.debug(  # bench/checkpoint_bench.py --engine-log-level debug
@@ -170,6 +172,8 @@ class StepCheckpoints:
                 started = time.perf_counter()
                 self.checkpoints.generations.save_now(ready)
                 self._count(started)
+        except Exception as exc:  # noqa: BLE001 - the rows go on without these records
+            self.checkpoints.generations.lost([item.job for item in due], exc)
         finally:
             self._release_if_idle()
 
