@@ -44,23 +44,6 @@ SHAPES = {
         "tie_word_embeddings": True,
         "vocab_size": 4096,
     },
-    # The 0.6B's width with Qwen3-32B's 64 layers: a hit moves the 32B's bytes (256 KiB a
-    # position: 64 layers of 8 KV heads of 128) through a cheap forward pass; more than 32
-    # layers is more than one launch of 64 planes.
-    "qwen3-64-layers-shape": {
-        "model_type": "qwen3",
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 64,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 40960,
-        "tie_word_embeddings": True,
-        "vocab_size": 151936,
-    },
     "llama3-8b-shape": {
         "model_type": "llama",
         "hidden_size": 4096,
@@ -121,6 +104,12 @@ SHAPES = {
         "vocab_size": 65536,
     },
 }
+
+
+# The 0.6B's width with Qwen3-32B's 64 layers: a hit moves the 32B's bytes (256 KiB a position:
+# 64 layers of 8 KV heads of 128) through a cheap forward pass; more than 32 layers is more
+# than one launch of 64 planes.
+SHAPES["qwen3-64-layers-shape"] = {**SHAPES["qwen3-0.6b-shape"], "num_hidden_layers": 64}
 
 
 def model_spec(spec: str, root: Path, shapes: dict[str, dict] | None = None) -> str:

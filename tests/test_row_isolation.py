@@ -34,6 +34,8 @@ from tests.generation_rows import Collector, request_for
 LONG = 96  # the plain streams' length (the failing row ends after ~25 steps)
 QUANTIZED_FROM = 29
 FAILS_PAST = 20
+# What MLX-CUDA raised on an H100 when 8 rows of 8,192-token prompts ran it out of memory.
+CUDA_OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"
 
 
 class FailsOnAffineRows:
@@ -130,24 +132,36 @@ class FailsOnLongBatches:
     """The model, raising on every decode step over a batch longer than `past` positions:
     a long prompt's row fails alone, short ones only beside it."""
 
-    def __init__(self, model: Any, past: int) -> None:
+    def __init__(self, model: Any, past: int, failure: Exception | None = None) -> None:
         self.model = model
         self.past = past
+        self.failure = failure or ValueError("the long row's decode step")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> Any:
         if inputs.shape[1] == 1 and cache and cache[0].size() > self.past:
-            raise ValueError("the long row's decode step")
+            raise self.failure
         return self.model(inputs, cache=cache, **kwargs)
 
 
-def test_a_first_token_already_sent_is_kept_when_the_next_step_fails(tiny: LoadedModel) -> None:
+@pytest.mark.parametrize(
+    ("failure", "status"),
+    [
+        (ValueError("the long row's decode step"), "ModelFailed"),
+        (RuntimeError(CUDA_OOM), "Overloaded"),  # out of memory alone: RESOURCE_EXHAUSTED
+    ],
+)
+def test_a_first_token_already_sent_is_kept_when_the_next_step_fails(
+    tiny: LoadedModel, failure: Exception, status: str
+) -> None:
     """Both rows' first tokens leave before their first decode step (loop/first_tokens.py
     `_send_first_tokens`); that step fails, and the short row starts again by recompute from
-    the token its client already has: no token twice, none different."""
-    loaded = LoadedModel(**{**tiny.__dict__, "model": FailsOnLongBatches(tiny.model, 150)})
+    the token its client already has: no token twice, none different. The long row fails
+    alone and ends with its failure's status."""
+    model = FailsOnLongBatches(tiny.model, 150, failure)
+    loaded = LoadedModel(**{**tiny.__dict__, "model": model})
     scheduler = Scheduler(loaded, Limits(max_running=4, max_queued=4))
     scheduler.start()
     try:
@@ -156,7 +170,7 @@ def test_a_first_token_already_sent_is_kept_when_the_next_step_fails(tiny: Loade
         scheduler.submit(request_for(loaded, "short", short, 12, KVCodec()), innocent)
         scheduler.submit(request_for(loaded, "long", long, 12, KVCodec()), culprit)
         end = culprit.wait(120.0)
-        assert end.reason == "error" and end.failure == "ModelFailed"
+        assert end.reason == "error" and end.failure == status
         assert len(culprit.tokens) == 1  # its first token, sent before the step failed
         assert innocent.wait(120.0).reason == "length"
         expected = generate_step(mx.array(short), tiny.model, max_tokens=12)
@@ -164,10 +178,6 @@ def test_a_first_token_already_sent_is_kept_when_the_next_step_fails(tiny: Loade
         assert scheduler.stats().isolated_failures_total == 1
     finally:
         scheduler.shutdown()
-
-
-# What MLX-CUDA raised on an H100 when 8 rows of 8,192-token prompts ran it out of memory.
-CUDA_OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"
 
 
 class RunsOutOfMemoryPastRows:
@@ -217,37 +227,6 @@ def test_rows_that_ran_the_device_out_of_memory_together_run_fewer_at_a_time(
         assert crowded.raised >= 2  # the first batch, and again once the ceiling rose
         assert crowded.widest <= 2
         assert scheduler.stats().isolated_failures_total == 0  # no request failed
-    finally:
-        scheduler.shutdown()
-
-
-class RunsOutOfMemoryOnLongRows(FailsOnLongBatches):
-    """FailsOnLongBatches with MLX-CUDA's allocation failure: the long row cannot run even
-    alone."""
-
-    def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> Any:
-        if inputs.shape[1] == 1 and cache and cache[0].size() > self.past:
-            raise RuntimeError(CUDA_OOM)
-        return self.model(inputs, cache=cache, **kwargs)
-
-
-def test_a_row_that_runs_the_device_out_of_memory_alone_ends_resource_exhausted(
-    tiny: LoadedModel,
-) -> None:
-    loaded = LoadedModel(**{**tiny.__dict__, "model": RunsOutOfMemoryOnLongRows(tiny.model, 150)})
-    scheduler = Scheduler(loaded, Limits(max_running=4, max_queued=4))
-    scheduler.start()
-    try:
-        short, long = list(range(30, 60)), list(range(100, 300))
-        innocent, culprit = Collector(), Collector()
-        scheduler.submit(request_for(loaded, "short", short, 12, KVCodec()), innocent)
-        scheduler.submit(request_for(loaded, "long", long, 12, KVCodec()), culprit)
-        end = culprit.wait(120.0)
-        assert end.reason == "error" and end.failure == "Overloaded"
-        assert "out of memory" in end.error and "alone" in end.error
-        assert innocent.wait(120.0).reason == "length"
-        expected = generate_step(mx.array(short), tiny.model, max_tokens=12)
-        assert innocent.tokens == [int(t) for t, _ in expected]
     finally:
         scheduler.shutdown()
 
