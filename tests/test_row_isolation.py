@@ -226,7 +226,10 @@ def test_rows_that_ran_the_device_out_of_memory_together_run_fewer_at_a_time(
             assert sink.tokens == [int(t) for t, _ in expected]
         assert crowded.raised >= 2  # the first batch, and again once the ceiling rose
         assert crowded.widest <= 2
-        assert scheduler.stats().isolated_failures_total == 0  # no request failed
+        stats = scheduler.stats()
+        assert stats.isolated_failures_total == 0  # no request failed
+        assert stats.out_of_memory_steps_total == crowded.raised
+        assert 1 <= stats.row_ceiling < 8  # lowered, not yet back up to --max-running
     finally:
         scheduler.shutdown()
 

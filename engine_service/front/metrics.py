@@ -160,6 +160,16 @@ class CoreCollector(Collector):
             "Rows the model failed on alone (their batch went on).",
             e.isolated_failures_total,
         )
+        yield _counter(
+            "tandem:out_of_memory_steps",
+            "Batch steps that ran the device out of memory (their rows ran again, fewer at once).",
+            e.out_of_memory_steps_total,
+        )
+        yield GaugeMetricFamily(
+            "tandem:row_ceiling",
+            "Rows that may run while the device is short of memory (0: --max-running).",
+            value=e.row_ceiling,
+        )
         spec = e.speculative
         yield _counter("tandem:spec_decode_num_drafts", "Speculative rounds.", spec.rounds_total)
         yield _counter(

@@ -110,6 +110,8 @@ def stats_to_pb(
         cancelled_total=s.cancelled_total,
         rejected_total=s.rejected_total,
         isolated_failures_total=s.isolated_failures_total,
+        out_of_memory_steps_total=s.out_of_memory_steps_total,
+        row_ceiling=s.row_ceiling,
         steps_total=s.steps_total,
         preempted_total=s.parking.preempted_total,
         unparked_total=s.parking.unparked_total,

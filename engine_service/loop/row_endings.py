@@ -125,6 +125,8 @@ class RowEndings:
         buffers go back first, and rows that each run alone start again fewer at a time."""
         crowded = is_out_of_memory(failure)
         if crowded:
+            with self._lock:
+                self._stats.out_of_memory_steps_total += 1
             log.warning(
                 "the device ran out of memory (MLX: %d MiB in use, %d MiB cached); emptying"
                 " the cache and trying each row alone",

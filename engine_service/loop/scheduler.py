@@ -404,4 +404,5 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
         with self._lock:
             self._stats.running = self._running()
             self._stats.queued = len(self._waiting)
+            self._stats.row_ceiling = self._ceiling.rows or 0
             self._stats.parking = dataclasses.replace(self._preemption.counters)

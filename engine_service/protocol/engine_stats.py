@@ -48,6 +48,10 @@ class EngineStats:
     steps_total: int = 0
     # Rows ended because the model failed on them alone (loop/row_isolation.py).
     isolated_failures_total: int = 0
+    # Steps that ran the device out of memory, and the rows that may run now (0: no ceiling):
+    # loop/memory_pressure.py.
+    out_of_memory_steps_total: int = 0
+    row_ceiling: int = 0
     parking: ParkCounters = field(default_factory=ParkCounters)
     # Bytes the running batch's KV caches hold (read every few steps; 0 when idle).
     kv_cache_bytes: int = 0
@@ -91,6 +95,8 @@ class EngineStats:
             rejected_total=self.rejected_total,
             steps_total=self.steps_total,
             isolated_failures_total=self.isolated_failures_total,
+            out_of_memory_steps_total=self.out_of_memory_steps_total,
+            row_ceiling=self.row_ceiling,
             parking=dataclasses.replace(self.parking),
             kv_cache_bytes=self.kv_cache_bytes,
             speculative=dataclasses.replace(self.speculative),
