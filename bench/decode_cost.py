@@ -20,6 +20,7 @@ import asyncio
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -36,6 +37,17 @@ class StreamTimes:
 
     arrivals: list[float]
     tokens: list[int]
+
+
+async def stream_times(stub: engine_pb2_grpc.EngineStub, request: Any) -> StreamTimes:
+    """A Generate stream read to its end: when each message with tokens came, and how many
+    (bench/structured_bench.py counts them too)."""
+    times = StreamTimes([], [])
+    async for message in stub.Generate(request):
+        if message.token_ids:
+            times.arrivals.append(time.perf_counter())
+            times.tokens.append(len(message.token_ids))
+    return times
 
 
 @dataclass
@@ -85,12 +97,7 @@ async def _decode(address: str, prompts: list[list[int]], tokens: int, interval:
                 request_id=f"decode-{interval}-{i}-{time.monotonic_ns()}",
                 sampling=engine_pb2.SamplingParams(ignore_eos=True),
             )
-            times = StreamTimes([], [])
-            async for message in stub.Generate(request):
-                if message.token_ids:
-                    times.arrivals.append(time.perf_counter())
-                    times.tokens.append(len(message.token_ids))
-            return times
+            return await stream_times(stub, request)
 
         before = (await stub.Stats(stats)).checkpoints
         captured, saved = before.capture_seconds, before.saved_bytes

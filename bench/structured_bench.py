@@ -29,6 +29,7 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
 
+from bench.decode_cost import stream_times  # noqa: E402
 from bench.engine_bench import model_spec, prompts  # noqa: E402
 from tandem_client import EngineClient  # noqa: E402
 from tandem_wire.pb import engine_pb2, engine_pb2_grpc  # noqa: E402
@@ -57,10 +58,7 @@ async def _run(address: str, batch: list[list[int]], constrained: int, max_token
             )
             if i < constrained:
                 request.constraint.regex = LONG_REGEX
-            count = 0
-            async for message in stub.Generate(request):
-                count += len(message.token_ids)
-            return count
+            return sum((await stream_times(stub, request)).tokens)
 
         counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
         return sum(counts) / (time.perf_counter() - start)

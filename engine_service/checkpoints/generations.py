@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.models import cache as cache_lib
 
 from engine_service.checkpoints.attachments import CapturedAttachment
@@ -47,7 +46,7 @@ from engine_service.checkpoints.host_staging import HostStaging, Staged
 from engine_service.checkpoints.spill import SpillQueue
 from engine_service.checkpoints.spill_items import Put
 from engine_service.loop.jobs import Job, PendingSnapshot, ReadySnapshot, Segment
-from engine_service.loop.memory_pressure import is_out_of_memory
+from engine_service.loop.memory_pressure import cache_given_back
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.sampling_options import SamplingOptions
 from tandem_client.identity import generation_key, scope_digest
@@ -241,8 +240,7 @@ class GenerationCheckpoints:
             failure,
             exc_info=failure,
         )
-        if is_out_of_memory(failure):
-            mx.clear_cache()  # the device's cached buffers back for the rows that go on
+        cache_given_back(failure)
         self.counters.add(failed=max(1, len(jobs)))
         for job in jobs:
             if job.checkpoint_key:

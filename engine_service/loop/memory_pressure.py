@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 # Lower-cased pieces of the messages MLX's backends raise when an allocation fails.
 _MARKERS = (
     "out of memory",
@@ -39,6 +41,15 @@ def is_out_of_memory(failure: BaseException | str) -> bool:
         return True
     text = str(failure).lower()
     return any(marker in text for marker in _MARKERS)
+
+
+def cache_given_back(failure: BaseException) -> bool:
+    """Whether failure is the device out of memory; if so MLX's cached buffers go back first,
+    for the rows that go on."""
+    if not is_out_of_memory(failure):
+        return False
+    mx.clear_cache()
+    return True
 
 
 @dataclass

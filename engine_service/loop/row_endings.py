@@ -150,16 +150,16 @@ class RowEndings:
             mx.clear_cache()  # the failed batch's buffers, now freed, and any kept before
         verdicts = isolate(self.loaded.model, jobs, self._new_batch_generator, crowded)
         for verdict in reversed(verdicts):
-            if verdict.culprit and is_out_of_memory(verdict.failure):
-                verdict.job.uid = -1
-                why = f"the device ran out of memory running this request alone: {verdict.failure}"
-                self._end_failed(verdict.job, why, Overloaded, keep_checkpoint=True)
-            elif verdict.culprit:
-                verdict.job.uid = -1
-                why = f"the model failed on this request: {verdict.failure}"
-                self._end_failed(verdict.job, why, ModelFailed, keep_checkpoint=True)
-            else:
+            if not verdict.culprit:
                 self._start_again(verdict.job)
+                continue
+            verdict.job.uid = -1
+            if is_out_of_memory(verdict.failure):
+                why = f"the device ran out of memory running this request alone: {verdict.failure}"
+                kind: type[EngineError] = Overloaded
+            else:
+                why, kind = f"the model failed on this request: {verdict.failure}", ModelFailed
+            self._end_failed(verdict.job, why, kind, keep_checkpoint=True)
         if crowded and not any(v.culprit for v in verdicts):
             self._ceiling.lower(len(verdicts))
             log.warning(

@@ -16,7 +16,6 @@ import json
 import logging
 from typing import Any, Protocol
 
-import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
 from engine_service.checkpoints.attachments import (
@@ -31,7 +30,7 @@ from engine_service.core.plans import ResumePlan
 from engine_service.errors import Overloaded
 from engine_service.loop.compiled_decode import CompiledDecode
 from engine_service.loop.jobs import Job, StartingPoint
-from engine_service.loop.memory_pressure import is_out_of_memory
+from engine_service.loop.memory_pressure import cache_given_back
 from engine_service.model.loaded import LoadedModel
 from engine_service.protocol.engine_stats import SpeculativeCounters
 from engine_service.protocol.events import Event, Finished, FinishReason, Started, Token
@@ -195,11 +194,8 @@ class SpeculativeLane:
     def _fail(self, job: Job, exc: Exception) -> None:
         """Ends the request: RESOURCE_EXHAUSTED when the device ran out of memory (MLX's cached
         buffers go back for the rows after it: loop/memory_pressure.py), else INTERNAL."""
-        crowded = is_out_of_memory(exc)
-        if crowded:
-            mx.clear_cache()
+        failure = Overloaded.__name__ if cache_given_back(exc) else ""
         self.host.finish(job)
-        failure = Overloaded.__name__ if crowded else ""
         self.host.emit(job, [Finished("error", error=f"generation failed: {exc}", failure=failure)])
 
     def _checkpoint(self, job: Job) -> None:
