@@ -88,6 +88,10 @@ def request_for(
 
 
 def greedy(loaded: LoadedModel, prompt: list[int], n: int) -> list[int]:
+    """mlx-lm's solo greedy tokens: the reference. Take it while no Scheduler's MLX thread runs
+    rows (before start, while idle, after shutdown): the engine evaluates MLX on one thread,
+    and a reference evaluated beside its steps came out wrong in CI (a token 3.3 logits from
+    the top one, at the 91st of 104)."""
     return [int(t) for t, _ in generate_step(mx.array(prompt), loaded.model, max_tokens=n)]
 
 

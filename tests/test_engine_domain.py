@@ -97,6 +97,7 @@ def scheduler(tiny: LoadedModel) -> Iterator[Scheduler]:
 
 def test_scheduler_delivers_what_mlx_lm_generates(tiny: LoadedModel, scheduler: Scheduler) -> None:
     prompts = [[5, 6, 7, 8], list(range(20, 70)), [300, 301]]
+    expected = [greedy(tiny, prompt, 12 + i) for i, prompt in enumerate(prompts)]  # idle loop
     sinks = [Collector() for _ in prompts]
     for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
         scheduler.submit(request_for(tiny, f"r{i}", prompt, 12 + i), sink)
@@ -104,7 +105,7 @@ def test_scheduler_delivers_what_mlx_lm_generates(tiny: LoadedModel, scheduler: 
         finished = sink.wait()
         assert finished.reason == "length"
         assert isinstance(sink.events[0], Started) and sink.events[0].prompt_tokens == len(prompt)
-        assert sink.tokens == greedy(tiny, prompt, 12 + i)
+        assert sink.tokens == expected[i]
     stats = scheduler.stats()
     assert stats.requests_total == 3 and stats.generated_tokens_total == 12 + 13 + 14
     assert scheduler.pending() == 0
@@ -125,10 +126,11 @@ def test_a_first_token_leaves_before_the_step_after_it(
         sink(events)
 
     prompt = list(range(40, 90))
+    expected = greedy(tiny, prompt, 3)
     before = scheduler.stats().steps_total
     scheduler.submit(request_for(tiny, "three", prompt, 3), recording)
     assert sink.wait().reason == "length"
-    assert sink.tokens == greedy(tiny, prompt, 3)
+    assert sink.tokens == expected
     with_token = [(steps, d) for steps, d in deliveries if any(isinstance(e, Token) for e in d)]
     assert with_token[0][0] == before  # the first token: before any step reported it
     assert with_token[1][0] > before

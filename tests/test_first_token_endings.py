@@ -13,9 +13,7 @@ import dataclasses
 import threading
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
 from engine_service.checkpoints.manager import CheckpointManager, CheckpointSettings
 from engine_service.loop.limits import Limits
@@ -27,6 +25,7 @@ from engine_service.protocol.requests import GenerationRequest
 from store_service.config import StoreConfig
 from store_service.server import create_server
 from store_service.store import CheckpointStore
+from tests.generation_rows import greedy
 from tests.zoo_checks import request
 
 
@@ -69,17 +68,14 @@ def _request(
     return dataclasses.replace(plain, stop_ids=plain.stop_ids | stops)
 
 
-def _greedy(loaded: LoadedModel, prompt: list[int], n: int) -> list[int]:
-    return [int(t) for t, _ in generate_step(mx.array(prompt), loaded.model, max_tokens=n)]
-
-
 def test_a_one_token_request_ends_with_its_token_and_its_neighbour_goes_on(
     tiny: LoadedModel,
 ) -> None:
+    short, long = list(range(30, 70)), list(range(100, 160))
+    want_short, want_long = greedy(tiny, short, 6), greedy(tiny, long, 24)
     scheduler = Scheduler(tiny, Limits(max_running=4, max_queued=4))
     scheduler.start()
     try:
-        short, long = list(range(30, 70)), list(range(100, 160))
         one, many = Deliveries(scheduler), Deliveries(scheduler)
         scheduler.submit(_request(tiny, "many", long, 24), many)
         scheduler.submit(_request(tiny, "one", short, 1), one)
@@ -89,15 +85,15 @@ def test_a_one_token_request_ends_with_its_token_and_its_neighbour_goes_on(
         # step count is that of its first delivery, Started): it ended with its token.
         assert len(one.deliveries[-1]) == 2 and isinstance(one.deliveries[-1][0], Token)
         assert one.steps[-1] == one.steps[0]
-        assert one.tokens == _greedy(tiny, short, 1)
+        assert one.tokens == want_short[:1]
         # Its id is free with its Finished, though its row may still be in the batch: a new
         # request of the same id is taken at once and runs as alone.
         again = Deliveries(scheduler)
         scheduler.submit(_request(tiny, "one", short, 6), again)
         assert many.finished().reason == "length"
-        assert many.tokens == _greedy(tiny, long, 24)
+        assert many.tokens == want_long
         again.finished()
-        assert again.tokens == _greedy(tiny, short, 6)
+        assert again.tokens == want_short
         # Nothing came to the first after its Finished (its row's report a step later).
         assert sum(isinstance(e, Finished) for d in one.deliveries for e in d) == 1
     finally:
@@ -106,7 +102,7 @@ def test_a_one_token_request_ends_with_its_token_and_its_neighbour_goes_on(
 
 def test_a_stop_token_first_ends_the_stream_with_it(tiny: LoadedModel) -> None:
     prompt = list(range(40, 90))
-    first = _greedy(tiny, prompt, 1)[0]
+    first = greedy(tiny, prompt, 1)[0]
     scheduler = Scheduler(tiny, Limits(max_running=4, max_queued=4))
     scheduler.start()
     try:
@@ -156,7 +152,7 @@ def test_a_client_gone_at_its_first_token_leaves_a_generation_that_resumes(
         key = gens.key("default", prompt, request.sampling, "gone", request.layout)
         plan = gens.loads.load(key, "default", prompt, request.layout)
         assert plan.replay[0] == sink.tokens[0]
-        assert plan.replay == _greedy(tiny, prompt, len(plan.replay))
+        assert plan.replay == greedy(tiny, prompt, len(plan.replay))  # its MLX thread stopped
         plan.release()
     finally:
         scheduler.shutdown()

@@ -17,7 +17,6 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
 from engine_service.errors import Corrupt, ModelFailed, Overloaded
 from engine_service.front.response_stream import RequestStream, respond
@@ -29,7 +28,7 @@ from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
 from engine_service.protocol.events import Finished, Started, Token
 from engine_service.protocol.kv_codec import KVCodec, StorageKind
-from tests.generation_rows import Collector, request_for
+from tests.generation_rows import Collector, greedy, request_for
 
 LONG = 96  # the plain streams' length (the failing row ends after ~25 steps)
 QUANTIZED_FROM = 29
@@ -71,10 +70,11 @@ def tiny(engine_data_dir: Path) -> LoadedModel:
 def test_plain_streams_batched_with_a_failing_row_complete(tiny: LoadedModel) -> None:
     failing = FailsOnAffineRows(tiny.model)
     loaded = LoadedModel(**{**tiny.__dict__, "model": failing})
+    prompts = [list(range(10 + 7 * i, 40 + 9 * i)) for i in range(3)]
+    expected = [greedy(tiny, prompt, LONG) for prompt in prompts]  # before the MLX thread runs
     scheduler = Scheduler(loaded, Limits(max_running=8, max_queued=8))
     scheduler.start()
     try:
-        prompts = [list(range(10 + 7 * i, 40 + 9 * i)) for i in range(3)]
         plain = [Collector() for _ in prompts]
         for i, (prompt, sink) in enumerate(zip(prompts, plain, strict=True)):
             scheduler.submit(request_for(loaded, f"plain-{i}", prompt, LONG, KVCodec()), sink)
@@ -88,11 +88,10 @@ def test_plain_streams_batched_with_a_failing_row_complete(tiny: LoadedModel) ->
         assert "attention sinks" in end.error
         # It ran until its row converted, then failed alone.
         assert QUANTIZED_FROM - len(short) - 1 <= len(culprit.tokens) < 100
-        for prompt, sink in zip(prompts, plain, strict=True):
+        for want, sink in zip(expected, plain, strict=True):
             assert sink.wait(120.0).reason == "length"
             assert sum(isinstance(e, Started) for e in sink.events) == 1
-            expected = generate_step(mx.array(prompt), tiny.model, max_tokens=LONG)
-            assert sink.tokens == [int(t) for t, _ in expected]
+            assert sink.tokens == want
         assert failing.raised >= 2  # in the batch, then in its trial alone
         assert loaded.capabilities.affine_kv == ""  # the probe's short rows ran
         assert scheduler.stats().isolated_failures_total == 1
@@ -162,10 +161,11 @@ def test_a_first_token_already_sent_is_kept_when_the_next_step_fails(
     alone and ends with its failure's status."""
     model = FailsOnLongBatches(tiny.model, 150, failure)
     loaded = LoadedModel(**{**tiny.__dict__, "model": model})
+    short, long = list(range(30, 60)), list(range(100, 300))
+    expected = greedy(tiny, short, 12)
     scheduler = Scheduler(loaded, Limits(max_running=4, max_queued=4))
     scheduler.start()
     try:
-        short, long = list(range(30, 60)), list(range(100, 300))
         innocent, culprit = Collector(), Collector()
         scheduler.submit(request_for(loaded, "short", short, 12, KVCodec()), innocent)
         scheduler.submit(request_for(loaded, "long", long, 12, KVCodec()), culprit)
@@ -173,8 +173,7 @@ def test_a_first_token_already_sent_is_kept_when_the_next_step_fails(
         assert end.reason == "error" and end.failure == status
         assert len(culprit.tokens) == 1  # its first token, sent before the step failed
         assert innocent.wait(120.0).reason == "length"
-        expected = generate_step(mx.array(short), tiny.model, max_tokens=12)
-        assert innocent.tokens == [int(t) for t, _ in expected]
+        assert innocent.tokens == expected
         assert scheduler.stats().isolated_failures_total == 1
     finally:
         scheduler.shutdown()
@@ -210,20 +209,20 @@ def test_rows_that_ran_the_device_out_of_memory_together_run_fewer_at_a_time(
     again), none ends with an error."""
     crowded = RunsOutOfMemoryPastRows(tiny.model, 2)
     loaded = LoadedModel(**{**tiny.__dict__, "model": crowded})
+    length = RELAX_STEPS + 40
+    prompts = [list(range(20 + 5 * i, 50 + 3 * i)) for i in range(5)]
+    expected = [greedy(tiny, prompt, length) for prompt in prompts]
     scheduler = Scheduler(loaded, Limits(max_running=8, max_queued=8))
     scheduler.start()
     crowded.armed = True
     try:
-        length = RELAX_STEPS + 40
-        prompts = [list(range(20 + 5 * i, 50 + 3 * i)) for i in range(5)]
         sinks = [Collector() for _ in prompts]
         for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
             scheduler.submit(request_for(loaded, f"crowded-{i}", prompt, length, KVCodec()), sink)
-        for prompt, sink in zip(prompts, sinks, strict=True):
+        for want, sink in zip(expected, sinks, strict=True):
             end = sink.wait(300.0)
             assert end.reason == "length", end.error
-            expected = generate_step(mx.array(prompt), tiny.model, max_tokens=length)
-            assert sink.tokens == [int(t) for t, _ in expected]
+            assert sink.tokens == want
         assert crowded.raised >= 2  # the first batch, and again once the ceiling rose
         assert crowded.widest <= 2
         stats = scheduler.stats()
@@ -260,6 +259,8 @@ def test_a_speculative_row_out_of_memory_ends_resource_exhausted(
     INTERNAL; a plain row beside it goes on exactly."""
     draft = load_model("tandem-tiny-draft", engine_data_dir)
     crowded = RunsOutOfMemoryPastRows(draft.model, 0)  # no room for the draft at all
+    prompt = list(range(40, 70))
+    expected = greedy(tiny, prompt, 16)
     scheduler = Scheduler(
         tiny,
         Limits(max_running=4, max_queued=4),
@@ -269,7 +270,6 @@ def test_a_speculative_row_out_of_memory_ends_resource_exhausted(
     crowded.armed = True
     try:
         plain, speculative = Collector(), Collector()
-        prompt = list(range(40, 70))
         scheduler.submit(request_for(tiny, "plain", prompt, 16, KVCodec()), plain)
         request = dataclasses.replace(request_for(tiny, "drafted", prompt, 16), num_draft=3)
         scheduler.submit(request, speculative)
@@ -278,7 +278,6 @@ def test_a_speculative_row_out_of_memory_ends_resource_exhausted(
         assert "out of memory" in end.error
         assert crowded.raised >= 1
         assert plain.wait(120.0).reason == "length"
-        expected = generate_step(mx.array(prompt), tiny.model, max_tokens=16)
-        assert plain.tokens == [int(t) for t, _ in expected]
+        assert plain.tokens == expected
     finally:
         scheduler.shutdown()
