@@ -151,6 +151,11 @@ class CoreCollector(Collector):
             "Slots given up to waiting requests after --turn-tokens tokens.",
             e.parking.turns_yielded_total,
         )
+        yield _counter(
+            "tandem:park_captures_failed",
+            "Rows asked to leave the batch that kept their slots: capturing them raised.",
+            e.parking.capture_failed_total,
+        )
         yield _counter("tandem:requests_cancelled", "Requests cancelled.", e.cancelled_total)
         yield _counter(
             "tandem:requests_rejected", "Requests refused at admission.", e.rejected_total

@@ -121,6 +121,7 @@ def stats_to_pb(
         parked_bytes=s.parking.parked_bytes,
         parked_to_store_total=s.parking.parked_to_store_total,
         turns_yielded_total=s.parking.turns_yielded_total,
+        park_capture_failed_total=s.parking.capture_failed_total,
         kv_cache_bytes=s.kv_cache_bytes,
         speculative_rounds_total=s.speculative.rounds_total,
         draft_tokens_total=s.speculative.drafted_total,

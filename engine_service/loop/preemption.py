@@ -25,6 +25,7 @@ step; it makes the store calls through its checkpoints (never on the MLX thread)
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,8 +35,11 @@ from mlx_lm.generate import BatchGenerator
 from engine_service.checkpoints.cache_records import CapturedCache, capture, restore_captured
 from engine_service.core.plans import ResumePlan
 from engine_service.loop.jobs import Job, PendingSnapshot, StartingPoint
+from engine_service.loop.memory_pressure import cache_given_back, is_out_of_memory
 from engine_service.loop.turns import due_turns
 from engine_service.protocol.engine_stats import ParkCounters
+
+log = logging.getLogger(__name__)
 
 # Queues a parked row's snapshot for the store; False when it cannot (no store, not a
 # checkpointed request, or the spill queue is full).
@@ -200,13 +204,35 @@ class Preemption:
                 left.append(Departure(job, self._park(job, now, save)))
         wanted = self._to_capture(rows)
         if wanted:
-            extracted = bg.extract_cache([job.uid for job in wanted])
+            try:
+                extracted = bg.extract_cache([job.uid for job in wanted])
+                captures = {
+                    job.uid: capture(found[0], len(job.request.prompt) + len(job.tokens), False)
+                    for job in wanted
+                    if (found := extracted.get(job.uid)) is not None
+                }
+            except Exception as exc:  # a device out of memory, ...: must not end the loop
+                self._not_captured(wanted, exc)
+                return left
             for job in wanted:
-                found = extracted.get(job.uid)
-                if found is not None:
-                    held = len(job.request.prompt) + len(job.tokens)
-                    self._captured(job, capture(found[0], held, wait=False))
+                if job.uid in captures:
+                    self._captured(job, captures[job.uid])
         return left
+
+    def _not_captured(self, jobs: list[Job], failure: Exception) -> None:
+        """Rows whose capture raised keep their slots, as over the budget: their batch is
+        untouched (a capture only reads it), and a row never leaves without its state."""
+        log.warning(
+            "%d rows could not be captured to leave the batch (%s); they keep their slots",
+            len(jobs),
+            failure,
+            exc_info=not is_out_of_memory(failure),
+        )
+        cache_given_back(failure)
+        for job in jobs:
+            del self._leaving[job.request.request_id]
+            job.turn_start = len(job.tokens)  # not asked again before another turn
+        self.counters.capture_failed_total += len(jobs)
 
     def _to_capture(self, rows: dict[int, Job]) -> list[Job]:
         by_id = {job.request.request_id: job for job in rows.values()}

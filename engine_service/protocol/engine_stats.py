@@ -20,6 +20,7 @@ class ParkCounters:
     parked: int = 0
     parked_bytes: int = 0
     turns_yielded_total: int = 0  # slots given up to waiting requests (queued again)
+    capture_failed_total: int = 0  # asked to leave, kept running: capturing the row raised
 
 
 @dataclass
