@@ -8,9 +8,12 @@ B: `FoldingBatchGenerator` (engine_service/model/folded_prefill.py): a short las
 Each round: --rows rows of --turn new tokens, each after a --prefix-token cache already in
 memory (a store hit's shape; --prefix 0: a short cold prompt), deep-copied for each side, to
 the first token of every row. The first round warms both and is dropped. Prints each side's
-median and the median of the paired ratios B / A with their spread.
+median and the median of the paired ratios B / A with their spread. --turn takes a list: the
+fold runs the model's last layer over every position of the chunk, so past some length it
+costs more than the step it saves; each line says whether the engine folds a chunk that long
+(`fold_limit`).
 
-    python bench/folded_prefill_bench.py [--model tandem-tiny] [--prefix 4096] [--turn 16]
+    python bench/folded_prefill_bench.py [--model tandem-tiny] [--prefix 4096] [--turn 16[,256]]
         [--rows 1] [--pairs 9]
 """
 
@@ -38,7 +41,7 @@ from mlx_lm.generate import BatchGenerator  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from bench.shapes import load_shape  # noqa: E402
-from engine_service.model.folded_prefill import FoldingBatchGenerator  # noqa: E402
+from engine_service.model.folded_prefill import FoldingBatchGenerator, fold_limit  # noqa: E402
 from engine_service.model.last_positions import LastPositions  # noqa: E402
 
 
@@ -68,7 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tandem-tiny")
     ap.add_argument("--prefix", type=int, default=4096)
-    ap.add_argument("--turn", type=int, default=16)
+    ap.add_argument("--turn", default="16", help="new tokens a row; a list: one line each")
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--pairs", type=int, default=9)
     args = ap.parse_args()
@@ -84,25 +87,29 @@ def main() -> None:
 
     positions = LastPositions.probe(model)
     assert positions is not None, "this model's first tokens cannot come from its chunks"
-    upstream: list[float] = []
-    folded: list[float] = []
-    for r in range(args.pairs + 1):
-        turns = [[rng.randrange(3, vocab - 1) for _ in range(args.turn)] for _ in prefixes]
-        a = first_tokens(BatchGenerator(model), turns, copies() if args.prefix else [])
-        folding = FoldingBatchGenerator(model, positions)
-        b = first_tokens(folding, turns, copies() if args.prefix else [])
-        assert folding.folded_rows == args.rows, "the last chunk did not fold"
-        print(f"  round {r}: mlx-lm {a * 1e3:8.1f} ms, folded {b * 1e3:8.1f} ms")
-        if r:  # the first round warms both up
-            upstream.append(a)
-            folded.append(b)
-    ratios = sorted(b / a for a, b in zip(upstream, folded, strict=True))
-    print(
-        f"{args.model} on {mx.default_device()}, {args.rows} row(s) of {args.turn} tokens after"
-        f" {args.prefix}, {args.pairs} pairs: mlx-lm {statistics.median(upstream) * 1e3:.1f} ms,"
-        f" folded {statistics.median(folded) * 1e3:.1f} ms to the first token; folded / mlx-lm"
-        f" median {statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
-    )
+    limit = fold_limit(model)
+    for turn in [int(t) for t in args.turn.split(",")]:
+        upstream: list[float] = []
+        folded: list[float] = []
+        for r in range(args.pairs + 1):
+            turns = [[rng.randrange(3, vocab - 1) for _ in range(turn)] for _ in prefixes]
+            a = first_tokens(BatchGenerator(model), turns, copies() if args.prefix else [])
+            folding = FoldingBatchGenerator(model, positions)  # always folds: the fold measured
+            b = first_tokens(folding, turns, copies() if args.prefix else [])
+            assert folding.folded_rows == args.rows, "the last chunk did not fold"
+            print(f"  round {r}: mlx-lm {a * 1e3:8.1f} ms, folded {b * 1e3:8.1f} ms")
+            if r:  # the first round warms both up
+                upstream.append(a)
+                folded.append(b)
+        ratios = sorted(b / a for a, b in zip(upstream, folded, strict=True))
+        engine = "folds" if limit is None or turn <= limit else f"does not fold (limit {limit})"
+        print(
+            f"{args.model} on {mx.default_device()}, {args.rows} row(s) of {turn} tokens after"
+            f" {args.prefix}, {args.pairs} pairs: mlx-lm {statistics.median(upstream) * 1e3:.1f}"
+            f" ms, folded {statistics.median(folded) * 1e3:.1f} ms to the first token; folded /"
+            f" mlx-lm median {statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f});"
+            f" the engine {engine}"
+        )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine_service.loop.jobs import Job, StartingPoint
 from engine_service.loop.new_rows import NewRows
-from engine_service.model.folded_prefill import FoldingBatchGenerator
+from engine_service.model.folded_prefill import (
+    FOLD_TOKENS_PER_LAYER_WEIGHTS,
+    FoldingBatchGenerator,
+    fold_limit,
+    weight_bytes,
+)
 from engine_service.model.last_positions import LastPositions
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
@@ -72,6 +77,7 @@ def _run(
     prefix: int = 0,
     positions: bool = True,
     prefill_step: int = 2048,
+    fold_max: int | None = None,
 ) -> Run:
     """Rows of these prompt lengths decoded together, each after `prefix` tokens already in
     its cache (a store hit's shape), by mlx-lm's generator or the folding one."""
@@ -80,7 +86,9 @@ def _run(
         completion_batch_size=8, prefill_batch_size=8, prefill_step_size=prefill_step
     )
     bg = (
-        FoldingBatchGenerator(model, LastPositions.probe(model) if positions else None, **kwargs)
+        FoldingBatchGenerator(
+            model, LastPositions.probe(model) if positions else None, fold_max, **kwargs
+        )
         if fold
         else BatchGenerator(model, **kwargs)
     )
@@ -186,6 +194,28 @@ def test_a_prompt_of_several_chunks_folds_its_last_one_only(tiny: LoadedModel) -
     _same(upstream, folded)
     assert folded.folded == 1
     _ahead_as_reported(folded)
+
+
+def test_a_last_chunk_longer_than_the_fold_limit_keeps_mlx_lms_step(tiny: LoadedModel) -> None:
+    """Past `fold_max_tokens` (the last token included) the fold would cost more than the step
+    it saves (`fold_limit`): that row's last token is a step of its own; a shorter row beside
+    it still folds."""
+    lengths = [20, 8]
+    upstream = _run(tiny, False, lengths)
+    folded = _run(tiny, True, lengths, fold_max=8)
+    _same(upstream, folded)
+    assert folded.folded == 1
+    _ahead_as_reported(folded)
+
+
+def test_the_fold_limit_follows_the_weights_a_step_reads(tiny: LoadedModel) -> None:
+    """On the CPU: 8 tokens for each last layer's worth of the model's weights (tandem-tiny:
+    4.9, so 39 tokens); on a GPU, and for a model whose layers are not listed, any chunk."""
+    weights, last = weight_bytes(tiny.model), weight_bytes(tiny.model.layers[-1])
+    on_cpu = round(FOLD_TOKENS_PER_LAYER_WEIGHTS * weights / last)
+    assert 32 <= on_cpu <= 48  # where tandem-tiny's crossover was measured
+    assert fold_limit(tiny.model) == (on_cpu if mx.default_device() == mx.cpu else None)
+    assert fold_limit(object()) is None
 
 
 def test_without_positions_nothing_folds(tiny: LoadedModel) -> None:

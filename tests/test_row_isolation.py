@@ -158,12 +158,13 @@ def test_a_first_token_already_sent_is_kept_when_the_next_step_fails(
     """Both rows' first tokens leave before their first decode step (loop/first_tokens.py
     `_send_first_tokens`); that step fails, and the short row starts again by recompute from
     the token its client already has: no token twice, none different. The long row fails
-    alone and ends with its failure's status."""
+    alone and ends with its failure's status. (Prefill steps of 64 tokens: the long prompt's
+    last chunk is short enough to fold on the CPU too, model/folded_prefill.py `fold_limit`.)"""
     model = FailsOnLongBatches(tiny.model, 150, failure)
     loaded = LoadedModel(**{**tiny.__dict__, "model": model})
     short, long = list(range(30, 60)), list(range(100, 300))
     expected = greedy(tiny, short, 12)
-    scheduler = Scheduler(loaded, Limits(max_running=4, max_queued=4))
+    scheduler = Scheduler(loaded, Limits(max_running=4, max_queued=4, prefill_step_size=64))
     scheduler.start()
     try:
         innocent, culprit = Collector(), Collector()

@@ -35,7 +35,7 @@ from engine_service.loop.row_endings import RowEndings
 from engine_service.loop.row_isolation import recompute_point
 from engine_service.loop.step_checkpoints import StepCheckpoints
 from engine_service.loop.warmup import WarmUpFailed, warm_up
-from engine_service.model.folded_prefill import FoldingBatchGenerator
+from engine_service.model.folded_prefill import FoldingBatchGenerator, fold_limit
 from engine_service.model.last_positions import LastPositions
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.mlx_compat import batch_cache_bytes, running_batch
@@ -132,6 +132,7 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
         return FoldingBatchGenerator(
             self._batch_model,
             self._last_positions,
+            fold_limit(self.loaded.model),
             completion_batch_size=self.limits.max_running,
             prefill_batch_size=min(self.limits.prefill_batch_size, self.limits.max_running),
             prefill_step_size=self.limits.prefill_step_size,

@@ -14,11 +14,11 @@ penalties) and bookkeeping: it is given a model that answers its first call with
 its first step: the cache holds the whole prompt, the first token sampled, the row's token
 list ending with the prompt's last token.
 
-Whether a row folds depends on the row alone (its last chunk has room for the last token), not
-on the rows beside it. Not for rows kept apart (`keep_apart`: quantized-KV rows, whose last
-token attends over their quantized keys as in mlx-lm), not at all for a model
-`LastPositions.probe` refuses, nor in deterministic mode, where a prompt's last token is a step
-of its own by contract (checkpoints/prefix_reuse.py `aligned`).
+Whether a row folds depends on the row alone (its last chunk has room for the last token and
+is short enough to gain: `fold_limit`), not on the rows beside it. Not for rows kept apart
+(`keep_apart`: quantized-KV rows, whose last token attends over their quantized keys as in
+mlx-lm), not at all for a model `LastPositions.probe` refuses, nor in deterministic mode, where
+a prompt's last token is a step of its own by contract (checkpoints/prefix_reuse.py `aligned`).
 
 A row's first token is also available as soon as it is sampled (`first_tokens`), before the
 next `next()` launches the step after it: mlx-lm reports a token only from the call that
@@ -38,9 +38,37 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
 from engine_service.model.last_positions import LastPositions
+
+# The fold runs the model's last layer over every position of the last chunk (its logits are
+# wanted at one); the step it saves runs the whole model over one position, which costs about a
+# read of all its weights. On a GPU that read outweighs a layer over any prefill step's tokens
+# (an H100's bf16 ridge: ~300 tokens a weight read), so every chunk folds. On the CPU the fold
+# gains while the chunk has fewer tokens than FOLD_TOKENS_PER_LAYER_WEIGHTS times the model's
+# weights counted in last layers (bench/folded_prefill_bench.py, docs/performance.md):
+# tandem-tiny (4.9 layers' worth) crosses over at 32 tokens; the 0.6B shape (37.9: a 622 MB
+# tied head) folds at a gain of 5% at 256 and within 4% either way at 1,024.
+FOLD_TOKENS_PER_LAYER_WEIGHTS = 8
+
+
+def fold_limit(model: Any) -> int | None:
+    """The longest last chunk (its last token included) that folds for this model on the
+    default device; None: any that fits a prefill step (a GPU, or a model whose layers are
+    not listed)."""
+    layers = getattr(model, "layers", None)
+    if mx.default_device() != mx.cpu or not layers:
+        return None
+    last = weight_bytes(layers[-1])
+    return max(1, round(FOLD_TOKENS_PER_LAYER_WEIGHTS * weight_bytes(model) / max(last, 1)))
+
+
+def weight_bytes(module: Any) -> int:
+    """The bytes of a module's parameters."""
+    leaves: list[tuple[str, mx.array]] = tree_flatten(module.parameters())  # type: ignore[assignment]
+    return sum(array.nbytes for _, array in leaves)
 
 
 class _Folding:
@@ -101,10 +129,19 @@ class _Began:
 class FoldingBatchGenerator(BatchGenerator):
     """mlx-lm's BatchGenerator; a row's last prompt chunk gives its first token."""
 
-    def __init__(self, model: Any, positions: LastPositions | None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        positions: LastPositions | None,
+        fold_max_tokens: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         """positions: the model's `LastPositions` (None: no row folds; a model its probe
-        refused, or deterministic mode)."""
+        refused, or deterministic mode). fold_max_tokens: the longest last chunk that folds
+        (`fold_limit`; None: any that fits a prefill step); a longer one's last token is a
+        step of its own, as in mlx-lm."""
         super().__init__(model, **kwargs)
+        self.fold_max_tokens = fold_max_tokens or self.prefill_step_size
         self.folded_rows = 0  # rows whose first token came from their chunk (tests, stats)
         self._apart: set[int] = set()  # rows whose last token is a step of its own
         self._joined: list[_Began] = []  # rows that began generating in this next()
@@ -158,7 +195,7 @@ class FoldingBatchGenerator(BatchGenerator):
             if len(seq[0]) == 2
             and len(seq[0][1]) == 1
             and len(seq[0][0]) == chunks[i]
-            and chunks[i] + 1 <= self.prefill_step_size
+            and chunks[i] + 1 <= min(self.prefill_step_size, self.fold_max_tokens)
             and uids[i] not in self._apart
         ]
 
