@@ -72,6 +72,7 @@ def direct(
     start = time.perf_counter()
     uids = bg.insert(batch, max_tokens=[max_tokens] * len(batch))
     first: dict[int, float] = {}
+    stamps: dict[int, list[float]] = {uid: [] for uid in uids}
     done = 0
     total = 0
     while done < len(uids):
@@ -79,6 +80,7 @@ def direct(
         now = time.perf_counter()
         for r in responses:
             first.setdefault(r.uid, now - start)
+            stamps[r.uid].append(now)
             total += 1
             if r.finish_reason is not None:
                 done += 1
@@ -91,7 +93,19 @@ def direct(
         "tokens_per_s": total / wall,
         "ttft_s": statistics.median(first.values()),
         "tokens": total,
+        "decode_tokens_per_s": decode_rate(list(stamps.values())),
     }
+
+
+def decode_rate(stamps: list[list[float]]) -> float:
+    """Tokens a second once every stream is decoding: those after the last stream's second
+    token, over the time from it to the last token (prefills left out, whatever the prompt
+    length). 0 when a stream has fewer than 3 tokens."""
+    if any(len(s) < 3 for s in stamps):
+        return 0.0
+    start, end = max(s[1] for s in stamps), max(s[-1] for s in stamps)
+    tokens = sum(1 for s in stamps for t in s if t > start)
+    return tokens / (end - start) if end > start else 0.0
 
 
 def through_engine(
@@ -109,25 +123,25 @@ async def _through_engine(
         stub = engine_pb2_grpc.EngineStub(channel)
         start = time.perf_counter()
 
-        async def one(i: int, prompt: list[int]) -> tuple[int, float]:
+        async def one(i: int, prompt: list[int]) -> list[float]:
             sampling = engine_pb2.SamplingParams(ignore_eos=True, temperature=temperature, seed=i)
             request = engine_pb2.GenerateRequest(
                 token_ids=prompt, max_tokens=max_tokens, sampling=sampling
             )
-            count, first = 0, 0.0
+            stamps: list[float] = []
             async for message in stub.Generate(request):
-                if message.token_ids and not count:
-                    first = time.perf_counter() - start
-                count += len(message.token_ids)
-            return count, first
+                now = time.perf_counter()
+                stamps += [now] * len(message.token_ids)
+            return stamps
 
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
         wall = time.perf_counter() - start
-    total = sum(c for c, _ in results)
+    total = sum(len(s) for s in results)
     return {
         "tokens_per_s": total / wall,
-        "ttft_s": statistics.median(f for _, f in results),
+        "ttft_s": statistics.median(s[0] - start for s in results),
         "tokens": total,
+        "decode_tokens_per_s": decode_rate(results),
     }
 
 
@@ -312,7 +326,7 @@ def main() -> None:
                 "ratios (min-max)"
             )
             header = f"{'streams':>7} {'direct':>8} {'engine':>8} {'engine/direct':>18} "
-            header += f"{'TTFT engine/direct':>19}"
+            header += f"{'TTFT engine/direct':>19} {'decode engine/direct':>21}"
             if server is not None:
                 header += f" {'server':>8} {'engine/server':>18}"
             print(header + "   (tok/s)")
@@ -327,6 +341,11 @@ def main() -> None:
                 ttft = {k: [x["ttft_s"] for x in v] for k, v in runs.items()}
                 ratio = [e / d for e, d in zip(tps["engine"], tps["direct"], strict=True)]
                 ttft_ratio = [e / d for e, d in zip(ttft["engine"], ttft["direct"], strict=True)]
+                decode = [
+                    e["decode_tokens_per_s"] / d["decode_tokens_per_s"]
+                    for e, d in zip(runs["engine"], runs["direct"], strict=True)
+                    if d["decode_tokens_per_s"]
+                ]
                 row = {
                     "streams": n,
                     "direct_tps": statistics.median(tps["direct"]),
@@ -337,10 +356,12 @@ def main() -> None:
                     "ttft_ratio": statistics.median(ttft_ratio),
                     "direct_ttft_s": statistics.median(ttft["direct"]),
                     "engine_ttft_s": statistics.median(ttft["engine"]),
+                    "decode_ratio": statistics.median(decode) if decode else None,
                 }
                 line = (
                     f"{n:>7} {row['direct_tps']:>8.0f} {row['engine_tps']:>8.0f} "
-                    f"{_spread(ratio):>18} {_spread(ttft_ratio):>19}"
+                    f"{_spread(ratio):>18} {_spread(ttft_ratio):>19} "
+                    f"{_spread(decode) if decode else '-':>21}"
                 )
                 if "server" in here:
                     vs = [e / s for e, s in zip(tps["engine"], tps["server"], strict=True)]

@@ -31,8 +31,9 @@
 # Part w: the 8k and 32k hits by the plane gather in one launch against launches of 8
 # planes (two engines, interleaved). Part d: a 64-layer model's hit (128 planes) in one launch
 # against launches of 64. Issue 37's device calls in the thirteenth session: "d e", "c", "l"
-# (twice more after the out-of-memory changes). The next: "e" (paired now), "s" (the
-# resume's plan after the regions' prefault), "w" at 32k.
+# (twice more after the out-of-memory changes). The next: "e" (paired now), "o" (decode
+# after 8k prompts beside raw mlx-lm), "s" (the resume's plan after the regions' prefault),
+# "w" at 32k.
 # PAIRS: the ABBA pairs of parts c and l (16 and 8). Writes text under $OUT.
 set -u
 out=${OUT:-/tmp}
@@ -144,6 +145,14 @@ for part in ${1:-g r p t}; do
       timeout 450 python3 bench/checkpoint_bench.py --model qwen3-0.6b-shape \
         --repeat "${PAIRS:-8}" --decode-tokens 512 --decode-prompt 8192 --skip ttft,resume,batched,restore,floor,local \
         --engine-log-level debug 2>&1 | tee "$out/checkpoint_cost_long.txt"
+      ;;
+    o)
+      # 8 streams after 8,192-token prompts decoded at ~242 tok/s against ~712 after short
+      # ones (thirteenth session): the engine against raw mlx-lm's BatchGenerator there, the
+      # decode phase apart (the bench's "decode engine/direct" column).
+      timeout 500 python3 bench/engine_bench.py --model qwen3-0.6b-shape --streams 8 \
+        --prompt-tokens 8192 --max-tokens 256 --pairs 3 --no-server 2>&1 \
+        | tee "$out/decode_after_8k.txt"
       ;;
     c)
       # Runs of 512 tokens a stream: a lent GPU's rare stalls swung 256-token pairs by tens
