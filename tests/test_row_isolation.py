@@ -24,6 +24,7 @@ from engine_service.kv.batch_cache import BatchQuantizedKVCache
 from engine_service.loop.limits import Limits
 from engine_service.loop.memory_pressure import RELAX_STEPS, is_out_of_memory
 from engine_service.loop.scheduler import Scheduler
+from engine_service.model.folded_prefill import FoldingBatchGenerator
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
 from engine_service.protocol.events import Finished, Started, Token
@@ -280,5 +281,40 @@ def test_a_speculative_row_out_of_memory_ends_resource_exhausted(
         assert crowded.raised >= 1
         assert plain.wait(120.0).reason == "length"
         assert plain.tokens == expected
+    finally:
+        scheduler.shutdown()
+
+
+def test_first_tokens_whose_evaluation_runs_out_of_memory_are_a_failed_step(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first tokens are evaluated after the step that sampled them (a short graph, but
+    the fold's last layer is in it): when that evaluation raises, the step failed, and its
+    rows run again as any failed step's; none ends, every stream is exact."""
+    real = FoldingBatchGenerator.first_tokens
+    raised = {"n": 0}
+
+    def first_tokens(self: FoldingBatchGenerator) -> Any:
+        if self._joined and not raised["n"]:
+            raised["n"] += 1
+            self._joined = []  # what the generator had: the rows' first tokens, not evaluated
+            raise RuntimeError(CUDA_OOM)
+        return real(self)
+
+    monkeypatch.setattr(FoldingBatchGenerator, "first_tokens", first_tokens)
+    prompts = [list(range(30 + 3 * i, 50 + 2 * i)) for i in range(3)]
+    expected = [greedy(tiny, prompt, 12) for prompt in prompts]
+    scheduler = Scheduler(tiny, Limits(max_running=4, max_queued=4))
+    scheduler.start()
+    try:
+        sinks = [Collector() for _ in prompts]
+        for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
+            scheduler.submit(request_for(tiny, f"first-{i}", prompt, 12, KVCodec()), sink)
+        for want, sink in zip(expected, sinks, strict=True):
+            end = sink.wait(120.0)
+            assert end.reason == "length", end.error
+            assert sink.tokens == want
+        assert raised["n"] == 1
+        assert scheduler.stats().out_of_memory_steps_total == 1
     finally:
         scheduler.shutdown()

@@ -18,7 +18,7 @@ from engine_service.checkpoints.manager import CheckpointManager
 from engine_service.loop.jobs import Job
 from engine_service.loop.read_confirmations import ReadConfirmations
 from engine_service.loop.step_checkpoints import StepCheckpoints
-from engine_service.model.folded_prefill import FoldingBatchGenerator
+from engine_service.model.folded_prefill import FirstToken, FoldingBatchGenerator
 from engine_service.protocol.events import Event, Token
 from engine_service.sampling.samplers import requested_logprobs
 
@@ -41,11 +41,11 @@ class FirstTokens:
     def _start_again(self, job: Job) -> None:
         raise NotImplementedError
 
-    def _send_first_tokens(self) -> None:
+    def _send_first_tokens(self, first_tokens: list[FirstToken]) -> None:
         """The first token of each row that began generating in this step leaves now, not
         with the next step's tokens (model/folded_prefill.py `first_tokens`): after its
         store read was confirmed (a row whose read was not is out of the batch by then)."""
-        for first in self._bg.first_tokens():
+        for first in first_tokens:
             job = self._rows.get(first.uid)
             if job is None:
                 continue

@@ -354,6 +354,9 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
     def _step(self) -> None:
         try:
             _, responses = self._bg.next()
+            # Evaluated here, part of the step (the fold's last layer is in their graph); sent
+            # once the step's direct store reads are confirmed.
+            first_tokens = self._bg.first_tokens()
         except Exception as exc:  # a row the model fails on must not end the rows beside it
             log.exception("a batch step of %d rows failed; trying each alone", len(self._rows))
             self._confirm_reads(step_failed=True)
@@ -362,7 +365,7 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
         self._ceiling.stepped(self.limits.max_running)
         self._confirm_reads()
         self._masks.settle(self._rows)
-        self._send_first_tokens()
+        self._send_first_tokens(first_tokens)
         if not responses:
             return
         for r in responses:
