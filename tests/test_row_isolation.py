@@ -318,3 +318,52 @@ def test_first_tokens_whose_evaluation_runs_out_of_memory_are_a_failed_step(
         assert scheduler.stats().out_of_memory_steps_total == 1
     finally:
         scheduler.shutdown()
+
+
+class AffineRowsRunOutOfMemory:
+    """The model, raising MLX-CUDA's allocation failure on its first `times` calls over a
+    batch holding an affine-quantized row (the KV codec's start-up probe's, here)."""
+
+    def __init__(self, model: Any, times: int) -> None:
+        self.model = model
+        self.left = times
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> Any:
+        affine = any(
+            isinstance(layer, BatchQuantizedKVCache)
+            and any(layer.row_storage(i).kind is StorageKind.AFFINE for i in range(inputs.shape[0]))
+            for layer in cache or []
+        )
+        if affine and self.left:
+            self.left -= 1
+            raise RuntimeError(CUDA_OOM)
+        return self.model(inputs, cache=cache, **kwargs)
+
+
+def test_a_kv_probe_out_of_memory_refuses_the_request_not_the_codec(tiny: LoadedModel) -> None:
+    """A quantized KV codec is probed at its first request; a probe that runs the device out
+    of memory ends that request RESOURCE_EXHAUSTED and leaves the codec unprobed (it was
+    recorded as the model's refusal for the engine's life): the next request probes again
+    and runs."""
+    model = AffineRowsRunOutOfMemory(tiny.model, 1)
+    unprobed = dataclasses.replace(tiny.capabilities, affine_kv=None)
+    loaded = LoadedModel(**{**tiny.__dict__, "model": model, "capabilities": unprobed})
+    scheduler = Scheduler(loaded, Limits(max_running=4, max_queued=4))
+    scheduler.start()
+    try:
+        eight_bits = KVCodec(8, 64)
+        first, again = Collector(), Collector()
+        scheduler.submit(request_for(loaded, "first", [5, 6, 7, 8, 9], 8, eight_bits), first)
+        end = first.wait(120.0)
+        assert end.reason == "error" and end.failure == "Overloaded", end.error
+        assert "out of memory" in end.error
+        assert loaded.capabilities.affine_kv is None
+        scheduler.submit(request_for(loaded, "again", [5, 6, 7, 8, 9], 8, eight_bits), again)
+        assert again.wait(120.0).reason == "length"
+        assert len(again.tokens) == 8
+        assert loaded.capabilities.affine_kv == ""
+    finally:
+        scheduler.shutdown()

@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as cache_lib
 
+from engine_service.loop.memory_pressure import is_out_of_memory
 from engine_service.loop.warmup import ProbeRow, generate_rows
 from engine_service.protocol.capabilities import Capabilities, layout_refusal
 from engine_service.protocol.kv_codec import GROUP_SIZES, KVCodec, Scheme
@@ -43,7 +44,10 @@ def prepare_to_serve(
     """Probes plain rows and the engine's default KV scheme (into loaded.capabilities) and
     checks the default codec runs; ProbeFailed otherwise."""
     loaded.capabilities = probe(loaded, new_batch)
-    refusal = kv_refusal(loaded, default_kv, new_batch)
+    try:
+        refusal = kv_refusal(loaded, default_kv, new_batch)
+    except Exception as exc:  # the device out of memory at start-up: nothing can serve
+        raise ProbeFailed(f"probing the engine's default KV codec failed: {_line(exc)}") from exc
     if refusal:
         raise ProbeFailed(f"the engine's default KV codec cannot run on this model: {refusal}")
 
@@ -61,7 +65,9 @@ def probe(loaded: Any, new_batch: Callable[[], BatchGenerator]) -> Capabilities:
 
 def kv_refusal(loaded: Any, codec: KVCodec, new_batch: Callable[[], BatchGenerator]) -> str:
     """Why rows of this codec cannot run ("" when they can); its scheme is probed first if
-    it was not yet (MLX thread: the probe's rows run in batches of their own)."""
+    it was not yet (MLX thread: the probe's rows run in batches of their own). A probe that
+    runs the device out of memory raises, its scheme left unprobed: a later request probes
+    it again, where a refusal would last the engine's life."""
     caps: Capabilities = loaded.capabilities
     if codec.quantized and not caps.probed(codec.scheme):
         start = time.perf_counter()
@@ -103,6 +109,8 @@ def _quantized_rows(
         for rows in batches:
             generate_rows(new_batch(), loaded, rows, PROBE_TOKENS)
     except Exception as exc:  # noqa: BLE001 - whatever the model raises is the reason
+        if is_out_of_memory(exc):  # the device's state now, not the model's: not recorded
+            raise
         model_type = loaded.config.get("model_type", "this model")
         kind = "TurboQuant" if codecs[0].scheme is Scheme.TURBOQUANT else "affine-quantized"
         return f"{model_type} attention does not run on {kind} KV: {_line(exc)}"

@@ -26,7 +26,7 @@ from engine_service.loop.idle_buffers import IdleBuffers, bound_cache
 from engine_service.loop.inbox import SchedulerInbox
 from engine_service.loop.jobs import Job, StartingPoint
 from engine_service.loop.limits import Limits
-from engine_service.loop.memory_pressure import RowCeiling, is_out_of_memory
+from engine_service.loop.memory_pressure import RowCeiling, cache_given_back, is_out_of_memory
 from engine_service.loop.new_rows import NewRows
 from engine_service.loop.parking import Parking
 from engine_service.loop.preemption import Preemption, restart_point
@@ -298,7 +298,14 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
                 arriving.append(job)
                 continue
             # A KV scheme the model cannot run is refused before the row joins a batch.
-            refusal = kv_refusal(self.loaded, job.request.kv, self._new_batch_generator)
+            try:
+                refusal = kv_refusal(self.loaded, job.request.kv, self._new_batch_generator)
+            except Exception as exc:  # only a device out of memory gets here
+                if not cache_given_back(exc):
+                    raise
+                why = f"the device ran out of memory probing this request's KV codec: {exc}"
+                self._end_failed(job, why, Overloaded)
+                continue
             if self.deterministic and job.request.kv.quantized:
                 refusal = "this engine runs --deterministic: KV codecs are not batch-invariant"
             if refusal:
