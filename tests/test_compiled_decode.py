@@ -104,3 +104,28 @@ def test_a_step_mlx_cannot_run_turns_the_compiled_path_off(tiny: LoadedModel) ->
     eager = _generate(tiny.model, tiny, [7, 11], 12)
     assert _generate(compiled, tiny, [7, 11], 12) == eager
     assert not compiled.enabled and compiled.compiled_steps == 0
+
+
+def test_a_step_that_runs_the_device_out_of_memory_keeps_the_compiled_path(
+    tiny: LoadedModel,
+) -> None:
+    """Out of memory is the device's state, not a graph MLX cannot run: the step fails (the
+    scheduler's failure handling runs its rows again, fewer at a time) and later steps
+    compile again."""
+    compiled = CompiledDecode(tiny.model)
+    real, raised = compiled._step, [0]
+
+    def crowded(
+        inputs: mx.array, column: mx.array, width: mx.array, *flat: mx.array
+    ) -> list[mx.array]:
+        if not raised[0]:
+            raised[0] += 1
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+        return real(inputs, column, width, *flat)
+
+    compiled._step = crowded
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _generate(compiled, tiny, [7, 11], 12)
+    assert compiled.enabled
+    assert _generate(compiled, tiny, [7, 11], 12) == _generate(tiny.model, tiny, [7, 11], 12)
+    assert compiled.compiled_steps > 0

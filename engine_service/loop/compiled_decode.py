@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine_service.kv.batch_state import DecodeState
+from engine_service.loop.memory_pressure import is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,9 @@ class CompiledDecode:
             if shape not in self._checked:  # a new trace: run it now, where failure is caught
                 mx.eval(logits, *planes)
                 self._checked.add(shape)
-        except Exception:  # noqa: BLE001 - a graph MLX cannot compile: the caches are untouched
+        except Exception as exc:  # noqa: BLE001 - a graph MLX cannot compile: caches untouched
+            if is_out_of_memory(exc):  # the device's state, not the graph: the step failed
+                raise
             log.exception("the compiled decode step failed; decoding eagerly from now on")
             self.enabled = False
             return self.model(inputs, cache=cache, **kwargs)
