@@ -18,11 +18,12 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from engine_service.device_memory import is_out_of_memory
 from engine_service.errors import Corrupt, ModelFailed, Overloaded
 from engine_service.front.response_stream import RequestStream, respond
 from engine_service.kv.batch_cache import BatchQuantizedKVCache
 from engine_service.loop.limits import Limits
-from engine_service.loop.memory_pressure import RELAX_STEPS, is_out_of_memory
+from engine_service.loop.memory_pressure import RELAX_STEPS
 from engine_service.loop.scheduler import Scheduler
 from engine_service.model.folded_prefill import FoldingBatchGenerator
 from engine_service.model.loaded import LoadedModel

@@ -6,11 +6,13 @@ keys and values in the rotated domain matches float attention within a stated to
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine_service.kv import turboquant
 from engine_service.kv.turboquant import BITS, TurboQuantCodec, distortion_bound, rotated_attention
 from engine_service.kv.turboquant_codebooks import (
     FROZEN_CODEBOOKS,
@@ -102,3 +104,25 @@ def test_rotated_domain_attention_matches_float_attention(key_bits: int, value_b
         mask="causal",
     )  # fmt: skip
     assert float(mx.max(mx.abs(out - decoded))) < 1e-4
+
+
+def test_the_fused_kernels_check_out_of_memory_decides_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fused decode kernel's one check against the reference path (MLX-CUDA) switches
+    it off for the process when the kernel cannot run; the device out of memory during the
+    check raises instead (the step fails and runs again), leaving it to be checked later."""
+
+    def raising(message: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(message)
+
+        return call
+
+    fused, reference = mx.zeros((4,)), mx.zeros((4,))
+    # mlx.core's abs, which the check calls (monkeypatch puts it back)
+    monkeypatch.setattr(mx, "abs", raising("cudaMallocAsync failed: out of memory"))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        turboquant._fused_matches(fused, reference)
+    monkeypatch.setattr(mx, "abs", raising("no kernel for this primitive"))
+    assert turboquant._fused_matches(fused, reference) is False

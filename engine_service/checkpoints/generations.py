@@ -45,8 +45,8 @@ from engine_service.checkpoints.generation_meta import (
 from engine_service.checkpoints.host_staging import HostStaging, Staged
 from engine_service.checkpoints.spill import SpillQueue
 from engine_service.checkpoints.spill_items import Put
+from engine_service.device_memory import cache_given_back
 from engine_service.loop.jobs import Job, PendingSnapshot, ReadySnapshot, Segment
-from engine_service.loop.memory_pressure import cache_given_back
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
 from engine_service.protocol.sampling_options import SamplingOptions
 from tandem_client.identity import generation_key, scope_digest

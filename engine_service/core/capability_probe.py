@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as cache_lib
 
-from engine_service.loop.memory_pressure import is_out_of_memory
+from engine_service.device_memory import is_out_of_memory
 from engine_service.loop.warmup import ProbeRow, generate_rows
 from engine_service.protocol.capabilities import Capabilities, layout_refusal
 from engine_service.protocol.kv_codec import GROUP_SIZES, KVCodec, Scheme

@@ -37,6 +37,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from engine_service.device_memory import is_out_of_memory
 from engine_service.kv import turboquant_cuda
 from engine_service.kv.turboquant_codebooks import gaussian_codebook
 
@@ -274,6 +275,8 @@ def _cuda_attention(
                 mask, vc.rotation, dtype,
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001  (a kernel this device cannot build)
+            if is_out_of_memory(exc):  # the device's state now, not the kernel: the step fails
+                raise
             log.warning("TurboQuant fused decode attention off: %s", exc)
             turboquant_cuda.FUSED, out = False, None
     if out is None or turboquant_cuda.FUSED is None:
@@ -298,6 +301,8 @@ def _fused_matches(fused: mx.array, reference: mx.array) -> bool:
     try:
         error, size = float(mx.abs(fused - reference).max()), float(mx.abs(reference).max())
     except Exception as exc:  # noqa: BLE001  (a kernel this device cannot build or run)
+        if is_out_of_memory(exc):
+            raise
         log.warning("TurboQuant fused decode attention off: %s", exc)
         return False
     ok = error <= 0.02 * size + 1e-3

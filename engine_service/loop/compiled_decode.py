@@ -24,8 +24,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine_service.device_memory import is_out_of_memory
 from engine_service.kv.batch_state import DecodeState
-from engine_service.loop.memory_pressure import is_out_of_memory
 
 log = logging.getLogger(__name__)
 

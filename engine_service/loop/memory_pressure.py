@@ -15,41 +15,16 @@ std::bad_alloc). That is the batch's memory, not a row's fault, so it is not INT
   together; the rest wait in the queue. The ceiling rises by a row every RELAX_STEPS steps
   without a failure and goes once it reaches --max-running (vLLM preempts by recompute in
   the same way when its KV blocks run out).
+
+What counts as out of memory, and giving MLX's cache back: engine_service/device_memory.py
+(every room meets the device's memory, not only the loop).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.core as mx
-
-# Lower-cased pieces of the messages MLX's backends raise when an allocation fails.
-_MARKERS = (
-    "out of memory",
-    "insufficient memory",
-    "outofmemory",
-    "cudaerrormemoryallocation",
-    "metal::malloc",
-    "bad_alloc",
-)
 RELAX_STEPS = 64  # batch steps without a failure before one more row may run
-
-
-def is_out_of_memory(failure: BaseException | str) -> bool:
-    """Whether a step's exception (or its message) is an allocation MLX could not make."""
-    if isinstance(failure, MemoryError):
-        return True
-    text = str(failure).lower()
-    return any(marker in text for marker in _MARKERS)
-
-
-def cache_given_back(failure: BaseException) -> bool:
-    """Whether failure is the device out of memory; if so MLX's cached buffers go back first,
-    for the rows that go on."""
-    if not is_out_of_memory(failure):
-        return False
-    mx.clear_cache()
-    return True
 
 
 @dataclass

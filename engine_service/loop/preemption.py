@@ -34,8 +34,8 @@ from mlx_lm.generate import BatchGenerator
 
 from engine_service.checkpoints.cache_records import CapturedCache, capture, restore_captured
 from engine_service.core.plans import ResumePlan
+from engine_service.device_memory import cache_given_back, is_out_of_memory
 from engine_service.loop.jobs import Job, PendingSnapshot, StartingPoint
-from engine_service.loop.memory_pressure import cache_given_back, is_out_of_memory
 from engine_service.loop.turns import due_turns
 from engine_service.protocol.engine_stats import ParkCounters
 

@@ -13,10 +13,11 @@ import time
 
 import mlx.core as mx
 
+from engine_service.device_memory import is_out_of_memory
 from engine_service.errors import EngineError, ModelFailed, Overloaded
 from engine_service.loop.jobs import Job
 from engine_service.loop.limits import Limits
-from engine_service.loop.memory_pressure import RowCeiling, is_out_of_memory
+from engine_service.loop.memory_pressure import RowCeiling
 from engine_service.loop.parking import Parking
 from engine_service.loop.preemption import Preemption
 from engine_service.loop.row_isolation import isolate

@@ -17,6 +17,7 @@ import time
 from engine_service.checkpoints.manager import CheckpointManager, starting_point
 from engine_service.core.capability_probe import ProbeFailed, kv_refusal, prepare_to_serve
 from engine_service.core.plans import PrefixPlan
+from engine_service.device_memory import cache_given_back, is_out_of_memory
 from engine_service.errors import Corrupt, InvalidRequest, Overloaded
 from engine_service.loop.admissions import gather_burst
 from engine_service.loop.batch_model import batch_model
@@ -26,7 +27,7 @@ from engine_service.loop.idle_buffers import IdleBuffers, bound_cache
 from engine_service.loop.inbox import SchedulerInbox
 from engine_service.loop.jobs import Job, StartingPoint
 from engine_service.loop.limits import Limits
-from engine_service.loop.memory_pressure import RowCeiling, cache_given_back, is_out_of_memory
+from engine_service.loop.memory_pressure import RowCeiling
 from engine_service.loop.new_rows import NewRows
 from engine_service.loop.parking import Parking
 from engine_service.loop.preemption import Preemption, restart_point

@@ -27,10 +27,10 @@ from engine_service.checkpoints.attachments import (
 from engine_service.checkpoints.attachments import find as find_attachment
 from engine_service.checkpoints.manager import CheckpointManager
 from engine_service.core.plans import ResumePlan
+from engine_service.device_memory import cache_given_back
 from engine_service.errors import Overloaded
 from engine_service.loop.compiled_decode import CompiledDecode
 from engine_service.loop.jobs import Job, StartingPoint
-from engine_service.loop.memory_pressure import cache_given_back
 from engine_service.model.loaded import LoadedModel
 from engine_service.protocol.engine_stats import SpeculativeCounters
 from engine_service.protocol.events import Event, Finished, FinishReason, Started, Token
