@@ -128,12 +128,13 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
         # A prompt's last chunk gives its first token (model/folded_prefill.py; probed on the
         # engine thread); not in deterministic mode, where its last token is a step of its own.
         self._last_positions: LastPositions | None = None
+        self._fold_max_tokens = fold_limit(loaded.model)  # its weights' sizes: read once
 
     def _new_batch_generator(self) -> FoldingBatchGenerator:
         return FoldingBatchGenerator(
             self._batch_model,
             self._last_positions,
-            fold_limit(self.loaded.model),
+            self._fold_max_tokens,
             completion_batch_size=self.limits.max_running,
             prefill_batch_size=min(self.limits.prefill_batch_size, self.limits.max_running),
             prefill_step_size=self.limits.prefill_step_size,
