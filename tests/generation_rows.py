@@ -87,6 +87,24 @@ def request_for(
     )
 
 
+def submit_all(
+    scheduler: Scheduler, loaded: LoadedModel, tag: str, prompts: list[list[int]], n: int
+) -> list[Collector]:
+    """Each prompt submitted as request f"{tag}-{i}" of n tokens, plain KV; their sinks."""
+    sinks = [Collector() for _ in prompts]
+    for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
+        scheduler.submit(request_for(loaded, f"{tag}-{i}", prompt, n, KVCodec()), sink)
+    return sinks
+
+
+def ended_as(expected: list[list[int]], sinks: list[Collector], timeout: float) -> None:
+    """Every stream ended by its length with exactly its reference's tokens."""
+    for want, sink in zip(expected, sinks, strict=True):
+        end = sink.wait(timeout)
+        assert end.reason == "length", end.error
+        assert sink.tokens == want
+
+
 def greedy(loaded: LoadedModel, prompt: list[int], n: int) -> list[int]:
     """mlx-lm's solo greedy tokens: the reference. Take it while no Scheduler's MLX thread runs
     rows (before start, while idle, after shutdown): the engine evaluates MLX on one thread,

@@ -20,8 +20,7 @@ from engine_service.loop.preemption import ParkSettings
 from engine_service.loop.scheduler import Scheduler
 from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
-from engine_service.protocol.kv_codec import KVCodec
-from tests.generation_rows import Collector, greedy, request_for
+from tests.generation_rows import ended_as, greedy, submit_all
 
 CUDA_OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"
 TOKENS = 40
@@ -52,13 +51,7 @@ def test_a_row_whose_capture_runs_out_of_memory_keeps_its_slot(
     scheduler = Scheduler(tiny, limits)
     scheduler.start()
     try:
-        sinks = [Collector() for _ in prompts]
-        for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
-            scheduler.submit(request_for(tiny, f"turns-{i}", prompt, TOKENS, KVCodec()), sink)
-        for want, sink in zip(expected, sinks, strict=True):
-            end = sink.wait(120.0)
-            assert end.reason == "length", end.error
-            assert sink.tokens == want
+        ended_as(expected, submit_all(scheduler, tiny, "turns", prompts, TOKENS), 120.0)
         assert raised["n"] == FAILING_CAPTURES
         parking = scheduler.stats().parking
         # Rows, not calls: a failed call held every row asked to leave on its step (of 2).

@@ -30,7 +30,7 @@ from engine_service.model.loaded import LoadedModel
 from engine_service.model.loading import load_model
 from engine_service.protocol.events import Finished, Started, Token
 from engine_service.protocol.kv_codec import KVCodec, StorageKind
-from tests.generation_rows import Collector, greedy, request_for
+from tests.generation_rows import Collector, ended_as, greedy, request_for, submit_all
 
 LONG = 96  # the plain streams' length (the failing row ends after ~25 steps)
 QUANTIZED_FROM = 29
@@ -219,13 +219,7 @@ def test_rows_that_ran_the_device_out_of_memory_together_run_fewer_at_a_time(
     scheduler.start()
     crowded.armed = True
     try:
-        sinks = [Collector() for _ in prompts]
-        for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
-            scheduler.submit(request_for(loaded, f"crowded-{i}", prompt, length, KVCodec()), sink)
-        for want, sink in zip(expected, sinks, strict=True):
-            end = sink.wait(300.0)
-            assert end.reason == "length", end.error
-            assert sink.tokens == want
+        ended_as(expected, submit_all(scheduler, loaded, "crowded", prompts, length), 300.0)
         assert crowded.raised >= 2  # the first batch, and again once the ceiling rose
         assert crowded.widest <= 2
         stats = scheduler.stats()
@@ -308,13 +302,7 @@ def test_first_tokens_whose_evaluation_runs_out_of_memory_are_a_failed_step(
     scheduler = Scheduler(tiny, Limits(max_running=4, max_queued=4))
     scheduler.start()
     try:
-        sinks = [Collector() for _ in prompts]
-        for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
-            scheduler.submit(request_for(tiny, f"first-{i}", prompt, 12, KVCodec()), sink)
-        for want, sink in zip(expected, sinks, strict=True):
-            end = sink.wait(120.0)
-            assert end.reason == "length", end.error
-            assert sink.tokens == want
+        ended_as(expected, submit_all(scheduler, tiny, "first", prompts, 12), 120.0)
         assert raised["n"] == 1
         assert scheduler.stats().out_of_memory_steps_total == 1
     finally:

@@ -1,8 +1,7 @@
 """A batch step that ran the device out of memory: fewer rows at a time, not failed requests.
 
-MLX raises when an allocation fails (MLX-CUDA: "cudaMallocAsync(...) failed: out of memory";
-Metal: "[metal::malloc] ..." or a command buffer's "Insufficient Memory"; the CPU:
-std::bad_alloc). That is the batch's memory, not a row's fault, so it is not INTERNAL:
+An allocation MLX cannot make (engine_service/device_memory.py says what counts) is the
+batch's memory, not a row's fault, so it is not INTERNAL:
 
 - MLX's buffer cache is emptied first: freed buffers it keeps hold device memory nobody uses
   (MLX-CUDA gives them back only past 80% of the device's memory by its own count, and
@@ -15,9 +14,6 @@ std::bad_alloc). That is the batch's memory, not a row's fault, so it is not INT
   together; the rest wait in the queue. The ceiling rises by a row every RELAX_STEPS steps
   without a failure and goes once it reaches --max-running (vLLM preempts by recompute in
   the same way when its KV blocks run out).
-
-What counts as out of memory, and giving MLX's cache back: engine_service/device_memory.py
-(every room meets the device's memory, not only the loop).
 """
 
 from __future__ import annotations

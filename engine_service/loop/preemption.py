@@ -204,13 +204,14 @@ class Preemption:
                 left.append(Departure(job, self._park(job, now, save)))
         wanted = self._to_capture(rows)
         if wanted:
+            captures: dict[int, CapturedCache] = {}
             try:
                 extracted = bg.extract_cache([job.uid for job in wanted])
-                captures = {
-                    job.uid: capture(found[0], len(job.request.prompt) + len(job.tokens), False)
-                    for job in wanted
-                    if (found := extracted.get(job.uid)) is not None
-                }
+                for job in wanted:
+                    found = extracted.get(job.uid)
+                    if found is not None:
+                        held = len(job.request.prompt) + len(job.tokens)
+                        captures[job.uid] = capture(found[0], held, wait=False)
             except Exception as exc:  # a device out of memory, ...: must not end the loop
                 self._not_captured(wanted, exc)
                 return left

@@ -13,7 +13,7 @@ import time
 
 import mlx.core as mx
 
-from engine_service.device_memory import is_out_of_memory
+from engine_service.device_memory import cache_given_back, is_out_of_memory
 from engine_service.errors import EngineError, ModelFailed, Overloaded
 from engine_service.loop.jobs import Job
 from engine_service.loop.limits import Limits
@@ -147,8 +147,7 @@ class RowEndings:
         self._rows.clear()
         self._bg = self._new_batch_generator()
         self._masks.settle(self._rows)
-        if crowded:
-            mx.clear_cache()  # the failed batch's buffers, now freed, and any kept before
+        cache_given_back(failure)  # the failed batch's buffers, now freed, and any kept before
         verdicts = isolate(self.loaded.model, jobs, self._new_batch_generator, crowded)
         for verdict in reversed(verdicts):
             if not verdict.culprit:
