@@ -205,6 +205,87 @@ def test_resume_after_sigkill_equals_the_uninterrupted_run(
     assert combined == full
 
 
+def _logprobs(chunks: list[Any]) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """Each token's log-probability and alternatives, as the stream carried them."""
+    return [
+        (lp.token_id, lp.logprob, [(t, v) for t, v, _ in lp.top])
+        for chunk in chunks
+        for lp in chunk.logprobs
+    ]
+
+
+def test_a_resume_sends_the_logprobs_of_the_tokens_its_client_lost(shared: Stack) -> None:
+    """A client that asked for logprobs and lost chunks with the engine resumes holding fewer
+    tokens than the checkpoint replays: the replayed tokens come with the log-probabilities
+    they were first sent with, bit for bit, across a page of them (pages beside the
+    checkpoint: checkpoints/logprob_pages.py). The resumed run writes its own in the same
+    pages: a resume of the finished generation holding nothing gets every token's."""
+    namespace = "logprob-pages"
+    request = dict(
+        max_tokens=LONG_RUN,
+        ignore_eos=True,
+        checkpoint_interval=8,
+        request_id="lp",
+        namespace=namespace,
+        temperature=0.9,
+        seed=5,
+        logprobs=2,
+    )
+    store = StoreClient(f"127.0.0.1:{shared.port}")
+    first: list[Any] = []
+    with EngineClient(shared.engine.address) as engine:
+        for chunk in engine.stream_request(engine.request(PROMPT, **request)):
+            first.append(chunk)
+            if sum(len(c.token_ids) for c in first) >= 176:
+                break
+        _wait_for(lambda: max(generation_progress(store, namespace).values(), default=0) > 440)
+        shared.engine.kill()
+    # The checkpoint's replay: its generated tokens and the pending one.
+    replayed = max(generation_progress(store, namespace).values()) - len(PROMPT) + 1
+    assert replayed > 128 + 8  # past the first page
+    sent = _logprobs(first)
+    shared.engine = shared.start_engine()
+    with EngineClient(shared.engine.address) as engine:
+        held = 5
+        resumed = engine.generate(PROMPT, resume=True, tokens_held=held, **request)
+        got = _logprobs(resumed.chunks)
+        assert len(got) == LONG_RUN - held == len(resumed.token_ids)
+        both = min(replayed, len(sent))
+        assert got[: both - held] == sent[held:both]
+        whole = sent[:held] + got
+        engine.flush()  # the tombstone and the last page are queued like any checkpoint
+        tail = engine.generate(PROMPT, resume=True, tokens_held=0, **request)
+        assert tail.finish_reason == "length"
+        assert _logprobs(tail.chunks) == whole
+    store.close()
+
+
+def test_a_resume_asking_for_logprobs_its_checkpoint_does_not_hold_is_refused(
+    shared: Stack,
+) -> None:
+    """A generation that did not ask for logprobs keeps none: a resume that asks for them of
+    tokens it does not hold is FAILED_PRECONDITION, never tokens without them; holding them,
+    or asking none, it is answered."""
+    request = dict(
+        max_tokens=20,
+        ignore_eos=True,
+        checkpoint_interval=8,
+        request_id="no-logprobs",
+        namespace="logprob-pages",
+    )
+    with EngineClient(shared.engine.address) as engine:
+        done = engine.generate(PROMPT[:40], **request)
+        engine.flush()
+        with pytest.raises(TandemError) as refused:
+            engine.generate(PROMPT[:40], resume=True, tokens_held=10, logprobs=0, **request)
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "holds no log-probabilities for tokens 10 to 19" in str(refused.value)
+        held_all = engine.generate(PROMPT[:40], resume=True, tokens_held=20, logprobs=0, **request)
+        assert held_all.token_ids == [] and held_all.finish_reason == "length"
+        bare = engine.generate(PROMPT[:40], resume=True, tokens_held=10, **request)
+        assert bare.token_ids == done.token_ids[10:]
+
+
 def test_store_down_does_not_stop_generation_and_flush_reports_durability(shared: Stack) -> None:
     shared.store.kill()
     with EngineClient(shared.engine.address) as engine:

@@ -43,6 +43,7 @@ from engine_service.checkpoints.generation_meta import (
     segmentable,
 )
 from engine_service.checkpoints.host_staging import HostStaging, Staged
+from engine_service.checkpoints.logprob_pages import LogprobLog, page_record
 from engine_service.checkpoints.spill import SpillQueue
 from engine_service.checkpoints.spill_items import Put
 from engine_service.device_memory import cache_given_back
@@ -105,6 +106,8 @@ class GenerationCheckpoints:
         if self.spill is not None and r.checkpoint_interval:
             job.checkpoint_key = self.key(r.namespace, r.prompt, r.sampling, r.request_id, r.layout)
             job.options_digest = options_digest(r.sampling).hex()  # once, not every round
+            if r.sampling.logprobs >= 0 and job.logprob_log is None:
+                job.logprob_log = LogprobLog()  # a resumed one's comes with its plan
 
     @staticmethod
     def due(job: Job) -> bool:
@@ -278,6 +281,7 @@ class GenerationCheckpoints:
             chain_base=None if segment is None else segment.base,
         )
         job.checkpointed = True
+        self._put_logprob_pages(job)  # before the snapshot: a resume reading it finds them
         if segment is None:
             record = self._record(job, key, "generation", [*r.prompt, *snapshot.generated])
             record.metadata = {**meta.to_metadata(), **captured.meta()}
@@ -341,6 +345,19 @@ class GenerationCheckpoints:
             self.spill.delete(segment_key(key, index), r.namespace, still_wanted=wanted)
         return True
 
+    def _put_logprob_pages(self, job: Job, pinned: bool = True) -> None:
+        """The pages of job's logprob log not in the store yet (checkpoints/logprob_pages.py):
+        leased like its snapshots while it runs, unpinned beside its tombstone."""
+        assert self.spill is not None
+        if job.logprob_log is None:
+            return
+        r = job.request
+        for first, entries in job.logprob_log.pages_due():
+            page = page_record(
+                job.checkpoint_key, first, entries, r.namespace, self.model_id, r.layout
+            )
+            self.spill.put(Put(page, 0, pinned=pinned))
+
     def _record(self, job: Job, key: bytes, kind: str, token_ids: list[int]) -> Checkpoint:
         r = job.request
         return Checkpoint(
@@ -374,6 +391,7 @@ class GenerationCheckpoints:
         # The tombstone first, replacing the manifest: a resume then finds it, or a manifest
         # whose segments are all still there (load() re-reads the key when one went missing).
         # If it cannot land, the manifest is deleted instead.
+        self._put_logprob_pages(job, pinned=False)  # a finished one's tail is replayed
         spill.put(Put(tombstone, 0, pinned=False, on_failed=lambda: spill.delete(key, namespace)))
         for index in range(job.chain.next_index):
             self.spill.delete(segment_key(key, index), namespace)

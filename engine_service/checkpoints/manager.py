@@ -279,6 +279,8 @@ def starting_point(
         # the sampler goes on at the step after it.
         job.tokens = plan.replay
         job.last_checkpoint_at = len(job.tokens)
+        if plan.logprob_log is not None and job.logprob_log is not None:
+            job.logprob_log = plan.logprob_log  # its pages go on from the last one read
         # Go on with the chain the checkpoint belongs to.
         job.chain.next_index, job.chain.first = plan.chain_next, plan.chain_first
         job.chain.covered = len(r.prompt) + len(plan.generated)

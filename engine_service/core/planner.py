@@ -10,6 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine_service.checkpoints.attachments import DRAFT_SCHEMA
+from engine_service.checkpoints.logprob_pages import (
+    PAGE_TOKENS,
+    LogprobLog,
+    page_of,
+    read_entries,
+    replay_entries,
+)
 from engine_service.checkpoints.manager import CheckpointManager
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE
 from engine_service.core.plans import Plan, ResumePlan
@@ -56,7 +63,7 @@ class Planner:
                 {DRAFT_SCHEMA: {"draft_model": self.drafts.model_id}} if req.num_draft else None
             )
             try:
-                return gens.loads.load(key, req.namespace, req.prompt, req.layout, companions)
+                plan = gens.loads.load(key, req.namespace, req.prompt, req.layout, companions)
             except GenerationEnded as ended:
                 # A claim of more tokens than the generation ever emitted is the request's
                 # error, whether it ended before this resume or ends during it
@@ -71,10 +78,35 @@ class Planner:
                 # with the end, and nothing is computed. A generation that ended otherwise
                 # (cancelled, failed, a stop string) has no tail to give.
                 tokens = ended.tokens
-                if ended.finished and tokens and req.finished_by(tokens):
-                    return ResumePlan(key, tokens[:-1], tokens[-1], req.layout, parts=[])
-                raise
+                if not (ended.finished and tokens and req.finished_by(tokens)):
+                    raise
+                plan = ResumePlan(key, tokens[:-1], tokens[-1], req.layout, parts=[])
+            return self._with_logprobs(req, plan)
         if len(req.prompt) > BLOCK_SIZE:
             self.saves_settled(SAVES_WAIT_S)
             return ckpt.prefixes.find(req.prompt, req.namespace, req.layout, req.prefix_record)
         return None
+
+    def _with_logprobs(self, req: GenerationRequest, plan: ResumePlan) -> ResumePlan:
+        """A resume that asked for logprobs: those of the replayed tokens its client does not
+        hold, and the last page's (its checkpoints go on writing it), read from the pages
+        beside the checkpoint (checkpoints/logprob_pages.py). Precondition, the plan
+        released, when the store does not hold the ones to send."""
+        assert self.checkpoints is not None
+        store = self.checkpoints.generations.store
+        if req.sampling.logprobs < 0 or store is None:
+            return plan
+        replay = plan.replay
+        held = min(req.tokens_held, len(replay))
+        first = held
+        if req.checkpoint_interval:
+            first = min(held, page_of(len(replay)) * PAGE_TOKENS)
+        try:
+            found = read_entries(store, plan.key, req.namespace, replay, first)
+            plan.replay_logprobs = replay_entries(found, replay, held, req.sampling.logprobs)
+        except BaseException:
+            plan.release()
+            raise
+        if req.checkpoint_interval:
+            plan.logprob_log = LogprobLog.resumed(found, len(replay))
+        return plan

@@ -13,6 +13,7 @@ from typing import Literal
 
 from engine_service.checkpoints.cache_records import CapturedCache
 from engine_service.checkpoints.generation_meta import ChainBase
+from engine_service.checkpoints.logprob_pages import LogprobLog, TokenLogprobs
 from engine_service.protocol.events import PrefixMissReason, PrefixSource
 from tandem_client.direct import DirectHold
 from tandem_client.records import Attachment, Checkpoint
@@ -100,6 +101,10 @@ class ResumePlan:
     # The region spans the parts' tensors still view (given back once they are arrays, or
     # by release() when the plan is dropped unused).
     holds: list[RegionHold] = field(default_factory=list)
+    # A request that asked for logprobs (checkpoints/logprob_pages.py): those of the replayed
+    # tokens its client does not hold, and the log its checkpoints' pages go on from.
+    replay_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    logprob_log: LogprobLog | None = None
 
     def release(self) -> None:
         for hold in self.holds:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -255,8 +255,10 @@ async def respond(
     metrics: RequestMetrics | None = None,
     reasoning: ReasoningSplit | None = None,
     tools: ToolCallSplit | None = None,
+    replay_tokens: Sequence[Token] = (),
 ) -> AsyncIterator[ResponseChunk]:
     """The chunks of one generation: replayed tokens first (resume), then the engine's.
+    replay_tokens: the events of the replay's last tokens, with their logprobs (asked for).
 
     stop_row: called when a stop string ends the text, so the loop drops the row.
     Raises DeadlineExceeded when the engine dropped the request at its deadline, Unavailable
@@ -267,8 +269,10 @@ async def respond(
     if replay:
         out.usage.cached_prompt_tokens = len(req.prompt)
         chunk = ResponseChunk()
-        for token in replay:
-            out.add(chunk, Token(token))
+        # The tokens the client does not hold come with their logprobs when it asked.
+        with_logprobs = len(replay) - len(replay_tokens)
+        for i, token in enumerate(replay):
+            out.add(chunk, replay_tokens[i - with_logprobs] if i >= with_logprobs else Token(token))
         if req.finished_by(replay):
             stop = replay[-1] in req.stop_ids
             yield out.finish(chunk, "stop" if stop else "length")

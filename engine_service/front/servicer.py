@@ -115,6 +115,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     self.metrics,
                     reasoning_split(self.loaded.tokenizer, req.prompt, bool(request.messages)),
                     tool_call_split(tool_use_from_pb(request), self.loaded.tokenizer, req.shown_id),
+                    accepted.replay_tokens,
                 )
                 async for chunk in chunks:
                     last = chunk

@@ -19,8 +19,7 @@ from engine_service.loop.jobs import Job
 from engine_service.loop.read_confirmations import ReadConfirmations
 from engine_service.loop.step_checkpoints import StepCheckpoints
 from engine_service.model.folded_prefill import FirstToken, FoldingBatchGenerator
-from engine_service.protocol.events import Event, Token
-from engine_service.sampling.samplers import requested_logprobs
+from engine_service.protocol.events import Event
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +50,11 @@ class FirstTokens:
                 continue
             if job.at_first_new_token(sent_ahead=True):  # bench/hit_floor_bench.py reads it
                 log.debug("first token phases, %s", job.first_token_phases())
-            k = job.request.sampling.logprobs
-            extra = requested_logprobs(first.logprobs, first.token, k)
+            token = job.token_event(len(job.tokens), first.token, first.logprobs)
             # A token that ends the row (a 1-token request) ends its stream now too; the row
             # leaves the batch, and its prefix is saved, when the next step reports it.
             ending = job.ending_at(first.token)
-            self.emit(job, [Token(first.token, *extra), *([ending] if ending else [])])
+            self.emit(job, [token, *([ending] if ending else [])])
             job.token_sent_ahead = first.token
             if self._step_checkpoints is not None and not job.tokens and not job.resumed:
                 self._step_checkpoints.expect_prefix(job)  # saved once the step reports it

@@ -10,11 +10,13 @@ from engine_service.checkpoints.attachments import CapturedAttachment
 from engine_service.checkpoints.cache_records import CapturedCache
 from engine_service.checkpoints.chain_tokens import TokenDigest
 from engine_service.checkpoints.generation_meta import BaseLease, ChainBase
+from engine_service.checkpoints.logprob_pages import LogprobLog, TokenLogprobs
 from engine_service.checkpoints.prefix_reuse import UnconfirmedRead
 from engine_service.core.plans import Plan, PrefixPlan, ResumePlan
-from engine_service.protocol.events import Finished, PrefixMissReason, PrefixSource, Sink
+from engine_service.protocol.events import Finished, PrefixMissReason, PrefixSource, Sink, Token
 from engine_service.protocol.requests import GenerationRequest
 from engine_service.sampling.constraints import ConstrainedRow
+from engine_service.sampling.samplers import requested_logprobs
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,9 @@ class Job:
     stream_ended: bool = False
     id_released: bool = False  # its request id may be used again (admissions.leave)
     turn_start: int = 0  # len(tokens) when it last got its slot (loop/turns.py)
+    # A checkpointed request that asked for logprobs: its tokens' entries, for the pages its
+    # snapshots write beside them (checkpoints/logprob_pages.py).
+    logprob_log: LogprobLog | None = None
     # How it ended, for the tombstone a resume reads (checkpoints/generations.forget).
     ended: Literal["finished", "was cancelled", "failed"] = "finished"
 
@@ -144,6 +149,20 @@ class Job:
         if token in self.request.stop_ids:
             return Finished("stop", stop_token=token)
         return Finished("length") if self.remaining <= 1 else None
+
+    def token_event(self, index: int, token: int, logprobs: Any) -> Token:
+        """The event of its token `index` (`logprobs`: that position's over the vocabulary),
+        with the log-probabilities it asked for, noted for its checkpoints' pages."""
+        logprob, top = requested_logprobs(logprobs, token, self.request.sampling.logprobs)
+        if self.logprob_log is not None and logprob is not None:
+            self.logprob_log.note(index, TokenLogprobs(token, logprob, tuple(top or ())))
+        return Token(token, logprob, top)
+
+    def note_pending(self, token: int, logprobs: Any) -> None:
+        """Notes the entry of its pending token (sampled, not sent yet) for a snapshot saved
+        before that token is sent: the snapshot's pages then hold it (token_event)."""
+        if self.logprob_log is not None:
+            self.token_event(len(self.tokens), token, logprobs)
 
     def at_first_new_token(self, sent_ahead: bool = False) -> bool:
         """Whether the token just added (sent_ahead: about to be sent, not added yet) is the

@@ -46,11 +46,9 @@ from engine_service.protocol.events import (
     Finished,
     Sink,
     Started,
-    Token,
 )
 from engine_service.sampling.constraints import Grammars
 from engine_service.sampling.masks import BatchMasks
-from engine_service.sampling.samplers import requested_logprobs
 from engine_service.speculative.lane import SpeculativeLane
 
 log = logging.getLogger(__name__)
@@ -391,8 +389,9 @@ class Scheduler(SchedulerInbox, RowEndings, FirstTokens):
             job.token_sent_ahead = None
             if sent is None and job.at_first_new_token():
                 log.debug("first token phases, %s", job.first_token_phases())
-            extra = requested_logprobs(r.logprobs, r.token, job.request.sampling.logprobs)
-            events: list[Event] = [Token(r.token, *extra)] if sent is None else []
+            events: list[Event] = []
+            if sent is None:
+                events.append(job.token_event(len(job.tokens) - 1, r.token, r.logprobs))
             if sent is not None and sent != r.token:  # one array, read twice: never
                 log.error("row %d reported %d after %d was sent", r.uid, r.token, sent)
             if self._step_checkpoints is not None:

@@ -23,7 +23,7 @@ from engine_service.checkpoints.generation_meta import ChainBase
 from engine_service.checkpoints.manager import CheckpointManager
 from engine_service.checkpoints.segment_capture import capture_together
 from engine_service.loop.jobs import Job, PendingSnapshot, ReadySnapshot
-from engine_service.model.mlx_compat import pending_tokens, running_batch
+from engine_service.model.mlx_compat import pending_logprobs, pending_tokens, running_batch
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,12 @@ class StepCheckpoints:
                 # engine killed) leaves a generation that resumes.
                 started = time.perf_counter()
                 jobs = [item.job for item in due if item.job.uid in pending]
+                logging_rows = [j.uid for j in jobs if j.logprob_log is not None]
+                if logging_rows:  # the snapshots' pages hold the pending tokens' entries
+                    sampled_from = pending_logprobs(bg, logging_rows)
+                    for job in jobs:
+                        if job.uid in sampled_from:
+                            job.note_pending(pending[job.uid], sampled_from[job.uid])
                 ready, on_own = self._first_snapshots(bg, jobs, extracted, pending)
                 self._count(started)
             chains = self.checkpoints.generations.chains

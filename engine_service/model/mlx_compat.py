@@ -72,6 +72,15 @@ def pending_tokens(bg: Any, uids: list[int]) -> dict[int, int]:
     return {batch.uids[i]: int(tokens[i]) for i in rows}
 
 
+def pending_logprobs(bg: Any, uids: list[int]) -> dict[int, Any]:
+    """The log-probabilities (over the vocabulary) the running batch sampled the pending
+    tokens of these rows from (pending_tokens)."""
+    batch = running_batch(bg)
+    if batch is None or batch._next_logprobs is None:
+        return {}
+    return {uid: batch._next_logprobs[i] for i, uid in enumerate(batch.uids) if uid in uids}
+
+
 def batch_cache_bytes(bg: Any) -> int:
     """Bytes the running batch's layer caches hold (a cache kind without `nbytes` counts 0)."""
     batch = running_batch(bg)

@@ -17,7 +17,7 @@ import msgspec
 
 from engine_service.protocol.checkpoint_stats import CheckpointStats
 from engine_service.protocol.engine_stats import EngineStats
-from engine_service.protocol.events import Event
+from engine_service.protocol.events import Event, Token
 from engine_service.protocol.flush import FlushResult
 from engine_service.protocol.model_facts import ModelFacts
 from engine_service.protocol.requests import GenerationRequest
@@ -107,6 +107,9 @@ class Accepted(msgspec.Struct, tag=True):
     call: int
     replay: list[int]  # a resumed generation's tokens already emitted (the client's too)
     submitted: bool  # False: the replay already ends it, nothing runs
+    # With logprobs asked: the events of the replay's last tokens, those the client does not
+    # hold, with the log-probabilities they were emitted with (checkpoints/logprob_pages.py).
+    replay_tokens: list[Token] = []
 
 
 class Refused(msgspec.Struct, tag=True):

@@ -33,8 +33,8 @@ from engine_service.loop.compiled_decode import CompiledDecode
 from engine_service.loop.jobs import Job, StartingPoint
 from engine_service.model.loaded import LoadedModel
 from engine_service.protocol.engine_stats import SpeculativeCounters
-from engine_service.protocol.events import Event, Finished, FinishReason, Started, Token
-from engine_service.sampling.samplers import make_processors, requested_logprobs
+from engine_service.protocol.events import Event, Finished, FinishReason, Started
+from engine_service.sampling.samplers import make_processors
 from engine_service.speculative.batch import (
     SpecRow,
     SpeculativeBatch,
@@ -168,8 +168,7 @@ class SpeculativeLane:
             for token, logprobs in zip(result.tokens, result.logprobs, strict=True):
                 job.tokens.append(token)
                 produced += 1
-                extra = requested_logprobs(logprobs, token, r.sampling.logprobs)
-                events.append(Token(token, *extra))
+                events.append(job.token_event(len(job.tokens) - 1, token, logprobs))
                 if token in r.stop_ids:
                     finished = "stop"
                     break
