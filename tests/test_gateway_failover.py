@@ -40,6 +40,8 @@ class Stream:
     index: int
     grpc: bool  # else SSE through the OpenAI-compatible front
     tokens: list[int] = field(default_factory=list)
+    # gRPC: the tokens its logprobs name (asked for each: a failover's replayed ones too)
+    logprob_tokens: list[int] = field(default_factory=list)
     text: str = ""
     received: int = 0  # tokens (gRPC) or events (SSE) so far
     failovers: int = -1
@@ -107,9 +109,10 @@ def _run_grpc(address: str | EngineClient, s: Stream, progress: list[int]) -> No
             if isinstance(client, str):
                 client = owned.enter_context(EngineClient(client))
             for chunk in client.stream(
-                s.prompt, max_tokens=TOKENS, seed=s.seed, ignore_eos=True, **SAMPLING
+                s.prompt, max_tokens=TOKENS, seed=s.seed, ignore_eos=True, logprobs=0, **SAMPLING
             ):
                 s.tokens += chunk.token_ids
+                s.logprob_tokens += [lp.token_id for lp in chunk.logprobs]
                 s.text += chunk.text
                 s.received += len(chunk.token_ids)
                 progress[0] += len(chunk.token_ids)
@@ -183,7 +186,7 @@ def stream_problems(
         for s in streams
         if s.error
         or s.text != expected[s.index][1]
-        or (s.grpc and s.tokens != expected[s.index][0])
+        or (s.grpc and not s.tokens == s.logprob_tokens == expected[s.index][0])
     ]
 
 
@@ -253,7 +256,7 @@ def _round(
     for s in streams:
         tally.streams += 1
         tokens, text = expected[s.index]
-        same = s.text == text and (not s.grpc or s.tokens == tokens)
+        same = s.text == text and (not s.grpc or s.tokens == tokens == s.logprob_tokens)
         tally.exact += same and not s.error
         tally.moved += s.failovers > 0
         if not same or s.error:
