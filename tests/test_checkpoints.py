@@ -10,6 +10,8 @@ from typing import Any
 import grpc
 import pytest
 
+from engine_service.checkpoints.generation_meta import ENDED as ENDED_KEY
+from engine_service.checkpoints.logprob_pages import PAGE_TOKENS, page_key
 from tandem_client import EngineClient, StoreClient, TandemError
 from tests.conftest import flip_stored_byte
 from tests.servers import (
@@ -257,6 +259,20 @@ def test_a_resume_sends_the_logprobs_of_the_tokens_its_client_lost(shared: Stack
         tail = engine.generate(PROMPT, resume=True, tokens_held=0, **request)
         assert tail.finish_reason == "length"
         assert _logprobs(tail.chunks) == whole
+        # A page gone from the store (evicted once its lease lapsed): a resume that needs it
+        # is refused, one holding its tokens is answered.
+        key = next(
+            r.key
+            for r in store.list_all(kind="object", namespace=namespace)
+            if ENDED_KEY in store.get_header(r.key, namespace).metadata
+        )
+        store.delete(page_key(key, 0), namespace, force=True)
+        with pytest.raises(TandemError) as refused:
+            engine.generate(PROMPT, resume=True, tokens_held=0, **request)
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "holds no log-probabilities for tokens 0 to" in str(refused.value)
+        later = engine.generate(PROMPT, resume=True, tokens_held=PAGE_TOKENS, **request)
+        assert _logprobs(later.chunks) == whole[PAGE_TOKENS:]
     store.close()
 
 

@@ -15,7 +15,14 @@ from engine_service.checkpoints.logprob_pages import (
     page_record,
     replay_entries,
 )
+from engine_service.checkpoints.spill import SpillQueue
+from engine_service.checkpoints.spill_items import Put
 from engine_service.errors import Precondition
+from engine_service.protocol.checkpoint_stats import CheckpointCounters
+from tandem_client import Checkpoint
+from tandem_client.errors import Unavailable
+from tests.generation_rows import wait_for
+from tests.test_engine_domain import FakeSink
 
 KEY = bytes(range(32))
 
@@ -96,3 +103,37 @@ def test_a_resumed_log_goes_on_from_its_last_page_read_back() -> None:
     for i in range(replayed, 2 * PAGE_TOKENS + 1):
         lost.note(i, entry(i))
     assert lost.pages_due() == [(2 * PAGE_TOKENS, [entry(2 * PAGE_TOKENS)])]
+
+
+class PagesRefused(FakeSink):
+    """A store that takes every record but a logprob page."""
+
+    def put(self, checkpoint: Checkpoint, **_: object) -> object:
+        if "logprobs_of" in checkpoint.metadata:
+            raise Unavailable("a page refused")
+        self.puts.append(checkpoint.key)
+        return None
+
+
+def test_a_snapshot_whose_pages_did_not_land_is_not_sent() -> None:
+    """A resume would find an older run's entries where the pages should be: the snapshot
+    after them is not sent, and the chain's run is marked broken (on_failed)."""
+    sink, broken = PagesRefused(), []
+    spill = SpillQueue(sink, capacity_bytes=1 << 20, counters=CheckpointCounters())
+    log = LogprobLog()
+    log.note(0, entry(0))
+    landed = log.queue_pages(spill, KEY, "", "m", [], on_failed=lambda: broken.append(True))
+    spill.flush()
+    assert broken == [True] and not landed()
+
+    def a_probe_lands() -> bool:  # the spill's backoff after a failure is over
+        spill.put(Put(Checkpoint(key=b"probe"), 0))
+        spill.flush()
+        return b"probe" in sink.puts
+
+    wait_for(a_probe_lands, "a put sent again after the backoff")
+    spill.put(Put(Checkpoint(key=b"snapshot"), 0, still_wanted=landed))
+    spill.put(Put(Checkpoint(key=b"other"), 0))
+    spill.flush()
+    assert b"snapshot" not in sink.puts and b"other" in sink.puts
+    assert log.queue_pages(spill, KEY, "", "m", [])()  # none due: nothing to wait for

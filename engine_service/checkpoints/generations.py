@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,7 @@ from engine_service.checkpoints.generation_meta import (
     segmentable,
 )
 from engine_service.checkpoints.host_staging import HostStaging, Staged
-from engine_service.checkpoints.logprob_pages import LogprobLog, page_record
+from engine_service.checkpoints.logprob_pages import LogprobLog
 from engine_service.checkpoints.spill import SpillQueue
 from engine_service.checkpoints.spill_items import Put
 from engine_service.device_memory import cache_given_back
@@ -281,14 +282,16 @@ class GenerationCheckpoints:
             chain_base=None if segment is None else segment.base,
         )
         job.checkpointed = True
-        self._put_logprob_pages(job)  # before the snapshot: a resume reading it finds them
         if segment is None:
+            # Its pages first: a snapshot whose pages did not land is not sent (a resume would
+            # find entries of an older run there).
+            pages_landed = self._put_logprob_pages(job)
             record = self._record(job, key, "generation", [*r.prompt, *snapshot.generated])
             record.metadata = {**meta.to_metadata(), **captured.meta()}
             record.tensors = tensors
             record.attachments = [a.to_record() for a in snapshot.attachments]
             nbytes = captured.nbytes + sum(a.nbytes for a in snapshot.attachments)
-            return self.spill.put(Put(record, nbytes, keep=keep))
+            return self.spill.put(Put(record, nbytes, keep=keep, still_wanted=pages_landed))
         # A segment carries the generation's state when it was taken (its tokens, pending
         # token, chain): a chain's later segments have no manifest of their own.
         part = self._record(job, segment_key(key, segment.index), "object", [])
@@ -324,6 +327,8 @@ class GenerationCheckpoints:
             items.append(record)
 
         wanted, broke = self.chains.hooks(key, segment.first)
+        # Its pages before it, as part of its run: one that does not land breaks the run.
+        self._put_logprob_pages(job, on_failed=broke)
         if segment.base is not None and segment.index == segment.first and not segment.parts:
             self.chains.pin(job, segment.first)  # a chain (re)starting over its base: leased first
 
@@ -345,18 +350,17 @@ class GenerationCheckpoints:
             self.spill.delete(segment_key(key, index), r.namespace, still_wanted=wanted)
         return True
 
-    def _put_logprob_pages(self, job: Job, pinned: bool = True) -> None:
-        """The pages of job's logprob log not in the store yet (checkpoints/logprob_pages.py):
-        leased like its snapshots while it runs, unpinned beside its tombstone."""
+    def _put_logprob_pages(
+        self, job: Job, pinned: bool = True, on_failed: Callable[[], None] | None = None
+    ) -> Callable[[], bool]:
+        """Queues job's logprob pages not in the store yet (LogprobLog.queue_pages)."""
         assert self.spill is not None
         if job.logprob_log is None:
-            return
+            return lambda: True
         r = job.request
-        for first, entries in job.logprob_log.pages_due():
-            page = page_record(
-                job.checkpoint_key, first, entries, r.namespace, self.model_id, r.layout
-            )
-            self.spill.put(Put(page, 0, pinned=pinned))
+        return job.logprob_log.queue_pages(
+            self.spill, job.checkpoint_key, r.namespace, self.model_id, r.layout, pinned, on_failed
+        )
 
     def _record(self, job: Job, key: bytes, kind: str, token_ids: list[int]) -> Checkpoint:
         r = job.request

@@ -18,11 +18,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine_service.checkpoints.spill import SpillQueue
+from engine_service.checkpoints.spill_items import Put
 from engine_service.errors import Precondition
 from tandem_client.errors import TandemError
 from tandem_client.records import Checkpoint
@@ -104,6 +107,32 @@ class LogprobLog:
         self.entries = self.entries[keep_from - self.start :]
         self.start = keep_from
         return pages
+
+    def queue_pages(
+        self,
+        spill: SpillQueue,
+        generation_key: bytes,
+        namespace: str,
+        model_id: str,
+        layout: list[str],
+        pinned: bool = True,
+        on_failed: Callable[[], None] | None = None,
+    ) -> Callable[[], bool]:
+        """Queues the pages due (pages_due) ahead of a snapshot: leased like its records
+        while the generation runs, unpinned beside its tombstone. Returns whether all of them
+        landed, so far (asked on the spill thread, before the snapshot is sent: a snapshot
+        whose pages did not land would be resumed with an older run's entries there)."""
+        lost = threading.Event()
+
+        def failed() -> None:
+            lost.set()
+            if on_failed is not None:
+                on_failed()
+
+        for first, entries in self.pages_due():
+            page = page_record(generation_key, first, entries, namespace, model_id, layout)
+            spill.put(Put(page, 0, pinned=pinned, on_failed=failed))
+        return lambda: not lost.is_set()
 
 
 def page_record(
