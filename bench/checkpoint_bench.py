@@ -302,6 +302,13 @@ def main() -> None:
         help="each stream's prompt in the decode-cost runs (its checkpoints carry it)",
     )
     parser.add_argument(
+        "--decode-logprobs",
+        type=int,
+        default=-1,
+        help="the decode-cost runs ask for logprobs with this many alternatives (-1: none); "
+        "their checkpoints then write logprob pages too",
+    )
+    parser.add_argument(
         "--region-bytes",
         type=int,
         default=-1,
@@ -406,6 +413,7 @@ def main() -> None:
                     args.repeat,
                     args.decode_tokens,
                     args.decode_prompt,
+                    args.decode_logprobs,
                 )
                 round_phases(root / "engine.log")  # lines only at --engine-log-level debug
             if "restore" not in skip:

@@ -84,7 +84,9 @@ def steady_rate(streams: list[StreamTimes], factor: float = STALL_FACTOR) -> tup
     return rate, capped
 
 
-async def _decode(address: str, prompts: list[list[int]], tokens: int, interval: int) -> DecodeRun:
+async def _decode(
+    address: str, prompts: list[list[int]], tokens: int, interval: int, logprobs: int = -1
+) -> DecodeRun:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         stats = engine_pb2.EngineStatsRequest()
@@ -95,7 +97,10 @@ async def _decode(address: str, prompts: list[list[int]], tokens: int, interval:
                 max_tokens=tokens,
                 checkpoint_interval=interval,
                 request_id=f"decode-{interval}-{i}-{time.monotonic_ns()}",
-                sampling=engine_pb2.SamplingParams(ignore_eos=True),
+                # Asking for logprobs: the checkpoints write their pages too.
+                sampling=engine_pb2.SamplingParams(
+                    ignore_eos=True, **({"logprobs": logprobs} if logprobs >= 0 else {})
+                ),
             )
             return await stream_times(stub, request)
 
@@ -128,7 +133,12 @@ def _spread(costs: list[float]) -> str:
 
 
 def bench_decode(
-    address: str, vocab: int, repeat: int, tokens: int = 256, prompt_tokens: int = 64
+    address: str,
+    vocab: int,
+    repeat: int,
+    tokens: int = 256,
+    prompt_tokens: int = 64,
+    logprobs: int = -1,
 ) -> list[dict]:
     """Off and on runs alternate, and each cost is the median of the pairs' ratios: a box's
     speed drifts by tens of percent between runs, which separate blocks would mistake for
@@ -138,12 +148,12 @@ def bench_decode(
         prompts = [random_prompt(prompt_tokens, vocab, seed=1000 + i) for i in range(streams)]
         offs: list[DecodeRun] = []
         ons: list[DecodeRun] = []
-        asyncio.run(_decode(address, prompts, 64, 0))  # warm both paths first
-        asyncio.run(_decode(address, prompts, 64, INTERVAL))
+        asyncio.run(_decode(address, prompts, 64, 0, logprobs))  # warm both paths first
+        asyncio.run(_decode(address, prompts, 64, INTERVAL, logprobs))
         for pair in range(repeat):
             # ABBA: the side that runs first alternates, so a drift within a pair cancels.
             for interval in (0, INTERVAL) if pair % 2 == 0 else (INTERVAL, 0):
-                run = asyncio.run(_decode(address, prompts, tokens, interval))
+                run = asyncio.run(_decode(address, prompts, tokens, interval, logprobs))
                 (ons if interval else offs).append(run)
         pairs = list(zip(offs, ons, strict=True))
         costs = [1 - on.tokens_per_second / off.tokens_per_second for off, on in pairs]

@@ -33,7 +33,7 @@ from tandem_client.store_client import StoreClient
 
 log = logging.getLogger(__name__)
 
-PAGE_TOKENS = 128
+PAGE_TOKENS = 32  # a snapshot writes its page again: about 16-32 entries a row a round
 _HEADERS_A_CALL = 64  # GetHeaders' most keys a call
 
 
