@@ -134,15 +134,18 @@ def _wait_for_checkpoint(store: StoreClient, tokens: int) -> Any:
 
 
 def _killed_mid_stream(
-    draft_stack: dict[str, Any], request: dict[str, Any]
+    draft_stack: dict[str, Any], request: dict[str, Any], chunks: list[Any] | None = None
 ) -> tuple[list[int], Any]:
     """Streams a speculative checkpointed generation, SIGKILLs the engine once a checkpoint
-    covers most of what was read; returns (tokens received, the checkpoint's record)."""
+    covers most of what was read; returns (tokens received, the checkpoint's record).
+    chunks: where the chunks read go."""
     store = StoreClient(f"127.0.0.1:{draft_stack['port']}")
     received: list[int] = []
     engine = EngineClient(draft_stack["engine"].address)
     for chunk in engine.stream_request(engine.request(PROMPT, **request)):
         received.extend(chunk.token_ids)
+        if chunks is not None:
+            chunks.append(chunk)
         if len(received) >= 30:
             break
     _wait_for_checkpoint(store, len(PROMPT) + 20)
@@ -166,8 +169,10 @@ def _killed_mid_stream(
 def test_speculative_generation_resumes_after_sigkill_with_its_draft_cache(
     draft_stack: dict[str, Any],
 ) -> None:
-    request = _checkpointed_request("spec-1")
-    received, checkpoint = _killed_mid_stream(draft_stack, request)
+    # Asking for logprobs: the replayed tokens a resume sends come with theirs.
+    request = {**_checkpointed_request("spec-1"), "logprobs": 0}
+    chunks: list[Any] = []
+    received, checkpoint = _killed_mid_stream(draft_stack, request, chunks)
     (attachment,) = checkpoint.attachments
     assert attachment.schema == DRAFT_SCHEMA
     assert attachment.metadata["boundary"] == str(len(checkpoint.token_ids))
@@ -178,9 +183,18 @@ def test_speculative_generation_resumes_after_sigkill_with_its_draft_cache(
         resumed = engine.generate(PROMPT, resume=True, tokens_held=len(received), **request)
         assert resumed.usage is not None
         assert resumed.usage.cached_prompt_tokens == len(PROMPT)
+        # Holding 5: the tokens past them come with the values first sent (a whole snapshot's
+        # pages, each written before its snapshot).
+        again = engine.generate(PROMPT, resume=True, tokens_held=5, **request)
         plain = engine.generate(PROMPT, **{**request, "request_id": "plain", "num_draft_tokens": 0})
     assert len(plain.token_ids) == 64
     assert received + resumed.token_ids == plain.token_ids
+    sent = [(lp.token_id, lp.logprob) for c in chunks for lp in c.logprobs]
+    replayed = [(lp.token_id, lp.logprob) for c in again.chunks for lp in c.logprobs]
+    assert len(sent) == len(received) and len(replayed) == len(again.token_ids) == 64 - 5
+    checkpointed = len(checkpoint.token_ids) - len(PROMPT) + 1  # its replay, the pending too
+    both = min(checkpointed, len(received))
+    assert replayed[: both - 5] == sent[5:both]
 
 
 def test_attachments_are_refused_off_their_boundary_codec_or_model(
