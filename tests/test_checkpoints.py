@@ -133,6 +133,18 @@ def test_a_flush_after_the_first_token_covers_the_prompts_prefix(shared: Stack) 
 LONG_RUN = 400
 
 
+def _long_run(request_id: str, namespace: str, **options: Any) -> dict[str, Any]:
+    """A request of LONG_RUN tokens checkpointed every 8."""
+    return dict(
+        max_tokens=LONG_RUN,
+        ignore_eos=True,
+        checkpoint_interval=8,
+        request_id=request_id,
+        namespace=namespace,
+        **options,
+    )
+
+
 def _interrupted_then_resumed(
     stack: Stack, options: dict[str, Any], kill_at: int, namespace: str
 ) -> tuple[list[int], list[int]]:
@@ -141,14 +153,7 @@ def _interrupted_then_resumed(
     # Long enough that the engine, which goes on generating while the unread tokens fill the
     # client's flow-control window, is killed before it finishes (a finished generation has
     # nothing to resume: this raced at 64 tokens on a loaded machine).
-    request = dict(
-        max_tokens=LONG_RUN,
-        ignore_eos=True,
-        checkpoint_interval=8,
-        request_id="job-1",
-        namespace=namespace,
-        **options,
-    )
+    request = _long_run("job-1", namespace, **options)
     received: list[int] = []
     store = StoreClient(f"127.0.0.1:{stack.port}")
     engine = EngineClient(stack.engine.address)
@@ -223,16 +228,7 @@ def test_a_resume_sends_the_logprobs_of_the_tokens_its_client_lost(shared: Stack
     checkpoint: checkpoints/logprob_pages.py). The resumed run writes its own in the same
     pages: a resume of the finished generation holding nothing gets every token's."""
     namespace = "logprob-pages"
-    request = dict(
-        max_tokens=LONG_RUN,
-        ignore_eos=True,
-        checkpoint_interval=8,
-        request_id="lp",
-        namespace=namespace,
-        temperature=0.9,
-        seed=5,
-        logprobs=2,
-    )
+    request = _long_run("lp", namespace, temperature=0.9, seed=5, logprobs=2)
     store = StoreClient(f"127.0.0.1:{shared.port}")
     first: list[Any] = []
     with EngineClient(shared.engine.address) as engine:
