@@ -9,6 +9,7 @@ import pytest
 from engine_service.checkpoints.logprob_pages import (
     PAGE_TOKENS,
     LogprobLog,
+    PagesRead,
     TokenLogprobs,
     entries_of,
     page_key,
@@ -95,14 +96,53 @@ def test_a_resume_gets_the_entries_past_what_its_client_holds_or_a_refusal() -> 
 def test_a_resumed_log_goes_on_from_its_last_page_read_back() -> None:
     replayed = PAGE_TOKENS + 10
     found = {i: entry(i) for i in range(PAGE_TOKENS, replayed)}
-    log = LogprobLog.resumed(found, replayed)
+    log = LogprobLog.resumed(PagesRead(found), replayed)
     log.note(replayed, entry(replayed))
     assert log.pages_due() == [(PAGE_TOKENS, [entry(i) for i in range(PAGE_TOKENS, replayed + 1)])]
     # Its last page not in the store: the log begins at the next page.
-    lost = LogprobLog.resumed({}, replayed)
+    lost = LogprobLog.resumed(PagesRead(), replayed)
     for i in range(replayed, 2 * PAGE_TOKENS + 1):
         lost.note(i, entry(i))
     assert lost.pages_due() == [(2 * PAGE_TOKENS, [entry(2 * PAGE_TOKENS)])]
+
+
+class RecordingSpill:
+    """What a log queues (the spill queue's put and lease)."""
+
+    lease_s = 600
+
+    def __init__(self) -> None:
+        self.puts: list[Put] = []
+
+    def put(self, item: Put) -> bool:
+        self.puts.append(item)
+        return True
+
+    def keys(self) -> list[bytes]:
+        keys, self.puts = [p.record.key for p in self.puts], []
+        return keys
+
+
+def test_filled_pages_are_put_again_before_their_lease_lapses() -> None:
+    """Pages are leased like a generation's records; a filled page is never written again
+    by its snapshots, so it is put again once half its lease is gone (a resumed run's, read
+    back, at its first snapshot)."""
+    spill, log = RecordingSpill(), LogprobLog()
+    for i in range(PAGE_TOKENS + 3):
+        log.note(i, entry(i))
+    log.queue_pages(spill, KEY, "", "m", [], now=1000.0)  # type: ignore[arg-type]
+    assert spill.keys() == [page_key(KEY, 0), page_key(KEY, 1)]
+    for i in range(PAGE_TOKENS + 3, PAGE_TOKENS + 5):
+        log.note(i, entry(i))
+    log.queue_pages(spill, KEY, "", "m", [], now=1299.0)  # type: ignore[arg-type]
+    assert spill.keys() == [page_key(KEY, 1)]  # the page being filled only
+    log.queue_pages(spill, KEY, "", "m", [], now=1301.0)  # type: ignore[arg-type]
+    assert spill.keys() == [page_key(KEY, 0)]
+    whole = page_record(KEY, 0, [entry(i) for i in range(PAGE_TOKENS)], "", "m", [])
+    read = PagesRead({i: entry(i) for i in range(PAGE_TOKENS + 2)}, {0: whole})
+    resumed = LogprobLog.resumed(read, PAGE_TOKENS + 2)
+    resumed.queue_pages(spill, KEY, "", "m", [], now=5.0)  # type: ignore[arg-type]
+    assert spill.keys() == [page_key(KEY, 0)]
 
 
 class PagesRefused(FakeSink):

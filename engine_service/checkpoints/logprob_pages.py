@@ -18,7 +18,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -64,6 +66,10 @@ class LogprobLog:
     start: int = 0
     entries: list[TokenLogprobs] = field(default_factory=list)
     written: int = 0  # entries before this index are in pages already queued
+    # The pages it filled, as sent, and when (time.monotonic()): put again before their
+    # lease lapses while the generation runs (queue_pages), as a chain starts over before
+    # its whole snapshot's does (checkpoints/chain_policy.py).
+    filled: dict[int, tuple[Checkpoint, float]] = field(default_factory=dict)
 
     @property
     def end(self) -> int:
@@ -83,14 +89,17 @@ class LogprobLog:
         self.entries.append(entry)
 
     @classmethod
-    def resumed(cls, found: dict[int, TokenLogprobs], replayed: int) -> LogprobLog:
-        """The log of a generation resumed after `replayed` tokens, from the entries of its
-        last page read back (`found`); without them, from the next page on."""
-        first = page_of(replayed) * PAGE_TOKENS
+    def resumed(cls, read: PagesRead, replayed: int) -> LogprobLog:
+        """The log of a generation resumed after `replayed` tokens, from its pages read back:
+        the last page's entries (without them, it starts at the next page), and the whole
+        pages before it, put again at its first snapshot (a lease of this engine's)."""
+        found, first = read.entries, page_of(replayed) * PAGE_TOKENS
+        filled = {page: (record, -math.inf) for page, record in read.whole.items()}
         if all(i in found for i in range(first, replayed)):
-            return cls(first, [found[i] for i in range(first, replayed)], replayed)
+            entries = [found[i] for i in range(first, replayed)]
+            return cls(first, entries, replayed, filled)
         after = (page_of(replayed) + 1) * PAGE_TOKENS
-        return cls(after, [], after)
+        return cls(after, [], after, filled)
 
     def pages_due(self) -> list[tuple[int, list[TokenLogprobs]]]:
         """The pages holding entries not written yet: (first index, entries), each from its
@@ -117,9 +126,11 @@ class LogprobLog:
         layout: list[str],
         pinned: bool = True,
         on_failed: Callable[[], None] | None = None,
+        now: float | None = None,
     ) -> Callable[[], bool]:
         """Queues the pages due (pages_due) ahead of a snapshot: leased like its records
-        while the generation runs, unpinned beside its tombstone. Returns whether all of them
+        while the generation runs (the filled ones put again once half their lease is gone),
+        unpinned beside its tombstone. Returns whether all of them
         landed, so far (asked on the spill thread, before the snapshot is sent: a snapshot
         whose pages did not land would be resumed with an older run's entries there)."""
         lost = threading.Event()
@@ -129,9 +140,16 @@ class LogprobLog:
             if on_failed is not None:
                 on_failed()
 
+        now = time.monotonic() if now is None else now
         for first, entries in self.pages_due():
             page = page_record(generation_key, first, entries, namespace, model_id, layout)
             spill.put(Put(page, 0, pinned=pinned, on_failed=failed))
+            if page_of(first) < page_of(self.end):  # never written again
+                self.filled[page_of(first)] = (page, now)
+        for index, (page, at) in list(self.filled.items()) if pinned else []:
+            if now - at > spill.lease_s / 2:
+                spill.put(Put(page, 0, on_failed=failed))
+                self.filled[index] = (page, now)
         return lambda: not lost.is_set()
 
 
@@ -183,38 +201,52 @@ def entries_of(record: Checkpoint, generation_key: bytes) -> dict[int, TokenLogp
     return out
 
 
-def read_entries(
+@dataclass
+class PagesRead:
+    """What a resume read of a generation's pages: the entries of its tokens, by index, and
+    the whole pages before its last one, as stored (its log puts them again: their lease)."""
+
+    entries: dict[int, TokenLogprobs] = field(default_factory=dict)
+    whole: dict[int, Checkpoint] = field(default_factory=dict)
+
+
+def read_pages(
     store: StoreClient,
     generation_key: bytes,
     namespace: str,
     tokens: Sequence[int],
     first: int,
-) -> dict[int, TokenLogprobs]:
+) -> PagesRead:
     """The entries the store holds of tokens[first:] (indices into the generation), each for
     the token there; a page missing, damaged or another run's leaves its indices out."""
-    found: dict[int, TokenLogprobs] = {}
+    read = PagesRead()
     if first >= len(tokens):
-        return found
+        return read
     pages = list(range(page_of(first), page_of(len(tokens) - 1) + 1))
     for at in range(0, len(pages), _HEADERS_A_CALL):
         batch = pages[at : at + _HEADERS_A_CALL]
         try:
-            reads = store.get_headers([page_key(generation_key, p) for p in batch], namespace)
+            headers = store.get_headers([page_key(generation_key, p) for p in batch], namespace)
         except TandemError as exc:
             log.warning("logprob pages could not be read (%s)", exc)
-            return found
-        for page, read in zip(batch, reads, strict=True):
-            if read.checkpoint is None:
+            return read
+        for page, header in zip(batch, headers, strict=True):
+            if header.checkpoint is None:
                 continue
             try:
-                entries = entries_of(read.checkpoint, generation_key)
+                entries = entries_of(header.checkpoint, generation_key)
             except (KeyError, ValueError) as exc:
                 log.warning("logprob page %d is malformed (%r); left out", page, exc)
                 continue
-            for index, entry in entries.items():
-                if first <= index < len(tokens) and entry.token == tokens[index]:
-                    found[index] = entry
-    return found
+            ours = {
+                i: e
+                for i, e in entries.items()
+                if first <= i < len(tokens) and e.token == tokens[i]
+            }
+            read.entries.update(ours)
+            if len(ours) == PAGE_TOKENS and page < page_of(len(tokens)):
+                read.whole[page] = header.checkpoint
+    return read
 
 
 def replay_entries(

@@ -10,13 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine_service.checkpoints.attachments import DRAFT_SCHEMA
-from engine_service.checkpoints.logprob_pages import (
-    PAGE_TOKENS,
-    LogprobLog,
-    page_of,
-    read_entries,
-    replay_entries,
-)
+from engine_service.checkpoints.logprob_pages import LogprobLog, read_pages, replay_entries
 from engine_service.checkpoints.manager import CheckpointManager
 from engine_service.checkpoints.prefix_cache import BLOCK_SIZE
 from engine_service.core.plans import Plan, ResumePlan
@@ -89,24 +83,23 @@ class Planner:
 
     def _with_logprobs(self, req: GenerationRequest, plan: ResumePlan) -> ResumePlan:
         """A resume that asked for logprobs: those of the replayed tokens its client does not
-        hold, and the last page's (its checkpoints go on writing it), read from the pages
-        beside the checkpoint (checkpoints/logprob_pages.py). Precondition, the plan
-        released, when the store does not hold the ones to send."""
+        hold, and (when it goes on checkpointing) its log of pages to go on writing and
+        leasing, read from the pages beside the checkpoint (checkpoints/logprob_pages.py).
+        Precondition, the plan released, when the store does not hold the ones to send."""
         assert self.checkpoints is not None
         store = self.checkpoints.generations.store
         if req.sampling.logprobs < 0 or store is None:
             return plan
         replay = plan.replay
         held = min(req.tokens_held, len(replay))
-        first = held
-        if req.checkpoint_interval:
-            first = min(held, page_of(len(replay)) * PAGE_TOKENS)
+        # A run that goes on checkpointing reads every page: it leases them again.
+        first = 0 if req.checkpoint_interval else held
         try:
-            found = read_entries(store, plan.key, req.namespace, replay, first)
-            plan.replay_logprobs = replay_entries(found, replay, held, req.sampling.logprobs)
+            read = read_pages(store, plan.key, req.namespace, replay, first)
+            plan.replay_logprobs = replay_entries(read.entries, replay, held, req.sampling.logprobs)
         except BaseException:
             plan.release()
             raise
         if req.checkpoint_interval:
-            plan.logprob_log = LogprobLog.resumed(found, len(replay))
+            plan.logprob_log = LogprobLog.resumed(read, len(replay))
         return plan
