@@ -184,7 +184,8 @@ def test_speculative_generation_resumes_after_sigkill_with_its_draft_cache(
         assert resumed.usage is not None
         assert resumed.usage.cached_prompt_tokens == len(PROMPT)
         # Holding 5: the tokens past them come with the values first sent (a whole snapshot's
-        # pages, each written before its snapshot).
+        # pages, each written before its snapshot), replayed from the finished generation.
+        engine.flush()  # its tombstone and last page are queued like any checkpoint
         again = engine.generate(PROMPT, resume=True, tokens_held=5, **request)
         plain = engine.generate(PROMPT, **{**request, "request_id": "plain", "num_draft_tokens": 0})
     assert len(plain.token_ids) == 64
