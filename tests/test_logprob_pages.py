@@ -10,7 +10,6 @@ from engine_service.checkpoints.logprob_pages import (
     PAGE_TOKENS,
     LogprobLog,
     PagesRead,
-    TokenLogprobs,
     entries_of,
     page_key,
     page_record,
@@ -20,6 +19,7 @@ from engine_service.checkpoints.spill import SpillQueue
 from engine_service.checkpoints.spill_items import Put
 from engine_service.errors import Precondition
 from engine_service.protocol.checkpoint_stats import CheckpointCounters
+from engine_service.protocol.events import Token
 from tandem_client import Checkpoint
 from tandem_client.errors import Unavailable
 from tests.generation_rows import wait_for
@@ -28,11 +28,9 @@ from tests.test_engine_domain import FakeSink
 KEY = bytes(range(32))
 
 
-def entry(i: int, top: int = 2) -> TokenLogprobs:
+def entry(i: int, top: int = 2) -> Token:
     # float32 values, as the engine computes them: a page stores them as they are
-    return TokenLogprobs(
-        1000 + i, -0.25 * (i % 7) - 0.125, tuple((i + j, -float(j)) for j in range(top))
-    )
+    return Token(1000 + i, -0.25 * (i % 7) - 0.125, [(i + j, -float(j)) for j in range(top)])
 
 
 def test_a_log_writes_each_page_as_it_fills_and_keeps_only_the_page_being_filled() -> None:
@@ -64,7 +62,7 @@ def test_a_gap_in_the_log_starts_it_again_at_the_next_page() -> None:
 def test_a_page_reads_back_bit_for_bit_and_only_for_its_generation() -> None:
     entries = [entry(i, top=3) for i in range(PAGE_TOKENS, PAGE_TOKENS + 40)]
     record = page_record(KEY, PAGE_TOKENS, entries, "ns", "model", ["kv:plain"])
-    assert record.key == page_key(KEY, 1) and record.token_ids == [e.token for e in entries]
+    assert record.key == page_key(KEY, 1) and record.token_ids == [e.token_id for e in entries]
     assert entries_of(record, KEY) == {PAGE_TOKENS + i: e for i, e in enumerate(entries)}
     with pytest.raises(ValueError):
         entries_of(record, bytes(32))
@@ -76,14 +74,16 @@ def test_a_page_reads_back_bit_for_bit_and_only_for_its_generation() -> None:
 def test_a_page_of_mixed_alternatives_keeps_the_fewest() -> None:
     """A generation resumed asking fewer alternatives writes its page with those."""
     record = page_record(KEY, 0, [entry(0, top=5), entry(1, top=1)], "", "m", [])
-    assert [len(e.top) for e in entries_of(record, KEY).values()] == [1, 1]
+    assert [len(e.top or ()) for e in entries_of(record, KEY).values()] == [1, 1]
 
 
 def test_a_resume_gets_the_entries_past_what_its_client_holds_or_a_refusal() -> None:
-    tokens = [entry(i).token for i in range(10)]
+    tokens = [entry(i).token_id for i in range(10)]
     found = {i: entry(i, top=3) for i in range(10)}
     sent = replay_entries(found, tokens, 6, 2)
-    assert sent == [TokenLogprobs(e.token, e.logprob, e.top[:2]) for e in map(entry, range(6, 10))]
+    assert sent == [
+        Token(e.token_id, e.logprob, (e.top or [])[:2]) for e in map(entry, range(6, 10))
+    ]
     assert replay_entries(found, tokens, 10, 2) == []
     del found[7]
     with pytest.raises(Precondition, match="no log-probabilities for tokens 7 to 9"):

@@ -29,6 +29,7 @@ import numpy as np
 from engine_service.checkpoints.spill import SpillQueue
 from engine_service.checkpoints.spill_items import Put
 from engine_service.errors import Precondition
+from engine_service.protocol.events import Token
 from tandem_client.errors import TandemError
 from tandem_client.records import Checkpoint
 from tandem_client.store_client import StoreClient
@@ -37,15 +38,6 @@ log = logging.getLogger(__name__)
 
 PAGE_TOKENS = 32  # a snapshot writes its page again: about 16-32 entries a row a round
 _HEADERS_A_CALL = 64  # GetHeaders' most keys a call
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """One emitted token's log-probability and its request's top alternatives (best first)."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def page_of(index: int) -> int:
@@ -59,12 +51,22 @@ def page_key(generation_key: bytes, page: int) -> bytes:
 
 
 @dataclass
+class PagesRead:
+    """What a resume read of a generation's pages: the entries of its tokens, by index, and
+    the whole pages before its last one, as stored (its log puts them again: their lease)."""
+
+    entries: dict[int, Token] = field(default_factory=dict)
+    whole: dict[int, Checkpoint] = field(default_factory=dict)
+
+
+@dataclass
 class LogprobLog:
     """A checkpointed generation's entries from `start` on (the first of the page its
-    snapshots write next; those before are in the store), by token index (MLX thread)."""
+    snapshots write next; those before are in the store), by token index (MLX thread): the
+    Token events it sent, with their log-probabilities."""
 
     start: int = 0
-    entries: list[TokenLogprobs] = field(default_factory=list)
+    entries: list[Token] = field(default_factory=list)
     written: int = 0  # entries before this index are in pages already queued
     # The pages it filled, as sent, and when (time.monotonic()): put again before their
     # lease lapses while the generation runs (queue_pages), as a chain starts over before
@@ -75,7 +77,7 @@ class LogprobLog:
     def end(self) -> int:
         return self.start + len(self.entries)
 
-    def note(self, index: int, entry: TokenLogprobs) -> None:
+    def note(self, index: int, entry: Token) -> None:
         """Token `index`'s entry; one noted already (a pending token's, then its emission)
         is kept as it is. After a gap (never: every token is noted in order) the log starts
         again at the next page, whose entries it can still write whole."""
@@ -101,7 +103,7 @@ class LogprobLog:
         after = (page_of(replayed) + 1) * PAGE_TOKENS
         return cls(after, [], after, filled)
 
-    def pages_due(self) -> list[tuple[int, list[TokenLogprobs]]]:
+    def pages_due(self) -> list[tuple[int, list[Token]]]:
         """The pages holding entries not written yet: (first index, entries), each from its
         page's first entry the log holds. The log then keeps only the last page's."""
         if self.written >= self.end:
@@ -130,9 +132,9 @@ class LogprobLog:
     ) -> Callable[[], bool]:
         """Queues the pages due (pages_due) ahead of a snapshot: leased like its records
         while the generation runs (the filled ones put again once half their lease is gone),
-        unpinned beside its tombstone. Returns whether all of them
-        landed, so far (asked on the spill thread, before the snapshot is sent: a snapshot
-        whose pages did not land would be resumed with an older run's entries there)."""
+        unpinned beside its tombstone. Returns whether all of them landed, so far (asked on
+        the spill thread, before the snapshot is sent: a snapshot whose pages did not land
+        would be resumed with an older run's entries there)."""
         lost = threading.Event()
 
         def failed() -> None:
@@ -156,22 +158,22 @@ class LogprobLog:
 def page_record(
     generation_key: bytes,
     first: int,
-    entries: Sequence[TokenLogprobs],
+    entries: Sequence[Token],
     namespace: str,
     model_id: str,
     layout: list[str],
 ) -> Checkpoint:
     """A page as a metadata-only store record (entries from token index `first` on)."""
-    top_n = min((len(e.top) for e in entries), default=0)
-    ids = [[t for t, _ in e.top[:top_n]] for e in entries]
-    values = [[v for _, v in e.top[:top_n]] for e in entries]
+    top_n = min((len(e.top or ()) for e in entries), default=0)
+    ids = [[t for t, _ in (e.top or [])[:top_n]] for e in entries]
+    values = [[v for _, v in (e.top or [])[:top_n]] for e in entries]
     return Checkpoint(
         key=page_key(generation_key, page_of(first)),
         kind="object",
         namespace=namespace,
         model_id=model_id,
         layout=layout,
-        token_ids=[e.token for e in entries],
+        token_ids=[e.token_id for e in entries],
         trimmable=False,
         metadata={
             "logprobs_of": generation_key.hex(),
@@ -184,7 +186,7 @@ def page_record(
     )
 
 
-def entries_of(record: Checkpoint, generation_key: bytes) -> dict[int, TokenLogprobs]:
+def entries_of(record: Checkpoint, generation_key: bytes) -> dict[int, Token]:
     """A page record's entries by token index (ValueError: not a page of this generation, or
     malformed)."""
     meta = record.metadata
@@ -196,18 +198,9 @@ def entries_of(record: Checkpoint, generation_key: bytes) -> dict[int, TokenLogp
     values = _array(meta["top_values"], "<f4", (count, top_n))
     out = {}
     for i, token in enumerate(record.token_ids):
-        top = tuple((int(t), float(v)) for t, v in zip(ids[i], values[i], strict=True))
-        out[first + i] = TokenLogprobs(int(token), float(logprobs[i]), top)
+        top = [(int(t), float(v)) for t, v in zip(ids[i], values[i], strict=True)]
+        out[first + i] = Token(int(token), float(logprobs[i]), top)
     return out
-
-
-@dataclass
-class PagesRead:
-    """What a resume read of a generation's pages: the entries of its tokens, by index, and
-    the whole pages before its last one, as stored (its log puts them again: their lease)."""
-
-    entries: dict[int, TokenLogprobs] = field(default_factory=dict)
-    whole: dict[int, Checkpoint] = field(default_factory=dict)
 
 
 def read_pages(
@@ -241,7 +234,7 @@ def read_pages(
             ours = {
                 i: e
                 for i, e in entries.items()
-                if first <= i < len(tokens) and e.token == tokens[i]
+                if first <= i < len(tokens) and e.token_id == tokens[i]
             }
             read.entries.update(ours)
             if len(ours) == PAGE_TOKENS and page < page_of(len(tokens)):
@@ -250,13 +243,13 @@ def read_pages(
 
 
 def replay_entries(
-    found: dict[int, TokenLogprobs], tokens: Sequence[int], held: int, top_n: int
-) -> list[TokenLogprobs]:
+    found: dict[int, Token], tokens: Sequence[int], held: int, top_n: int
+) -> list[Token]:
     """The entries a resume sends with tokens[held:], each cut to the request's top_n;
     Precondition when the store does not hold one of them (the client then resumes holding
     them, or without logprobs)."""
     missing = [i for i in range(held, len(tokens)) if i not in found]
-    short = [i for i in range(held, len(tokens)) if i in found and len(found[i].top) < top_n]
+    short = [i for i in range(held, len(tokens)) if i in found and len(found[i].top or ()) < top_n]
     if missing or short:
         at = min(missing + short)
         raise Precondition(
@@ -266,7 +259,7 @@ def replay_entries(
             "or without logprobs"
         )
     return [
-        TokenLogprobs(e.token, e.logprob, e.top[:top_n])
+        Token(e.token_id, e.logprob, (e.top or [])[:top_n])
         for e in (found[i] for i in range(held, len(tokens)))
     ]
 

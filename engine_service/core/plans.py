@@ -13,8 +13,8 @@ from typing import Literal
 
 from engine_service.checkpoints.cache_records import CapturedCache
 from engine_service.checkpoints.generation_meta import ChainBase
-from engine_service.checkpoints.logprob_pages import LogprobLog, TokenLogprobs
-from engine_service.protocol.events import PrefixMissReason, PrefixSource
+from engine_service.checkpoints.logprob_pages import LogprobLog
+from engine_service.protocol.events import PrefixMissReason, PrefixSource, Token
 from tandem_client.direct import DirectHold
 from tandem_client.records import Attachment, Checkpoint
 from tandem_client.regions import RegionHold
@@ -103,7 +103,7 @@ class ResumePlan:
     holds: list[RegionHold] = field(default_factory=list)
     # A request that asked for logprobs (checkpoints/logprob_pages.py): those of the replayed
     # tokens its client does not hold, and the log its checkpoints' pages go on from.
-    replay_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    replay_logprobs: list[Token] = field(default_factory=list)
     logprob_log: LogprobLog | None = None
 
     def release(self) -> None:

@@ -65,7 +65,7 @@ from engine_service.protocol.channel import (
     Submit,
     Unpark,
 )
-from engine_service.protocol.events import Event, Finished, Sink, Token
+from engine_service.protocol.events import Event, Finished, Sink
 from engine_service.protocol.flush import FlushResult
 from engine_service.protocol.requests import DraftSupport
 from engine_service.sampling.constraint_compiler import CompileBudget
@@ -203,10 +203,7 @@ class CoreService:
     def _admit(self, command: Submit, plan: Plan, arrived: float) -> None:
         req = command.request
         replay = plan.replay if isinstance(plan, ResumePlan) else []
-        replay_tokens = [
-            Token(e.token, e.logprob, list(e.top))
-            for e in (plan.replay_logprobs if isinstance(plan, ResumePlan) else [])
-        ]
+        replay_tokens = plan.replay_logprobs if isinstance(plan, ResumePlan) else []
         with self._lock:
             self._planning.discard(command.stream)
             if command.stream in self._dropped:  # its handler went away while it was planned

@@ -10,7 +10,7 @@ from engine_service.checkpoints.attachments import CapturedAttachment
 from engine_service.checkpoints.cache_records import CapturedCache
 from engine_service.checkpoints.chain_tokens import TokenDigest
 from engine_service.checkpoints.generation_meta import BaseLease, ChainBase
-from engine_service.checkpoints.logprob_pages import LogprobLog, TokenLogprobs
+from engine_service.checkpoints.logprob_pages import LogprobLog
 from engine_service.checkpoints.prefix_reuse import UnconfirmedRead
 from engine_service.core.plans import Plan, PrefixPlan, ResumePlan
 from engine_service.protocol.events import Finished, PrefixMissReason, PrefixSource, Sink, Token
@@ -153,10 +153,10 @@ class Job:
     def token_event(self, index: int, token: int, logprobs: Any) -> Token:
         """The event of its token `index` (`logprobs`: that position's over the vocabulary),
         with the log-probabilities it asked for, noted for its checkpoints' pages."""
-        logprob, top = requested_logprobs(logprobs, token, self.request.sampling.logprobs)
-        if self.logprob_log is not None and logprob is not None:
-            self.logprob_log.note(index, TokenLogprobs(token, logprob, tuple(top or ())))
-        return Token(token, logprob, top)
+        event = Token(token, *requested_logprobs(logprobs, token, self.request.sampling.logprobs))
+        if self.logprob_log is not None and event.logprob is not None:
+            self.logprob_log.note(index, event)
+        return event
 
     def note_pending(self, token: int, logprobs: Any) -> None:
         """Notes the entry of its pending token (sampled, not sent yet) for a snapshot saved
